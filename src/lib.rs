@@ -1,0 +1,1 @@
+//! ratelimit-wasm: placeholder while the crate is being written.
