@@ -1,0 +1,265 @@
+//! The thin proxy-wasm layer: fetch the request, call [`decide`], carry out
+//! the verdict. Hostcalls go through `hostcalls` directly so that a host error
+//! becomes a handled `Err`, never the SDK traits' `unwrap`.
+
+use crate::config;
+use crate::decide::{decide, Verdict};
+use crate::metrics::Metric;
+use crate::plan::{Plan, KEY_PREFIX};
+use crate::request::RequestInfo;
+use crate::store::{SharedStore, StoreError, CREATE_ONLY};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType, Status};
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::UNIX_EPOCH;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    // Replaces the SDK's hook, whose own logging unwraps.
+    std::panic::set_hook(Box::new(|info| {
+        let _ = hostcalls::log(LogLevel::Critical, &format!("ratelimit-wasm: panic: {info}"));
+    }));
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// Shared-data key of the hash seed, shared by every worker of the proxy.
+const SEED_KEY: &str = "ratelimit-wasm/seed";
+/// Least time between two bad-input log lines of one worker.
+const BAD_INPUT_LOG_EVERY_NS: u64 = 10_000_000_000;
+
+/// Envoy's shared data.
+struct HostStore;
+
+impl SharedStore for HostStore {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(value), Some(cas))) => Ok(Some((value, cas))),
+            Ok((Some(value), None)) => Ok(Some((value, 0))),
+            Ok((None, _)) => Ok(None),
+            Err(status) => Err(StoreError(status as u32)),
+        }
+    }
+
+    fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
+        match hostcalls::set_shared_data(key, Some(value), Some(cas)) {
+            Ok(()) => Ok(true),
+            Err(Status::CasMismatch) => Ok(false),
+            Err(status) => Err(StoreError(status as u32)),
+        }
+    }
+}
+
+fn now_ns() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .and_then(|d| u64::try_from(d.as_nanos()).ok())
+        .unwrap_or(0)
+}
+
+/// Counter ids from `define_metric`, `None` where the host refused one.
+#[derive(Default)]
+struct Metrics([Option<u32>; Metric::ALL.len()]);
+
+impl Metrics {
+    fn define() -> Metrics {
+        let mut ids = [None; Metric::ALL.len()];
+        for (id, m) in ids.iter_mut().zip(Metric::ALL) {
+            *id = hostcalls::define_metric(MetricType::Counter, m.name()).ok();
+        }
+        Metrics(ids)
+    }
+
+    fn add_all(&self, counts: &[u64]) {
+        for (id, n) in self.0.iter().zip(counts) {
+            if let (Some(id), true) = (id, *n > 0) {
+                let _ = hostcalls::increment_metric(*id, i64::try_from(*n).unwrap_or(i64::MAX));
+            }
+        }
+    }
+}
+
+/// The seed every worker hashes keys with: created once per proxy, race-free
+/// (a creation never overwrites), then read back so all workers agree.
+fn shared_seed(store: &impl SharedStore) -> Result<[u8; 16], String> {
+    for _ in 0..4 {
+        match store.get(SEED_KEY).map_err(|e| e.to_string())? {
+            Some((bytes, cas)) => match <[u8; 16]>::try_from(bytes.as_slice()) {
+                Ok(seed) => return Ok(seed),
+                // Not ours or damaged: replace it, with CAS so all workers settle on one.
+                Err(_) => {
+                    store
+                        .compare_and_set(SEED_KEY, &random_seed()?, cas.max(1))
+                        .map_err(|e| e.to_string())?;
+                }
+            },
+            None => {
+                store
+                    .compare_and_set(SEED_KEY, &random_seed()?, CREATE_ONLY)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    Err(format!("could not settle the shared key {SEED_KEY}"))
+}
+
+fn random_seed() -> Result<[u8; 16], String> {
+    let mut seed = [0u8; 16];
+    getrandom::fill(&mut seed).map_err(|e| format!("no randomness for the hash seed: {e}"))?;
+    Ok(seed)
+}
+
+/// One per worker: holds the compiled configuration.
+#[derive(Default)]
+struct Root {
+    plan: Option<Rc<Plan>>,
+    metrics: Rc<Metrics>,
+    last_bad_input_log: Rc<Cell<u64>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::PluginConfiguration,
+            0,
+            usize::MAX,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        let config = match config::parse(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("ratelimit-wasm: invalid configuration: {e}");
+                return false;
+            }
+        };
+        let seed = match shared_seed(&HostStore) {
+            Ok(s) => s,
+            Err(e) => {
+                log::error!("ratelimit-wasm: {e}");
+                return false;
+            }
+        };
+        let plan = Plan::compile(&config, seed);
+        log::info!(
+            "ratelimit-wasm: configured domain {:?}: {} rules, {} bucket sets under {KEY_PREFIX}",
+            config.domain,
+            plan.rules.len(),
+            plan.sets
+        );
+        self.plan = Some(Rc::new(plan));
+        self.metrics = Rc::new(Metrics::define());
+        true
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Http {
+            plan: self.plan.clone(),
+            metrics: self.metrics.clone(),
+            last_bad_input_log: self.last_bad_input_log.clone(),
+            response_headers: Vec::new(),
+            answered: false,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One per request.
+struct Http {
+    plan: Option<Rc<Plan>>,
+    metrics: Rc<Metrics>,
+    last_bad_input_log: Rc<Cell<u64>>,
+    response_headers: Vec<(&'static str, String)>,
+    /// The filter sent the response itself; it already carries the headers.
+    answered: bool,
+}
+
+impl Context for Http {}
+
+impl Http {
+    fn read_request(plan: &Plan) -> RequestInfo {
+        RequestInfo {
+            headers: plan
+                .header_names
+                .iter()
+                .map(|name| {
+                    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+                        .ok()
+                        .flatten()
+                })
+                .collect(),
+            source_address: if plan.needs_source_address {
+                hostcalls::get_property(vec!["source", "address"])
+                    .ok()
+                    .flatten()
+            } else {
+                None
+            },
+        }
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        let req = Self::read_request(&plan);
+        let now = now_ns();
+        let outcome = decide(&plan, &req, &HostStore, now);
+        self.metrics.add_all(&outcome.counts);
+        if let Some(e) = outcome.error {
+            log::warn!(
+                "ratelimit-wasm: shared state failed, on_error={:?}: {e}",
+                plan.on_error
+            );
+        }
+        if !outcome.bad_input.is_empty()
+            && now.saturating_sub(self.last_bad_input_log.get()) >= BAD_INPUT_LOG_EVERY_NS
+        {
+            self.last_bad_input_log.set(now);
+            log::warn!(
+                "ratelimit-wasm: bad input in request identity: {:?}",
+                outcome.bad_input
+            );
+        }
+        match outcome.verdict {
+            Verdict::Pass(lines) => {
+                self.response_headers = lines;
+                Action::Continue
+            }
+            Verdict::Reject {
+                status,
+                headers,
+                body,
+            } => {
+                self.answered = true;
+                let lines: Vec<(&str, &str)> =
+                    headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+                if let Err(e) = hostcalls::send_http_response(status, lines, Some(body.as_bytes()))
+                {
+                    log::error!("ratelimit-wasm: could not send the {status} response: {e:?}");
+                    return Action::Continue;
+                }
+                Action::Pause
+            }
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if !self.answered {
+            for (name, value) in &self.response_headers {
+                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+            }
+        }
+        Action::Continue
+    }
+}

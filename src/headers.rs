@@ -1,0 +1,166 @@
+//! Rate-limit response headers: `X-RateLimit-*` and the IETF
+//! draft-ietf-httpapi-ratelimit-headers-11 `RateLimit` / `RateLimit-Policy`.
+
+use crate::config::HeaderStyle;
+use crate::limiter::Report;
+use crate::plan::Plan;
+use crate::token_bucket::ceil_secs;
+
+/// The one limit a response reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shown<'a> {
+    /// The rule's name, the policy name in the IETF fields.
+    pub policy: &'a str,
+    /// Bucket capacity.
+    pub quota: u64,
+    /// `per` in seconds.
+    pub window_secs: u64,
+    /// Tokens left.
+    pub remaining: u64,
+    /// Seconds until the bucket is full again.
+    pub reset_secs: u64,
+    /// Seconds until the request could pass, for denials (at least 1).
+    pub retry_after_secs: u64,
+}
+
+fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
+    let rule = plan.rules.get(r.rule)?;
+    let (limit, window_secs) = rule.limits.get(r.limit)?;
+    Some(Shown {
+        policy: &rule.name,
+        quota: limit.capacity,
+        window_secs: *window_secs,
+        remaining: r.check.remaining,
+        reset_secs: ceil_secs(r.check.reset_ns),
+        retry_after_secs: ceil_secs(r.check.retry_after_ns).max(1),
+    })
+}
+
+/// For an allowed request: the limit closest to exhaustion (fewest tokens
+/// left; on a tie, the one that takes longest to refill).
+pub fn closest<'a>(plan: &'a Plan, reports: &[Report]) -> Option<Shown<'a>> {
+    reports
+        .iter()
+        .min_by_key(|r| (r.check.remaining, std::cmp::Reverse(r.check.reset_ns)))
+        .and_then(|r| shown(plan, r))
+}
+
+/// For a denied request: the failing limit that takes longest to allow it,
+/// since every limit must pass; its wait is the `Retry-After`.
+pub fn binding<'a>(plan: &'a Plan, reports: &[Report]) -> Option<Shown<'a>> {
+    reports
+        .iter()
+        .filter(|r| !r.check.allowed)
+        .max_by_key(|r| r.check.retry_after_ns)
+        .and_then(|r| shown(plan, r))
+}
+
+/// Names of the rules with a failing limit, each once, in rule order.
+pub fn violated<'a>(plan: &'a Plan, reports: &[Report]) -> Vec<&'a str> {
+    let mut names: Vec<&str> = Vec::new();
+    for r in reports.iter().filter(|r| !r.check.allowed) {
+        if let Some(rule) = plan.rules.get(r.rule) {
+            if !names.contains(&rule.name.as_str()) {
+                names.push(&rule.name);
+            }
+        }
+    }
+    names
+}
+
+/// The header lines for `s` in the configured style.
+pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
+    let mut out = Vec::with_capacity(5);
+    if matches!(style, HeaderStyle::Both | HeaderStyle::Legacy) {
+        out.push(("x-ratelimit-limit", s.quota.to_string()));
+        out.push(("x-ratelimit-remaining", s.remaining.to_string()));
+        out.push(("x-ratelimit-reset", s.reset_secs.to_string()));
+    }
+    if matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
+        out.push((
+            "ratelimit-policy",
+            format!("\"{}\";q={};w={}", s.policy, s.quota, s.window_secs),
+        ));
+        out.push((
+            "ratelimit",
+            format!("\"{}\";r={};t={}", s.policy, s.remaining, s.reset_secs),
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config;
+    use crate::token_bucket::Check;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn plan() -> Plan {
+        let json = r#"{"domain":"d","rules":[
+            {"name":"per-client","limits":[{"requests":60,"per":"1m"},{"requests":10,"per":"1s"}]},
+            {"name":"uploads","limits":[{"requests":5,"per":"1m"}]}]}"#;
+        Plan::compile(&config::parse(json.as_bytes()).unwrap(), [0; 16])
+    }
+
+    fn report(
+        rule: usize,
+        limit: usize,
+        allowed: bool,
+        remaining: u64,
+        reset_s: u64,
+        retry_ns: u64,
+    ) -> Report {
+        Report {
+            rule,
+            limit,
+            check: Check {
+                allowed,
+                new_tat: 0,
+                remaining,
+                reset_ns: reset_s * SEC,
+                retry_after_ns: retry_ns,
+            },
+        }
+    }
+
+    #[test]
+    fn allowed_shows_the_limit_closest_to_exhaustion_in_both_styles() {
+        let p = plan();
+        let reports = [
+            report(0, 0, true, 48, 12, 0),
+            report(0, 1, true, 2, 1, 0),
+            report(1, 0, true, 4, 12, 0),
+        ];
+        let s = closest(&p, &reports).unwrap();
+        assert_eq!(
+            render(HeaderStyle::Both, &s),
+            [
+                ("x-ratelimit-limit", "10".to_string()),
+                ("x-ratelimit-remaining", "2".into()),
+                ("x-ratelimit-reset", "1".into()),
+                ("ratelimit-policy", "\"per-client\";q=10;w=1".into()),
+                ("ratelimit", "\"per-client\";r=2;t=1".into()),
+            ]
+        );
+        assert_eq!(render(HeaderStyle::Legacy, &s).len(), 3);
+        assert_eq!(render(HeaderStyle::Ietf, &s)[0].0, "ratelimit-policy");
+        assert!(render(HeaderStyle::None, &s).is_empty());
+    }
+
+    #[test]
+    fn denial_reports_the_longest_wait_rounded_up_and_each_violated_rule_once() {
+        let p = plan();
+        let reports = [
+            report(0, 0, false, 0, 60, 1_500_000_000),
+            report(0, 1, false, 0, 1, 100),
+            report(1, 0, false, 0, 60, 12 * SEC),
+        ];
+        let s = binding(&p, &reports).unwrap();
+        assert_eq!((s.policy, s.retry_after_secs, s.quota), ("uploads", 12, 5));
+        assert_eq!(violated(&p, &reports), ["per-client", "uploads"]);
+        let tiny = [report(0, 1, false, 0, 1, 1)];
+        assert_eq!(binding(&p, &tiny).unwrap().retry_after_secs, 1);
+    }
+}

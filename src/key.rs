@@ -1,0 +1,253 @@
+//! Bucket keys: the client's identity and the parts a rule keys on.
+
+use crate::request::{HeaderId, RequestInfo};
+use std::net::IpAddr;
+
+/// Longest key-part value before it is counted as bad input. It is still used
+/// whole (hashed), so distinct long values never share a bucket.
+pub const MAX_KEY_PART_BYTES: usize = 1024;
+
+/// One part of a rule's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPart {
+    /// The authenticated client id, or the client IP when there is none.
+    Client,
+    /// The client IP (see [`IpSource`]).
+    Ip,
+    /// The request method.
+    Method,
+    /// The path without query.
+    Path,
+    /// A request header; a request without it is not limited by the rule.
+    Header(HeaderId),
+}
+
+/// Where the client IP comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpSource {
+    /// `X-Forwarded-For`, read when `hops > 0`.
+    pub xff: HeaderId,
+    /// How many trusted proxies append to `X-Forwarded-For`.
+    pub hops: u32,
+}
+
+/// Why a request's identity was not what the configuration expects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadInput {
+    /// A key part longer than [`MAX_KEY_PART_BYTES`].
+    Oversized,
+    /// The trusted `X-Forwarded-For` entry is not an IP address.
+    BadForwardedFor,
+    /// Envoy gave no usable peer address.
+    NoPeerAddress,
+}
+
+/// Parses Envoy's `source.address` (`1.2.3.4:5678`, `[::1]:80`, or a bare IP).
+pub fn peer_ip(address: &[u8]) -> Option<IpAddr> {
+    let s = std::str::from_utf8(address).ok()?.trim();
+    if let Ok(ip) = s.parse() {
+        return Some(ip);
+    }
+    if let Some(rest) = s.strip_prefix('[') {
+        return rest.split_once(']')?.0.parse().ok();
+    }
+    s.rsplit_once(':')?.0.parse().ok()
+}
+
+/// The client IP: the `hops`-th `X-Forwarded-For` entry from the right when
+/// proxies are trusted, else the peer. A client can prepend entries but never
+/// choose the ones trusted proxies append, so a short or forged chain falls back
+/// to the peer rather than to anything the client wrote.
+pub fn client_ip(req: &RequestInfo, src: IpSource, bad: &mut Vec<BadInput>) -> Option<IpAddr> {
+    if src.hops > 0 {
+        if let Some(xff) = req.header(src.xff) {
+            let hops = src.hops as usize;
+            let entry = xff.rsplit(|&b| b == b',').nth(hops - 1);
+            if let Some(entry) = entry {
+                match std::str::from_utf8(entry)
+                    .ok()
+                    .and_then(|e| e.trim().parse().ok())
+                {
+                    Some(ip) => return Some(ip),
+                    None => bad.push(BadInput::BadForwardedFor),
+                }
+            }
+        }
+    }
+    let ip = req.source_address.as_deref().and_then(peer_ip);
+    if ip.is_none() {
+        bad.push(BadInput::NoPeerAddress);
+    }
+    ip
+}
+
+/// Feeds one rule's key for `req` into `sink`, part by part, length-prefixed so
+/// that no two different keys produce the same byte stream. Returns false when
+/// a `header:` part is absent: like Envoy's `request_headers` descriptor, the
+/// rule then does not apply.
+pub fn write_key(
+    parts: &[KeyPart],
+    req: &RequestInfo,
+    client_header: HeaderId,
+    ip_src: IpSource,
+    bad: &mut Vec<BadInput>,
+    sink: &mut impl FnMut(&[u8]),
+) -> bool {
+    let mut ip_cache: Option<Option<IpAddr>> = None;
+    let mut ip_text = |bad: &mut Vec<BadInput>| -> Vec<u8> {
+        let ip = *ip_cache.get_or_insert_with(|| client_ip(req, ip_src, bad));
+        ip.map(|ip| ip.to_string().into_bytes()).unwrap_or_default()
+    };
+    for part in parts {
+        let (tag, value): (u8, std::borrow::Cow<[u8]>) = match part {
+            KeyPart::Client => match req.header(client_header).filter(|v| !v.is_empty()) {
+                Some(id) => (b'c', id.into()),
+                None => (b'i', ip_text(bad).into()),
+            },
+            KeyPart::Ip => (b'i', ip_text(bad).into()),
+            KeyPart::Method => (b'm', req.method().into()),
+            KeyPart::Path => (b'p', req.path().into()),
+            KeyPart::Header(id) => match req.header(*id) {
+                Some(v) => (b'h', v.into()),
+                None => return false,
+            },
+        };
+        if value.len() > MAX_KEY_PART_BYTES {
+            bad.push(BadInput::Oversized);
+        }
+        sink(&[tag]);
+        sink(&(value.len() as u64).to_le_bytes());
+        sink(&value);
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLIENT: HeaderId = 2;
+    const XFF: HeaderId = 3;
+    const TENANT: HeaderId = 4;
+
+    fn req(client: Option<&[u8]>, xff: Option<&str>, peer: &str) -> RequestInfo {
+        RequestInfo {
+            headers: vec![
+                Some(b"GET".to_vec()),
+                Some(b"/p?q".to_vec()),
+                client.map(<[u8]>::to_vec),
+                xff.map(|x| x.as_bytes().to_vec()),
+                None,
+            ],
+            source_address: Some(peer.as_bytes().to_vec()),
+        }
+    }
+
+    fn key(parts: &[KeyPart], r: &RequestInfo, hops: u32) -> (Option<Vec<u8>>, Vec<BadInput>) {
+        let mut out = Vec::new();
+        let mut bad = Vec::new();
+        let src = IpSource { xff: XFF, hops };
+        let ok = write_key(parts, r, CLIENT, src, &mut bad, &mut |b| {
+            out.extend_from_slice(b)
+        });
+        (ok.then_some(out), bad)
+    }
+
+    #[test]
+    fn peer_addresses_parse() {
+        assert_eq!(peer_ip(b"10.0.0.1:443"), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(peer_ip(b"[::1]:80"), Some("::1".parse().unwrap()));
+        assert_eq!(peer_ip(b"::1"), Some("::1".parse().unwrap()));
+        assert_eq!(peer_ip(b"nonsense"), None);
+        assert_eq!(peer_ip(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn client_falls_back_to_ip_and_empty_counts_as_absent() {
+        let with_id = key(
+            &[KeyPart::Client],
+            &req(Some(b"alice"), None, "1.1.1.1:5"),
+            0,
+        )
+        .0;
+        let no_id = key(&[KeyPart::Client], &req(None, None, "1.1.1.1:5"), 0).0;
+        let empty_id = key(&[KeyPart::Client], &req(Some(b""), None, "1.1.1.1:5"), 0).0;
+        let ip = key(&[KeyPart::Ip], &req(Some(b"alice"), None, "1.1.1.1:9"), 0).0;
+        assert_ne!(with_id, no_id);
+        assert_eq!(no_id, empty_id);
+        assert_eq!(no_id, ip);
+    }
+
+    #[test]
+    fn trusted_hops_pick_from_the_right_and_ignore_forged_prefixes() {
+        let parts = [KeyPart::Ip];
+        let real = key(&parts, &req(None, Some("9.9.9.9"), "1.1.1.1:1"), 0).0;
+        let peer = key(&parts, &req(None, None, "1.1.1.1:1"), 0).0;
+        assert_eq!(real, peer, "hops 0 ignores XFF");
+        let one = key(&parts, &req(None, Some("6.6.6.6, 5.5.5.5"), "1.1.1.1:1"), 1).0;
+        let forged = key(
+            &parts,
+            &req(None, Some("7.7.7.7, 6.6.6.6,5.5.5.5"), "1.1.1.1:1"),
+            1,
+        )
+        .0;
+        let want = key(&parts, &req(None, None, "5.5.5.5:1"), 0).0;
+        assert_eq!(one, want);
+        assert_eq!(forged, want);
+        let two = key(
+            &parts,
+            &req(None, Some("7.7.7.7, 6.6.6.6,5.5.5.5"), "1.1.1.1:1"),
+            2,
+        )
+        .0;
+        assert_eq!(two, key(&parts, &req(None, None, "6.6.6.6:1"), 0).0);
+        // A chain shorter than the trusted hops falls back to the peer.
+        let short = key(&parts, &req(None, Some("5.5.5.5"), "1.1.1.1:1"), 2).0;
+        assert_eq!(short, peer);
+    }
+
+    #[test]
+    fn garbage_in_the_trusted_position_is_counted_and_falls_back() {
+        let (k, bad) = key(
+            &[KeyPart::Ip],
+            &req(None, Some("1.2.3.4, not-an-ip"), "1.1.1.1:1"),
+            1,
+        );
+        assert_eq!(k, key(&[KeyPart::Ip], &req(None, None, "1.1.1.1:1"), 0).0);
+        assert_eq!(bad, vec![BadInput::BadForwardedFor]);
+    }
+
+    #[test]
+    fn absent_header_part_skips_the_rule() {
+        let (k, _) = key(&[KeyPart::Header(TENANT)], &req(None, None, "1.1.1.1:1"), 0);
+        assert_eq!(k, None);
+    }
+
+    #[test]
+    fn oversized_and_binary_values_are_used_whole_and_counted() {
+        let big = vec![0xffu8; 64 * 1024];
+        let mut big2 = big.clone();
+        big2[60_000] = 0;
+        let (a, bad) = key(&[KeyPart::Client], &req(Some(&big), None, "1.1.1.1:1"), 0);
+        let (b, _) = key(&[KeyPart::Client], &req(Some(&big2), None, "1.1.1.1:1"), 0);
+        assert_ne!(a, b);
+        assert_eq!(bad, vec![BadInput::Oversized]);
+    }
+
+    #[test]
+    fn parts_are_unambiguous() {
+        let a = key(
+            &[KeyPart::Method, KeyPart::Path],
+            &req(None, None, "1.1.1.1:1"),
+            0,
+        )
+        .0;
+        let b = key(
+            &[KeyPart::Path, KeyPart::Method],
+            &req(None, None, "1.1.1.1:1"),
+            0,
+        )
+        .0;
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,51 @@
+//! RFC 9457 problem details for the filter's own answers.
+
+use serde::Serialize;
+
+/// Media type of problem bodies.
+pub const CONTENT_TYPE: &str = "application/problem+json";
+
+#[derive(Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: String,
+    #[serde(rename = "violated-policies")]
+    violated_policies: &'a [&'a str],
+}
+
+/// The body of a 429.
+pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[&str]) -> String {
+    let p = Problem {
+        kind: problem_type,
+        title: "Too Many Requests",
+        status: 429,
+        detail: format!("Rate limit exceeded. Retry after {retry_after_secs} seconds."),
+        violated_policies: violated,
+    };
+    // Serialising plain strings and numbers cannot fail; keep a valid body regardless.
+    serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":429}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_every_field() {
+        let body = too_many_requests("https://example.com/p", 7, &["per-client", "uploads"]);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "type": "https://example.com/p",
+                "title": "Too Many Requests",
+                "status": 429,
+                "detail": "Rate limit exceeded. Retry after 7 seconds.",
+                "violated-policies": ["per-client", "uploads"]
+            })
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! Token-bucket arithmetic, stated as a GCRA (generic cell rate algorithm).
+//!
+//! A bucket is one number: its theoretical arrival time (TAT). Time is kept in
+//! *scaled* units of `1 / capacity` nanoseconds so that the emission interval
+//! `period / capacity` is an exact integer and no rounding can ever admit more
+//! than the limit.
+
+/// One limit: `capacity` requests per `period_ns`, refilled continuously.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Limit {
+    /// Bucket size: the most that can be spent at once.
+    pub capacity: u64,
+    /// Time to refill an empty bucket, in nanoseconds.
+    pub period_ns: u64,
+}
+
+/// What one check of one bucket found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Check {
+    /// Whether `cost` tokens were available.
+    pub allowed: bool,
+    /// The TAT to store if the request goes ahead (equal to the old one when denied).
+    pub new_tat: u128,
+    /// Whole tokens left after this request (before it, when denied).
+    pub remaining: u64,
+    /// Nanoseconds until the bucket is full again.
+    pub reset_ns: u64,
+    /// Nanoseconds until `cost` tokens are available; 0 when allowed.
+    pub retry_after_ns: u64,
+}
+
+impl Limit {
+    /// The current time in scaled units.
+    pub fn scaled(&self, now_ns: u64) -> u128 {
+        u128::from(now_ns) * u128::from(self.capacity)
+    }
+
+    /// Scaled time one token takes to refill.
+    fn interval(&self) -> u128 {
+        u128::from(self.period_ns)
+    }
+
+    /// Scaled length of a full bucket.
+    fn tolerance(&self) -> u128 {
+        u128::from(self.period_ns) * u128::from(self.capacity)
+    }
+
+    /// Scaled time that spending `cost` tokens adds to the TAT.
+    pub fn increment(&self, cost: u64) -> u128 {
+        self.interval() * u128::from(cost)
+    }
+
+    /// Checks whether `cost` tokens are available at `now_ns` in a bucket whose
+    /// TAT is `tat` (`None` for a bucket never used, which is full).
+    pub fn check(&self, tat: Option<u128>, now_ns: u64, cost: u64) -> Check {
+        let now = self.scaled(now_ns);
+        let tat = tat.map_or(now, |t| t.max(now));
+        let used = tat - now;
+        let need = used + self.increment(cost);
+        let tolerance = self.tolerance();
+        if need <= tolerance {
+            Check {
+                allowed: true,
+                new_tat: now + need,
+                remaining: self.tokens(tolerance - need),
+                reset_ns: self.unscale_ceil(need),
+                retry_after_ns: 0,
+            }
+        } else {
+            // A cost above the capacity can never pass; report a full period.
+            let retry = if cost > self.capacity {
+                u128::from(self.period_ns)
+            } else {
+                self.unscale_ceil_u128(need - tolerance)
+            };
+            Check {
+                allowed: false,
+                new_tat: tat,
+                remaining: self.tokens(tolerance.saturating_sub(used)),
+                reset_ns: self.unscale_ceil(used),
+                retry_after_ns: u64::try_from(retry).unwrap_or(u64::MAX),
+            }
+        }
+    }
+
+    /// Nanoseconds (rounded up) at which a bucket with this TAT is full again.
+    pub fn full_at_ns(&self, tat: u128) -> u64 {
+        self.unscale_ceil(tat)
+    }
+
+    fn tokens(&self, scaled_free: u128) -> u64 {
+        u64::try_from(scaled_free / self.interval().max(1)).unwrap_or(u64::MAX)
+    }
+
+    fn unscale_ceil_u128(&self, scaled: u128) -> u128 {
+        let c = u128::from(self.capacity.max(1));
+        scaled.div_ceil(c)
+    }
+
+    fn unscale_ceil(&self, scaled: u128) -> u64 {
+        u64::try_from(self.unscale_ceil_u128(scaled)).unwrap_or(u64::MAX)
+    }
+}
+
+/// Rounds nanoseconds up to whole seconds.
+pub fn ceil_secs(ns: u64) -> u64 {
+    ns.div_ceil(1_000_000_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn lim(capacity: u64, secs: u64) -> Limit {
+        Limit {
+            capacity,
+            period_ns: secs * SEC,
+        }
+    }
+
+    /// Runs a sequence, storing the TAT on admission, and returns the admitted cost.
+    fn run(limit: Limit, calls: &[(u64, u64)]) -> u64 {
+        let mut tat = None;
+        let mut admitted = 0;
+        for &(now, cost) in calls {
+            let c = limit.check(tat, now, cost);
+            if c.allowed {
+                tat = Some(c.new_tat);
+                admitted += cost;
+            }
+        }
+        admitted
+    }
+
+    #[test]
+    fn a_fresh_bucket_admits_exactly_its_capacity_at_once() {
+        let l = lim(3, 1);
+        let calls: Vec<_> = (0..10).map(|_| (100 * SEC, 1)).collect();
+        assert_eq!(run(l, &calls), 3);
+    }
+
+    #[test]
+    fn remaining_counts_down_and_reset_is_time_to_full() {
+        let l = lim(10, 60);
+        let now = 1_000 * SEC;
+        let mut tat = None;
+        for expected in (0..10).rev() {
+            let c = l.check(tat, now, 1);
+            assert!(c.allowed);
+            assert_eq!(c.remaining, expected);
+            tat = Some(c.new_tat);
+        }
+        let denied = l.check(tat, now, 1);
+        assert!(!denied.allowed);
+        assert_eq!(denied.remaining, 0);
+        assert_eq!(denied.reset_ns, 60 * SEC);
+        assert_eq!(denied.retry_after_ns, 6 * SEC);
+    }
+
+    #[test]
+    fn refills_one_token_per_interval() {
+        let l = lim(2, 1);
+        let t0 = 50 * SEC;
+        let a = l.check(None, t0, 2);
+        assert!(a.allowed);
+        let b = l.check(Some(a.new_tat), t0 + SEC / 2 - 1, 1);
+        assert!(!b.allowed);
+        assert_eq!(b.retry_after_ns, 1);
+        let c = l.check(Some(a.new_tat), t0 + SEC / 2, 1);
+        assert!(c.allowed);
+        assert_eq!(c.remaining, 0);
+    }
+
+    #[test]
+    fn weighted_costs_spend_several_tokens() {
+        let l = lim(10, 3600);
+        let a = l.check(None, SEC, 5);
+        assert_eq!((a.allowed, a.remaining), (true, 5));
+        let b = l.check(Some(a.new_tat), SEC, 5);
+        assert_eq!((b.allowed, b.remaining), (true, 0));
+        let c = l.check(Some(b.new_tat), SEC, 5);
+        assert!(!c.allowed);
+        assert_eq!(c.retry_after_ns, 1800 * SEC);
+    }
+
+    #[test]
+    fn a_cost_above_capacity_is_denied_with_a_full_period() {
+        let l = lim(3, 10);
+        let c = l.check(None, SEC, 4);
+        assert!(!c.allowed);
+        assert_eq!(c.retry_after_ns, 10 * SEC);
+        assert_eq!(c.remaining, 3);
+    }
+
+    #[test]
+    fn odd_capacities_do_not_round_away_a_token() {
+        // 1 s / 3 is not a whole number of nanoseconds; the scaled units keep it exact.
+        let l = lim(3, 1);
+        let calls: Vec<_> = (0..3).map(|_| (SEC, 1)).collect();
+        assert_eq!(run(l, &calls), 3);
+    }
+
+    #[test]
+    fn a_clock_going_backwards_admits_nothing_extra() {
+        let l = lim(2, 10);
+        let a = l.check(None, 100 * SEC, 2);
+        let b = l.check(Some(a.new_tat), 90 * SEC, 1);
+        assert!(!b.allowed);
+    }
+
+    proptest! {
+        #[test]
+        fn never_admits_more_than_capacity_plus_refill(
+            capacity in 1u64..1000,
+            period_s in 1u64..120,
+            steps in proptest::collection::vec((0u64..3 * SEC, 1u64..20), 1..300),
+        ) {
+            let l = lim(capacity, period_s);
+            let start = 1_000_000 * SEC;
+            let mut now = start;
+            let mut tat = None;
+            let mut admitted: u128 = 0;
+            for (dt, cost) in steps {
+                now += dt;
+                let c = l.check(tat, now, cost);
+                prop_assert!(c.remaining <= capacity);
+                if c.allowed {
+                    tat = Some(c.new_tat);
+                    admitted += u128::from(cost);
+                }
+                // admitted <= capacity + rate * elapsed, in exact integer form.
+                let elapsed = u128::from(now - start);
+                let bound = u128::from(capacity) * u128::from(l.period_ns) + u128::from(capacity) * elapsed;
+                prop_assert!(admitted * u128::from(l.period_ns) <= bound);
+            }
+        }
+
+        #[test]
+        fn denied_requests_pass_exactly_when_retry_after_has_elapsed(
+            capacity in 1u64..100,
+            period_s in 1u64..60,
+            cost in 1u64..100,
+        ) {
+            prop_assume!(cost <= capacity);
+            let l = lim(capacity, period_s);
+            let t0 = 10_000 * SEC;
+            let full = l.check(None, t0, capacity);
+            prop_assert!(full.allowed);
+            prop_assert_eq!(full.remaining, 0);
+            let denied = l.check(Some(full.new_tat), t0, cost);
+            prop_assert!(!denied.allowed);
+            let later = l.check(Some(full.new_tat), t0 + denied.retry_after_ns, cost);
+            prop_assert!(later.allowed);
+            if denied.retry_after_ns > 0 {
+                let early = l.check(Some(full.new_tat), t0 + denied.retry_after_ns - 1, cost);
+                prop_assert!(!early.allowed);
+            }
+        }
+    }
+}
