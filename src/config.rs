@@ -3,6 +3,7 @@
 //! Field names are a public contract. Unknown fields are refused, and every
 //! error names the field path, e.g. `rules[1].limits[0].per: "10x" is not a duration`.
 
+use crate::algorithm::Algorithm;
 use crate::duration::Seconds;
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashSet};
@@ -87,6 +88,103 @@ pub struct Config {
     /// What to do when the shared state cannot be read or updated.
     #[serde(default)]
     pub on_error: OnError,
+    /// The gateway that decides `"scope": "global"` rules; required when any rule is global.
+    #[serde(default)]
+    pub global: Option<Global>,
+}
+
+/// Where a rule is decided.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// In this proxy's shared data.
+    #[default]
+    Local,
+    /// By the gateway, across every proxy.
+    Global,
+}
+
+/// What a global rule does when the gateway cannot answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureMode {
+    /// Allow, and count it.
+    Open,
+    /// Answer 503 with a problem body and `Retry-After`.
+    Closed,
+    /// Decide in this proxy's shared data at `1/instances` of the limit.
+    #[default]
+    Local,
+}
+
+/// The gateway and how to treat its failures.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Global {
+    /// Envoy cluster of the gateway (in Istio `outbound|PORT||HOST`).
+    pub cluster: String,
+    /// `:authority` of the callout.
+    #[serde(default = "default_authority")]
+    pub authority: String,
+    /// Path of the check endpoint.
+    #[serde(default = "default_check_path")]
+    pub path: String,
+    /// Callout timeout; 0 is refused because Envoy treats it as no timeout.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Behaviour when the gateway or Redis fails.
+    #[serde(default)]
+    pub failure_mode: FailureMode,
+    /// Number of proxies sharing the limit, used by `failure_mode: local`.
+    #[serde(default = "default_instances")]
+    pub instances: u64,
+    /// Circuit breaker.
+    #[serde(default)]
+    pub circuit: Circuit,
+}
+
+/// Circuit-breaker settings, shared by all workers of a proxy.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Circuit {
+    /// Consecutive failures (or slow answers) that open the circuit.
+    #[serde(default = "default_failures")]
+    pub failures: u32,
+    /// A callout slower than this counts towards opening; 0 turns the latency trigger off.
+    #[serde(default)]
+    pub latency_ms: u64,
+    /// How long the circuit stays open before one probe is let through.
+    #[serde(default = "default_cooldown_ms")]
+    pub cooldown_ms: u64,
+}
+
+impl Default for Circuit {
+    fn default() -> Self {
+        Circuit {
+            failures: default_failures(),
+            latency_ms: 0,
+            cooldown_ms: default_cooldown_ms(),
+        }
+    }
+}
+
+fn default_authority() -> String {
+    "ratelimit-gateway".into()
+}
+fn default_check_path() -> String {
+    "/v1/check".into()
+}
+fn default_timeout_ms() -> u64 {
+    50
+}
+fn default_instances() -> u64 {
+    1
+}
+fn default_failures() -> u32 {
+    5
+}
+fn default_cooldown_ms() -> u64 {
+    2000
 }
 
 fn default_buckets() -> u64 {
@@ -130,8 +228,14 @@ pub struct Rule {
     /// Parts of the bucket key; empty means one bucket for all matching requests.
     #[serde(default)]
     pub key: Vec<String>,
-    /// Token buckets that must all pass.
+    /// Limits that must all pass.
     pub limits: Vec<LimitSpec>,
+    /// How the limits count.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// Decided in this proxy or by the gateway.
+    #[serde(default)]
+    pub scope: Scope,
 }
 
 /// A request predicate; all present conditions must hold.
@@ -346,6 +450,7 @@ impl Config {
                 }
             }
         }
+        self.validate_global()?;
         for (i, cost) in self.costs.iter().enumerate() {
             cost.matches.validate(&format!("costs[{i}].match"))?;
             if cost.cost == 0 || cost.cost > MAX_COST {
@@ -366,6 +471,80 @@ impl Config {
                 "max_buckets",
                 format!("must be between {MIN_BUCKETS} and {MAX_BUCKETS}"),
             ));
+        }
+        Ok(())
+    }
+}
+
+/// Largest `requests × per` in milliseconds of a global limit: the gateway's
+/// Lua arithmetic is exact only below 2^53.
+pub const MAX_GLOBAL_PRODUCT: u64 = 1 << 53;
+
+impl Config {
+    fn validate_global(&self) -> Result<(), ConfigError> {
+        let first_global = self.rules.iter().position(|r| r.scope == Scope::Global);
+        let Some(g) = &self.global else {
+            return match first_global {
+                Some(i) => Err(ConfigError::field(
+                    "global",
+                    format!("required because rules[{i}] has \"scope\": \"global\""),
+                )),
+                None => Ok(()),
+            };
+        };
+        if g.cluster.is_empty() {
+            return Err(ConfigError::field(
+                "global.cluster",
+                "must name an Envoy cluster",
+            ));
+        }
+        if g.authority.is_empty() {
+            return Err(ConfigError::field("global.authority", "must not be empty"));
+        }
+        if !g.path.starts_with('/') {
+            return Err(ConfigError::field(
+                "global.path",
+                format!("{:?} must start with /", g.path),
+            ));
+        }
+        if !(1..=60_000).contains(&g.timeout_ms) {
+            return Err(ConfigError::field(
+                "global.timeout_ms",
+                "must be between 1 and 60000 (Envoy treats 0 as no timeout)",
+            ));
+        }
+        if !(1..=10_000).contains(&g.instances) {
+            return Err(ConfigError::field(
+                "global.instances",
+                "must be between 1 and 10000",
+            ));
+        }
+        if g.circuit.failures == 0 {
+            return Err(ConfigError::field(
+                "global.circuit.failures",
+                "must be at least 1",
+            ));
+        }
+        if !(1..=3_600_000).contains(&g.circuit.cooldown_ms) {
+            return Err(ConfigError::field(
+                "global.circuit.cooldown_ms",
+                "must be between 1 and 3600000",
+            ));
+        }
+        for (i, rule) in self
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.scope == Scope::Global)
+        {
+            for (l, limit) in rule.limits.iter().enumerate() {
+                if limit.requests.saturating_mul(limit.per.0 * 1000) > MAX_GLOBAL_PRODUCT {
+                    return Err(ConfigError::field(
+                        format!("rules[{i}].limits[{l}]"),
+                        "requests × per must stay under 2^53 milliseconds for a global rule",
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -117,7 +117,7 @@ mod tests {
             limit,
             check: Check {
                 allowed,
-                new_tat: 0,
+                new_state: 0,
                 remaining,
                 reset_ns: reset_s * SEC,
                 retry_after_ns: retry_ns,

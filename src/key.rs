@@ -81,17 +81,17 @@ pub fn client_ip(req: &RequestInfo, src: IpSource, bad: &mut Vec<BadInput>) -> O
     ip
 }
 
-/// Feeds one rule's key for `req` into `sink`, part by part, length-prefixed so
-/// that no two different keys produce the same byte stream. Returns false when
-/// a `header:` part is absent: like Envoy's `request_headers` descriptor, the
-/// rule then does not apply.
+/// Feeds one rule's key for `req` into `sink` as (tag, value) per part; the
+/// tag says which kind of part it is (`c` client id, `i` IP, `m` method, `p`
+/// path, `h` header). Returns false when a `header:` part is absent: like
+/// Envoy's `request_headers` descriptor, the rule then does not apply.
 pub fn write_key(
     parts: &[KeyPart],
     req: &RequestInfo,
     client_header: HeaderId,
     ip_src: IpSource,
     bad: &mut Vec<BadInput>,
-    sink: &mut impl FnMut(&[u8]),
+    sink: &mut impl FnMut(u8, &[u8]),
 ) -> bool {
     let mut ip_cache: Option<Option<IpAddr>> = None;
     let mut ip_text = |bad: &mut Vec<BadInput>| -> Vec<u8> {
@@ -115,11 +115,44 @@ pub fn write_key(
         if value.len() > MAX_KEY_PART_BYTES {
             bad.push(BadInput::Oversized);
         }
-        sink(&[tag]);
-        sink(&(value.len() as u64).to_le_bytes());
-        sink(&value);
+        sink(tag, &value);
     }
     true
+}
+
+/// Longest key-part value sent to the gateway as it is; longer ones are hashed.
+pub const MAX_GLOBAL_PART_BYTES: usize = 128;
+
+/// Appends one part to a global (gateway) key as `tag=value`, percent-encoding
+/// anything but unreserved characters, or `tag#<hash>` for long values. The
+/// hash is unkeyed so every proxy computes the same key. The first part also
+/// becomes the Redis Cluster hash tag when `tag_out` is given.
+pub fn encode_part(key: &mut String, tag_out: Option<&mut String>, tag: u8, value: &[u8]) {
+    use siphasher::sip128::{Hasher128, SipHasher13};
+    use std::fmt::Write;
+    use std::hash::Hasher;
+    if !key.is_empty() {
+        key.push('/');
+    }
+    let body_start = key.len();
+    key.push(char::from(tag));
+    if value.len() > MAX_GLOBAL_PART_BYTES {
+        let mut h = SipHasher13::new();
+        h.write(value);
+        let _ = write!(key, "#{:032x}", h.finish128().as_u128());
+    } else {
+        key.push('=');
+        for &b in value {
+            if b.is_ascii_alphanumeric() || b"-._~:@".contains(&b) {
+                key.push(char::from(b));
+            } else {
+                let _ = write!(key, "%{b:02X}");
+            }
+        }
+    }
+    if let Some(t) = tag_out {
+        t.push_str(key.get(body_start..).unwrap_or_default());
+    }
 }
 
 #[cfg(test)]
@@ -147,8 +180,10 @@ mod tests {
         let mut out = Vec::new();
         let mut bad = Vec::new();
         let src = IpSource { xff: XFF, hops };
-        let ok = write_key(parts, r, CLIENT, src, &mut bad, &mut |b| {
-            out.extend_from_slice(b)
+        let ok = write_key(parts, r, CLIENT, src, &mut bad, &mut |t, v| {
+            out.push(t);
+            out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+            out.extend_from_slice(v);
         });
         (ok.then_some(out), bad)
     }
@@ -232,6 +267,19 @@ mod tests {
         let (b, _) = key(&[KeyPart::Client], &req(Some(&big2), None, "1.1.1.1:1"), 0);
         assert_ne!(a, b);
         assert_eq!(bad, vec![BadInput::Oversized]);
+    }
+
+    #[test]
+    fn global_keys_are_readable_escaped_and_bounded() {
+        let mut k = String::new();
+        let mut tag = String::new();
+        encode_part(&mut k, Some(&mut tag), b'c', b"alice");
+        encode_part(&mut k, None, b'p', b"/a b/\xff");
+        assert_eq!(k, "c=alice/p=%2Fa%20b%2F%FF");
+        assert_eq!(tag, "c=alice");
+        let mut long = String::new();
+        encode_part(&mut long, None, b'h', &[b'x'; 500]);
+        assert!(long.starts_with("h#") && long.len() == 2 + 32, "{long}");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 )]
 #![warn(missing_docs)]
 
+pub mod algorithm;
 pub mod config;
 pub mod decide;
 pub mod duration;
@@ -26,6 +27,7 @@ pub mod metrics;
 pub mod plan;
 pub mod problem;
 pub mod request;
+pub mod sliding_window;
 pub mod store;
 pub mod table;
 pub mod token_bucket;

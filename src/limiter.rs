@@ -126,7 +126,9 @@ pub fn check_and_consume(
                 return Err(LimitError::Vanished);
             };
             for (l, ((limit, _), tat)) in rule.limits.iter().zip(&entry.tats).enumerate() {
-                let check = limit.check((!fresh).then_some(*tat), now_ns, cost);
+                let check = rule
+                    .algorithm
+                    .check(limit, (!fresh).then_some(*tat), now_ns, cost);
                 denied |= !check.allowed;
                 reports.push(Report {
                     rule: b.rule,
@@ -192,7 +194,7 @@ fn apply(work: &mut [SetWork], slots: &[(usize, usize, usize)], reports: &[Repor
         };
         for ((limit, _), tat) in limits.iter().zip(entry.tats.iter_mut()) {
             if let Some(report) = r.next() {
-                *tat = report.check.new_tat;
+                *tat = report.check.new_state;
                 entry.full_at_ns = entry.full_at_ns.max(limit.full_at_ns(*tat));
             }
         }
@@ -210,7 +212,7 @@ fn write_all(
     for (done, sw) in work.iter().enumerate() {
         if !store.compare_and_set(&sw.key, &sw.set.encode(), sw.cas)? {
             for written in work.iter().take(done) {
-                refund(store, plan, written, buckets, cost)?;
+                refund_set(store, plan, written.index, buckets, cost)?;
             }
             return Ok(false);
         }
@@ -218,23 +220,41 @@ fn write_all(
     Ok(true)
 }
 
-/// Gives back one request's charge in one set. Refunding never admits more
-/// than was admitted; a refund lost to a bucket eviction is simply dropped.
-fn refund(
+/// Gives back a charge made by an allowed [`check_and_consume`], when a later
+/// check of the same request (the gateway) denied it.
+pub fn refund(
     store: &impl SharedStore,
     plan: &Plan,
-    sw: &SetWork,
     buckets: &[Bucket],
     cost: u64,
 ) -> Result<(), LimitError> {
+    let mut sets: Vec<u64> = buckets.iter().map(|b| b.set).collect();
+    sets.sort_unstable();
+    sets.dedup();
+    for set in sets {
+        refund_set(store, plan, set, buckets, cost)?;
+    }
+    Ok(())
+}
+
+/// Gives back one request's charge in one set. Refunding never admits more
+/// than was admitted; a refund lost to a bucket eviction is simply dropped.
+fn refund_set(
+    store: &impl SharedStore,
+    plan: &Plan,
+    set_index: u64,
+    buckets: &[Bucket],
+    cost: u64,
+) -> Result<(), LimitError> {
+    let key = plan.set_key(set_index);
     for _ in 0..MAX_ATTEMPTS {
-        let Some((bytes, cas)) = store.get(&sw.key)? else {
+        let Some((bytes, cas)) = store.get(&key)? else {
             return Ok(());
         };
         let Ok(mut set) = Set::decode(&bytes) else {
             return Ok(());
         };
-        for b in buckets.iter().filter(|b| b.set == sw.index) {
+        for b in buckets.iter().filter(|b| b.set == set_index) {
             let Some(rule) = plan.rules.get(b.rule) else {
                 continue;
             };
@@ -244,11 +264,11 @@ fn refund(
                 .find(|e| e.fingerprint == b.fingerprint)
             {
                 for ((limit, _), tat) in rule.limits.iter().zip(entry.tats.iter_mut()) {
-                    *tat = tat.saturating_sub(limit.increment(cost));
+                    *tat = rule.algorithm.refund(limit, *tat, cost);
                 }
             }
         }
-        if store.compare_and_set(&sw.key, &set.encode(), cas)? {
+        if store.compare_and_set(&key, &set.encode(), cas)? {
             return Ok(());
         }
     }

@@ -2,7 +2,8 @@
 //! limits resolved once, so a request does no parsing and reads only the
 //! headers it needs.
 
-use crate::config::{Config, HeaderStyle, OnError};
+use crate::algorithm::Algorithm;
+use crate::config::{Circuit, Config, FailureMode, HeaderStyle, OnError, Scope};
 use crate::key::{self, BadInput, IpSource, KeyPart};
 use crate::matcher::Matcher;
 use crate::request::{HeaderId, RequestInfo};
@@ -21,6 +22,15 @@ pub struct RulePlan {
     pub name: String,
     /// `requests` per `per` for each limit, and `per` in seconds for headers.
     pub limits: Vec<(Limit, u64)>,
+    /// How the limits count.
+    pub algorithm: Algorithm,
+    /// Local, or decided by the gateway.
+    pub scope: Scope,
+    /// For a global rule: the index of its local stand-in (limits divided by
+    /// `instances`), used when the gateway fails in `failure_mode: local`.
+    pub fallback: Option<usize>,
+    /// True for the local stand-in of a global rule.
+    pub stand_in: bool,
     matcher: Option<Matcher>,
     key: Vec<KeyPart>,
     /// Hash state after domain, rule name and limits: changing a limit starts fresh buckets.
@@ -38,13 +48,28 @@ pub struct Bucket {
     pub set: u64,
 }
 
+/// One bucket the gateway decides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalBucket {
+    /// Index into [`Plan::rules`].
+    pub rule: usize,
+    /// Readable key, the same on every proxy: `<rule>/<tag>=<value>/…`.
+    pub key: String,
+    /// Redis Cluster hash tag: the first key part.
+    pub tag: String,
+}
+
 /// What the plan makes of one request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Evaluation {
     /// Tokens the request spends in every bucket.
     pub cost: u64,
-    /// The buckets of every matching rule.
+    /// The buckets of every matching local rule.
     pub buckets: Vec<Bucket>,
+    /// The buckets of every matching global rule.
+    pub global: Vec<GlobalBucket>,
+    /// The local stand-ins of `global`, for `failure_mode: local`.
+    pub fallback: Vec<Bucket>,
     /// Anything odd about the request's identity.
     pub bad_input: Vec<BadInput>,
 }
@@ -68,9 +93,32 @@ pub struct Plan {
     pub sets: u64,
     /// Prefix of the set keys, ending in `/`.
     pub set_key_prefix: String,
+    /// The gateway, when any rule is global.
+    pub global: Option<GlobalPlan>,
+    /// The configuration's domain.
+    pub domain: String,
     costs: Vec<(Matcher, u64)>,
     client_header: HeaderId,
     ip_source: IpSource,
+}
+
+/// The gateway settings, as the request path needs them.
+#[derive(Debug, Clone)]
+pub struct GlobalPlan {
+    /// Envoy cluster name.
+    pub cluster: String,
+    /// `:authority` of the callout.
+    pub authority: String,
+    /// Path of the check endpoint.
+    pub path: String,
+    /// Callout timeout.
+    pub timeout_ms: u64,
+    /// Behaviour on failure.
+    pub failure_mode: FailureMode,
+    /// Circuit breaker.
+    pub circuit: Circuit,
+    /// Shared-data key of the circuit-breaker state.
+    pub circuit_key: String,
 }
 
 impl Plan {
@@ -95,39 +143,47 @@ impl Plan {
         };
         let (k0, k1) = split_seed(seed);
         let mut needs_source_address = false;
-        let rules = config
-            .rules
-            .iter()
-            .map(|rule| {
-                let key: Vec<KeyPart> = rule
-                    .key
-                    .iter()
-                    .map(|p| match p.as_str() {
-                        "client" => KeyPart::Client,
-                        "ip" => KeyPart::Ip,
-                        "method" => KeyPart::Method,
-                        "path" => KeyPart::Path,
-                        other => KeyPart::Header(header_id(
-                            other.strip_prefix("header:").unwrap_or(other),
-                        )),
-                    })
-                    .collect();
-                needs_source_address |= key
-                    .iter()
-                    .any(|k| matches!(k, KeyPart::Client | KeyPart::Ip));
+        let mut rules = Vec::with_capacity(config.rules.len());
+        let mut fallbacks = Vec::new();
+        for rule in &config.rules {
+            let key: Vec<KeyPart> = rule
+                .key
+                .iter()
+                .map(|p| match p.as_str() {
+                    "client" => KeyPart::Client,
+                    "ip" => KeyPart::Ip,
+                    "method" => KeyPart::Method,
+                    "path" => KeyPart::Path,
+                    other => {
+                        KeyPart::Header(header_id(other.strip_prefix("header:").unwrap_or(other)))
+                    }
+                })
+                .collect();
+            needs_source_address |= key
+                .iter()
+                .any(|k| matches!(k, KeyPart::Client | KeyPart::Ip));
+            let divisor = match (&config.global, rule.scope) {
+                (Some(g), Scope::Global) => Some(g.instances.max(1)),
+                _ => None,
+            };
+            let make = |divide_by: u64, scope: Scope| {
                 let limits: Vec<(Limit, u64)> = rule
                     .limits
                     .iter()
                     .map(|l| {
                         let limit = Limit {
-                            capacity: l.requests,
+                            capacity: (l.requests / divide_by).max(1),
                             period_ns: l.per.0 * 1_000_000_000,
                         };
                         (limit, l.per.0)
                     })
                     .collect();
                 let mut hasher = SipHasher13::new_with_keys(k0, k1);
-                for part in [config.domain.as_bytes(), rule.name.as_bytes()] {
+                for part in [
+                    config.domain.as_bytes(),
+                    rule.name.as_bytes(),
+                    rule.algorithm.name().as_bytes(),
+                ] {
                     hasher.write(&(part.len() as u64).to_le_bytes());
                     hasher.write(part);
                 }
@@ -138,15 +194,32 @@ impl Plan {
                 RulePlan {
                     name: rule.name.clone(),
                     limits,
-                    matcher: rule
-                        .matches
-                        .as_ref()
-                        .map(|m| Matcher::compile(m, &mut header_id)),
-                    key,
+                    algorithm: rule.algorithm,
+                    scope,
+                    fallback: None,
+                    stand_in: scope != rule.scope,
+                    matcher: None,
+                    key: key.clone(),
                     hasher,
                 }
-            })
-            .collect();
+            };
+            let mut plan = make(1, rule.scope);
+            plan.matcher = rule
+                .matches
+                .as_ref()
+                .map(|m| Matcher::compile(m, &mut header_id));
+            if let Some(n) = divisor {
+                fallbacks.push((rules.len(), make(n, Scope::Local)));
+            }
+            rules.push(plan);
+        }
+        for (global_index, fallback) in fallbacks {
+            let index = rules.len();
+            rules.push(fallback);
+            if let Some(r) = rules.get_mut(global_index) {
+                r.fallback = Some(index);
+            }
+        }
         let costs = config
             .costs
             .iter()
@@ -162,6 +235,16 @@ impl Plan {
             on_error: config.on_error,
             sets,
             set_key_prefix: format!("{KEY_PREFIX}set/{}/{sets}/", config.domain),
+            global: config.global.as_ref().map(|g| GlobalPlan {
+                cluster: g.cluster.clone(),
+                authority: g.authority.clone(),
+                path: g.path.clone(),
+                timeout_ms: g.timeout_ms,
+                failure_mode: g.failure_mode,
+                circuit: g.circuit.clone(),
+                circuit_key: format!("{KEY_PREFIX}circuit/{}/{}", config.domain, g.cluster),
+            }),
+            domain: config.domain.clone(),
             costs,
             client_header,
             ip_source,
@@ -185,29 +268,63 @@ impl Plan {
             ..Evaluation::default()
         };
         for (i, rule) in self.rules.iter().enumerate() {
-            if !rule.matcher.as_ref().is_none_or(|m| m.matches(req)) {
+            // Stand-ins are reached through their global rule only.
+            if rule.stand_in || !rule.matcher.as_ref().is_none_or(|m| m.matches(req)) {
                 continue;
             }
             let mut h = rule.hasher;
+            let mut fb = rule
+                .fallback
+                .and_then(|f| self.rules.get(f).map(|r| (f, r.hasher)));
+            let mut global =
+                (rule.scope == Scope::Global).then(|| (rule.name.clone(), String::new()));
             let applies = key::write_key(
                 &rule.key,
                 req,
                 self.client_header,
                 self.ip_source,
                 &mut eval.bad_input,
-                &mut |bytes| h.write(bytes),
+                &mut |tag, value| {
+                    hash_part(&mut h, tag, value);
+                    if let Some((_, fh)) = fb.as_mut() {
+                        hash_part(fh, tag, value);
+                    }
+                    if let Some((k, t)) = global.as_mut() {
+                        key::encode_part(k, t.is_empty().then_some(t), tag, value);
+                    }
+                },
             );
             if !applies {
                 continue;
             }
-            let hash = h.finish128();
-            eval.buckets.push(Bucket {
-                rule: i,
-                fingerprint: hash.h1,
-                set: hash.h2 % self.sets,
-            });
+            match global {
+                Some((key, tag)) => {
+                    eval.global.push(GlobalBucket { rule: i, key, tag });
+                    if let Some((f, fh)) = fb {
+                        eval.fallback.push(self.bucket(f, fh));
+                    }
+                }
+                None => eval.buckets.push(self.bucket(i, h)),
+            }
         }
         eval
+    }
+}
+
+fn hash_part(h: &mut SipHasher13, tag: u8, value: &[u8]) {
+    h.write(&[tag]);
+    h.write(&(value.len() as u64).to_le_bytes());
+    h.write(value);
+}
+
+impl Plan {
+    fn bucket(&self, rule: usize, hasher: SipHasher13) -> Bucket {
+        let hash = hasher.finish128();
+        Bucket {
+            rule,
+            fingerprint: hash.h1,
+            set: hash.h2 % self.sets,
+        }
     }
 }
 

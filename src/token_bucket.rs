@@ -20,7 +20,7 @@ pub struct Check {
     /// Whether `cost` tokens were available.
     pub allowed: bool,
     /// The TAT to store if the request goes ahead (equal to the old one when denied).
-    pub new_tat: u128,
+    pub new_state: u128,
     /// Whole tokens left after this request (before it, when denied).
     pub remaining: u64,
     /// Nanoseconds until the bucket is full again.
@@ -61,7 +61,7 @@ impl Limit {
         if need <= tolerance {
             Check {
                 allowed: true,
-                new_tat: now + need,
+                new_state: now + need,
                 remaining: self.tokens(tolerance - need),
                 reset_ns: self.unscale_ceil(need),
                 retry_after_ns: 0,
@@ -75,7 +75,7 @@ impl Limit {
             };
             Check {
                 allowed: false,
-                new_tat: tat,
+                new_state: tat,
                 remaining: self.tokens(tolerance.saturating_sub(used)),
                 reset_ns: self.unscale_ceil(used),
                 retry_after_ns: u64::try_from(retry).unwrap_or(u64::MAX),
@@ -128,7 +128,7 @@ mod tests {
         for &(now, cost) in calls {
             let c = limit.check(tat, now, cost);
             if c.allowed {
-                tat = Some(c.new_tat);
+                tat = Some(c.new_state);
                 admitted += cost;
             }
         }
@@ -151,7 +151,7 @@ mod tests {
             let c = l.check(tat, now, 1);
             assert!(c.allowed);
             assert_eq!(c.remaining, expected);
-            tat = Some(c.new_tat);
+            tat = Some(c.new_state);
         }
         let denied = l.check(tat, now, 1);
         assert!(!denied.allowed);
@@ -166,10 +166,10 @@ mod tests {
         let t0 = 50 * SEC;
         let a = l.check(None, t0, 2);
         assert!(a.allowed);
-        let b = l.check(Some(a.new_tat), t0 + SEC / 2 - 1, 1);
+        let b = l.check(Some(a.new_state), t0 + SEC / 2 - 1, 1);
         assert!(!b.allowed);
         assert_eq!(b.retry_after_ns, 1);
-        let c = l.check(Some(a.new_tat), t0 + SEC / 2, 1);
+        let c = l.check(Some(a.new_state), t0 + SEC / 2, 1);
         assert!(c.allowed);
         assert_eq!(c.remaining, 0);
     }
@@ -179,9 +179,9 @@ mod tests {
         let l = lim(10, 3600);
         let a = l.check(None, SEC, 5);
         assert_eq!((a.allowed, a.remaining), (true, 5));
-        let b = l.check(Some(a.new_tat), SEC, 5);
+        let b = l.check(Some(a.new_state), SEC, 5);
         assert_eq!((b.allowed, b.remaining), (true, 0));
-        let c = l.check(Some(b.new_tat), SEC, 5);
+        let c = l.check(Some(b.new_state), SEC, 5);
         assert!(!c.allowed);
         assert_eq!(c.retry_after_ns, 1800 * SEC);
     }
@@ -207,7 +207,7 @@ mod tests {
     fn a_clock_going_backwards_admits_nothing_extra() {
         let l = lim(2, 10);
         let a = l.check(None, 100 * SEC, 2);
-        let b = l.check(Some(a.new_tat), 90 * SEC, 1);
+        let b = l.check(Some(a.new_state), 90 * SEC, 1);
         assert!(!b.allowed);
     }
 
@@ -228,7 +228,7 @@ mod tests {
                 let c = l.check(tat, now, cost);
                 prop_assert!(c.remaining <= capacity);
                 if c.allowed {
-                    tat = Some(c.new_tat);
+                    tat = Some(c.new_state);
                     admitted += u128::from(cost);
                 }
                 // admitted <= capacity + rate * elapsed, in exact integer form.
@@ -250,12 +250,12 @@ mod tests {
             let full = l.check(None, t0, capacity);
             prop_assert!(full.allowed);
             prop_assert_eq!(full.remaining, 0);
-            let denied = l.check(Some(full.new_tat), t0, cost);
+            let denied = l.check(Some(full.new_state), t0, cost);
             prop_assert!(!denied.allowed);
-            let later = l.check(Some(full.new_tat), t0 + denied.retry_after_ns, cost);
+            let later = l.check(Some(full.new_state), t0 + denied.retry_after_ns, cost);
             prop_assert!(later.allowed);
             if denied.retry_after_ns > 0 {
-                let early = l.check(Some(full.new_tat), t0 + denied.retry_after_ns - 1, cost);
+                let early = l.check(Some(full.new_state), t0 + denied.retry_after_ns - 1, cost);
                 prop_assert!(!early.allowed);
             }
         }
