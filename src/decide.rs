@@ -1,12 +1,19 @@
 //! One request from headers to answer: match, key, limit, then what to send.
-//! Pure: the host layer only fetches the request and carries out the verdict.
+//! Pure: the host layer only fetches the request, makes the callout when told
+//! to, and carries out the verdict.
+//!
+//! Local rules are charged first; a local denial skips the callout. When the
+//! gateway then denies, the local charge is refunded, so a denied request
+//! consumes nothing anywhere.
 
-use crate::config::OnError;
+use crate::callout::{self, Answer, AnswerError};
+use crate::circuit::{self, CallResult, Gate, Transition};
+use crate::config::{FailureMode, OnError};
 use crate::headers;
 use crate::key::BadInput;
-use crate::limiter::{self, Decision, LimitError, Stats};
+use crate::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::metrics::Metric;
-use crate::plan::Plan;
+use crate::plan::{Bucket, GlobalBucket, Plan};
 use crate::problem;
 use crate::request::RequestInfo;
 use crate::store::SharedStore;
@@ -30,91 +37,348 @@ pub enum Verdict {
     },
 }
 
+/// Increments per [`Metric`], indexed by [`Metric::index`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts(pub [u64; Metric::ALL.len()]);
+
+impl Counts {
+    fn add(&mut self, m: Metric, n: u64) {
+        if let Some(c) = self.0.get_mut(m.index()) {
+            *c += n;
+        }
+    }
+
+    /// The count of one metric.
+    pub fn get(&self, m: Metric) -> u64 {
+        self.0.get(m.index()).copied().unwrap_or(0)
+    }
+
+    fn stats(&mut self, s: &Stats) {
+        self.add(Metric::CasRetries, s.cas_retries);
+        self.add(Metric::Evictions, s.evictions);
+        self.add(Metric::CorruptState, s.corrupt_sets);
+    }
+}
+
 /// The verdict and what to count and log about it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     /// What to do.
     pub verdict: Verdict,
-    /// Increments per [`Metric`], indexed by [`Metric::index`].
-    pub counts: [u64; Metric::ALL.len()],
+    /// Metric increments.
+    pub counts: Counts,
     /// A shared-data failure that `on_error` decided.
     pub error: Option<LimitError>,
+    /// A gateway failure that the failure mode decided.
+    pub gateway_error: Option<AnswerError>,
+    /// What the circuit breaker did.
+    pub circuit: Transition,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
 }
 
-/// Decides `req` at `now_ns` against the buckets in `store`.
-pub fn decide(plan: &Plan, req: &RequestInfo, store: &impl SharedStore, now_ns: u64) -> Outcome {
-    let eval = plan.evaluate(req);
-    let mut counts = [0u64; Metric::ALL.len()];
-    let mut add = |m: Metric, n: u64| {
-        if let Some(c) = counts.get_mut(m.index()) {
-            *c += n;
+/// A request waiting for the gateway.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pending {
+    /// Body of the `POST` to the gateway.
+    pub body: Vec<u8>,
+    /// This call is the half-open circuit's probe.
+    pub probe: bool,
+    cost: u64,
+    charged: Vec<Bucket>,
+    local_reports: Vec<Report>,
+    global: Vec<GlobalBucket>,
+    fallback: Vec<Bucket>,
+    counts: Counts,
+    error: Option<LimitError>,
+    bad_input: Vec<BadInput>,
+}
+
+/// The first step for a request.
+// `Done` is the common case; boxing it would allocate on every request.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Decided without the gateway.
+    Done(Outcome),
+    /// Call the gateway, then [`finish`].
+    Call(Box<Pending>),
+}
+
+struct Ctx<'a, S> {
+    plan: &'a Plan,
+    store: &'a S,
+    now_ns: u64,
+    counts: Counts,
+    error: Option<LimitError>,
+}
+
+impl<S: SharedStore> Ctx<'_, S> {
+    /// Charges `buckets`; `Ok(reports)` when allowed, `Err(verdict)` when the request must be refused.
+    fn charge(&mut self, buckets: &[Bucket], cost: u64) -> Result<Vec<Report>, Verdict> {
+        if buckets.is_empty() {
+            return Ok(Vec::new());
         }
-    };
-    if !eval.bad_input.is_empty() {
-        add(Metric::BadInput, 1);
-    }
-    let mut stats = Stats::default();
-    let mut error = None;
-    let verdict = if eval.buckets.is_empty() {
-        Verdict::Pass(Vec::new())
-    } else {
-        match limiter::check_and_consume(store, plan, &eval.buckets, eval.cost, now_ns, &mut stats)
-        {
-            Ok(Decision::Allowed(reports)) => {
-                add(Metric::Allowed, 1);
-                let lines = headers::closest(plan, &reports)
-                    .map(|s| headers::render(plan.header_style, &s))
-                    .unwrap_or_default();
-                Verdict::Pass(lines)
-            }
-            Ok(Decision::Denied(reports)) => {
-                add(Metric::Denied, 1);
-                let shown = headers::binding(plan, &reports);
-                let retry = shown.as_ref().map_or(1, |s| s.retry_after_secs);
-                let mut lines = shown
-                    .as_ref()
-                    .map(|s| headers::render(plan.header_style, s))
-                    .unwrap_or_default();
-                let body = problem::too_many_requests(
-                    &plan.problem_type,
-                    retry,
-                    &headers::violated(plan, &reports),
-                );
-                reject(&mut lines, retry, body)
-            }
+        let mut stats = Stats::default();
+        let result = limiter::check_and_consume(
+            self.store,
+            self.plan,
+            buckets,
+            cost,
+            self.now_ns,
+            &mut stats,
+        );
+        self.counts.stats(&stats);
+        match result {
+            Ok(Decision::Allowed(reports)) => Ok(reports),
+            Ok(Decision::Denied(reports)) => Err(self.too_many(&reports)),
             Err(e) => {
-                add(Metric::Errors, 1);
-                error = Some(e);
-                match plan.on_error {
-                    OnError::Allow => Verdict::Pass(Vec::new()),
-                    OnError::Deny => {
-                        let body = problem::too_many_requests(&plan.problem_type, 1, &[]);
-                        reject(&mut Vec::new(), 1, body)
-                    }
+                self.counts.add(Metric::Errors, 1);
+                self.error = Some(e);
+                match self.plan.on_error {
+                    OnError::Allow => Ok(Vec::new()),
+                    OnError::Deny => Err(reject(
+                        429,
+                        Vec::new(),
+                        1,
+                        problem::too_many_requests(&self.plan.problem_type, 1, &[]),
+                    )),
                 }
             }
         }
-    };
-    add(Metric::CasRetries, stats.cas_retries);
-    add(Metric::Evictions, stats.evictions);
-    add(Metric::CorruptState, stats.corrupt_sets);
-    Outcome {
-        verdict,
-        counts,
-        error,
-        bad_input: eval.bad_input,
+    }
+
+    fn refund(&mut self, buckets: &[Bucket], cost: u64) {
+        if let Err(e) = limiter::refund(self.store, self.plan, buckets, cost) {
+            self.counts.add(Metric::Errors, 1);
+            self.error = Some(e);
+        }
+    }
+
+    fn too_many(&mut self, reports: &[Report]) -> Verdict {
+        let shown = headers::binding(self.plan, reports);
+        let retry = shown.as_ref().map_or(1, |s| s.retry_after_secs);
+        let lines = shown
+            .as_ref()
+            .map(|s| headers::render(self.plan.header_style, s))
+            .unwrap_or_default();
+        let body = problem::too_many_requests(
+            &self.plan.problem_type,
+            retry,
+            &headers::violated(self.plan, reports),
+        );
+        reject(429, lines, retry, body)
+    }
+
+    fn pass(&self, reports: &[Report]) -> Verdict {
+        Verdict::Pass(
+            headers::closest(self.plan, reports)
+                .map(|s| headers::render(self.plan.header_style, &s))
+                .unwrap_or_default(),
+        )
+    }
+
+    fn unavailable(&self) -> Verdict {
+        let retry = self
+            .plan
+            .global
+            .as_ref()
+            .map_or(1, |g| circuit::retry_after_secs(&g.circuit));
+        reject(503, Vec::new(), retry, problem::service_unavailable(retry))
+    }
+
+    fn done(
+        self,
+        verdict: Verdict,
+        bad_input: Vec<BadInput>,
+        gateway_error: Option<AnswerError>,
+        circuit: Transition,
+    ) -> Outcome {
+        let mut counts = self.counts;
+        match &verdict {
+            Verdict::Pass(_) => counts.add(Metric::Allowed, 1),
+            Verdict::Reject { .. } => counts.add(Metric::Denied, 1),
+        }
+        Outcome {
+            verdict,
+            counts,
+            error: self.error,
+            gateway_error,
+            circuit,
+            bad_input,
+        }
     }
 }
 
-fn reject(lines: &mut HeaderLines, retry_after: u64, body: String) -> Verdict {
+fn reject(status: u32, mut lines: HeaderLines, retry_after: u64, body: String) -> Verdict {
     lines.push(("retry-after", retry_after.to_string()));
     lines.push(("content-type", problem::CONTENT_TYPE.to_string()));
     Verdict::Reject {
-        status: 429,
-        headers: std::mem::take(lines),
+        status,
+        headers: lines,
         body,
+    }
+}
+
+/// Decides `req` at `now_ns` as far as possible without the gateway.
+pub fn start(plan: &Plan, req: &RequestInfo, store: &impl SharedStore, now_ns: u64) -> Step {
+    let eval = plan.evaluate(req);
+    let mut ctx = Ctx {
+        plan,
+        store,
+        now_ns,
+        counts: Counts::default(),
+        error: None,
+    };
+    if !eval.bad_input.is_empty() {
+        ctx.counts.add(Metric::BadInput, 1);
+    }
+    if eval.buckets.is_empty() && eval.global.is_empty() {
+        return Step::Done(Outcome {
+            verdict: Verdict::Pass(Vec::new()),
+            counts: ctx.counts,
+            error: None,
+            gateway_error: None,
+            circuit: Transition::None,
+            bad_input: eval.bad_input,
+        });
+    }
+    let global = match (&plan.global, eval.global.is_empty()) {
+        (Some(g), false) => Some(g),
+        _ => None,
+    };
+    let gate = global.map(|g| circuit::gate(store, &g.circuit_key, g.timeout_ms, now_ns));
+    let mut charge = eval.buckets.clone();
+    if let (Some(g), Some(Gate::Open)) = (global, gate) {
+        ctx.counts.add(Metric::CircuitOpenSkips, 1);
+        match g.failure_mode {
+            FailureMode::Closed => {
+                ctx.counts.add(Metric::FailClosed, 1);
+                let v = ctx.unavailable();
+                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
+            }
+            FailureMode::Open => ctx.counts.add(Metric::FailOpen, 1),
+            // Charged together with the local rules: all or nothing in one step.
+            FailureMode::Local => {
+                ctx.counts.add(Metric::FallbackLocal, 1);
+                charge.extend_from_slice(&eval.fallback);
+            }
+        }
+    }
+    let reports = match ctx.charge(&charge, eval.cost) {
+        Ok(r) => r,
+        Err(v) => return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None)),
+    };
+    match gate {
+        Some(Gate::Call) | Some(Gate::Probe) => {
+            ctx.counts.add(Metric::GlobalCalls, 1);
+            Step::Call(Box::new(Pending {
+                body: callout::encode_request(plan, eval.cost, &eval.global),
+                probe: gate == Some(Gate::Probe),
+                cost: eval.cost,
+                charged: if ctx.error.is_some() {
+                    Vec::new()
+                } else {
+                    charge
+                },
+                local_reports: reports,
+                global: eval.global,
+                fallback: eval.fallback,
+                counts: ctx.counts,
+                error: ctx.error,
+                bad_input: eval.bad_input,
+            }))
+        }
+        _ => {
+            let v = ctx.pass(&reports);
+            Step::Done(ctx.done(v, eval.bad_input, None, Transition::None))
+        }
+    }
+}
+
+/// Reads the gateway's status and body for `pending` and finishes the decision.
+pub fn finish(
+    plan: &Plan,
+    pending: Pending,
+    status: Option<&[u8]>,
+    body: &[u8],
+    latency_ns: u64,
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Outcome {
+    let answer = callout::parse_answer(plan, &pending.global, status, body);
+    finish_with(plan, pending, answer, latency_ns, store, now_ns)
+}
+
+fn finish_with(
+    plan: &Plan,
+    p: Pending,
+    answer: Result<Answer, AnswerError>,
+    latency_ns: u64,
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Outcome {
+    let mut ctx = Ctx {
+        plan,
+        store,
+        now_ns,
+        counts: p.counts,
+        error: p.error,
+    };
+    let Some(g) = &plan.global else {
+        let v = ctx.pass(&p.local_reports);
+        return ctx.done(v, p.bad_input, None, Transition::None);
+    };
+    let result = match &answer {
+        Ok(_) => CallResult::Answered { latency_ns },
+        Err(_) => CallResult::Failed,
+    };
+    let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
+    if transition == Transition::Opened {
+        ctx.counts.add(Metric::CircuitOpened, 1);
+    }
+    match answer {
+        Ok(a) => {
+            ctx.counts.add(Metric::GatewayClamped, a.clamped);
+            let mut all = p.local_reports;
+            all.extend_from_slice(&a.reports);
+            let v = if a.reports.iter().all(|r| r.check.allowed) {
+                ctx.pass(&all)
+            } else {
+                ctx.refund(&p.charged, p.cost);
+                ctx.too_many(&all)
+            };
+            ctx.done(v, p.bad_input, None, transition)
+        }
+        Err(e) => {
+            ctx.counts.add(Metric::GlobalFailures, 1);
+            let v = match g.failure_mode {
+                FailureMode::Open => {
+                    ctx.counts.add(Metric::FailOpen, 1);
+                    ctx.pass(&p.local_reports)
+                }
+                FailureMode::Closed => {
+                    ctx.counts.add(Metric::FailClosed, 1);
+                    ctx.refund(&p.charged, p.cost);
+                    ctx.unavailable()
+                }
+                FailureMode::Local => {
+                    ctx.counts.add(Metric::FallbackLocal, 1);
+                    match ctx.charge(&p.fallback, p.cost) {
+                        Ok(r) => {
+                            let mut all = p.local_reports;
+                            all.extend_from_slice(&r);
+                            ctx.pass(&all)
+                        }
+                        Err(v) => {
+                            ctx.refund(&p.charged, p.cost);
+                            v
+                        }
+                    }
+                }
+            };
+            ctx.done(v, p.bad_input, Some(e), transition)
+        }
     }
 }
 
@@ -156,6 +420,20 @@ mod tests {
             .unwrap_or("<absent>")
     }
 
+    fn done(step: Step) -> Outcome {
+        match step {
+            Step::Done(o) => o,
+            Step::Call(p) => panic!("unexpected callout {p:?}"),
+        }
+    }
+
+    fn call(step: Step) -> Pending {
+        match step {
+            Step::Call(p) => *p,
+            Step::Done(o) => panic!("expected a callout, got {o:?}"),
+        }
+    }
+
     const FIVE: &str = r#"{"domain":"d","rules":[{"name":"per-client","key":["client"],"limits":[{"requests":5,"per":"1h"}]}],
         "costs":[{"match":{"path_prefix":"/search"},"cost":2}]}"#;
 
@@ -164,15 +442,15 @@ mod tests {
         let p = plan(FIVE);
         let s = MemoryStore::default();
         for left in (0..5).rev() {
-            let o = decide(&p, &req(&p, "/", Some("a")), &s, T0);
+            let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0));
             let Verdict::Pass(h) = &o.verdict else {
                 panic!("{o:?}")
             };
             assert_eq!(header(h, "x-ratelimit-remaining"), left.to_string());
             assert_eq!(header(h, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
-            assert_eq!(o.counts[Metric::Allowed.index()], 1);
+            assert_eq!(o.counts.get(Metric::Allowed), 1);
         }
-        let o = decide(&p, &req(&p, "/", Some("a")), &s, T0);
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0));
         let Verdict::Reject {
             status,
             headers,
@@ -191,14 +469,14 @@ mod tests {
             "{body}"
         );
         assert!(body.contains("\"violated-policies\":[\"per-client\"]"));
-        assert_eq!(o.counts[Metric::Denied.index()], 1);
+        assert_eq!(o.counts.get(Metric::Denied), 1);
         // Another client is untouched; the IP stands in for a client without an id.
         assert!(matches!(
-            decide(&p, &req(&p, "/", Some("b")), &s, T0).verdict,
+            done(start(&p, &req(&p, "/", Some("b")), &s, T0)).verdict,
             Verdict::Pass(_)
         ));
         assert!(matches!(
-            decide(&p, &req(&p, "/", None), &s, T0).verdict,
+            done(start(&p, &req(&p, "/", None), &s, T0)).verdict,
             Verdict::Pass(_)
         ));
     }
@@ -207,7 +485,7 @@ mod tests {
     fn cost_is_weighted() {
         let p = plan(FIVE);
         let s = MemoryStore::default();
-        let o = decide(&p, &req(&p, "/search", Some("a")), &s, T0);
+        let o = done(start(&p, &req(&p, "/search", Some("a")), &s, T0));
         let Verdict::Pass(h) = &o.verdict else {
             panic!()
         };
@@ -215,13 +493,18 @@ mod tests {
     }
 
     #[test]
-    fn unmatched_requests_pass_without_headers() {
+    fn unmatched_requests_pass_without_headers_or_counts() {
         let p = plan(
             r#"{"domain":"d","rules":[{"name":"u","match":{"path_prefix":"/upload"},"limits":[{"requests":1,"per":1}]}]}"#,
         );
-        let o = decide(&p, &req(&p, "/other", None), &MemoryStore::default(), T0);
+        let o = done(start(
+            &p,
+            &req(&p, "/other", None),
+            &MemoryStore::default(),
+            T0,
+        ));
         assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
-        assert_eq!(o.counts, [0; Metric::ALL.len()]);
+        assert_eq!(o.counts, Counts::default());
     }
 
     struct Broken;
@@ -237,12 +520,12 @@ mod tests {
     #[test]
     fn store_failure_takes_on_error() {
         let allow = plan(FIVE);
-        let o = decide(&allow, &req(&allow, "/", Some("a")), &Broken, T0);
+        let o = done(start(&allow, &req(&allow, "/", Some("a")), &Broken, T0));
         assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
-        assert_eq!(o.counts[Metric::Errors.index()], 1);
+        assert_eq!(o.counts.get(Metric::Errors), 1);
         assert_eq!(o.error, Some(LimitError::Store(StoreError(10))));
         let deny = plan(&FIVE.replace("\"domain\"", "\"on_error\":\"deny\",\"domain\""));
-        let o = decide(&deny, &req(&deny, "/", Some("a")), &Broken, T0);
+        let o = done(start(&deny, &req(&deny, "/", Some("a")), &Broken, T0));
         let Verdict::Reject {
             status, headers, ..
         } = o.verdict
@@ -250,5 +533,163 @@ mod tests {
             panic!()
         };
         assert_eq!((status, header(&headers, "retry-after")), (429, "1"));
+    }
+
+    fn global_plan(mode: &str) -> Plan {
+        plan(&format!(
+            r#"{{"domain":"d","global":{{"cluster":"gw","failure_mode":"{mode}","instances":2,
+                 "circuit":{{"failures":2,"cooldown_ms":3000}}}},
+               "rules":[{{"name":"local","key":["client"],"limits":[{{"requests":5,"per":"1h"}}]}},
+                        {{"name":"shared","scope":"global","key":["client"],"limits":[{{"requests":4,"per":"1m"}}]}}]}}"#
+        ))
+    }
+
+    fn gw(allowed: bool, remaining: u64) -> Vec<u8> {
+        serde_json::json!({"version":1,"allowed":allowed,"buckets":[{"limits":[
+            {"allowed":allowed,"remaining":remaining,"reset_ms":15000,"retry_after_ms": if allowed {0} else {15000}}]}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    /// The local bucket of client "a", seen through a plan without the global rule.
+    fn local_remaining(s: &MemoryStore) -> String {
+        let local = plan(
+            r#"{"domain":"d","rules":[{"name":"local","key":["client"],"limits":[{"requests":5,"per":"1h"}]}]}"#,
+        );
+        let o = done(start(&local, &req(&local, "/", Some("a")), s, T0));
+        let Verdict::Pass(h) = o.verdict else {
+            panic!()
+        };
+        header(&h, "x-ratelimit-remaining").to_string()
+    }
+
+    #[test]
+    fn global_answer_decides_and_the_tightest_limit_is_shown() {
+        let p = global_plan("local");
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+        assert_eq!(body["buckets"][0]["key"], "shared/c=a");
+        let o = finish(&p, pending, Some(b"200"), &gw(true, 1), SEC / 1000, &s, T0);
+        let Verdict::Pass(h) = &o.verdict else {
+            panic!("{o:?}")
+        };
+        assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=4;w=60");
+        assert_eq!(header(h, "x-ratelimit-remaining"), "1");
+        assert_eq!(o.counts.get(Metric::GlobalCalls), 1);
+    }
+
+    #[test]
+    fn global_denial_refunds_the_local_charge() {
+        let p = global_plan("local");
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
+        let Verdict::Reject {
+            status,
+            headers,
+            body,
+        } = &o.verdict
+        else {
+            panic!("{o:?}")
+        };
+        assert_eq!((*status, header(headers, "retry-after")), (429, "15"));
+        assert!(body.contains("[\"shared\"]"), "{body}");
+        // The local bucket was charged and refunded: the next local request sees 4 left of 5.
+        assert_eq!(local_remaining(&s), "4");
+    }
+
+    #[test]
+    fn a_local_denial_skips_the_callout() {
+        let p = global_plan("local");
+        let s = MemoryStore::default();
+        for _ in 0..5 {
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+            finish(&p, pending, Some(b"200"), &gw(true, 3), SEC / 1000, &s, T0);
+        }
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+        assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+    }
+
+    #[test]
+    fn failure_mode_open_allows_and_counts() {
+        let p = global_plan("open");
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let o = finish(
+            &p,
+            pending,
+            Some(b"200"),
+            b"<html>garbage",
+            SEC / 1000,
+            &s,
+            T0,
+        );
+        let Verdict::Pass(h) = &o.verdict else {
+            panic!("{o:?}")
+        };
+        assert_eq!(header(h, "ratelimit-policy"), "\"local\";q=5;w=3600");
+        assert_eq!(o.counts.get(Metric::FailOpen), 1);
+        assert_eq!(o.counts.get(Metric::GlobalFailures), 1);
+        assert!(matches!(o.gateway_error, Some(AnswerError::Garbled(_))));
+    }
+
+    #[test]
+    fn failure_mode_closed_answers_503_and_refunds() {
+        let p = global_plan("closed");
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let o = finish(&p, pending, None, b"", 50 * SEC / 1000, &s, T0);
+        let Verdict::Reject {
+            status,
+            headers,
+            body,
+        } = &o.verdict
+        else {
+            panic!("{o:?}")
+        };
+        assert_eq!((*status, header(headers, "retry-after")), (503, "3"));
+        assert!(body.contains("Service Unavailable"));
+        assert_eq!(local_remaining(&s), "4");
+    }
+
+    #[test]
+    fn failure_mode_local_uses_a_share_of_the_limit_then_the_circuit_opens_and_recovers() {
+        let p = global_plan("local");
+        let s = MemoryStore::default();
+        // Two failures: each decided locally at 4 / 2 instances = 2; the second opens the circuit.
+        for expected_left in ["1", "0"] {
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+            let o = finish(&p, pending, Some(b"503"), b"", SEC / 1000, &s, T0);
+            let Verdict::Pass(h) = &o.verdict else {
+                panic!("{o:?}")
+            };
+            assert_eq!(header(h, "x-ratelimit-remaining"), expected_left);
+            assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=2;w=60");
+        }
+        // Circuit open: no callout; the local share is spent, so 429 from the stand-in.
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0 + SEC));
+        let Verdict::Reject { status, body, .. } = &o.verdict else {
+            panic!("{o:?}")
+        };
+        assert_eq!(*status, 429);
+        assert!(body.contains("[\"shared\"]"));
+        assert_eq!(o.counts.get(Metric::CircuitOpenSkips), 1);
+        // After the cooldown one probe goes out; its success closes the circuit.
+        let probe = call(start(&p, &req(&p, "/", Some("b")), &s, T0 + 3 * SEC));
+        assert!(probe.probe);
+        let o = finish(
+            &p,
+            probe,
+            Some(b"200"),
+            &gw(true, 3),
+            SEC / 1000,
+            &s,
+            T0 + 3 * SEC,
+        );
+        assert_eq!(o.circuit, Transition::Closed);
+        let next = call(start(&p, &req(&p, "/", Some("b")), &s, T0 + 3 * SEC));
+        assert!(!next.probe);
     }
 }

@@ -3,14 +3,14 @@
 //! becomes a handled `Err`, never the SDK traits' `unwrap`.
 
 use crate::config;
-use crate::decide::{decide, Verdict};
+use crate::decide::{self, Outcome, Pending, Step, Verdict};
 use crate::metrics::Metric;
 use crate::plan::{Plan, KEY_PREFIX};
 use crate::request::RequestInfo;
 use crate::store::{SharedStore, StoreError, CREATE_ONLY};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use std::cell::Cell;
 use std::rc::Rc;
 use std::time::UNIX_EPOCH;
@@ -164,6 +164,7 @@ impl RootContext for Root {
             last_bad_input_log: self.last_bad_input_log.clone(),
             response_headers: Vec::new(),
             answered: false,
+            pending: None,
         }))
     }
 
@@ -180,9 +181,9 @@ struct Http {
     response_headers: Vec<(&'static str, String)>,
     /// The filter sent the response itself; it already carries the headers.
     answered: bool,
+    /// A callout in flight: its token, what it decides, and when it left.
+    pending: Option<(u32, Box<Pending>, u64)>,
 }
-
-impl Context for Http {}
 
 impl Http {
     fn read_request(plan: &Plan) -> RequestInfo {
@@ -207,20 +208,27 @@ impl Http {
     }
 }
 
-impl HttpContext for Http {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let Some(plan) = self.plan.clone() else {
-            return Action::Continue;
-        };
-        let req = Self::read_request(&plan);
-        let now = now_ns();
-        let outcome = decide(&plan, &req, &HostStore, now);
-        self.metrics.add_all(&outcome.counts);
-        if let Some(e) = outcome.error {
+impl Http {
+    fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
+        self.metrics.add_all(&outcome.counts.0);
+        if let Some(e) = &outcome.error {
             log::warn!(
                 "ratelimit-wasm: shared state failed, on_error={:?}: {e}",
                 plan.on_error
             );
+        }
+        if let Some(e) = &outcome.gateway_error {
+            let mode = plan.global.as_ref().map(|g| g.failure_mode);
+            log::warn!("ratelimit-wasm: gateway failed, failure_mode={mode:?}: {e}");
+        }
+        match outcome.circuit {
+            crate::circuit::Transition::Opened => {
+                log::warn!("ratelimit-wasm: circuit to the gateway opened")
+            }
+            crate::circuit::Transition::Closed => {
+                log::info!("ratelimit-wasm: circuit to the gateway closed")
+            }
+            crate::circuit::Transition::None => {}
         }
         if !outcome.bad_input.is_empty()
             && now.saturating_sub(self.last_bad_input_log.get()) >= BAD_INPUT_LOG_EVERY_NS
@@ -231,9 +239,18 @@ impl HttpContext for Http {
                 outcome.bad_input
             );
         }
-        match outcome.verdict {
+    }
+
+    /// Carries out a verdict; `paused` says whether the request waits for a resume.
+    fn carry_out(&mut self, verdict: Verdict, paused: bool) -> Action {
+        match verdict {
             Verdict::Pass(lines) => {
                 self.response_headers = lines;
+                if paused {
+                    if let Err(e) = hostcalls::resume_http_request() {
+                        log::warn!("ratelimit-wasm: could not resume the request: {e:?}");
+                    }
+                }
                 Action::Continue
             }
             Verdict::Reject {
@@ -251,6 +268,102 @@ impl HttpContext for Http {
                 }
                 Action::Pause
             }
+        }
+    }
+
+    /// Sends the check to the gateway; `None` when the callout could not even start.
+    fn dispatch(plan: &Plan, pending: &Pending) -> Option<u32> {
+        let g = plan.global.as_ref()?;
+        let headers = vec![
+            (":method", "POST"),
+            (":path", g.path.as_str()),
+            (":authority", g.authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = std::time::Duration::from_millis(g.timeout_ms);
+        match hostcalls::dispatch_http_call(
+            &g.cluster,
+            headers,
+            Some(&pending.body),
+            vec![],
+            timeout,
+        ) {
+            Ok(token) => Some(token),
+            Err(e) => {
+                log::warn!(
+                    "ratelimit-wasm: callout to cluster {:?} failed to start: {e:?}",
+                    g.cluster
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Context for Http {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(plan) = self.plan.clone() else {
+            return;
+        };
+        let Some((token, pending, sent_at)) = self.pending.take() else {
+            return;
+        };
+        if token != token_id {
+            log::warn!("ratelimit-wasm: answer for unknown callout {token_id}");
+            self.pending = Some((token, pending, sent_at));
+            return;
+        }
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let now = now_ns();
+        let outcome = decide::finish(
+            &plan,
+            *pending,
+            status.as_deref(),
+            &body,
+            now.saturating_sub(sent_at),
+            &HostStore,
+            now,
+        );
+        self.report(&plan, &outcome, now);
+        self.carry_out(outcome.verdict, true);
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        let req = Self::read_request(&plan);
+        let now = now_ns();
+        match decide::start(&plan, &req, &HostStore, now) {
+            Step::Done(outcome) => {
+                self.report(&plan, &outcome, now);
+                self.carry_out(outcome.verdict, false)
+            }
+            Step::Call(pending) => match Self::dispatch(&plan, &pending) {
+                Some(token) => {
+                    self.pending = Some((token, pending, now));
+                    Action::Pause
+                }
+                None => {
+                    let outcome = decide::finish(&plan, *pending, None, &[], 0, &HostStore, now);
+                    self.report(&plan, &outcome, now);
+                    self.carry_out(outcome.verdict, false)
+                }
+            },
         }
     }
 

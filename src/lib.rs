@@ -16,6 +16,8 @@
 #![warn(missing_docs)]
 
 pub mod algorithm;
+pub mod callout;
+pub mod circuit;
 pub mod config;
 pub mod decide;
 pub mod duration;

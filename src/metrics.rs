@@ -6,7 +6,7 @@
 pub enum Metric {
     /// Requests that matched a rule and were let through.
     Allowed,
-    /// Requests answered 429.
+    /// Requests the filter answered itself: 429, or 503 in `failure_mode: closed`.
     Denied,
     /// Compare-and-swap conflicts that forced a retry.
     CasRetries,
@@ -18,11 +18,27 @@ pub enum Metric {
     BadInput,
     /// Set values that could not be decoded and were reset.
     CorruptState,
+    /// Callouts made to the gateway.
+    GlobalCalls,
+    /// Callouts that failed: no answer, timeout, non-200, garbled or inconsistent.
+    GlobalFailures,
+    /// Requests let through without the gateway's word (`failure_mode: open`).
+    FailOpen,
+    /// Requests answered 503 because the gateway failed (`failure_mode: closed`).
+    FailClosed,
+    /// Global rules decided locally at `1/instances` of the limit (`failure_mode: local`).
+    FallbackLocal,
+    /// Times the circuit breaker opened.
+    CircuitOpened,
+    /// Requests that skipped the callout because the circuit was open.
+    CircuitOpenSkips,
+    /// Figures in gateway answers outside what the limit allows, clamped.
+    GatewayClamped,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 7] = [
+    pub const ALL: [Metric; 15] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -30,6 +46,14 @@ impl Metric {
         Metric::Evictions,
         Metric::BadInput,
         Metric::CorruptState,
+        Metric::GlobalCalls,
+        Metric::GlobalFailures,
+        Metric::FailOpen,
+        Metric::FailClosed,
+        Metric::FallbackLocal,
+        Metric::CircuitOpened,
+        Metric::CircuitOpenSkips,
+        Metric::GatewayClamped,
     ];
 
     /// The name given to Envoy.
@@ -42,6 +66,14 @@ impl Metric {
             Metric::Evictions => "ratelimit_wasm_bucket_evictions",
             Metric::BadInput => "ratelimit_wasm_bad_input",
             Metric::CorruptState => "ratelimit_wasm_corrupt_state",
+            Metric::GlobalCalls => "ratelimit_wasm_global_calls",
+            Metric::GlobalFailures => "ratelimit_wasm_global_failures",
+            Metric::FailOpen => "ratelimit_wasm_failure_mode_open",
+            Metric::FailClosed => "ratelimit_wasm_failure_mode_closed",
+            Metric::FallbackLocal => "ratelimit_wasm_failure_mode_local",
+            Metric::CircuitOpened => "ratelimit_wasm_circuit_opened",
+            Metric::CircuitOpenSkips => "ratelimit_wasm_circuit_open_skips",
+            Metric::GatewayClamped => "ratelimit_wasm_gateway_answer_clamped",
         }
     }
 

@@ -29,9 +29,42 @@ pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[
     serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":429}"))
 }
 
+/// Problem type of a 503: the generic one, since HTTP's status says it all.
+pub const UNAVAILABLE_TYPE: &str = "about:blank";
+
+#[derive(Serialize)]
+struct Unavailable<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: String,
+}
+
+/// The body of a 503 when the rate-limit service failed and `failure_mode` is `closed`.
+pub fn service_unavailable(retry_after_secs: u64) -> String {
+    let p = Unavailable {
+        kind: UNAVAILABLE_TYPE,
+        title: "Service Unavailable",
+        status: 503,
+        detail: format!("Rate limit service unavailable. Retry after {retry_after_secs} seconds."),
+    };
+    serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":503}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unavailable_body() {
+        let v: serde_json::Value = serde_json::from_str(&service_unavailable(2)).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"type":"about:blank","title":"Service Unavailable","status":503,
+                "detail":"Rate limit service unavailable. Retry after 2 seconds."})
+        );
+    }
 
     #[test]
     fn body_has_every_field() {

@@ -1,0 +1,314 @@
+//! The gateway protocol, filter side: the `POST /v1/check` body for a
+//! request's global buckets, and a distrustful reading of the answer.
+
+use crate::limiter::Report;
+use crate::plan::{GlobalBucket, Plan};
+use crate::token_bucket::Check;
+use serde::{Deserialize, Serialize};
+
+/// Protocol version spoken by this filter.
+pub const VERSION: u32 = 1;
+
+#[derive(Serialize)]
+struct CheckRequest<'a> {
+    version: u32,
+    domain: &'a str,
+    cost: u64,
+    buckets: Vec<RequestBucket<'a>>,
+}
+
+#[derive(Serialize)]
+struct RequestBucket<'a> {
+    key: &'a str,
+    tag: &'a str,
+    limits: Vec<RequestLimit>,
+}
+
+#[derive(Serialize)]
+struct RequestLimit {
+    requests: u64,
+    window_ms: u64,
+    algorithm: &'static str,
+}
+
+/// The JSON body asking the gateway to check and charge `cost` in every bucket.
+pub fn encode_request(plan: &Plan, cost: u64, global: &[GlobalBucket]) -> Vec<u8> {
+    let buckets = global
+        .iter()
+        .filter_map(|g| {
+            let rule = plan.rules.get(g.rule)?;
+            Some(RequestBucket {
+                key: &g.key,
+                tag: &g.tag,
+                limits: rule
+                    .limits
+                    .iter()
+                    .map(|(l, secs)| RequestLimit {
+                        requests: l.capacity,
+                        window_ms: secs * 1000,
+                        algorithm: rule.algorithm.name(),
+                    })
+                    .collect(),
+            })
+        })
+        .collect();
+    let body = CheckRequest {
+        version: VERSION,
+        domain: &plan.domain,
+        cost,
+        buckets,
+    };
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+#[derive(Deserialize)]
+struct CheckAnswer {
+    version: u32,
+    allowed: bool,
+    buckets: Vec<AnswerBucket>,
+}
+
+#[derive(Deserialize)]
+struct AnswerBucket {
+    limits: Vec<AnswerLimit>,
+}
+
+#[derive(Deserialize)]
+struct AnswerLimit {
+    allowed: bool,
+    remaining: f64,
+    reset_ms: f64,
+    retry_after_ms: f64,
+}
+
+/// Why an answer was not usable; each is a gateway failure for the failure mode.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AnswerError {
+    /// No answer: timeout, reset, or the cluster is unknown.
+    NoAnswer,
+    /// An HTTP status other than 200.
+    Status(String),
+    /// The body is not the expected JSON.
+    Garbled(String),
+    /// Another protocol version.
+    Version(u32),
+    /// Buckets or limits do not line up with what was asked, or `allowed` contradicts them.
+    Inconsistent(String),
+}
+
+impl std::fmt::Display for AnswerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            AnswerError::NoAnswer => write!(f, "no answer (timeout or connection failure)"),
+            AnswerError::Status(s) => write!(f, "HTTP status {s}"),
+            AnswerError::Garbled(e) => write!(f, "unreadable answer: {e}"),
+            AnswerError::Version(v) => write!(f, "protocol version {v}, expected {VERSION}"),
+            AnswerError::Inconsistent(e) => write!(f, "inconsistent answer: {e}"),
+        }
+    }
+}
+
+/// A usable answer: one report per limit of every global bucket, and how many
+/// figures were out of range and clamped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// Reports, in the order of the request's global buckets and their limits.
+    pub reports: Vec<Report>,
+    /// Figures outside what the limit allows, clamped.
+    pub clamped: u64,
+}
+
+const MS: u64 = 1_000_000;
+
+/// Reads the gateway's answer to a request for `global`. Figures are clamped to
+/// what the configured limit makes possible: remaining within 0..=requests,
+/// waits within two windows.
+pub fn parse_answer(
+    plan: &Plan,
+    global: &[GlobalBucket],
+    status: Option<&[u8]>,
+    body: &[u8],
+) -> Result<Answer, AnswerError> {
+    match status {
+        None => return Err(AnswerError::NoAnswer),
+        Some(b"200") => {}
+        Some(other) => {
+            return Err(AnswerError::Status(
+                String::from_utf8_lossy(other).into_owned(),
+            ))
+        }
+    }
+    let answer: CheckAnswer =
+        serde_json::from_slice(body).map_err(|e| AnswerError::Garbled(e.to_string()))?;
+    if answer.version != VERSION {
+        return Err(AnswerError::Version(answer.version));
+    }
+    if answer.buckets.len() != global.len() {
+        return Err(AnswerError::Inconsistent(format!(
+            "{} buckets for {} asked",
+            answer.buckets.len(),
+            global.len()
+        )));
+    }
+    let mut reports = Vec::new();
+    let mut clamped = 0;
+    let mut all_allowed = true;
+    for (asked, got) in global.iter().zip(&answer.buckets) {
+        let rule = plan
+            .rules
+            .get(asked.rule)
+            .ok_or_else(|| AnswerError::Inconsistent("unknown rule".into()))?;
+        if got.limits.len() != rule.limits.len() {
+            return Err(AnswerError::Inconsistent(format!(
+                "{} limits for rule {:?} with {}",
+                got.limits.len(),
+                rule.name,
+                rule.limits.len()
+            )));
+        }
+        for (i, ((limit, _), l)) in rule.limits.iter().zip(&got.limits).enumerate() {
+            let window_ms = limit.period_ns / MS;
+            let mut clamp = |v: f64, max: u64| -> u64 {
+                if !v.is_finite() || v < 0.0 || v > max as f64 {
+                    clamped += 1;
+                }
+                if v.is_finite() && v > 0.0 {
+                    (v as u64).min(max)
+                } else {
+                    0
+                }
+            };
+            let remaining = clamp(l.remaining, limit.capacity);
+            let reset_ms = clamp(l.reset_ms, 2 * window_ms);
+            let mut retry_ms = clamp(l.retry_after_ms, 2 * window_ms);
+            if !l.allowed && retry_ms == 0 {
+                retry_ms = 1;
+            }
+            all_allowed &= l.allowed;
+            reports.push(Report {
+                rule: asked.rule,
+                limit: i,
+                check: Check {
+                    allowed: l.allowed,
+                    new_state: 0,
+                    remaining,
+                    reset_ns: reset_ms * MS,
+                    retry_after_ns: if l.allowed { 0 } else { retry_ms * MS },
+                },
+            });
+        }
+    }
+    if answer.allowed != all_allowed {
+        return Err(AnswerError::Inconsistent(format!(
+            "allowed is {} but the limits say {all_allowed}",
+            answer.allowed
+        )));
+    }
+    Ok(Answer { reports, clamped })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config;
+    use crate::request::RequestInfo;
+
+    fn setup() -> (Plan, Vec<GlobalBucket>) {
+        let json = r#"{"domain":"demo","global":{"cluster":"gw"},"rules":[
+            {"name":"g","scope":"global","key":["client"],"limits":[{"requests":10,"per":"1m"},{"requests":2,"per":"1s"}]}]}"#;
+        let plan = Plan::compile(&config::parse(json.as_bytes()).unwrap(), [0; 16]);
+        let headers = plan
+            .header_names
+            .iter()
+            .map(|n| match n.as_str() {
+                ":path" => Some(b"/".to_vec()),
+                "x-client-id" => Some(b"alice".to_vec()),
+                _ => None,
+            })
+            .collect();
+        let eval = plan.evaluate(&RequestInfo {
+            headers,
+            source_address: None,
+        });
+        (plan, eval.global)
+    }
+
+    #[test]
+    fn request_names_keys_limits_and_cost() {
+        let (plan, global) = setup();
+        let body: serde_json::Value =
+            serde_json::from_slice(&encode_request(&plan, 3, &global)).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"version":1,"domain":"demo","cost":3,"buckets":[{"key":"g/c=alice","tag":"c=alice","limits":[
+                {"requests":10,"window_ms":60000,"algorithm":"token_bucket"},
+                {"requests":2,"window_ms":1000,"algorithm":"token_bucket"}]}]})
+        );
+    }
+
+    fn answer(body: serde_json::Value) -> Result<Answer, AnswerError> {
+        let (plan, global) = setup();
+        parse_answer(&plan, &global, Some(b"200"), body.to_string().as_bytes())
+    }
+
+    #[test]
+    fn good_answers_become_reports() {
+        let a = answer(
+            serde_json::json!({"version":1,"allowed":false,"buckets":[{"limits":[
+            {"allowed":true,"remaining":7,"reset_ms":18000,"retry_after_ms":0},
+            {"allowed":false,"remaining":0,"reset_ms":1000,"retry_after_ms":400}]}]}),
+        )
+        .unwrap();
+        assert_eq!(a.clamped, 0);
+        assert_eq!(a.reports.len(), 2);
+        assert_eq!(a.reports[1].check.retry_after_ns, 400 * MS);
+        assert_eq!(a.reports[0].check.remaining, 7);
+    }
+
+    #[test]
+    fn out_of_range_figures_are_clamped_and_counted() {
+        let a = answer(
+            serde_json::json!({"version":1,"allowed":true,"buckets":[{"limits":[
+            {"allowed":true,"remaining":1e12,"reset_ms":-5,"retry_after_ms":0},
+            {"allowed":true,"remaining":-3,"reset_ms":99999999,"retry_after_ms":0}]}]}),
+        )
+        .unwrap();
+        assert_eq!(a.clamped, 4);
+        assert_eq!(a.reports[0].check.remaining, 10);
+        assert_eq!(a.reports[1].check.remaining, 0);
+        assert_eq!(a.reports[1].check.reset_ns, 2000 * MS);
+    }
+
+    #[test]
+    fn bad_answers_are_errors_not_panics() {
+        let (plan, global) = setup();
+        assert_eq!(
+            parse_answer(&plan, &global, None, b""),
+            Err(AnswerError::NoAnswer)
+        );
+        assert_eq!(
+            parse_answer(&plan, &global, Some(b"503"), b"{}"),
+            Err(AnswerError::Status("503".into()))
+        );
+        assert!(matches!(
+            parse_answer(&plan, &global, Some(b"200"), b"\xff garbage"),
+            Err(AnswerError::Garbled(_))
+        ));
+        assert_eq!(
+            answer(serde_json::json!({"version":2,"allowed":true,"buckets":[]})),
+            Err(AnswerError::Version(2))
+        );
+        assert!(matches!(
+            answer(serde_json::json!({"version":1,"allowed":true,"buckets":[]})),
+            Err(AnswerError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            answer(
+                serde_json::json!({"version":1,"allowed":true,"buckets":[{"limits":[
+                {"allowed":false,"remaining":0,"reset_ms":1,"retry_after_ms":1},
+                {"allowed":true,"remaining":0,"reset_ms":1,"retry_after_ms":0}]}]})
+            ),
+            Err(AnswerError::Inconsistent(_))
+        ));
+    }
+}

@@ -1,0 +1,293 @@
+//! The circuit breaker in front of the gateway, shared by every worker through
+//! shared data: after `failures` consecutive failures (or slow answers) it
+//! opens for `cooldown_ms`, then lets one probe through (half-open) and closes
+//! again when the probe succeeds.
+
+use crate::config::Circuit;
+use crate::store::{SharedStore, CREATE_ONLY};
+
+const MS: u64 = 1_000_000;
+const ATTEMPTS: usize = 8;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct State {
+    failures: u32,
+    slow: u32,
+    open_until_ns: u64,
+    probe_until_ns: u64,
+}
+
+impl State {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(24);
+        out.extend_from_slice(&self.failures.to_le_bytes());
+        out.extend_from_slice(&self.slow.to_le_bytes());
+        out.extend_from_slice(&self.open_until_ns.to_le_bytes());
+        out.extend_from_slice(&self.probe_until_ns.to_le_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> State {
+        let u32_at = |i: usize| {
+            bytes
+                .get(i..i + 4)
+                .and_then(|b| b.try_into().ok())
+                .map_or(0, u32::from_le_bytes)
+        };
+        let u64_at = |i: usize| {
+            bytes
+                .get(i..i + 8)
+                .and_then(|b| b.try_into().ok())
+                .map_or(0, u64::from_le_bytes)
+        };
+        State {
+            failures: u32_at(0),
+            slow: u32_at(4),
+            open_until_ns: u64_at(8),
+            probe_until_ns: u64_at(16),
+        }
+    }
+}
+
+/// Whether to call the gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// Closed: call.
+    Call,
+    /// Half-open: this request is the one probe.
+    Probe,
+    /// Open: do not call; apply the failure mode.
+    Open,
+}
+
+/// How a callout went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallResult {
+    /// A usable answer, after this long.
+    Answered {
+        /// Time from dispatch to answer.
+        latency_ns: u64,
+    },
+    /// No usable answer.
+    Failed,
+}
+
+/// A change of the breaker's state, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// Nothing changed state.
+    None,
+    /// The breaker opened.
+    Opened,
+    /// The breaker closed.
+    Closed,
+}
+
+fn read(store: &impl SharedStore, key: &str) -> Option<(State, u32)> {
+    match store.get(key) {
+        Ok(Some((bytes, cas))) => Some((State::decode(&bytes), cas)),
+        Ok(None) => Some((State::default(), CREATE_ONLY)),
+        Err(_) => None,
+    }
+}
+
+/// Decides whether this request may call the gateway.
+pub fn gate(store: &impl SharedStore, key: &str, timeout_ms: u64, now_ns: u64) -> Gate {
+    for _ in 0..ATTEMPTS {
+        let Some((state, cas)) = read(store, key) else {
+            return Gate::Call;
+        };
+        if state.open_until_ns == 0 {
+            return Gate::Call;
+        }
+        if now_ns < state.open_until_ns || now_ns < state.probe_until_ns {
+            return Gate::Open;
+        }
+        // Cooldown over and no probe in flight: claim the probe.
+        let claimed = State {
+            probe_until_ns: now_ns
+                .saturating_add(timeout_ms.saturating_mul(MS))
+                .saturating_add(100 * MS),
+            ..state
+        };
+        match store.compare_and_set(key, &claimed.encode(), cas) {
+            Ok(true) => return Gate::Probe,
+            Ok(false) => continue,
+            Err(_) => return Gate::Call,
+        }
+    }
+    Gate::Open
+}
+
+/// Records a callout's result and opens or closes the breaker.
+pub fn record(
+    store: &impl SharedStore,
+    key: &str,
+    cfg: &Circuit,
+    now_ns: u64,
+    result: CallResult,
+    probe: bool,
+) -> Transition {
+    for _ in 0..ATTEMPTS {
+        let Some((state, cas)) = read(store, key) else {
+            return Transition::None;
+        };
+        let was_open = state.open_until_ns != 0;
+        let slow = match result {
+            CallResult::Answered { latency_ns } => {
+                cfg.latency_ms > 0 && latency_ns > cfg.latency_ms.saturating_mul(MS)
+            }
+            CallResult::Failed => false,
+        };
+        let mut next = state;
+        match result {
+            CallResult::Answered { .. } if !slow => next = State::default(),
+            CallResult::Answered { .. } => {
+                next.failures = 0;
+                next.slow = state.slow.saturating_add(1);
+            }
+            CallResult::Failed => {
+                next.slow = 0;
+                next.failures = state.failures.saturating_add(1);
+            }
+        }
+        let trips = !matches!(result, CallResult::Answered { .. } if !slow)
+            && (probe || next.failures >= cfg.failures || next.slow >= cfg.failures);
+        if trips {
+            next = State {
+                open_until_ns: now_ns.saturating_add(cfg.cooldown_ms.saturating_mul(MS)),
+                ..State::default()
+            };
+        } else if was_open && !probe {
+            // A late answer to a call made before the breaker opened changes nothing.
+            return Transition::None;
+        }
+        if next == state {
+            return Transition::None;
+        }
+        match store.compare_and_set(key, &next.encode(), cas) {
+            Ok(true) => {
+                return match (trips, was_open) {
+                    (true, _) => Transition::Opened,
+                    (false, true) => Transition::Closed,
+                    (false, false) => Transition::None,
+                }
+            }
+            Ok(false) => continue,
+            Err(_) => return Transition::None,
+        }
+    }
+    Transition::None
+}
+
+/// How long clients should wait while the breaker is open, in whole seconds.
+pub fn retry_after_secs(cfg: &Circuit) -> u64 {
+    cfg.cooldown_ms.div_ceil(1000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    const K: &str = "c";
+    fn cfg() -> Circuit {
+        Circuit {
+            failures: 3,
+            latency_ms: 5,
+            cooldown_ms: 2000,
+        }
+    }
+
+    #[test]
+    fn opens_after_consecutive_failures_then_probes_and_closes() {
+        let s = MemoryStore::default();
+        let c = cfg();
+        let t = 1_000 * 1_000 * MS;
+        for i in 0..2 {
+            assert_eq!(gate(&s, K, 50, t), Gate::Call);
+            assert_eq!(
+                record(&s, K, &c, t + i, CallResult::Failed, false),
+                Transition::None
+            );
+        }
+        // A success in between resets the count.
+        record(&s, K, &c, t, CallResult::Answered { latency_ns: MS }, false);
+        for _ in 0..2 {
+            record(&s, K, &c, t, CallResult::Failed, false);
+        }
+        assert_eq!(gate(&s, K, 50, t), Gate::Call);
+        assert_eq!(
+            record(&s, K, &c, t, CallResult::Failed, false),
+            Transition::Opened
+        );
+        assert_eq!(gate(&s, K, 50, t + 1999 * MS), Gate::Open);
+        // After the cooldown exactly one probe goes through.
+        assert_eq!(gate(&s, K, 50, t + 2000 * MS), Gate::Probe);
+        assert_eq!(gate(&s, K, 50, t + 2001 * MS), Gate::Open);
+        assert_eq!(
+            record(
+                &s,
+                K,
+                &c,
+                t + 2010 * MS,
+                CallResult::Answered { latency_ns: MS },
+                true
+            ),
+            Transition::Closed
+        );
+        assert_eq!(gate(&s, K, 50, t + 2011 * MS), Gate::Call);
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_slow_answers_count() {
+        let s = MemoryStore::default();
+        let c = cfg();
+        let t = 5_000 * 1_000 * MS;
+        for _ in 0..3 {
+            record(
+                &s,
+                K,
+                &c,
+                t,
+                CallResult::Answered { latency_ns: 6 * MS },
+                false,
+            );
+        }
+        assert_eq!(gate(&s, K, 50, t), Gate::Open);
+        let later = t + 2000 * MS;
+        assert_eq!(gate(&s, K, 50, later), Gate::Probe);
+        assert_eq!(
+            record(&s, K, &c, later, CallResult::Failed, true),
+            Transition::Opened
+        );
+        assert_eq!(gate(&s, K, 50, later + 1999 * MS), Gate::Open);
+        // A probe lost without an answer frees the slot after its timeout.
+        assert_eq!(gate(&s, K, 50, later + 2000 * MS), Gate::Probe);
+        assert_eq!(gate(&s, K, 50, later + 2100 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, 50, later + 2151 * MS), Gate::Probe);
+    }
+
+    #[test]
+    fn latency_trigger_off_when_zero() {
+        let s = MemoryStore::default();
+        let c = Circuit {
+            latency_ms: 0,
+            ..cfg()
+        };
+        for _ in 0..10 {
+            record(
+                &s,
+                K,
+                &c,
+                1,
+                CallResult::Answered {
+                    latency_ns: 999 * MS,
+                },
+                false,
+            );
+        }
+        assert_eq!(gate(&s, K, 50, 2), Gate::Call);
+        assert_eq!(s.len(), 0, "healthy calls write nothing");
+    }
+}
