@@ -2,7 +2,7 @@
 //! request's global buckets, and a distrustful reading of the answer.
 
 use crate::limiter::Report;
-use crate::plan::{GlobalBucket, Plan};
+use crate::plan::{GlobalBucket, Plan, QuotaBucket};
 use crate::token_bucket::Check;
 use serde::{Deserialize, Serialize};
 
@@ -15,13 +15,25 @@ struct CheckRequest<'a> {
     domain: &'a str,
     cost: u64,
     buckets: Vec<RequestBucket<'a>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    quotas: Vec<RequestQuota<'a>>,
 }
 
 #[derive(Serialize)]
 struct RequestBucket<'a> {
     key: &'a str,
     tag: &'a str,
+    cost: u64,
     limits: Vec<RequestLimit>,
+}
+
+#[derive(Serialize)]
+struct RequestQuota<'a> {
+    key: &'a str,
+    tag: &'a str,
+    limit: u64,
+    period: &'static str,
+    amount: u64,
 }
 
 #[derive(Serialize)]
@@ -31,8 +43,14 @@ struct RequestLimit {
     algorithm: &'static str,
 }
 
-/// The JSON body asking the gateway to check and charge `cost` in every bucket.
-pub fn encode_request(plan: &Plan, cost: u64, global: &[GlobalBucket]) -> Vec<u8> {
+/// The JSON body asking the gateway to check and charge every bucket at its
+/// cost, and every quota by its amount, all or nothing.
+pub fn encode_request(
+    plan: &Plan,
+    cost: u64,
+    global: &[GlobalBucket],
+    quotas: &[QuotaBucket],
+) -> Vec<u8> {
     let buckets = global
         .iter()
         .filter_map(|g| {
@@ -40,8 +58,9 @@ pub fn encode_request(plan: &Plan, cost: u64, global: &[GlobalBucket]) -> Vec<u8
             Some(RequestBucket {
                 key: &g.key,
                 tag: &g.tag,
+                cost: g.cost,
                 limits: rule
-                    .limits
+                    .limits(g.variant)
                     .iter()
                     .map(|(l, secs)| RequestLimit {
                         requests: l.capacity,
@@ -52,11 +71,25 @@ pub fn encode_request(plan: &Plan, cost: u64, global: &[GlobalBucket]) -> Vec<u8
             })
         })
         .collect();
+    let quotas = quotas
+        .iter()
+        .filter_map(|q| {
+            let quota = plan.quotas.get(q.quota)?;
+            Some(RequestQuota {
+                key: &q.key,
+                tag: &q.tag,
+                limit: q.limit,
+                period: quota.period.name(),
+                amount: q.amount,
+            })
+        })
+        .collect();
     let body = CheckRequest {
         version: VERSION,
         domain: &plan.domain,
         cost,
         buckets,
+        quotas,
     };
     serde_json::to_vec(&body).unwrap_or_default()
 }
@@ -66,6 +99,15 @@ struct CheckAnswer {
     version: u32,
     allowed: bool,
     buckets: Vec<AnswerBucket>,
+    #[serde(default)]
+    quotas: Vec<AnswerQuota>,
+}
+
+#[derive(Deserialize)]
+struct AnswerQuota {
+    allowed: bool,
+    remaining: f64,
+    reset_ms: f64,
 }
 
 #[derive(Deserialize)]
@@ -108,14 +150,43 @@ impl std::fmt::Display for AnswerError {
     }
 }
 
-/// A usable answer: one report per limit of every global bucket, and how many
-/// figures were out of range and clamped.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One quota's state after the check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaReport {
+    /// Index into [`Plan::quotas`].
+    pub quota: usize,
+    /// The request fits in the quota.
+    pub allowed: bool,
+    /// Amount left in the period.
+    pub remaining: u64,
+    /// Milliseconds until the period ends.
+    pub reset_ms: u64,
+}
+
+/// A usable answer: one report per limit of every global bucket, one per
+/// quota, and how many figures were out of range and clamped.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Answer {
     /// Reports, in the order of the request's global buckets and their limits.
     pub reports: Vec<Report>,
+    /// Quota reports, in the order of the request's quotas.
+    pub quotas: Vec<QuotaReport>,
     /// Figures outside what the limit allows, clamped.
     pub clamped: u64,
+}
+
+/// Longest calendar period (a 31-day month), for clamping quota resets.
+const MAX_PERIOD_MS: u64 = 31 * 86_400_000;
+
+fn clamp(v: f64, max: u64, clamped: &mut u64) -> u64 {
+    if !v.is_finite() || v < 0.0 || v > max as f64 {
+        *clamped += 1;
+    }
+    if v.is_finite() && v > 0.0 {
+        (v as u64).min(max)
+    } else {
+        0
+    }
 }
 
 const MS: u64 = 1_000_000;
@@ -126,6 +197,7 @@ const MS: u64 = 1_000_000;
 pub fn parse_answer(
     plan: &Plan,
     global: &[GlobalBucket],
+    quotas: &[QuotaBucket],
     status: Option<&[u8]>,
     body: &[u8],
 ) -> Result<Answer, AnswerError> {
@@ -158,36 +230,30 @@ pub fn parse_answer(
             .rules
             .get(asked.rule)
             .ok_or_else(|| AnswerError::Inconsistent("unknown rule".into()))?;
-        if got.limits.len() != rule.limits.len() {
+        let limits = rule.limits(asked.variant);
+        if got.limits.len() != limits.len() {
             return Err(AnswerError::Inconsistent(format!(
                 "{} limits for rule {:?} with {}",
                 got.limits.len(),
                 rule.name,
-                rule.limits.len()
+                limits.len()
             )));
         }
-        for (i, ((limit, _), l)) in rule.limits.iter().zip(&got.limits).enumerate() {
+        for (i, ((limit, _), l)) in limits.iter().zip(&got.limits).enumerate() {
             let window_ms = limit.period_ns / MS;
-            let mut clamp = |v: f64, max: u64| -> u64 {
-                if !v.is_finite() || v < 0.0 || v > max as f64 {
-                    clamped += 1;
-                }
-                if v.is_finite() && v > 0.0 {
-                    (v as u64).min(max)
-                } else {
-                    0
-                }
-            };
-            let remaining = clamp(l.remaining, limit.capacity);
-            let reset_ms = clamp(l.reset_ms, 2 * window_ms);
-            let mut retry_ms = clamp(l.retry_after_ms, 2 * window_ms);
+            let remaining = clamp(l.remaining, limit.capacity, &mut clamped);
+            let reset_ms = clamp(l.reset_ms, 2 * window_ms, &mut clamped);
+            let mut retry_ms = clamp(l.retry_after_ms, 2 * window_ms, &mut clamped);
             if !l.allowed && retry_ms == 0 {
                 retry_ms = 1;
             }
             all_allowed &= l.allowed;
             reports.push(Report {
                 rule: asked.rule,
+                variant: asked.variant,
                 limit: i,
+                used_share: 0.0,
+                blocked: false,
                 check: Check {
                     allowed: l.allowed,
                     new_state: 0,
@@ -198,13 +264,37 @@ pub fn parse_answer(
             });
         }
     }
+    if answer.quotas.len() != quotas.len() {
+        return Err(AnswerError::Inconsistent(format!(
+            "{} quotas for {} asked",
+            answer.quotas.len(),
+            quotas.len()
+        )));
+    }
+    let quota_reports: Vec<QuotaReport> = quotas
+        .iter()
+        .zip(&answer.quotas)
+        .map(|(asked, got)| {
+            all_allowed &= got.allowed;
+            QuotaReport {
+                quota: asked.quota,
+                allowed: got.allowed,
+                remaining: clamp(got.remaining, asked.limit, &mut clamped),
+                reset_ms: clamp(got.reset_ms, MAX_PERIOD_MS, &mut clamped),
+            }
+        })
+        .collect();
     if answer.allowed != all_allowed {
         return Err(AnswerError::Inconsistent(format!(
             "allowed is {} but the limits say {all_allowed}",
             answer.allowed
         )));
     }
-    Ok(Answer { reports, clamped })
+    Ok(Answer {
+        reports,
+        quotas: quota_reports,
+        clamped,
+    })
 }
 
 #[cfg(test)]
@@ -228,7 +318,7 @@ mod tests {
             .collect();
         let eval = plan.evaluate(&RequestInfo {
             headers,
-            source_address: None,
+            ..RequestInfo::default()
         });
         (plan, eval.global)
     }
@@ -237,10 +327,10 @@ mod tests {
     fn request_names_keys_limits_and_cost() {
         let (plan, global) = setup();
         let body: serde_json::Value =
-            serde_json::from_slice(&encode_request(&plan, 3, &global)).unwrap();
+            serde_json::from_slice(&encode_request(&plan, 1, &global, &[])).unwrap();
         assert_eq!(
             body,
-            serde_json::json!({"version":1,"domain":"demo","cost":3,"buckets":[{"key":"g/c=alice","tag":"c=alice","limits":[
+            serde_json::json!({"version":1,"domain":"demo","cost":1,"buckets":[{"key":"g/c=alice","tag":"c=alice","cost":1,"limits":[
                 {"requests":10,"window_ms":60000,"algorithm":"token_bucket"},
                 {"requests":2,"window_ms":1000,"algorithm":"token_bucket"}]}]})
         );
@@ -248,7 +338,13 @@ mod tests {
 
     fn answer(body: serde_json::Value) -> Result<Answer, AnswerError> {
         let (plan, global) = setup();
-        parse_answer(&plan, &global, Some(b"200"), body.to_string().as_bytes())
+        parse_answer(
+            &plan,
+            &global,
+            &[],
+            Some(b"200"),
+            body.to_string().as_bytes(),
+        )
     }
 
     #[test]
@@ -283,15 +379,15 @@ mod tests {
     fn bad_answers_are_errors_not_panics() {
         let (plan, global) = setup();
         assert_eq!(
-            parse_answer(&plan, &global, None, b""),
+            parse_answer(&plan, &global, &[], None, b""),
             Err(AnswerError::NoAnswer)
         );
         assert_eq!(
-            parse_answer(&plan, &global, Some(b"503"), b"{}"),
+            parse_answer(&plan, &global, &[], Some(b"503"), b"{}"),
             Err(AnswerError::Status("503".into()))
         );
         assert!(matches!(
-            parse_answer(&plan, &global, Some(b"200"), b"\xff garbage"),
+            parse_answer(&plan, &global, &[], Some(b"200"), b"\xff garbage"),
             Err(AnswerError::Garbled(_))
         ));
         assert_eq!(

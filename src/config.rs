@@ -91,6 +91,12 @@ pub struct Config {
     /// The gateway that decides `"scope": "global"` rules; required when any rule is global.
     #[serde(default)]
     pub global: Option<Global>,
+    /// Named tiers; clients get one from their credential, the static map or `identity.default_tier`.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, TierSpec>,
+    /// Commercial quotas, kept by the gateway.
+    #[serde(default)]
+    pub quotas: Vec<QuotaSpec>,
 }
 
 /// Where a rule is decided.
@@ -201,6 +207,22 @@ pub struct Identity {
     /// How many proxies in front append to `X-Forwarded-For`; 0 uses the peer address.
     #[serde(default)]
     pub trusted_proxy_hops: u32,
+    /// Path under Envoy's `metadata.filter_metadata` holding the authenticated
+    /// client id; when set, `client_id_header` is not consulted.
+    #[serde(default)]
+    pub client_id_metadata: Option<Vec<String>>,
+    /// Path under `metadata.filter_metadata` holding the client's tier.
+    #[serde(default)]
+    pub tier_metadata: Option<Vec<String>>,
+    /// Header holding the client's tier (only safe when the layer in front overwrites it).
+    #[serde(default)]
+    pub tier_header: Option<String>,
+    /// Tier of clients whose tier is not known otherwise; required when `tiers` is set.
+    #[serde(default)]
+    pub default_tier: Option<String>,
+    /// Static per-client settings, by client id.
+    #[serde(default)]
+    pub clients: BTreeMap<String, ClientSpec>,
 }
 
 impl Default for Identity {
@@ -208,12 +230,150 @@ impl Default for Identity {
         Identity {
             client_id_header: default_client_header(),
             trusted_proxy_hops: 0,
+            client_id_metadata: None,
+            tier_metadata: None,
+            tier_header: None,
+            default_tier: None,
+            clients: BTreeMap::new(),
         }
     }
 }
 
 fn default_client_header() -> String {
     "x-client-id".into()
+}
+
+/// Settings for one known client.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientSpec {
+    /// The client's tier, over any tier its credential claims.
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Never limited.
+    #[serde(default)]
+    pub unlimited: bool,
+    /// Never rejected: every rule acts as `"mode": "shadow"` for this client.
+    #[serde(default)]
+    pub soft: bool,
+    /// Limits that supersede the tier's, by rule name.
+    #[serde(default)]
+    pub limits: BTreeMap<String, Vec<LimitSpec>>,
+    /// Quota amounts that supersede the tier's, by quota name.
+    #[serde(default)]
+    pub quotas: BTreeMap<String, u64>,
+}
+
+/// A tier's settings.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierSpec {
+    /// Clients of this tier are never limited.
+    #[serde(default)]
+    pub unlimited: bool,
+}
+
+/// Whether a rule rejects.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Deny over the limit.
+    #[default]
+    Enforce,
+    /// Count, log and add headers, never reject.
+    Shadow,
+}
+
+/// Graduated response: warn, then delay, then reject, then block.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Graduated {
+    /// Share of the limit used from which a warning header is added.
+    #[serde(default)]
+    pub warn_at: Option<f64>,
+    /// Share of the limit beyond which each request is held `delay_ms`.
+    #[serde(default)]
+    pub delay_at: Option<f64>,
+    /// How long a delayed request is held.
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
+    /// Share of the limit beyond which requests get 429.
+    #[serde(default = "default_reject_at")]
+    pub reject_at: f64,
+    /// Share of the limit that the client's demand (denied requests included) may reach before a block.
+    #[serde(default)]
+    pub block_at: Option<f64>,
+    /// How long a block lasts.
+    #[serde(default)]
+    pub block_for: Option<Seconds>,
+}
+
+fn default_reject_at() -> f64 {
+    1.0
+}
+
+/// Calendar period of a quota, in UTC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Period {
+    /// A clock minute (for tests and trials).
+    Minute,
+    /// A clock hour.
+    Hour,
+    /// A UTC day.
+    Day,
+    /// A UTC calendar month.
+    Month,
+}
+
+impl Period {
+    /// The name on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Period::Minute => "minute",
+            Period::Hour => "hour",
+            Period::Day => "day",
+            Period::Month => "month",
+        }
+    }
+}
+
+/// What a quota counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QuotaCount {
+    /// Each request counts 1.
+    #[default]
+    Requests,
+    /// Each request counts its cost.
+    Cost,
+}
+
+/// A commercial quota kept by the gateway.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSpec {
+    /// Name, reported in the 403 body.
+    pub name: String,
+    /// Which requests count; absent means all.
+    #[serde(default, rename = "match")]
+    pub matches: Option<Match>,
+    /// Parts of the quota's key, as for rules.
+    #[serde(default)]
+    pub key: Vec<String>,
+    /// Calendar period.
+    pub period: Period,
+    /// Amount per period by tier.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, u64>,
+    /// Amount for tiers not listed (absent: those tiers have no quota).
+    #[serde(default)]
+    pub limit: Option<u64>,
+    /// Where clients can buy more; in the 403 body and a `Link` header.
+    pub upgrade_url: String,
+    /// What counts.
+    #[serde(default)]
+    pub count: QuotaCount,
 }
 
 /// One rule: which requests, keyed how, limited to what.
@@ -228,14 +388,27 @@ pub struct Rule {
     /// Parts of the bucket key; empty means one bucket for all matching requests.
     #[serde(default)]
     pub key: Vec<String>,
-    /// Limits that must all pass.
+    /// Limits that must all pass; required unless `tiers` covers every tier.
+    #[serde(default)]
     pub limits: Vec<LimitSpec>,
+    /// Limits per tier, over `limits`.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, Vec<LimitSpec>>,
     /// How the limits count.
     #[serde(default)]
     pub algorithm: Algorithm,
     /// Decided in this proxy or by the gateway.
     #[serde(default)]
     pub scope: Scope,
+    /// Enforce, or only watch.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Cost of a request for this rule, over `costs`.
+    #[serde(default)]
+    pub cost: Option<u64>,
+    /// Warn, delay, reject and block stages.
+    #[serde(default)]
+    pub graduated: Option<Graduated>,
 }
 
 /// A request predicate; all present conditions must hold.
@@ -287,6 +460,23 @@ pub struct Response {
     /// `type` of the problem+json body.
     #[serde(default = "default_problem_type")]
     pub problem_type: String,
+    /// `type` of the 403 body when a quota is spent.
+    #[serde(default = "default_quota_problem_type")]
+    pub quota_problem_type: String,
+    /// Random spread of `Retry-After` values and block releases, as a share (±).
+    #[serde(default = "default_jitter")]
+    pub retry_jitter: f64,
+}
+
+/// Default problem type for a quota 403.
+pub const DEFAULT_QUOTA_PROBLEM_TYPE: &str = "tag:ratelimit-wasm,2026:quota-exhausted";
+
+fn default_quota_problem_type() -> String {
+    DEFAULT_QUOTA_PROBLEM_TYPE.into()
+}
+
+fn default_jitter() -> f64 {
+    0.1
 }
 
 impl Default for Response {
@@ -294,6 +484,8 @@ impl Default for Response {
         Response {
             headers: HeaderStyle::default(),
             problem_type: default_problem_type(),
+            quota_problem_type: default_quota_problem_type(),
+            retry_jitter: default_jitter(),
         }
     }
 }
@@ -419,46 +611,44 @@ impl Config {
             if let Some(m) = &rule.matches {
                 m.validate(&format!("{at}.match"))?;
             }
-            if rule.key.len() > MAX_KEY_PARTS {
-                return Err(ConfigError::field(
-                    format!("{at}.key"),
-                    format!("at most {MAX_KEY_PARTS} parts"),
-                ));
-            }
-            for (k, part) in rule.key.iter().enumerate() {
-                let ok = KEY_PARTS.contains(&part.as_str())
-                    || part.strip_prefix("header:").is_some_and(is_token);
-                if !ok {
+            validate_key(&format!("{at}.key"), &rule.key)?;
+            let covered =
+                !self.tiers.is_empty() && self.tiers.keys().all(|t| rule.tiers.contains_key(t));
+            validate_limits(&format!("{at}.limits"), &rule.limits, covered)?;
+            for (tier, limits) in &rule.tiers {
+                if !self.tiers.contains_key(tier) {
                     return Err(ConfigError::field(
-                        format!("{at}.key[{k}]"),
-                        format!("{part:?} is not a key part (client, ip, method, path or header:<name>)"),
+                        format!("{at}.tiers"),
+                        format!("{tier:?} is not a tier declared in tiers"),
                     ));
                 }
+                validate_limits(&format!("{at}.tiers.{tier}"), limits, false)?;
             }
-            if rule.limits.is_empty() || rule.limits.len() > MAX_LIMITS_PER_RULE {
+            if let Some(cost) = rule.cost {
+                check_cost(&format!("{at}.cost"), cost)?;
+            }
+            if rule.mode == Mode::Shadow && rule.scope == Scope::Global {
                 return Err(ConfigError::field(
-                    format!("{at}.limits"),
-                    format!("must hold 1 to {MAX_LIMITS_PER_RULE} limits"),
+                    format!("{at}.mode"),
+                    "shadow is supported for local rules only",
                 ));
             }
-            for (l, limit) in rule.limits.iter().enumerate() {
-                if limit.requests == 0 || limit.requests > MAX_REQUESTS {
-                    return Err(ConfigError::field(
-                        format!("{at}.limits[{l}].requests"),
-                        format!("must be between 1 and {MAX_REQUESTS}"),
-                    ));
-                }
+            if let Some(g) = &rule.graduated {
+                validate_graduated(&format!("{at}.graduated"), rule, g)?;
             }
         }
         self.validate_global()?;
+        self.validate_identity()?;
+        self.validate_quotas()?;
         for (i, cost) in self.costs.iter().enumerate() {
             cost.matches.validate(&format!("costs[{i}].match"))?;
-            if cost.cost == 0 || cost.cost > MAX_COST {
-                return Err(ConfigError::field(
-                    format!("costs[{i}].cost"),
-                    format!("must be between 1 and {MAX_COST}"),
-                ));
-            }
+            check_cost(&format!("costs[{i}].cost"), cost.cost)?;
+        }
+        if !(0.0..=0.5).contains(&self.response.retry_jitter) {
+            return Err(ConfigError::field(
+                "response.retry_jitter",
+                "must be between 0 and 0.5",
+            ));
         }
         if self.response.problem_type.is_empty() {
             return Err(ConfigError::field(
@@ -471,6 +661,290 @@ impl Config {
                 "max_buckets",
                 format!("must be between {MIN_BUCKETS} and {MAX_BUCKETS}"),
             ));
+        }
+        Ok(())
+    }
+}
+
+fn validate_key(at: &str, key: &[String]) -> Result<(), ConfigError> {
+    if key.len() > MAX_KEY_PARTS {
+        return Err(ConfigError::field(
+            at,
+            format!("at most {MAX_KEY_PARTS} parts"),
+        ));
+    }
+    for (k, part) in key.iter().enumerate() {
+        let ok = KEY_PARTS.contains(&part.as_str())
+            || part.strip_prefix("header:").is_some_and(is_token);
+        if !ok {
+            return Err(ConfigError::field(
+                format!("{at}[{k}]"),
+                format!("{part:?} is not a key part (client, ip, method, path or header:<name>)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn validate_limits(at: &str, limits: &[LimitSpec], may_be_empty: bool) -> Result<(), ConfigError> {
+    if (limits.is_empty() && !may_be_empty) || limits.len() > MAX_LIMITS_PER_RULE {
+        return Err(ConfigError::field(
+            at,
+            format!("must hold 1 to {MAX_LIMITS_PER_RULE} limits"),
+        ));
+    }
+    for (l, limit) in limits.iter().enumerate() {
+        if limit.requests == 0 || limit.requests > MAX_REQUESTS {
+            return Err(ConfigError::field(
+                format!("{at}[{l}].requests"),
+                format!("must be between 1 and {MAX_REQUESTS}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_cost(at: &str, cost: u64) -> Result<(), ConfigError> {
+    if cost == 0 || cost > MAX_COST {
+        return Err(ConfigError::field(
+            at,
+            format!("must be between 1 and {MAX_COST}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Most a graduated share may be.
+pub const MAX_SHARE: f64 = 100.0;
+
+fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), ConfigError> {
+    if rule.algorithm != Algorithm::TokenBucket {
+        return Err(ConfigError::field(
+            at,
+            "needs \"algorithm\": \"token_bucket\"",
+        ));
+    }
+    if rule.scope != Scope::Local {
+        return Err(ConfigError::field(at, "is supported for local rules only"));
+    }
+    let share = |name: &str, v: f64, min: f64| -> Result<(), ConfigError> {
+        if !v.is_finite() || v < min || v > MAX_SHARE {
+            return Err(ConfigError::field(
+                format!("{at}.{name}"),
+                format!("must be between {min} and {MAX_SHARE}"),
+            ));
+        }
+        Ok(())
+    };
+    share("reject_at", g.reject_at, 1.0)?;
+    if let Some(w) = g.warn_at {
+        share("warn_at", w, 0.01)?;
+        if w > g.reject_at {
+            return Err(ConfigError::field(
+                format!("{at}.warn_at"),
+                "must not exceed reject_at",
+            ));
+        }
+    }
+    match (g.delay_at, g.delay_ms) {
+        (None, None) => {}
+        (Some(d), Some(ms)) => {
+            share("delay_at", d, 0.01)?;
+            if d >= g.reject_at {
+                return Err(ConfigError::field(
+                    format!("{at}.delay_at"),
+                    "must be below reject_at",
+                ));
+            }
+            if !(1..=60_000).contains(&ms) {
+                return Err(ConfigError::field(
+                    format!("{at}.delay_ms"),
+                    "must be between 1 and 60000",
+                ));
+            }
+        }
+        (Some(_), None) => {
+            return Err(ConfigError::field(
+                format!("{at}.delay_ms"),
+                "required with delay_at",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::field(
+                format!("{at}.delay_at"),
+                "required with delay_ms",
+            ))
+        }
+    }
+    match (g.block_at, g.block_for) {
+        (None, None) => {}
+        (Some(b), Some(_)) => {
+            share("block_at", b, 1.0)?;
+            if b < g.reject_at {
+                return Err(ConfigError::field(
+                    format!("{at}.block_at"),
+                    "must not be below reject_at",
+                ));
+            }
+        }
+        (Some(_), None) => {
+            return Err(ConfigError::field(
+                format!("{at}.block_for"),
+                "required with block_at",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::field(
+                format!("{at}.block_at"),
+                "required with block_for",
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// Largest quota amount.
+pub const MAX_QUOTA: u64 = 1 << 50;
+
+impl Config {
+    fn validate_identity(&self) -> Result<(), ConfigError> {
+        let id = &self.identity;
+        for (i, name) in self.tiers.keys().enumerate() {
+            if !is_plain_name(name) {
+                return Err(ConfigError::field(
+                    "tiers",
+                    format!("tier {i} {name:?} must be 1-64 characters of A-Z a-z 0-9 - _ . :"),
+                ));
+            }
+        }
+        match (&id.default_tier, self.tiers.is_empty()) {
+            (None, false) => {
+                return Err(ConfigError::field(
+                    "identity.default_tier",
+                    "required when tiers are declared",
+                ))
+            }
+            (Some(t), _) if !self.tiers.contains_key(t) => {
+                return Err(ConfigError::field(
+                    "identity.default_tier",
+                    format!("{t:?} is not a tier declared in tiers"),
+                ))
+            }
+            _ => {}
+        }
+        if let Some(h) = &id.tier_header {
+            if !is_token(h) {
+                return Err(ConfigError::field(
+                    "identity.tier_header",
+                    format!("{h:?} is not a header name"),
+                ));
+            }
+        }
+        for (field, path) in [
+            ("client_id_metadata", &id.client_id_metadata),
+            ("tier_metadata", &id.tier_metadata),
+        ] {
+            if let Some(path) = path {
+                if path.is_empty() || path.len() > 8 || path.iter().any(|p| p.is_empty()) {
+                    return Err(ConfigError::field(
+                        format!("identity.{field}"),
+                        "must be 1 to 8 non-empty names: filter name, then the fields inside its metadata",
+                    ));
+                }
+            }
+        }
+        for (client, spec) in &id.clients {
+            let at = format!("identity.clients.{client}");
+            if client.is_empty() {
+                return Err(ConfigError::field(
+                    "identity.clients",
+                    "a client id must not be empty",
+                ));
+            }
+            if let Some(t) = &spec.tier {
+                if !self.tiers.contains_key(t) {
+                    return Err(ConfigError::field(
+                        format!("{at}.tier"),
+                        format!("{t:?} is not a tier declared in tiers"),
+                    ));
+                }
+            }
+            for (rule, limits) in &spec.limits {
+                if !self.rules.iter().any(|r| r.name == *rule) {
+                    return Err(ConfigError::field(
+                        format!("{at}.limits"),
+                        format!("{rule:?} is not a rule name"),
+                    ));
+                }
+                validate_limits(&format!("{at}.limits.{rule}"), limits, false)?;
+            }
+            for (quota, amount) in &spec.quotas {
+                if !self.quotas.iter().any(|q| q.name == *quota) {
+                    return Err(ConfigError::field(
+                        format!("{at}.quotas"),
+                        format!("{quota:?} is not a quota name"),
+                    ));
+                }
+                if *amount > MAX_QUOTA {
+                    return Err(ConfigError::field(
+                        format!("{at}.quotas.{quota}"),
+                        format!("must be at most {MAX_QUOTA}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_quotas(&self) -> Result<(), ConfigError> {
+        if !self.quotas.is_empty() && self.global.is_none() {
+            return Err(ConfigError::field(
+                "quotas",
+                "need global: the gateway keeps quotas",
+            ));
+        }
+        let mut names = HashSet::new();
+        for (i, q) in self.quotas.iter().enumerate() {
+            let at = format!("quotas[{i}]");
+            if !is_plain_name(&q.name)
+                || !names.insert(q.name.as_str())
+                || self.rules.iter().any(|r| r.name == q.name)
+            {
+                return Err(ConfigError::field(
+                    format!("{at}.name"),
+                    format!("{:?} must be a unique name of 1-64 characters of A-Z a-z 0-9 - _ . : (not a rule's)", q.name),
+                ));
+            }
+            if let Some(m) = &q.matches {
+                m.validate(&format!("{at}.match"))?;
+            }
+            validate_key(&format!("{at}.key"), &q.key)?;
+            if q.upgrade_url.is_empty() || q.upgrade_url.contains(['<', '>', '"', ' ']) {
+                return Err(ConfigError::field(
+                    format!("{at}.upgrade_url"),
+                    "must be a URL",
+                ));
+            }
+            for (tier, amount) in &q.tiers {
+                if !self.tiers.contains_key(tier) {
+                    return Err(ConfigError::field(
+                        format!("{at}.tiers"),
+                        format!("{tier:?} is not a tier declared in tiers"),
+                    ));
+                }
+                if *amount > MAX_QUOTA {
+                    return Err(ConfigError::field(
+                        format!("{at}.tiers.{tier}"),
+                        format!("must be at most {MAX_QUOTA}"),
+                    ));
+                }
+            }
+            if q.limit.is_some_and(|l| l > MAX_QUOTA) {
+                return Err(ConfigError::field(
+                    format!("{at}.limit"),
+                    format!("must be at most {MAX_QUOTA}"),
+                ));
+            }
         }
         Ok(())
     }

@@ -1,19 +1,20 @@
 //! One request from headers to answer: match, key, limit, then what to send.
 //! Pure: the host layer only fetches the request, makes the callout when told
-//! to, and carries out the verdict.
+//! to, holds delayed requests, and carries out the verdict.
 //!
 //! Local rules are charged first; a local denial skips the callout. When the
 //! gateway then denies, the local charge is refunded, so a denied request
-//! consumes nothing anywhere.
+//! consumes nothing anywhere. Shadow rules (and every rule, for a soft client)
+//! are charged as if enforced but never reject.
 
-use crate::callout::{self, Answer, AnswerError};
+use crate::callout::{self, Answer, AnswerError, QuotaReport};
 use crate::circuit::{self, CallResult, Gate, Transition};
 use crate::config::{FailureMode, OnError};
 use crate::headers;
 use crate::key::BadInput;
 use crate::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::metrics::Metric;
-use crate::plan::{Bucket, GlobalBucket, Plan};
+use crate::plan::{Bucket, Evaluation, Plan};
 use crate::problem;
 use crate::request::RequestInfo;
 use crate::store::SharedStore;
@@ -26,6 +27,13 @@ pub type HeaderLines = Vec<(&'static str, String)>;
 pub enum Verdict {
     /// Let it through and add these headers to the response.
     Pass(HeaderLines),
+    /// Hold it `ms` milliseconds, then let it through with these headers.
+    Delay {
+        /// How long to hold the request.
+        ms: u64,
+        /// Headers for the response.
+        headers: HeaderLines,
+    },
     /// Answer it here.
     Reject {
         /// HTTP status.
@@ -73,6 +81,8 @@ pub struct Outcome {
     pub gateway_error: Option<AnswerError>,
     /// What the circuit breaker did.
     pub circuit: Transition,
+    /// Rules that would have denied but only watch (shadow rules, soft clients).
+    pub shadow_denied: Vec<String>,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
 }
@@ -84,14 +94,13 @@ pub struct Pending {
     pub body: Vec<u8>,
     /// This call is the half-open circuit's probe.
     pub probe: bool,
-    cost: u64,
     charged: Vec<Bucket>,
     local_reports: Vec<Report>,
-    global: Vec<GlobalBucket>,
-    fallback: Vec<Bucket>,
+    eval: Evaluation,
+    random: u64,
     counts: Counts,
     error: Option<LimitError>,
-    bad_input: Vec<BadInput>,
+    shadow_denied: Vec<String>,
 }
 
 /// The first step for a request.
@@ -105,27 +114,38 @@ pub enum Step {
     Call(Box<Pending>),
 }
 
+/// Two uniform numbers in `[0, 1)` from one random `u64`: one spreads
+/// `Retry-After`, the other places a block's end.
+fn units(random: u64) -> (f64, f64) {
+    let hi = (random >> 32) as f64 / 4_294_967_296.0;
+    let lo = (random & 0xffff_ffff) as f64 / 4_294_967_296.0;
+    (hi, lo)
+}
+
 struct Ctx<'a, S> {
     plan: &'a Plan,
     store: &'a S,
     now_ns: u64,
+    random: u64,
     counts: Counts,
     error: Option<LimitError>,
+    shadow_denied: Vec<String>,
 }
 
 impl<S: SharedStore> Ctx<'_, S> {
     /// Charges `buckets`; `Ok(reports)` when allowed, `Err(verdict)` when the request must be refused.
-    fn charge(&mut self, buckets: &[Bucket], cost: u64) -> Result<Vec<Report>, Verdict> {
+    fn charge(&mut self, buckets: &[Bucket]) -> Result<Vec<Report>, Verdict> {
         if buckets.is_empty() {
             return Ok(Vec::new());
         }
         let mut stats = Stats::default();
+        let spread = units(self.random).1;
         let result = limiter::check_and_consume(
             self.store,
             self.plan,
             buckets,
-            cost,
             self.now_ns,
+            spread,
             &mut stats,
         );
         self.counts.stats(&stats);
@@ -137,19 +157,53 @@ impl<S: SharedStore> Ctx<'_, S> {
                 self.error = Some(e);
                 match self.plan.on_error {
                     OnError::Allow => Ok(Vec::new()),
-                    OnError::Deny => Err(reject(
-                        429,
-                        Vec::new(),
-                        1,
-                        problem::too_many_requests(&self.plan.problem_type, 1, &[]),
-                    )),
+                    OnError::Deny => {
+                        let body = problem::too_many_requests(&self.plan.problem_type, 1, &[]);
+                        Err(reject(429, Vec::new(), Some(1), body))
+                    }
                 }
             }
         }
     }
 
-    fn refund(&mut self, buckets: &[Bucket], cost: u64) {
-        if let Err(e) = limiter::refund(self.store, self.plan, buckets, cost) {
+    /// Charges buckets that only watch; what they would have denied is noted.
+    fn watch(&mut self, buckets: &[Bucket]) -> Vec<Report> {
+        if buckets.is_empty() {
+            return Vec::new();
+        }
+        let mut stats = Stats::default();
+        let result = limiter::check_and_consume(
+            self.store,
+            self.plan,
+            buckets,
+            self.now_ns,
+            0.0,
+            &mut stats,
+        );
+        self.counts.stats(&stats);
+        match result {
+            Ok(Decision::Allowed(reports)) => reports,
+            Ok(Decision::Denied(reports)) => {
+                self.note_shadow(&reports);
+                reports
+            }
+            Err(e) => {
+                self.counts.add(Metric::Errors, 1);
+                self.error = Some(e);
+                Vec::new()
+            }
+        }
+    }
+
+    fn note_shadow(&mut self, reports: &[Report]) {
+        self.counts.add(Metric::ShadowDenied, 1);
+        for name in headers::violated(self.plan, reports) {
+            self.shadow_denied.push(name.to_string());
+        }
+    }
+
+    fn refund(&mut self, buckets: &[Bucket]) {
+        if let Err(e) = limiter::refund(self.store, self.plan, buckets) {
             self.counts.add(Metric::Errors, 1);
             self.error = Some(e);
         }
@@ -158,6 +212,10 @@ impl<S: SharedStore> Ctx<'_, S> {
     fn too_many(&mut self, reports: &[Report]) -> Verdict {
         let shown = headers::binding(self.plan, reports);
         let retry = shown.as_ref().map_or(1, |s| s.retry_after_secs);
+        let retry = headers::jittered(retry, self.plan.retry_jitter, units(self.random).0);
+        if reports.iter().any(|r| r.blocked && !r.check.allowed) {
+            self.counts.add(Metric::Blocked, 1);
+        }
         let lines = shown
             .as_ref()
             .map(|s| headers::render(self.plan.header_style, s))
@@ -167,15 +225,68 @@ impl<S: SharedStore> Ctx<'_, S> {
             retry,
             &headers::violated(self.plan, reports),
         );
-        reject(429, lines, retry, body)
+        reject(429, lines, Some(retry), body)
     }
 
-    fn pass(&self, reports: &[Report]) -> Verdict {
-        Verdict::Pass(
-            headers::closest(self.plan, reports)
-                .map(|s| headers::render(self.plan.header_style, &s))
-                .unwrap_or_default(),
-        )
+    fn quota_exhausted(&mut self, quotas: &[QuotaReport], shown: &[Report]) -> Verdict {
+        self.counts.add(Metric::QuotaExhausted, 1);
+        let spent: Vec<(&str, &str)> = quotas
+            .iter()
+            .filter(|q| !q.allowed)
+            .filter_map(|q| self.plan.quotas.get(q.quota))
+            .map(|q| (q.name.as_str(), q.upgrade_url.as_str()))
+            .collect();
+        let renews_secs = quotas
+            .iter()
+            .filter(|q| !q.allowed)
+            .map(|q| q.reset_ms.div_ceil(1000))
+            .max()
+            .unwrap_or(0);
+        let url = spent.first().map_or("", |(_, u)| *u);
+        let names: Vec<&str> = spent.iter().map(|(n, _)| *n).collect();
+        let mut lines = headers::closest(self.plan, shown)
+            .map(|s| headers::render(self.plan.header_style, &s))
+            .unwrap_or_default();
+        lines.push(("link", format!("<{url}>; rel=\"payment\"")));
+        let body =
+            problem::quota_exhausted(&self.plan.quota_problem_type, &names, url, renews_secs);
+        reject(403, lines, None, body)
+    }
+
+    /// Lets the request through with the headers of the tightest limit, after
+    /// the longest delay and with the warning of a graduated rule, if any.
+    fn pass(&mut self, reports: &[Report]) -> Verdict {
+        let mut lines = headers::closest(self.plan, reports)
+            .map(|s| headers::render(self.plan.header_style, &s))
+            .unwrap_or_default();
+        let mut delay_ms = 0;
+        let mut warn: Option<(&str, f64)> = None;
+        for r in reports {
+            let Some(rule) = self.plan.rules.get(r.rule) else {
+                continue;
+            };
+            let Some(g) = &rule.graduated else { continue };
+            if g.delay_at.is_some_and(|d| r.used_share > d + 1e-9) {
+                delay_ms = delay_ms.max(g.delay_ms);
+            }
+            if g.warn_at.is_some_and(|w| r.used_share + 1e-9 >= w)
+                && warn.is_none_or(|(_, u)| r.used_share > u)
+            {
+                warn = Some((&rule.name, r.used_share));
+            }
+        }
+        if let Some((name, share)) = warn {
+            self.counts.add(Metric::Warned, 1);
+            lines.push(headers::warning(name, share));
+        }
+        if delay_ms > 0 {
+            self.counts.add(Metric::Delayed, 1);
+            return Verdict::Delay {
+                ms: delay_ms,
+                headers: lines,
+            };
+        }
+        Verdict::Pass(lines)
     }
 
     fn unavailable(&self) -> Verdict {
@@ -184,7 +295,12 @@ impl<S: SharedStore> Ctx<'_, S> {
             .global
             .as_ref()
             .map_or(1, |g| circuit::retry_after_secs(&g.circuit));
-        reject(503, Vec::new(), retry, problem::service_unavailable(retry))
+        reject(
+            503,
+            Vec::new(),
+            Some(retry),
+            problem::service_unavailable(retry),
+        )
     }
 
     fn done(
@@ -196,7 +312,7 @@ impl<S: SharedStore> Ctx<'_, S> {
     ) -> Outcome {
         let mut counts = self.counts;
         match &verdict {
-            Verdict::Pass(_) => counts.add(Metric::Allowed, 1),
+            Verdict::Pass(_) | Verdict::Delay { .. } => counts.add(Metric::Allowed, 1),
             Verdict::Reject { .. } => counts.add(Metric::Denied, 1),
         }
         Outcome {
@@ -205,13 +321,16 @@ impl<S: SharedStore> Ctx<'_, S> {
             error: self.error,
             gateway_error,
             circuit,
+            shadow_denied: self.shadow_denied,
             bad_input,
         }
     }
 }
 
-fn reject(status: u32, mut lines: HeaderLines, retry_after: u64, body: String) -> Verdict {
-    lines.push(("retry-after", retry_after.to_string()));
+fn reject(status: u32, mut lines: HeaderLines, retry_after: Option<u64>, body: String) -> Verdict {
+    if let Some(r) = retry_after {
+        lines.push(("retry-after", r.to_string()));
+    }
     lines.push(("content-type", problem::CONTENT_TYPE.to_string()));
     Verdict::Reject {
         status,
@@ -221,34 +340,50 @@ fn reject(status: u32, mut lines: HeaderLines, retry_after: u64, body: String) -
 }
 
 /// Decides `req` at `now_ns` as far as possible without the gateway.
-pub fn start(plan: &Plan, req: &RequestInfo, store: &impl SharedStore, now_ns: u64) -> Step {
+/// `random` feeds the jitter of `Retry-After` and of block releases.
+pub fn start(
+    plan: &Plan,
+    req: &RequestInfo,
+    store: &impl SharedStore,
+    now_ns: u64,
+    random: u64,
+) -> Step {
     let eval = plan.evaluate(req);
     let mut ctx = Ctx {
         plan,
         store,
         now_ns,
+        random,
         counts: Counts::default(),
         error: None,
+        shadow_denied: Vec::new(),
     };
     if !eval.bad_input.is_empty() {
         ctx.counts.add(Metric::BadInput, 1);
     }
-    if eval.buckets.is_empty() && eval.global.is_empty() {
+    let nothing = eval.buckets.is_empty()
+        && eval.shadow.is_empty()
+        && eval.global.is_empty()
+        && eval.quotas.is_empty();
+    if nothing {
+        if eval.unlimited {
+            ctx.counts.add(Metric::Unlimited, 1);
+        }
         return Step::Done(Outcome {
             verdict: Verdict::Pass(Vec::new()),
             counts: ctx.counts,
             error: None,
             gateway_error: None,
             circuit: Transition::None,
+            shadow_denied: Vec::new(),
             bad_input: eval.bad_input,
         });
     }
-    let global = match (&plan.global, eval.global.is_empty()) {
-        (Some(g), false) => Some(g),
-        _ => None,
-    };
+    let needs_gateway = !eval.global.is_empty() || !eval.quotas.is_empty();
+    let global = plan.global.as_ref().filter(|_| needs_gateway);
     let gate = global.map(|g| circuit::gate(store, &g.circuit_key, g.timeout_ms, now_ns));
     let mut charge = eval.buckets.clone();
+    let mut watch_fallback = false;
     if let (Some(g), Some(Gate::Open)) = (global, gate) {
         ctx.counts.add(Metric::CircuitOpenSkips, 1);
         match g.failure_mode {
@@ -261,37 +396,45 @@ pub fn start(plan: &Plan, req: &RequestInfo, store: &impl SharedStore, now_ns: u
             // Charged together with the local rules: all or nothing in one step.
             FailureMode::Local => {
                 ctx.counts.add(Metric::FallbackLocal, 1);
-                charge.extend_from_slice(&eval.fallback);
+                if eval.soft {
+                    watch_fallback = true;
+                } else {
+                    charge.extend_from_slice(&eval.fallback);
+                }
             }
         }
     }
-    let reports = match ctx.charge(&charge, eval.cost) {
+    let mut reports = match ctx.charge(&charge) {
         Ok(r) => r,
         Err(v) => return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None)),
     };
+    reports.extend(ctx.watch(&eval.shadow));
+    if watch_fallback {
+        reports.extend(ctx.watch(&eval.fallback));
+    }
     match gate {
         Some(Gate::Call) | Some(Gate::Probe) => {
             ctx.counts.add(Metric::GlobalCalls, 1);
             Step::Call(Box::new(Pending {
-                body: callout::encode_request(plan, eval.cost, &eval.global),
+                body: callout::encode_request(plan, eval.cost, &eval.global, &eval.quotas),
                 probe: gate == Some(Gate::Probe),
-                cost: eval.cost,
                 charged: if ctx.error.is_some() {
                     Vec::new()
                 } else {
                     charge
                 },
                 local_reports: reports,
-                global: eval.global,
-                fallback: eval.fallback,
+                eval,
+                random,
                 counts: ctx.counts,
                 error: ctx.error,
-                bad_input: eval.bad_input,
+                shadow_denied: ctx.shadow_denied,
             }))
         }
         _ => {
             let v = ctx.pass(&reports);
-            Step::Done(ctx.done(v, eval.bad_input, None, Transition::None))
+            let bad = eval.bad_input;
+            Step::Done(ctx.done(v, bad, None, Transition::None))
         }
     }
 }
@@ -306,7 +449,13 @@ pub fn finish(
     store: &impl SharedStore,
     now_ns: u64,
 ) -> Outcome {
-    let answer = callout::parse_answer(plan, &pending.global, status, body);
+    let answer = callout::parse_answer(
+        plan,
+        &pending.eval.global,
+        &pending.eval.quotas,
+        status,
+        body,
+    );
     finish_with(plan, pending, answer, latency_ns, store, now_ns)
 }
 
@@ -322,12 +471,15 @@ fn finish_with(
         plan,
         store,
         now_ns,
+        random: p.random,
         counts: p.counts,
         error: p.error,
+        shadow_denied: p.shadow_denied,
     };
+    let eval = p.eval;
     let Some(g) = &plan.global else {
         let v = ctx.pass(&p.local_reports);
-        return ctx.done(v, p.bad_input, None, Transition::None);
+        return ctx.done(v, eval.bad_input, None, Transition::None);
     };
     let result = match &answer {
         Ok(_) => CallResult::Answered { latency_ns },
@@ -342,13 +494,21 @@ fn finish_with(
             ctx.counts.add(Metric::GatewayClamped, a.clamped);
             let mut all = p.local_reports;
             all.extend_from_slice(&a.reports);
-            let v = if a.reports.iter().all(|r| r.check.allowed) {
+            let rate_denied = a.reports.iter().any(|r| !r.check.allowed);
+            let quota_denied = a.quotas.iter().any(|q| !q.allowed);
+            let v = if eval.soft && (rate_denied || quota_denied) {
+                ctx.note_shadow(&a.reports);
                 ctx.pass(&all)
-            } else {
-                ctx.refund(&p.charged, p.cost);
+            } else if rate_denied {
+                ctx.refund(&p.charged);
                 ctx.too_many(&all)
+            } else if quota_denied {
+                ctx.refund(&p.charged);
+                ctx.quota_exhausted(&a.quotas, &all)
+            } else {
+                ctx.pass(&all)
             };
-            ctx.done(v, p.bad_input, None, transition)
+            ctx.done(v, eval.bad_input, None, transition)
         }
         Err(e) => {
             ctx.counts.add(Metric::GlobalFailures, 1);
@@ -359,29 +519,34 @@ fn finish_with(
                 }
                 FailureMode::Closed => {
                     ctx.counts.add(Metric::FailClosed, 1);
-                    ctx.refund(&p.charged, p.cost);
+                    ctx.refund(&p.charged);
                     ctx.unavailable()
+                }
+                FailureMode::Local if eval.soft => {
+                    ctx.counts.add(Metric::FallbackLocal, 1);
+                    let mut all = p.local_reports;
+                    all.extend(ctx.watch(&eval.fallback));
+                    ctx.pass(&all)
                 }
                 FailureMode::Local => {
                     ctx.counts.add(Metric::FallbackLocal, 1);
-                    match ctx.charge(&p.fallback, p.cost) {
+                    match ctx.charge(&eval.fallback) {
                         Ok(r) => {
                             let mut all = p.local_reports;
                             all.extend_from_slice(&r);
                             ctx.pass(&all)
                         }
                         Err(v) => {
-                            ctx.refund(&p.charged, p.cost);
+                            ctx.refund(&p.charged);
                             v
                         }
                     }
                 }
             };
-            ctx.done(v, p.bad_input, Some(e), transition)
+            ctx.done(v, eval.bad_input, Some(e), transition)
         }
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,6 +554,8 @@ mod tests {
     use crate::store::{MemoryStore, StoreError};
 
     const SEC: u64 = 1_000_000_000;
+    /// A random value that leaves every wait unjittered.
+    const NEUTRAL: u64 = 1 << 63 | 1 << 31;
     const T0: u64 = 1_700_000_000 * SEC;
 
     fn plan(json: &str) -> Plan {
@@ -409,6 +576,7 @@ mod tests {
         RequestInfo {
             headers,
             source_address: Some(b"10.0.0.1:4000".to_vec()),
+            ..RequestInfo::default()
         }
     }
 
@@ -442,7 +610,7 @@ mod tests {
         let p = plan(FIVE);
         let s = MemoryStore::default();
         for left in (0..5).rev() {
-            let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0));
+            let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
             let Verdict::Pass(h) = &o.verdict else {
                 panic!("{o:?}")
             };
@@ -450,7 +618,7 @@ mod tests {
             assert_eq!(header(h, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
             assert_eq!(o.counts.get(Metric::Allowed), 1);
         }
-        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let Verdict::Reject {
             status,
             headers,
@@ -472,11 +640,11 @@ mod tests {
         assert_eq!(o.counts.get(Metric::Denied), 1);
         // Another client is untouched; the IP stands in for a client without an id.
         assert!(matches!(
-            done(start(&p, &req(&p, "/", Some("b")), &s, T0)).verdict,
+            done(start(&p, &req(&p, "/", Some("b")), &s, T0, NEUTRAL)).verdict,
             Verdict::Pass(_)
         ));
         assert!(matches!(
-            done(start(&p, &req(&p, "/", None), &s, T0)).verdict,
+            done(start(&p, &req(&p, "/", None), &s, T0, NEUTRAL)).verdict,
             Verdict::Pass(_)
         ));
     }
@@ -485,7 +653,7 @@ mod tests {
     fn cost_is_weighted() {
         let p = plan(FIVE);
         let s = MemoryStore::default();
-        let o = done(start(&p, &req(&p, "/search", Some("a")), &s, T0));
+        let o = done(start(&p, &req(&p, "/search", Some("a")), &s, T0, NEUTRAL));
         let Verdict::Pass(h) = &o.verdict else {
             panic!()
         };
@@ -502,6 +670,7 @@ mod tests {
             &req(&p, "/other", None),
             &MemoryStore::default(),
             T0,
+            NEUTRAL,
         ));
         assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
         assert_eq!(o.counts, Counts::default());
@@ -520,12 +689,24 @@ mod tests {
     #[test]
     fn store_failure_takes_on_error() {
         let allow = plan(FIVE);
-        let o = done(start(&allow, &req(&allow, "/", Some("a")), &Broken, T0));
+        let o = done(start(
+            &allow,
+            &req(&allow, "/", Some("a")),
+            &Broken,
+            T0,
+            NEUTRAL,
+        ));
         assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
         assert_eq!(o.counts.get(Metric::Errors), 1);
         assert_eq!(o.error, Some(LimitError::Store(StoreError(10))));
         let deny = plan(&FIVE.replace("\"domain\"", "\"on_error\":\"deny\",\"domain\""));
-        let o = done(start(&deny, &req(&deny, "/", Some("a")), &Broken, T0));
+        let o = done(start(
+            &deny,
+            &req(&deny, "/", Some("a")),
+            &Broken,
+            T0,
+            NEUTRAL,
+        ));
         let Verdict::Reject {
             status, headers, ..
         } = o.verdict
@@ -556,7 +737,7 @@ mod tests {
         let local = plan(
             r#"{"domain":"d","rules":[{"name":"local","key":["client"],"limits":[{"requests":5,"per":"1h"}]}]}"#,
         );
-        let o = done(start(&local, &req(&local, "/", Some("a")), s, T0));
+        let o = done(start(&local, &req(&local, "/", Some("a")), s, T0, NEUTRAL));
         let Verdict::Pass(h) = o.verdict else {
             panic!()
         };
@@ -567,7 +748,7 @@ mod tests {
     fn global_answer_decides_and_the_tightest_limit_is_shown() {
         let p = global_plan("local");
         let s = MemoryStore::default();
-        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
         assert_eq!(body["buckets"][0]["key"], "shared/c=a");
         let o = finish(&p, pending, Some(b"200"), &gw(true, 1), SEC / 1000, &s, T0);
@@ -583,7 +764,7 @@ mod tests {
     fn global_denial_refunds_the_local_charge() {
         let p = global_plan("local");
         let s = MemoryStore::default();
-        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
         let Verdict::Reject {
             status,
@@ -604,10 +785,10 @@ mod tests {
         let p = global_plan("local");
         let s = MemoryStore::default();
         for _ in 0..5 {
-            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
             finish(&p, pending, Some(b"200"), &gw(true, 3), SEC / 1000, &s, T0);
         }
-        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
         assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
     }
@@ -616,7 +797,7 @@ mod tests {
     fn failure_mode_open_allows_and_counts() {
         let p = global_plan("open");
         let s = MemoryStore::default();
-        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let o = finish(
             &p,
             pending,
@@ -639,7 +820,7 @@ mod tests {
     fn failure_mode_closed_answers_503_and_refunds() {
         let p = global_plan("closed");
         let s = MemoryStore::default();
-        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let o = finish(&p, pending, None, b"", 50 * SEC / 1000, &s, T0);
         let Verdict::Reject {
             status,
@@ -660,7 +841,7 @@ mod tests {
         let s = MemoryStore::default();
         // Two failures: each decided locally at 4 / 2 instances = 2; the second opens the circuit.
         for expected_left in ["1", "0"] {
-            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0));
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
             let o = finish(&p, pending, Some(b"503"), b"", SEC / 1000, &s, T0);
             let Verdict::Pass(h) = &o.verdict else {
                 panic!("{o:?}")
@@ -669,7 +850,7 @@ mod tests {
             assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=2;w=60");
         }
         // Circuit open: no callout; the local share is spent, so 429 from the stand-in.
-        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0 + SEC));
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0 + SEC, NEUTRAL));
         let Verdict::Reject { status, body, .. } = &o.verdict else {
             panic!("{o:?}")
         };
@@ -677,7 +858,13 @@ mod tests {
         assert!(body.contains("[\"shared\"]"));
         assert_eq!(o.counts.get(Metric::CircuitOpenSkips), 1);
         // After the cooldown one probe goes out; its success closes the circuit.
-        let probe = call(start(&p, &req(&p, "/", Some("b")), &s, T0 + 3 * SEC));
+        let probe = call(start(
+            &p,
+            &req(&p, "/", Some("b")),
+            &s,
+            T0 + 3 * SEC,
+            NEUTRAL,
+        ));
         assert!(probe.probe);
         let o = finish(
             &p,
@@ -689,7 +876,13 @@ mod tests {
             T0 + 3 * SEC,
         );
         assert_eq!(o.circuit, Transition::Closed);
-        let next = call(start(&p, &req(&p, "/", Some("b")), &s, T0 + 3 * SEC));
+        let next = call(start(
+            &p,
+            &req(&p, "/", Some("b")),
+            &s,
+            T0 + 3 * SEC,
+            NEUTRAL,
+        ));
         assert!(!next.probe);
     }
 }

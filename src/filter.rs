@@ -11,9 +11,9 @@ use crate::store::{SharedStore, StoreError, CREATE_ONLY};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -111,26 +111,30 @@ fn random_seed() -> Result<[u8; 16], String> {
     Ok(seed)
 }
 
+/// Requests held by a graduated rule's delay: (context id, resume at ns).
+/// One per worker; the root context's timer resumes them.
+type Delays = Rc<RefCell<Vec<(u32, u64)>>>;
+
+/// How often the root context looks for delayed requests to resume.
+const TICK: Duration = Duration::from_millis(5);
+
 /// One per worker: holds the compiled configuration.
 #[derive(Default)]
 struct Root {
     plan: Option<Rc<Plan>>,
     metrics: Rc<Metrics>,
     last_bad_input_log: Rc<Cell<u64>>,
+    delays: Delays,
 }
 
 impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes = hostcalls::get_buffer(
-            proxy_wasm::types::BufferType::PluginConfiguration,
-            0,
-            usize::MAX,
-        )
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         let config = match config::parse(&bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -152,16 +156,50 @@ impl RootContext for Root {
             plan.rules.len(),
             plan.sets
         );
+        let delays = plan
+            .rules
+            .iter()
+            .any(|r| r.graduated.is_some_and(|g| g.delay_ms > 0));
+        if delays {
+            if let Err(e) = hostcalls::set_tick_period(TICK) {
+                log::error!("ratelimit-wasm: no timer for delayed requests: {e:?}");
+                return false;
+            }
+        }
         self.plan = Some(Rc::new(plan));
         self.metrics = Rc::new(Metrics::define());
         true
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn on_tick(&mut self) {
+        let now = now_ns();
+        let due: Vec<u32> = {
+            let mut delays = self.delays.borrow_mut();
+            let due = delays
+                .iter()
+                .filter(|(_, at)| *at <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            delays.retain(|(_, at)| *at > now);
+            due
+        };
+        for id in due {
+            // A stream that went away is gone from the host: nothing to resume.
+            if hostcalls::set_effective_context(id).is_ok() {
+                if let Err(e) = hostcalls::resume_http_request() {
+                    log::warn!("ratelimit-wasm: could not resume delayed request {id}: {e:?}");
+                }
+            }
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Http {
+            id: context_id,
             plan: self.plan.clone(),
             metrics: self.metrics.clone(),
             last_bad_input_log: self.last_bad_input_log.clone(),
+            delays: self.delays.clone(),
             response_headers: Vec::new(),
             answered: false,
             pending: None,
@@ -175,14 +213,31 @@ impl RootContext for Root {
 
 /// One per request.
 struct Http {
+    id: u32,
     plan: Option<Rc<Plan>>,
     metrics: Rc<Metrics>,
     last_bad_input_log: Rc<Cell<u64>>,
+    delays: Delays,
     response_headers: Vec<(&'static str, String)>,
     /// The filter sent the response itself; it already carries the headers.
     answered: bool,
     /// A callout in flight: its token, what it decides, and when it left.
     pending: Option<(u32, Box<Pending>, u64)>,
+}
+
+fn property(path: &Option<Vec<String>>) -> Option<Vec<u8>> {
+    let path: Vec<&str> = path.as_ref()?.iter().map(String::as_str).collect();
+    hostcalls::get_property(path).ok().flatten()
+}
+
+fn random_u64(plan: &Plan) -> u64 {
+    let mut bytes = [0u8; 8];
+    if plan.retry_jitter > 0.0 && getrandom::fill(&mut bytes).is_ok() {
+        u64::from_le_bytes(bytes)
+    } else {
+        // No spread: the middle of the range leaves waits as computed.
+        1 << 63 | 1 << 31
+    }
 }
 
 impl Http {
@@ -204,11 +259,10 @@ impl Http {
             } else {
                 None
             },
+            client_metadata: property(&plan.client_id_property),
+            tier_metadata: property(&plan.tier_property),
         }
     }
-}
-
-impl Http {
     fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
         self.metrics.add_all(&outcome.counts.0);
         if let Some(e) = &outcome.error {
@@ -244,6 +298,12 @@ impl Http {
     /// Carries out a verdict; `paused` says whether the request waits for a resume.
     fn carry_out(&mut self, verdict: Verdict, paused: bool) -> Action {
         match verdict {
+            Verdict::Delay { ms, headers } => {
+                self.response_headers = headers;
+                let at = now_ns().saturating_add(ms.saturating_mul(1_000_000));
+                self.delays.borrow_mut().push((self.id, at));
+                Action::Pause
+            }
             Verdict::Pass(lines) => {
                 self.response_headers = lines;
                 if paused {
@@ -280,7 +340,7 @@ impl Http {
             (":authority", g.authority.as_str()),
             ("content-type", "application/json"),
         ];
-        let timeout = std::time::Duration::from_millis(g.timeout_ms);
+        let timeout = Duration::from_millis(g.timeout_ms);
         match hostcalls::dispatch_http_call(
             &g.cluster,
             headers,
@@ -348,7 +408,7 @@ impl HttpContext for Http {
         };
         let req = Self::read_request(&plan);
         let now = now_ns();
-        match decide::start(&plan, &req, &HostStore, now) {
+        match decide::start(&plan, &req, &HostStore, now, random_u64(&plan)) {
             Step::Done(outcome) => {
                 self.report(&plan, &outcome, now);
                 self.carry_out(outcome.verdict, false)
@@ -365,6 +425,12 @@ impl HttpContext for Http {
                 }
             },
         }
+    }
+
+    fn on_log(&mut self) {
+        // The stream is done (or was cancelled while held): never resume it.
+        let id = self.id;
+        self.delays.borrow_mut().retain(|(d, _)| *d != id);
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

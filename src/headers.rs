@@ -25,7 +25,7 @@ pub struct Shown<'a> {
 
 fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
     let rule = plan.rules.get(r.rule)?;
-    let (limit, window_secs) = rule.limits.get(r.limit)?;
+    let (limit, window_secs) = rule.limits(r.variant).get(r.limit)?;
     Some(Shown {
         policy: &rule.name,
         quota: limit.capacity,
@@ -66,6 +66,23 @@ pub fn violated<'a>(plan: &'a Plan, reports: &[Report]) -> Vec<&'a str> {
         }
     }
     names
+}
+
+/// The warning header of a graduated rule past its `warn_at`: the rule and
+/// the share of its limit in use, in percent.
+pub fn warning(policy: &str, used_share: f64) -> (&'static str, String) {
+    let percent = (used_share * 100.0).round().max(0.0) as u64;
+    (WARNING, format!("\"{policy}\";used={percent}"))
+}
+
+/// Name of the graduated warning header.
+pub const WARNING: &str = "x-ratelimit-warning";
+
+/// Spreads a wait of `secs` by up to ± `jitter` (a share), from `unit` in
+/// `[0, 1)`: 0.5 leaves it as it is. Never below 1.
+pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
+    let factor = 1.0 + jitter * (2.0 * unit - 1.0);
+    ((secs as f64 * factor).round() as u64).max(1)
 }
 
 /// The header lines for `s` in the configured style.
@@ -122,6 +139,9 @@ mod tests {
                 reset_ns: reset_s * SEC,
                 retry_after_ns: retry_ns,
             },
+            variant: 0,
+            used_share: 0.0,
+            blocked: false,
         }
     }
 
@@ -147,6 +167,18 @@ mod tests {
         assert_eq!(render(HeaderStyle::Legacy, &s).len(), 3);
         assert_eq!(render(HeaderStyle::Ietf, &s)[0].0, "ratelimit-policy");
         assert!(render(HeaderStyle::None, &s).is_empty());
+    }
+
+    #[test]
+    fn jitter_stays_within_its_share_and_warning_format() {
+        assert_eq!(jittered(100, 0.1, 0.5), 100);
+        assert_eq!(jittered(100, 0.1, 0.0), 90);
+        assert_eq!(jittered(100, 0.1, 0.999_999), 110);
+        assert_eq!(jittered(1, 0.5, 0.0), 1);
+        assert_eq!(
+            warning("api", 0.849),
+            (WARNING, "\"api\";used=85".to_string())
+        );
     }
 
     #[test]

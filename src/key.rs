@@ -83,12 +83,13 @@ pub fn client_ip(req: &RequestInfo, src: IpSource, bad: &mut Vec<BadInput>) -> O
 
 /// Feeds one rule's key for `req` into `sink` as (tag, value) per part; the
 /// tag says which kind of part it is (`c` client id, `i` IP, `m` method, `p`
-/// path, `h` header). Returns false when a `header:` part is absent: like
+/// path, `h` header). `client` is the resolved client id; without one the IP
+/// stands in. Returns false when a `header:` part is absent: like
 /// Envoy's `request_headers` descriptor, the rule then does not apply.
 pub fn write_key(
     parts: &[KeyPart],
     req: &RequestInfo,
-    client_header: HeaderId,
+    client: Option<&[u8]>,
     ip_src: IpSource,
     bad: &mut Vec<BadInput>,
     sink: &mut impl FnMut(u8, &[u8]),
@@ -100,7 +101,7 @@ pub fn write_key(
     };
     for part in parts {
         let (tag, value): (u8, std::borrow::Cow<[u8]>) = match part {
-            KeyPart::Client => match req.header(client_header).filter(|v| !v.is_empty()) {
+            KeyPart::Client => match client.filter(|v| !v.is_empty()) {
                 Some(id) => (b'c', id.into()),
                 None => (b'i', ip_text(bad).into()),
             },
@@ -173,6 +174,7 @@ mod tests {
                 None,
             ],
             source_address: Some(peer.as_bytes().to_vec()),
+            ..RequestInfo::default()
         }
     }
 
@@ -180,7 +182,7 @@ mod tests {
         let mut out = Vec::new();
         let mut bad = Vec::new();
         let src = IpSource { xff: XFF, hops };
-        let ok = write_key(parts, r, CLIENT, src, &mut bad, &mut |t, v| {
+        let ok = write_key(parts, r, r.header(CLIENT), src, &mut bad, &mut |t, v| {
             out.push(t);
             out.extend_from_slice(&(v.len() as u64).to_le_bytes());
             out.extend_from_slice(v);

@@ -10,24 +10,30 @@
 use crate::plan::{Bucket, Plan};
 use crate::store::{SharedStore, StoreError, CREATE_ONLY};
 use crate::table::{Placement, Set};
-use crate::token_bucket::Check;
+use crate::token_bucket::{Check, Limit};
 
 /// Whole-request attempts before giving up under contention.
 pub const MAX_ATTEMPTS: u32 = 32;
 
 /// One limit's result, for headers and problem bodies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Report {
     /// Index of the rule in the plan.
     pub rule: usize,
-    /// Index of the limit in the rule.
+    /// The rule's variant (tier or client override).
+    pub variant: usize,
+    /// Index of the limit in the variant.
     pub limit: usize,
     /// The bucket arithmetic's answer.
     pub check: Check,
+    /// Share of the limit in use after the request (graduated rules only; else 0).
+    pub used_share: f64,
+    /// The client is blocked (graduated `block_at`); `check.retry_after_ns` is the block's rest.
+    pub blocked: bool,
 }
 
 /// The decision for a request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
     /// Every limit passed and was charged.
     Allowed(Vec<Report>),
@@ -83,22 +89,33 @@ struct SetWork {
     pinned: Vec<usize>,
 }
 
-/// Checks `cost` against every bucket and charges all of them, or none.
+/// A state to write into an entry: (set in `work`, entry, state index, value).
+struct Write {
+    set: usize,
+    entry: usize,
+    state: usize,
+    value: u128,
+    full_at_ns: u64,
+    /// Written even when the request is denied (graduated demand and blocks).
+    always: bool,
+}
+
+/// Checks every bucket at its cost and charges all of them, or none.
+/// `spread` (in `[0, 1)`) places a new block's end within `retry_jitter`.
 pub fn check_and_consume(
     store: &impl SharedStore,
     plan: &Plan,
     buckets: &[Bucket],
-    cost: u64,
     now_ns: u64,
+    spread: f64,
     stats: &mut Stats,
 ) -> Result<Decision, LimitError> {
     for _ in 0..MAX_ATTEMPTS {
         let mut work: Vec<SetWork> = Vec::with_capacity(buckets.len());
         let mut reports = Vec::new();
+        let mut writes = Vec::new();
         let mut denied = false;
         let mut evictions = 0;
-        // (set position in `work`, entry index) per bucket, to apply the charge.
-        let mut slots = Vec::with_capacity(buckets.len());
         for b in buckets {
             let w = match work.iter().position(|w| w.index == b.set) {
                 Some(w) => w,
@@ -115,7 +132,7 @@ pub fn check_and_consume(
             };
             let placement = sw
                 .set
-                .place(b.fingerprint, rule.limits.len(), now_ns, &sw.pinned);
+                .place(b.fingerprint, rule.states(b.variant), now_ns, &sw.pinned);
             if matches!(placement, Placement::Evicted(_)) {
                 evictions += 1;
             }
@@ -125,32 +142,131 @@ pub fn check_and_consume(
             let Some(entry) = sw.set.entries.get(e) else {
                 return Err(LimitError::Vanished);
             };
-            for (l, ((limit, _), tat)) in rule.limits.iter().zip(&entry.tats).enumerate() {
-                let check = rule
-                    .algorithm
-                    .check(limit, (!fresh).then_some(*tat), now_ns, cost);
+            let state = |i: usize| entry.tats.get(i).copied().filter(|_| !fresh);
+            let limits = rule.limits(b.variant);
+            if let Some(g) = &rule.graduated {
+                let blocked_until =
+                    state(limits.len() + 1).map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
+                if blocked_until > now_ns {
+                    denied = true;
+                    reports.push(blocked_report(b, blocked_until - now_ns));
+                    continue;
+                }
+                // Demand counts every request, denied ones included, against `block_at` of the first limit.
+                if let (Some(block_at), Some((limit, _))) = (g.block_at, limits.first()) {
+                    let demand_limit = Limit {
+                        burst: ((limit.capacity as f64) * block_at).ceil() as u64,
+                        ..*limit
+                    };
+                    let d = demand_limit.check(state(limits.len()), now_ns, b.cost);
+                    let demand = if d.allowed {
+                        d.new_state
+                    } else {
+                        demand_limit.scaled(now_ns) + demand_limit.increment(demand_limit.burst)
+                    };
+                    let d_index = limits.len();
+                    if demand_limit.used_share(demand, now_ns) >= block_at {
+                        let spread_ns = (g.block_for_ns as f64 * plan.retry_jitter * spread) as u64;
+                        let until = now_ns
+                            .saturating_add(g.block_for_ns)
+                            .saturating_add(spread_ns);
+                        denied = true;
+                        reports.push(blocked_report(b, until - now_ns));
+                        writes.push(Write {
+                            set: w,
+                            entry: e,
+                            state: d_index,
+                            value: 0,
+                            full_at_ns: until,
+                            always: true,
+                        });
+                        writes.push(Write {
+                            set: w,
+                            entry: e,
+                            state: d_index + 1,
+                            value: u128::from(until),
+                            full_at_ns: until,
+                            always: true,
+                        });
+                        continue;
+                    }
+                    let full_at_ns = demand_limit.full_at_ns(demand);
+                    writes.push(Write {
+                        set: w,
+                        entry: e,
+                        state: d_index,
+                        value: demand,
+                        full_at_ns,
+                        always: true,
+                    });
+                }
+            }
+            for (l, (limit, _)) in limits.iter().enumerate() {
+                let check = rule.algorithm.check(limit, state(l), now_ns, b.cost);
                 denied |= !check.allowed;
+                let used_share = match (&rule.graduated, check.allowed) {
+                    (None, _) => 0.0,
+                    (Some(_), true) => limit.used_share(check.new_state, now_ns),
+                    (Some(_), false) => state(l).map_or(0.0, |t| limit.used_share(t, now_ns)),
+                };
                 reports.push(Report {
                     rule: b.rule,
+                    variant: b.variant,
                     limit: l,
                     check,
+                    used_share,
+                    blocked: false,
+                });
+                let full_at_ns = rule.algorithm.full_at_ns(limit, check.new_state);
+                writes.push(Write {
+                    set: w,
+                    entry: e,
+                    state: l,
+                    value: check.new_state,
+                    full_at_ns,
+                    always: false,
                 });
             }
-            slots.push((w, e, b.rule));
         }
         if denied {
-            return Ok(Decision::Denied(reports));
+            writes.retain(|w| w.always);
+            if writes.is_empty() {
+                return Ok(Decision::Denied(reports));
+            }
         }
-        apply(&mut work, &slots, &reports, plan);
-        match write_all(store, plan, &work, buckets, cost)? {
+        let touched = apply(&mut work, &writes);
+        // A denial writes only demand and blocks, which are never refunded.
+        let refundable = if denied { &[][..] } else { buckets };
+        match write_all(store, plan, &work, &touched, refundable)? {
             true => {
                 stats.evictions += evictions;
-                return Ok(Decision::Allowed(reports));
+                return Ok(if denied {
+                    Decision::Denied(reports)
+                } else {
+                    Decision::Allowed(reports)
+                });
             }
             false => stats.cas_retries += 1,
         }
     }
     Err(LimitError::Contention)
+}
+
+fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
+    Report {
+        rule: b.rule,
+        variant: b.variant,
+        limit: 0,
+        check: Check {
+            allowed: false,
+            new_state: 0,
+            remaining: 0,
+            reset_ns: wait_ns,
+            retry_after_ns: wait_ns,
+        },
+        used_share: 0.0,
+        blocked: true,
+    }
 }
 
 /// Reads a set, creating its key first when it was never written. The
@@ -182,37 +298,46 @@ fn read_set(
     })
 }
 
-/// Writes the charged TATs into the decoded sets.
-fn apply(work: &mut [SetWork], slots: &[(usize, usize, usize)], reports: &[Report], plan: &Plan) {
-    let mut r = reports.iter();
-    for &(w, e, rule) in slots {
-        let Some(limits) = plan.rules.get(rule).map(|r| &r.limits) else {
+/// Writes the new states into the decoded sets; returns which sets changed.
+fn apply(work: &mut [SetWork], writes: &[Write]) -> Vec<bool> {
+    let mut touched = vec![false; work.len()];
+    for w in writes {
+        let Some(entry) = work
+            .get_mut(w.set)
+            .and_then(|sw| sw.set.entries.get_mut(w.entry))
+        else {
             continue;
         };
-        let Some(entry) = work.get_mut(w).and_then(|sw| sw.set.entries.get_mut(e)) else {
-            continue;
-        };
-        for ((limit, _), tat) in limits.iter().zip(entry.tats.iter_mut()) {
-            if let Some(report) = r.next() {
-                *tat = report.check.new_state;
-                entry.full_at_ns = entry.full_at_ns.max(limit.full_at_ns(*tat));
+        if let Some(state) = entry.tats.get_mut(w.state) {
+            *state = w.value;
+            entry.full_at_ns = entry.full_at_ns.max(w.full_at_ns);
+            if let Some(t) = touched.get_mut(w.set) {
+                *t = true;
             }
         }
     }
+    touched
 }
 
-/// CAS-writes every set; on a conflict refunds those already written and returns false.
+/// CAS-writes every touched set; on a conflict refunds the charges in those
+/// already written and returns false.
 fn write_all(
     store: &impl SharedStore,
     plan: &Plan,
     work: &[SetWork],
-    buckets: &[Bucket],
-    cost: u64,
+    touched: &[bool],
+    refundable: &[Bucket],
 ) -> Result<bool, LimitError> {
-    for (done, sw) in work.iter().enumerate() {
+    let sets = || {
+        work.iter()
+            .zip(touched)
+            .filter(|(_, t)| **t)
+            .map(|(sw, _)| sw)
+    };
+    for (done, sw) in sets().enumerate() {
         if !store.compare_and_set(&sw.key, &sw.set.encode(), sw.cas)? {
-            for written in work.iter().take(done) {
-                refund_set(store, plan, written.index, buckets, cost)?;
+            for written in sets().take(done) {
+                refund_set(store, plan, written.index, refundable)?;
             }
             return Ok(false);
         }
@@ -222,17 +347,12 @@ fn write_all(
 
 /// Gives back a charge made by an allowed [`check_and_consume`], when a later
 /// check of the same request (the gateway) denied it.
-pub fn refund(
-    store: &impl SharedStore,
-    plan: &Plan,
-    buckets: &[Bucket],
-    cost: u64,
-) -> Result<(), LimitError> {
+pub fn refund(store: &impl SharedStore, plan: &Plan, buckets: &[Bucket]) -> Result<(), LimitError> {
     let mut sets: Vec<u64> = buckets.iter().map(|b| b.set).collect();
     sets.sort_unstable();
     sets.dedup();
     for set in sets {
-        refund_set(store, plan, set, buckets, cost)?;
+        refund_set(store, plan, set, buckets)?;
     }
     Ok(())
 }
@@ -244,7 +364,6 @@ fn refund_set(
     plan: &Plan,
     set_index: u64,
     buckets: &[Bucket],
-    cost: u64,
 ) -> Result<(), LimitError> {
     let key = plan.set_key(set_index);
     for _ in 0..MAX_ATTEMPTS {
@@ -263,8 +382,8 @@ fn refund_set(
                 .iter_mut()
                 .find(|e| e.fingerprint == b.fingerprint)
             {
-                for ((limit, _), tat) in rule.limits.iter().zip(entry.tats.iter_mut()) {
-                    *tat = rule.algorithm.refund(limit, *tat, cost);
+                for ((limit, _), tat) in rule.limits(b.variant).iter().zip(entry.tats.iter_mut()) {
+                    *tat = rule.algorithm.refund(limit, *tat, b.cost);
                 }
             }
         }
@@ -293,8 +412,10 @@ mod tests {
     fn bucket(rule: usize, fp: u64, set: u64) -> Bucket {
         Bucket {
             rule,
+            variant: 0,
             fingerprint: fp,
             set,
+            cost: 1,
         }
     }
 
@@ -313,13 +434,13 @@ mod tests {
         let mut st = Stats::default();
         let both = [bucket(0, 1, 0), bucket(1, 2, 5)];
         let n = (0..10)
-            .filter(|_| allowed(&check_and_consume(&s, &p, &both, 1, T0, &mut st).unwrap()))
+            .filter(|_| allowed(&check_and_consume(&s, &p, &both, T0, 0.0, &mut st).unwrap()))
             .count();
         assert_eq!(n, 3, "rule b holds three");
         // Rule a was charged only for the three admitted requests.
         let only_a = [bucket(0, 1, 0)];
         let m = (0..20)
-            .filter(|_| allowed(&check_and_consume(&s, &p, &only_a, 1, T0, &mut st).unwrap()))
+            .filter(|_| allowed(&check_and_consume(&s, &p, &only_a, T0, 0.0, &mut st).unwrap()))
             .count();
         assert_eq!(m, 7);
         assert_eq!(st, Stats::default());
@@ -332,7 +453,7 @@ mod tests {
         );
         let s = MemoryStore::default();
         let d =
-            check_and_consume(&s, &p, &[bucket(0, 9, 3)], 1, T0, &mut Stats::default()).unwrap();
+            check_and_consume(&s, &p, &[bucket(0, 9, 3)], T0, 0.0, &mut Stats::default()).unwrap();
         let Decision::Allowed(r) = d else {
             panic!("denied")
         };
@@ -371,7 +492,7 @@ mod tests {
         let mem = MemoryStore::default();
         let b = [bucket(0, 42, 1)];
         let other = |m: &MemoryStore| {
-            check_and_consume(m, &p, &b, 1, T0, &mut Stats::default()).unwrap();
+            check_and_consume(m, &p, &b, T0, 0.0, &mut Stats::default()).unwrap();
         };
         let racing = Racing {
             inner: &mem,
@@ -381,7 +502,7 @@ mod tests {
         let mut st = Stats::default();
         let mut admitted_here = 0;
         for _ in 0..5 {
-            if allowed(&check_and_consume(&racing, &p, &b, 1, T0, &mut st).unwrap()) {
+            if allowed(&check_and_consume(&racing, &p, &b, T0, 0.0, &mut st).unwrap()) {
                 admitted_here += 1;
             }
         }
@@ -389,7 +510,7 @@ mod tests {
         assert_eq!(admitted_here, 2);
         assert!(st.cas_retries >= 2, "{st:?}");
         assert!(!allowed(
-            &check_and_consume(&mem, &p, &b, 1, T0, &mut st).unwrap()
+            &check_and_consume(&mem, &p, &b, T0, 0.0, &mut st).unwrap()
         ));
     }
 
@@ -402,7 +523,7 @@ mod tests {
         let b = [bucket(0, 42, 1)];
         let other = |m: &MemoryStore| {
             assert!(allowed(
-                &check_and_consume(m, &p, &b, 1, T0, &mut Stats::default()).unwrap()
+                &check_and_consume(m, &p, &b, T0, 0.0, &mut Stats::default()).unwrap()
             ));
         };
         let racing = Racing {
@@ -412,10 +533,10 @@ mod tests {
         };
         let mut st = Stats::default();
         assert!(allowed(
-            &check_and_consume(&racing, &p, &b, 1, T0, &mut st).unwrap()
+            &check_and_consume(&racing, &p, &b, T0, 0.0, &mut st).unwrap()
         ));
         assert!(!allowed(
-            &check_and_consume(&mem, &p, &b, 1, T0, &mut st).unwrap()
+            &check_and_consume(&mem, &p, &b, T0, 0.0, &mut st).unwrap()
         ));
     }
 
@@ -425,7 +546,7 @@ mod tests {
         let mem = MemoryStore::default();
         let both = [bucket(0, 1, 0), bucket(1, 2, 5)];
         // Prime both sets so that both exist.
-        check_and_consume(&mem, &p, &both, 1, T0, &mut Stats::default()).unwrap();
+        check_and_consume(&mem, &p, &both, T0, 0.0, &mut Stats::default()).unwrap();
         let set5 = p.set_key(5);
         let calls = Cell::new(0);
         let bump = |m: &MemoryStore| {
@@ -443,12 +564,12 @@ mod tests {
         };
         let mut st = Stats::default();
         assert!(allowed(
-            &check_and_consume(&racing, &p, &both, 1, T0, &mut st).unwrap()
+            &check_and_consume(&racing, &p, &both, T0, 0.0, &mut st).unwrap()
         ));
         assert_eq!(st.cas_retries, 1);
         // Two admissions in all: rule a has 8 left, rule b 1.
         let only_a = [bucket(0, 1, 0)];
-        let d = check_and_consume(&mem, &p, &only_a, 1, T0, &mut st).unwrap();
+        let d = check_and_consume(&mem, &p, &only_a, T0, 0.0, &mut st).unwrap();
         let Decision::Allowed(r) = d else { panic!() };
         assert_eq!(r[0].check.remaining, 7);
     }
@@ -462,11 +583,11 @@ mod tests {
             .unwrap();
         let mut st = Stats::default();
         assert!(allowed(
-            &check_and_consume(&mem, &p, &[bucket(0, 5, 3)], 1, T0, &mut st).unwrap()
+            &check_and_consume(&mem, &p, &[bucket(0, 5, 3)], T0, 0.0, &mut st).unwrap()
         ));
         assert_eq!(st.corrupt_sets, 1);
         assert!(!allowed(
-            &check_and_consume(&mem, &p, &[bucket(0, 5, 3)], 1, T0, &mut st).unwrap()
+            &check_and_consume(&mem, &p, &[bucket(0, 5, 3)], T0, 0.0, &mut st).unwrap()
         ));
     }
 
@@ -480,19 +601,19 @@ mod tests {
         let hot = [bucket(0, u64::MAX, 0)];
         let mut hot_admitted = 0;
         for _ in 0..6 {
-            if allowed(&check_and_consume(&mem, &p, &hot, 1, T0, &mut st).unwrap()) {
+            if allowed(&check_and_consume(&mem, &p, &hot, T0, 0.0, &mut st).unwrap()) {
                 hot_admitted += 1;
             }
         }
         for i in 0..20_000u64 {
             if i % 100 == 0
-                && allowed(&check_and_consume(&mem, &p, &hot, 1, T0 + i, &mut st).unwrap())
+                && allowed(&check_and_consume(&mem, &p, &hot, T0 + i, 0.0, &mut st).unwrap())
             {
                 hot_admitted += 1;
             }
             let b = [bucket(0, i, i % p.sets)];
             assert!(allowed(
-                &check_and_consume(&mem, &p, &b, 1, T0 + i, &mut st).unwrap()
+                &check_and_consume(&mem, &p, &b, T0 + i, 0.0, &mut st).unwrap()
             ));
         }
         assert_eq!(

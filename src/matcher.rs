@@ -67,7 +67,7 @@ mod tests {
                 Some(path.as_bytes().to_vec()),
                 tenant.map(|t| t.as_bytes().to_vec()),
             ],
-            source_address: None,
+            ..RequestInfo::default()
         }
     }
 

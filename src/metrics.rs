@@ -34,11 +34,23 @@ pub enum Metric {
     CircuitOpenSkips,
     /// Figures in gateway answers outside what the limit allows, clamped.
     GatewayClamped,
+    /// Requests a shadow rule (or any rule, for a soft client) would have denied.
+    ShadowDenied,
+    /// Requests answered 429 because the client is blocked (graduated `block_at`).
+    Blocked,
+    /// Requests answered 403 because a quota is spent.
+    QuotaExhausted,
+    /// Responses that carried the graduated warning header.
+    Warned,
+    /// Requests held `delay_ms` by a graduated rule.
+    Delayed,
+    /// Requests of unlimited clients or tiers.
+    Unlimited,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 15] = [
+    pub const ALL: [Metric; 21] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -54,6 +66,12 @@ impl Metric {
         Metric::CircuitOpened,
         Metric::CircuitOpenSkips,
         Metric::GatewayClamped,
+        Metric::ShadowDenied,
+        Metric::Blocked,
+        Metric::QuotaExhausted,
+        Metric::Warned,
+        Metric::Delayed,
+        Metric::Unlimited,
     ];
 
     /// The name given to Envoy.
@@ -74,6 +92,12 @@ impl Metric {
             Metric::CircuitOpened => "ratelimit_wasm_circuit_opened",
             Metric::CircuitOpenSkips => "ratelimit_wasm_circuit_open_skips",
             Metric::GatewayClamped => "ratelimit_wasm_gateway_answer_clamped",
+            Metric::ShadowDenied => "ratelimit_wasm_shadow_denied",
+            Metric::Blocked => "ratelimit_wasm_blocked",
+            Metric::QuotaExhausted => "ratelimit_wasm_quota_exhausted",
+            Metric::Warned => "ratelimit_wasm_warned",
+            Metric::Delayed => "ratelimit_wasm_delayed",
+            Metric::Unlimited => "ratelimit_wasm_unlimited",
         }
     }
 

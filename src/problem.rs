@@ -29,6 +29,40 @@ pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[
     serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":429}"))
 }
 
+#[derive(Serialize)]
+struct QuotaProblem<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: String,
+    #[serde(rename = "violated-policies")]
+    violated_policies: &'a [&'a str],
+    upgrade_url: &'a str,
+}
+
+/// The body of a 403 when a quota is spent: no `Retry-After` — waiting a few
+/// seconds will not help; the period's end or an upgrade will.
+pub fn quota_exhausted(
+    problem_type: &str,
+    quotas: &[&str],
+    upgrade_url: &str,
+    renews_in_secs: u64,
+) -> String {
+    let p = QuotaProblem {
+        kind: problem_type,
+        title: "Quota Exhausted",
+        status: 403,
+        detail: format!(
+            "Quota {} is used up; it renews in {renews_in_secs} seconds.",
+            quotas.join(", ")
+        ),
+        violated_policies: quotas,
+        upgrade_url,
+    };
+    serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":403}"))
+}
+
 /// Problem type of a 503: the generic one, since HTTP's status says it all.
 pub const UNAVAILABLE_TYPE: &str = "about:blank";
 
@@ -55,6 +89,23 @@ pub fn service_unavailable(retry_after_secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quota_body() {
+        let v: serde_json::Value = serde_json::from_str(&quota_exhausted(
+            "tag:x",
+            &["monthly"],
+            "https://e.com/up",
+            86_400,
+        ))
+        .unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"type":"tag:x","title":"Quota Exhausted","status":403,
+                "detail":"Quota monthly is used up; it renews in 86400 seconds.",
+                "violated-policies":["monthly"],"upgrade_url":"https://e.com/up"})
+        );
+    }
 
     #[test]
     fn unavailable_body() {

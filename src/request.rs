@@ -15,6 +15,10 @@ pub struct RequestInfo {
     pub headers: Vec<Option<Vec<u8>>>,
     /// The downstream peer as `ip:port` (Envoy's `source.address`), when known.
     pub source_address: Option<Vec<u8>>,
+    /// The client id from Envoy metadata, when the plan reads it.
+    pub client_metadata: Option<Vec<u8>>,
+    /// The tier from Envoy metadata, when the plan reads it.
+    pub tier_metadata: Option<Vec<u8>>,
 }
 
 impl RequestInfo {
@@ -46,7 +50,7 @@ mod tests {
     fn path_drops_the_query() {
         let r = RequestInfo {
             headers: vec![Some(b"GET".to_vec()), Some(b"/a/b?x=1".to_vec())],
-            source_address: None,
+            ..RequestInfo::default()
         };
         assert_eq!(r.path(), b"/a/b");
         assert_eq!(r.method(), b"GET");

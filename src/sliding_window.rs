@@ -114,10 +114,7 @@ mod tests {
     const SEC: u64 = 1_000_000_000;
 
     fn lim(n: u64, secs: u64) -> Limit {
-        Limit {
-            capacity: n,
-            period_ns: secs * SEC,
-        }
+        Limit::new(n, secs * SEC)
     }
 
     #[test]

@@ -8,10 +8,14 @@
 /// One limit: `capacity` requests per `period_ns`, refilled continuously.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Limit {
-    /// Bucket size: the most that can be spent at once.
+    /// The limit: requests per period, and the bucket size.
     pub capacity: u64,
-    /// Time to refill an empty bucket, in nanoseconds.
+    /// Time to refill `capacity` tokens, in nanoseconds.
     pub period_ns: u64,
+    /// The most that can be spent at once; above `capacity` only for a
+    /// graduated rule, whose requests past 100% are delayed, not denied.
+    /// Remaining counts only up to `capacity`.
+    pub burst: u64,
 }
 
 /// What one check of one bucket found.
@@ -30,6 +34,15 @@ pub struct Check {
 }
 
 impl Limit {
+    /// `capacity` per `period_ns`, with a burst of `capacity`.
+    pub fn new(capacity: u64, period_ns: u64) -> Limit {
+        Limit {
+            capacity,
+            period_ns,
+            burst: capacity,
+        }
+    }
+
     /// The current time in scaled units.
     pub fn scaled(&self, now_ns: u64) -> u128 {
         u128::from(now_ns) * u128::from(self.capacity)
@@ -42,7 +55,14 @@ impl Limit {
 
     /// Scaled length of a full bucket.
     fn tolerance(&self) -> u128 {
-        u128::from(self.period_ns) * u128::from(self.capacity)
+        u128::from(self.period_ns) * u128::from(self.burst.max(self.capacity))
+    }
+
+    /// Share of the limit in use for a bucket at `state`, after the request.
+    pub fn used_share(&self, state: u128, now_ns: u64) -> f64 {
+        let used = state.saturating_sub(self.scaled(now_ns));
+        let full = u128::from(self.period_ns) * u128::from(self.capacity);
+        used as f64 / full.max(1) as f64
     }
 
     /// Scaled time that spending `cost` tokens adds to the TAT.
@@ -67,8 +87,8 @@ impl Limit {
                 retry_after_ns: 0,
             }
         } else {
-            // A cost above the capacity can never pass; report a full period.
-            let retry = if cost > self.capacity {
+            // A cost above the bucket can never pass; report a full period.
+            let retry = if cost > self.burst.max(self.capacity) {
                 u128::from(self.period_ns)
             } else {
                 self.unscale_ceil_u128(need - tolerance)
@@ -89,7 +109,8 @@ impl Limit {
     }
 
     fn tokens(&self, scaled_free: u128) -> u64 {
-        u64::try_from(scaled_free / self.interval().max(1)).unwrap_or(u64::MAX)
+        let all = u64::try_from(scaled_free / self.interval().max(1)).unwrap_or(u64::MAX);
+        all.saturating_sub(self.burst.saturating_sub(self.capacity))
     }
 
     fn unscale_ceil_u128(&self, scaled: u128) -> u128 {
@@ -115,10 +136,27 @@ mod tests {
     const SEC: u64 = 1_000_000_000;
 
     fn lim(capacity: u64, secs: u64) -> Limit {
-        Limit {
-            capacity,
-            period_ns: secs * SEC,
+        Limit::new(capacity, secs * SEC)
+    }
+
+    #[test]
+    fn a_burst_above_capacity_admits_more_but_reports_remaining_up_to_capacity() {
+        let l = Limit {
+            burst: 12,
+            ..lim(10, 60)
+        };
+        let mut tat = None;
+        let mut remaining = Vec::new();
+        for _ in 0..13 {
+            let c = l.check(tat, SEC, 1);
+            if c.allowed {
+                tat = Some(c.new_state);
+                remaining.push(c.remaining);
+            }
         }
+        assert_eq!(remaining, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0]);
+        let share = l.used_share(tat.unwrap(), SEC);
+        assert!((share - 1.2).abs() < 1e-9, "{share}");
     }
 
     /// Runs a sequence, storing the TAT on admission, and returns the admitted cost.
