@@ -885,4 +885,193 @@ mod tests {
         ));
         assert!(!next.probe);
     }
+
+    const GRADUATED: &str = r#"{"domain":"d","response":{"retry_jitter":0},"rules":[{"name":"api","key":["client"],
+        "limits":[{"requests":10,"per":"1m"}],
+        "graduated":{"warn_at":0.8,"delay_at":1.0,"delay_ms":100,"reject_at":1.2,"block_at":2.0,"block_for":"5m"}}]}"#;
+
+    #[test]
+    fn graduated_warns_delays_rejects_then_blocks() {
+        let p = plan(GRADUATED);
+        let s = MemoryStore::default();
+        let mut seen = Vec::new();
+        for _ in 0..21 {
+            let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+            seen.push(match &o.verdict {
+                Verdict::Pass(h) => format!("pass {}", header(h, "x-ratelimit-warning")),
+                Verdict::Delay { ms, headers } => {
+                    format!("delay {ms} {}", header(headers, "x-ratelimit-warning"))
+                }
+                Verdict::Reject {
+                    status, headers, ..
+                } => format!("{status} {}", header(headers, "retry-after")),
+            });
+        }
+        let mut want: Vec<String> = (0..7).map(|_| "pass <absent>".to_string()).collect();
+        want.extend(
+            [
+                "pass \"api\";used=80",
+                "pass \"api\";used=90",
+                "pass \"api\";used=100",
+            ]
+            .map(String::from),
+        );
+        want.extend(["delay 100 \"api\";used=110", "delay 100 \"api\";used=120"].map(String::from));
+        // Rejected from the 13th; demand (denied included) reaches 200% at the 20th: blocked for 5 minutes.
+        want.extend((13..20).map(|_| "429 6".to_string()));
+        want.extend(["429 300", "429 300"].map(String::from));
+        assert_eq!(seen, want);
+        let o = done(start(
+            &p,
+            &req(&p, "/", Some("a")),
+            &s,
+            T0 + 299 * SEC,
+            NEUTRAL,
+        ));
+        assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+        assert_eq!(o.counts.get(Metric::Blocked), 1);
+        // The block is over and the bucket refilled meanwhile.
+        let o = done(start(
+            &p,
+            &req(&p, "/", Some("a")),
+            &s,
+            T0 + 300 * SEC,
+            NEUTRAL,
+        ));
+        assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+    }
+
+    #[test]
+    fn block_release_and_retry_after_are_jittered_within_bounds() {
+        let p = plan(&GRADUATED.replace("\"retry_jitter\":0", "\"retry_jitter\":0.1"));
+        let mut blocks = Vec::new();
+        for (i, random) in [0u64, u64::MAX, 1 << 63 | 1 << 31].into_iter().enumerate() {
+            let s = MemoryStore::default();
+            let client = format!("c{i}");
+            for _ in 0..19 {
+                start(&p, &req(&p, "/", Some(&client)), &s, T0, random);
+            }
+            let o = done(start(&p, &req(&p, "/", Some(&client)), &s, T0, random));
+            let Verdict::Reject { headers, .. } = &o.verdict else {
+                panic!("{o:?}")
+            };
+            blocks.push(header(headers, "retry-after").parse::<u64>().unwrap());
+        }
+        // Block end spread within +10% (300..330 s), and Retry-After within ±10% of that.
+        for b in &blocks {
+            assert!((270..=363).contains(b), "{blocks:?}");
+        }
+        assert_ne!(blocks[0], blocks[1]);
+    }
+
+    #[test]
+    fn shadow_rules_and_soft_clients_never_reject_but_count() {
+        let p = plan(
+            r#"{"domain":"d","identity":{"clients":{"trial":{"soft":true}}},"rules":[
+                {"name":"watch","mode":"shadow","key":["client"],"limits":[{"requests":1,"per":"1h"}]},
+                {"name":"api","key":["client"],"limits":[{"requests":2,"per":"1h"}]}]}"#,
+        );
+        let s = MemoryStore::default();
+        let first = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        assert!(first.shadow_denied.is_empty());
+        let second = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        let Verdict::Pass(h) = &second.verdict else {
+            panic!("{second:?}")
+        };
+        assert_eq!(second.shadow_denied, ["watch"]);
+        assert_eq!(second.counts.get(Metric::ShadowDenied), 1);
+        assert_eq!(header(h, "x-ratelimit-remaining"), "0");
+        assert!(matches!(
+            done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL)).verdict,
+            Verdict::Reject { .. }
+        ));
+        for _ in 0..5 {
+            let o = done(start(&p, &req(&p, "/", Some("trial")), &s, T0, NEUTRAL));
+            assert!(matches!(o.verdict, Verdict::Pass(_)));
+        }
+    }
+
+    #[test]
+    fn unlimited_clients_pass_untouched() {
+        let p = plan(
+            r#"{"domain":"d","tiers":{"free":{},"staff":{"unlimited":true}},
+                "identity":{"default_tier":"free","clients":{"ops":{"tier":"staff"}}},
+                "rules":[{"name":"api","key":["client"],"limits":[{"requests":1,"per":"1h"}]}]}"#,
+        );
+        let s = MemoryStore::default();
+        for _ in 0..3 {
+            let o = done(start(&p, &req(&p, "/", Some("ops")), &s, T0, NEUTRAL));
+            assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+            assert_eq!(o.counts.get(Metric::Unlimited), 1);
+        }
+    }
+
+    const QUOTA: &str = r#"{"domain":"d","global":{"cluster":"gw"},"tiers":{"free":{}},"identity":{"default_tier":"free"},
+        "rules":[{"name":"burst","key":["client"],"limits":[{"requests":5,"per":"1h"}]}],
+        "quotas":[{"name":"monthly","key":["client"],"period":"month","tiers":{"free":3},"upgrade_url":"https://e.com/up"}]}"#;
+
+    fn quota_answer(quota_ok: bool) -> Vec<u8> {
+        serde_json::json!({"version":1,"allowed":quota_ok,"buckets":[],
+            "quotas":[{"allowed":quota_ok,"remaining":0,"reset_ms":86_400_000}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_spent_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
+        let p = plan(QUOTA);
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+        assert_eq!(
+            body["quotas"],
+            serde_json::json!([{"key":"monthly/c=a","tag":"c=a","limit":3,"period":"month","amount":1}])
+        );
+        let o = finish(
+            &p,
+            pending,
+            Some(b"200"),
+            &quota_answer(false),
+            SEC / 1000,
+            &s,
+            T0,
+        );
+        let Verdict::Reject {
+            status,
+            headers,
+            body,
+        } = &o.verdict
+        else {
+            panic!("{o:?}")
+        };
+        assert_eq!(*status, 403);
+        assert_eq!(header(headers, "retry-after"), "<absent>");
+        assert_eq!(
+            header(headers, "link"),
+            "<https://e.com/up>; rel=\"payment\""
+        );
+        assert!(
+            body.contains("\"upgrade_url\":\"https://e.com/up\""),
+            "{body}"
+        );
+        assert!(body.contains("tag:ratelimit-wasm,2026:quota-exhausted"));
+        assert_eq!(o.counts.get(Metric::QuotaExhausted), 1);
+        // The local charge was refunded: 5 local requests still pass the burst rule.
+        for _ in 0..5 {
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+            let o = finish(
+                &p,
+                pending,
+                Some(b"200"),
+                &quota_answer(true),
+                SEC / 1000,
+                &s,
+                T0,
+            );
+            assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+        }
+        // Out of rate limit: 429, before the gateway is asked.
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+    }
 }
