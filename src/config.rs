@@ -727,6 +727,13 @@ fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), Config
     if rule.scope != Scope::Local {
         return Err(ConfigError::field(at, "is supported for local rules only"));
     }
+    let single = |l: &[LimitSpec]| l.len() <= 1;
+    if !single(&rule.limits) || !rule.tiers.values().all(|l| single(l)) {
+        return Err(ConfigError::field(
+            at,
+            "needs exactly one limit per tier: the stages are shares of it",
+        ));
+    }
     let share = |name: &str, v: f64, min: f64| -> Result<(), ConfigError> {
         if !v.is_finite() || v < min || v > MAX_SHARE {
             return Err(ConfigError::field(
@@ -870,10 +877,16 @@ impl Config {
                 }
             }
             for (rule, limits) in &spec.limits {
-                if !self.rules.iter().any(|r| r.name == *rule) {
+                let Some(r) = self.rules.iter().find(|r| r.name == *rule) else {
                     return Err(ConfigError::field(
                         format!("{at}.limits"),
                         format!("{rule:?} is not a rule name"),
+                    ));
+                };
+                if r.graduated.is_some() && limits.len() != 1 {
+                    return Err(ConfigError::field(
+                        format!("{at}.limits.{rule}"),
+                        "needs exactly one limit: the rule is graduated",
                     ));
                 }
                 validate_limits(&format!("{at}.limits.{rule}"), limits, false)?;
@@ -1199,5 +1212,98 @@ mod tests {
             err(json!({"rules": []})),
             "configuration: missing field `domain`"
         );
+    }
+
+    #[test]
+    fn policy_fields_are_checked_with_their_paths() {
+        let cases = [
+            (json!({"tiers": {"free": {}}}), "identity.default_tier: required when tiers are declared"),
+            (
+                json!({"tiers": {"free": {}}, "identity": {"default_tier": "gold"}}),
+                r#"identity.default_tier: "gold" is not a tier declared in tiers"#,
+            ),
+            (
+                json!({"identity": {"clients": {"a": {"limits": {"nope": []}}}}}),
+                r#"identity.clients.a.limits: "nope" is not a rule name"#,
+            ),
+            (
+                json!({"quotas": [{"name": "q", "period": "month", "upgrade_url": "https://x"}]}),
+                "quotas: need global: the gateway keeps quotas",
+            ),
+            (
+                json!({"quotas": [{"name": "q", "period": "week", "upgrade_url": "https://x"}], "global": {"cluster": "gw"}}),
+                "quotas[0].period: unknown variant `week`, expected one of `minute`, `hour`, `day`, `month`",
+            ),
+            (json!({"response": {"retry_jitter": 0.9}}), "response.retry_jitter: must be between 0 and 0.5"),
+        ];
+        for (extra, want) in cases {
+            let mut v = base();
+            for (k, val) in extra.as_object().unwrap() {
+                v[k] = val.clone();
+            }
+            assert_eq!(err(v), want);
+        }
+    }
+
+    #[test]
+    fn graduated_and_shadow_constraints() {
+        let mut v = base();
+        v["rules"][0]["graduated"] = json!({"delay_at": 1.0});
+        assert_eq!(
+            err(v),
+            "rules[0].graduated.delay_ms: required with delay_at"
+        );
+        let mut v = base();
+        v["rules"][0]["graduated"] = json!({"reject_at": 1.2, "block_at": 1.1, "block_for": "1m"});
+        assert_eq!(
+            err(v),
+            "rules[0].graduated.block_at: must not be below reject_at"
+        );
+        let mut v = base();
+        v["rules"][0]["limits"] = json!([{"requests": 1, "per": 1}, {"requests": 2, "per": 2}]);
+        v["rules"][0]["graduated"] = json!({"warn_at": 0.5});
+        assert_eq!(
+            err(v),
+            "rules[0].graduated: needs exactly one limit per tier: the stages are shares of it"
+        );
+        let mut v = base();
+        v["rules"][0]["algorithm"] = json!("sliding_window");
+        v["rules"][0]["graduated"] = json!({"warn_at": 0.5});
+        assert_eq!(
+            err(v),
+            r#"rules[0].graduated: needs "algorithm": "token_bucket""#
+        );
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw"});
+        v["rules"][0]["scope"] = json!("global");
+        v["rules"][0]["mode"] = json!("shadow");
+        assert_eq!(
+            err(v),
+            "rules[0].mode: shadow is supported for local rules only"
+        );
+        let mut v = base();
+        v["rules"][0]["scope"] = json!("global");
+        assert_eq!(
+            err(v),
+            r#"global: required because rules[0] has "scope": "global""#
+        );
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw", "timeout_ms": 0});
+        assert_eq!(
+            err(v),
+            "global.timeout_ms: must be between 1 and 60000 (Envoy treats 0 as no timeout)"
+        );
+    }
+
+    #[test]
+    fn tiers_may_replace_the_rule_limits() {
+        let mut v = base();
+        v["tiers"] = json!({"free": {}, "pro": {}});
+        v["identity"] = json!({"default_tier": "free"});
+        v["rules"][0]["limits"] = json!([]);
+        v["rules"][0]["tiers"] = json!({"free": [{"requests": 1, "per": 1}]});
+        assert_eq!(err(v.clone()), "rules[0].limits: must hold 1 to 8 limits");
+        v["rules"][0]["tiers"]["pro"] = json!([{"requests": 5, "per": 1}]);
+        assert!(parse(v.to_string().as_bytes()).is_ok());
     }
 }
