@@ -1,0 +1,121 @@
+//! The `explain` table: what each tier (and each client override) gets from each rule.
+
+use ratelimit_wasm::algorithm::Algorithm;
+use ratelimit_wasm::config::{Config, LimitSpec, Mode, Rule};
+
+/// One row per rule × tier (or rule × client override).
+pub fn table(c: &Config) -> String {
+    let mut rows = vec![[
+        "rule",
+        "tier",
+        "limits",
+        "burst",
+        "cost",
+        "scope",
+        "algorithm",
+        "mode",
+        "RateLimit-Policy",
+    ]
+    .map(String::from)];
+    let cost = if c.costs.is_empty() {
+        "1".to_string()
+    } else {
+        format!("costs ({} entries, default 1)", c.costs.len())
+    };
+    for rule in &c.rules {
+        let mut who: Vec<(String, &[LimitSpec])> = if c.tiers.is_empty() {
+            vec![("*".into(), &rule.limits)]
+        } else {
+            c.tiers
+                .keys()
+                .map(|t| {
+                    let tier_unlimited = c.tiers.get(t).is_some_and(|s| s.unlimited);
+                    let limits: &[LimitSpec] = if tier_unlimited {
+                        &[]
+                    } else {
+                        rule.tiers.get(t).map_or(&rule.limits, |l| l)
+                    };
+                    (t.clone(), limits)
+                })
+                .collect()
+        };
+        for (id, spec) in &c.identity.clients {
+            if spec.unlimited {
+                who.push((format!("client {id}"), &[]));
+            } else if let Some(l) = spec.limits.get(&rule.name) {
+                who.push((format!("client {id}"), l));
+            }
+        }
+        for (tier, limits) in who {
+            rows.push(row(
+                rule,
+                &tier,
+                limits,
+                rule.cost.map_or(cost.clone(), |x| x.to_string()),
+            ));
+        }
+    }
+    render(&rows)
+}
+
+fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 9] {
+    let reject_at = rule.graduated.as_ref().map_or(1.0, |g| g.reject_at);
+    let (shown, burst, policy) = if limits.is_empty() {
+        ("unlimited".to_string(), "-".to_string(), "-".to_string())
+    } else {
+        let shown = limits
+            .iter()
+            .map(|l| format!("{}/{}s", l.requests, l.per.0))
+            .collect::<Vec<_>>();
+        let burst = limits
+            .iter()
+            .map(|l| match rule.algorithm {
+                Algorithm::TokenBucket => {
+                    (((l.requests as f64) * reject_at).floor() as u64).to_string()
+                }
+                Algorithm::SlidingWindow => format!("{} per window", l.requests),
+            })
+            .collect::<Vec<_>>();
+        let policy = limits
+            .iter()
+            .map(|l| format!("\"{}\";q={};w={}", rule.name, l.requests, l.per.0))
+            .collect::<Vec<_>>();
+        (shown.join(" + "), burst.join(" + "), policy.join(" | "))
+    };
+    [
+        rule.name.clone(),
+        tier.to_string(),
+        shown,
+        burst,
+        cost,
+        format!("{:?}", rule.scope).to_lowercase(),
+        rule.algorithm.name().to_string(),
+        if rule.mode == Mode::Shadow {
+            "shadow"
+        } else {
+            "enforce"
+        }
+        .to_string(),
+        policy,
+    ]
+}
+
+fn render(rows: &[[String; 9]]) -> String {
+    let mut widths = [0usize; 9];
+    for r in rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}

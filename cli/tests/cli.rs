@@ -1,0 +1,178 @@
+//! The `ratelimit` command, run as a user would, on files it writes.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimit"))
+        .args(args)
+        .output()
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn file(name: &str, body: &str) -> String {
+    let dir: PathBuf = std::env::temp_dir().join(format!("ratelimit-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, body).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+fn shipped(name: &str) -> String {
+    format!("{}/../envoy/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn validate_accepts_the_shipped_config_and_names_field_paths_of_bad_ones() {
+    let ok = run(&["validate", &shipped("ratelimit.json")]);
+    assert_eq!(ok.code, 0, "{}", ok.stderr);
+    assert!(ok.stdout.ends_with("ratelimit.json: ok\n"), "{}", ok.stdout);
+    let bad = file(
+        "bad.json",
+        r#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":5,"per":"10x"}]}]}"#,
+    );
+    let missing = file("missing-dir-marker", "").replace("missing-dir-marker", "nope.json");
+    let r = run(&["validate", &shipped("ratelimit.json"), &bad, &missing, "--"]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .contains(r#"bad.json: rules[0].limits[0].per: "10x" is not a duration"#),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("nope.json: cannot read"), "{}", r.stderr);
+    let not_json = file("garbage.json", "{ not json");
+    let r = run(&["validate", &not_json]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("configuration is not valid JSON"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(run(&["validate"]).code, 2, "no file is a usage error");
+}
+
+#[test]
+fn explain_shows_every_rule_and_tier_with_the_policy_header() {
+    let f = file(
+        "tiers.json",
+        r#"{"domain":"d","tiers":{"free":{},"pro":{},"staff":{"unlimited":true}},
+            "identity":{"default_tier":"free","clients":{"acme":{"limits":{"api":[{"requests":900,"per":"1m"}]}}}},
+            "rules":[{"name":"api","key":["client"],"limits":[{"requests":60,"per":"1m"},{"requests":10,"per":"1s"}],
+                      "tiers":{"pro":[{"requests":600,"per":"1m"}]}, "cost": 2},
+                     {"name":"strict","algorithm":"sliding_window","limits":[{"requests":100,"per":"1h"}]}]}"#,
+    );
+    let r = run(&["explain", &f]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert!(lines[0].starts_with("rule"), "{}", r.stdout);
+    let row = |rule: &str, tier: &str| {
+        lines
+            .iter()
+            .find(|l| l.split_whitespace().next() == Some(rule) && l.contains(tier))
+            .unwrap_or_else(|| panic!("no row {rule} {tier} in\n{}", r.stdout))
+            .to_string()
+    };
+    let free = row("api", " free ");
+    assert!(free.contains("60/60s + 10/1s"), "{free}");
+    assert!(
+        free.contains(r#""api";q=60;w=60 | "api";q=10;w=1"#),
+        "{free}"
+    );
+    assert!(free.contains(" 2 "), "rule cost: {free}");
+    assert!(row("api", " pro ").contains(r#""api";q=600;w=60"#));
+    assert!(row("api", " staff ").contains("unlimited"));
+    assert!(row("api", "client acme").contains("900/60s"));
+    assert!(row("strict", " free ").contains("100 per window"));
+    let bad = file("bad2.json", r#"{"domain":"d","rules":[]}"#);
+    let r = run(&["explain", &bad]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("rules: at least one rule is required"),
+        "{}",
+        r.stderr
+    );
+}
+
+fn service(name: &str, requests: u64) -> String {
+    file(
+        &format!("{name}.json"),
+        &format!(
+            r#"{{"domain":"{name}","global":{{"cluster":"gw"}},"rules":[
+                {{"name":"all","scope":"global","limits":[{{"requests":{requests},"per":"1m"}}]}},
+                {{"name":"each","scope":"global","key":["client"],"limits":[{{"requests":5,"per":"1s"}}]}}]}}"#
+        ),
+    )
+}
+
+#[test]
+fn budget_sums_service_wide_global_limits_against_the_provider() {
+    let (a, b) = (service("svc-a", 300), service("svc-b", 400));
+    let ok = run(&[
+        "budget",
+        &a,
+        &b,
+        "--provider-limit",
+        "1000/1m",
+        "--headroom",
+        "10%",
+    ]);
+    assert_eq!(ok.code, 0, "{}{}", ok.stdout, ok.stderr);
+    assert!(ok.stdout.contains("11.667"), "{}", ok.stdout);
+    assert!(
+        ok.stdout.contains("15.000"),
+        "allowance 1000/60 × 0.9: {}",
+        ok.stdout
+    );
+    assert!(
+        ok.stdout.contains("does not bound the total"),
+        "{}",
+        ok.stdout
+    );
+    let over = run(&[
+        "budget",
+        &a,
+        &b,
+        "--provider-limit",
+        "750/1m",
+        "--headroom",
+        "10%",
+    ]);
+    assert_eq!(over.code, 1);
+    assert!(
+        over.stderr
+            .contains("over budget: 11.667 requests/s exceed the allowance of 11.250"),
+        "{}",
+        over.stderr
+    );
+    let bad = run(&["budget", &a, "--provider-limit", "lots"]);
+    assert_eq!(bad.code, 1);
+    assert!(
+        bad.stderr.contains("expected <requests>/<duration>"),
+        "{}",
+        bad.stderr
+    );
+    let local_only = run(&[
+        "budget",
+        &shipped("ratelimit.json"),
+        "--provider-limit",
+        "10/1s",
+    ]);
+    assert_eq!(local_only.code, 1);
+    assert!(
+        local_only.stderr.contains("no service-wide global rule"),
+        "{}",
+        local_only.stderr
+    );
+}
