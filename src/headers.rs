@@ -78,11 +78,12 @@ pub fn warning(policy: &str, used_share: f64) -> (&'static str, String) {
 /// Name of the graduated warning header.
 pub const WARNING: &str = "x-ratelimit-warning";
 
-/// Spreads a wait of `secs` by up to ± `jitter` (a share), from `unit` in
-/// `[0, 1)`: 0.5 leaves it as it is. Never below 1.
+/// Spreads a wait of `secs` upwards by up to `jitter` (a share), from `unit`
+/// in `[0, 1)`, rounding up. Only upwards: a client that waits as told must
+/// find its request admitted, so no client is sent back early.
 pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
-    let factor = 1.0 + jitter * (2.0 * unit - 1.0);
-    ((secs as f64 * factor).round() as u64).max(1)
+    let factor = 1.0 + jitter * unit.clamp(0.0, 1.0);
+    ((secs as f64 * factor).ceil() as u64).max(secs).max(1)
 }
 
 /// The header lines for `s` in the configured style.
@@ -171,10 +172,14 @@ mod tests {
 
     #[test]
     fn jitter_stays_within_its_share_and_warning_format() {
-        assert_eq!(jittered(100, 0.1, 0.5), 100);
-        assert_eq!(jittered(100, 0.1, 0.0), 90);
+        assert_eq!(jittered(100, 0.1, 0.0), 100);
+        assert_eq!(jittered(100, 0.1, 0.5), 105);
         assert_eq!(jittered(100, 0.1, 0.999_999), 110);
         assert_eq!(jittered(1, 0.5, 0.0), 1);
+        assert_eq!(jittered(1, 0.5, 0.9), 2);
+        for u in [0.0, 0.3, 0.7, 0.999] {
+            assert!(jittered(360, 0.1, u) >= 360);
+        }
         assert_eq!(
             warning("api", 0.849),
             (WARNING, "\"api\";used=85".to_string())
