@@ -2,6 +2,7 @@
 //! the verdict. Hostcalls go through `hostcalls` directly so that a host error
 //! becomes a handled `Err`, never the SDK traits' `unwrap`.
 
+use crate::circuit::Transition;
 use crate::config;
 use crate::decide::{self, Outcome, Pending, Step, Verdict};
 use crate::metrics::Metric;
@@ -26,8 +27,36 @@ proxy_wasm::main! {{
 
 /// Shared-data key of the hash seed, shared by every worker of the proxy.
 const SEED_KEY: &str = "ratelimit-wasm/seed";
-/// Least time between two bad-input log lines of one worker.
-const BAD_INPUT_LOG_EVERY_NS: u64 = 10_000_000_000;
+/// Least time between two log lines of one kind from one worker: a flood of
+/// bad input, gateway failures or shadow denials must not flood the log.
+const LOG_EVERY_NS: u64 = 1_000_000_000;
+
+/// Lets one log line of a kind through per [`LOG_EVERY_NS`], counting the rest.
+#[derive(Default)]
+struct LogGate {
+    last_ns: Cell<u64>,
+    suppressed: Cell<u64>,
+}
+
+impl LogGate {
+    /// `Some(lines suppressed since the last one)` when a line may be written now.
+    fn open(&self, now: u64) -> Option<u64> {
+        if self.last_ns.get() != 0 && now.saturating_sub(self.last_ns.get()) < LOG_EVERY_NS {
+            self.suppressed.set(self.suppressed.get() + 1);
+            return None;
+        }
+        self.last_ns.set(now);
+        Some(self.suppressed.replace(0))
+    }
+}
+
+/// The per-worker log gates.
+#[derive(Default)]
+struct LogGates {
+    bad_input: LogGate,
+    gateway: LogGate,
+    shadow: LogGate,
+}
 
 /// Envoy's shared data.
 struct HostStore;
@@ -123,7 +152,7 @@ const TICK: Duration = Duration::from_millis(5);
 struct Root {
     plan: Option<Rc<Plan>>,
     metrics: Rc<Metrics>,
-    last_bad_input_log: Rc<Cell<u64>>,
+    logs: Rc<LogGates>,
     delays: Delays,
 }
 
@@ -198,7 +227,7 @@ impl RootContext for Root {
             id: context_id,
             plan: self.plan.clone(),
             metrics: self.metrics.clone(),
-            last_bad_input_log: self.last_bad_input_log.clone(),
+            logs: self.logs.clone(),
             delays: self.delays.clone(),
             response_headers: Vec::new(),
             answered: false,
@@ -216,7 +245,7 @@ struct Http {
     id: u32,
     plan: Option<Rc<Plan>>,
     metrics: Rc<Metrics>,
-    last_bad_input_log: Rc<Cell<u64>>,
+    logs: Rc<LogGates>,
     delays: Delays,
     response_headers: Vec<(&'static str, String)>,
     /// The filter sent the response itself; it already carries the headers.
@@ -272,26 +301,31 @@ impl Http {
             );
         }
         if let Some(e) = &outcome.gateway_error {
-            let mode = plan.global.as_ref().map(|g| g.failure_mode);
-            log::warn!("ratelimit-wasm: gateway failed, failure_mode={mode:?}: {e}");
+            if let Some(more) = self.logs.gateway.open(now) {
+                let mode = plan.global.as_ref().map(|g| g.failure_mode);
+                log::warn!("ratelimit-wasm: gateway failed, failure_mode={mode:?}: {e} (+{more} not logged)");
+            }
         }
         match outcome.circuit {
-            crate::circuit::Transition::Opened => {
-                log::warn!("ratelimit-wasm: circuit to the gateway opened")
-            }
-            crate::circuit::Transition::Closed => {
-                log::info!("ratelimit-wasm: circuit to the gateway closed")
-            }
-            crate::circuit::Transition::None => {}
+            Transition::Opened => log::warn!("ratelimit-wasm: circuit to the gateway opened"),
+            Transition::Closed => log::info!("ratelimit-wasm: circuit to the gateway closed"),
+            Transition::None => {}
         }
-        if !outcome.bad_input.is_empty()
-            && now.saturating_sub(self.last_bad_input_log.get()) >= BAD_INPUT_LOG_EVERY_NS
-        {
-            self.last_bad_input_log.set(now);
-            log::warn!(
-                "ratelimit-wasm: bad input in request identity: {:?}",
-                outcome.bad_input
-            );
+        if !outcome.bad_input.is_empty() {
+            if let Some(more) = self.logs.bad_input.open(now) {
+                log::warn!(
+                    "ratelimit-wasm: bad input in request identity: {:?} (+{more} not logged)",
+                    outcome.bad_input
+                );
+            }
+        }
+        if !outcome.shadow_denied.is_empty() {
+            if let Some(more) = self.logs.shadow.open(now) {
+                log::info!(
+                    "ratelimit-wasm: shadow: {:?} would have denied this request (+{more} not logged)",
+                    outcome.shadow_denied
+                );
+            }
         }
     }
 
