@@ -75,6 +75,7 @@ pub struct Redis {
     port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    extra: Vec<String>,
 }
 
 impl Redis {
@@ -123,6 +124,7 @@ impl Redis {
             port,
             child: Some(child),
             dir,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
         };
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
@@ -182,6 +184,22 @@ impl Redis {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Starts the server again on the same port with the same arguments
+    /// (killing it first if it still runs) and waits for `PING`. The data
+    /// set starts empty: nothing is persisted.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        let bin = redis_server_bin()?;
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        *self = Self::spawn(&bin, self.port, &extra)?;
+        Ok(())
+    }
+
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 }
 
@@ -244,10 +262,7 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
-        let first = nodes
-            .first()
-            .map(Redis::port)
-            .context("no cluster node")?;
+        let first = nodes.first().map(Redis::port).context("no cluster node")?;
         let mut args = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
         args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
@@ -264,7 +279,10 @@ impl RedisCluster {
             for n in &self.nodes {
                 let info = n.cli(&["cluster", "info"]).unwrap_or_default();
                 let slots_ok = info.contains("cluster_slots_ok:16384");
-                if !info.contains("cluster_state:ok") || !slots_ok || !info.contains("cluster_known_nodes:3") {
+                if !info.contains("cluster_state:ok")
+                    || !slots_ok
+                    || !info.contains("cluster_known_nodes:3")
+                {
                     all_ok = false;
                 }
             }

@@ -1,0 +1,124 @@
+//! ratelimit-gateway: a small stateless HTTP service between the
+//! `ratelimit-wasm` filter and Redis.
+//!
+//! [`server`] answers `POST /v1/check` ([`protocol`]) by running the Lua
+//! scripts of [`script`] over the Redis connection of [`store`], under the
+//! keys of [`keys`], all or nothing ([`limiter`]), counted in [`metrics`].
+//! `main.rs` only parses [`config::Args`] and calls [`run`].
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod keys;
+pub mod limiter;
+pub mod metrics;
+pub mod protocol;
+pub mod script;
+pub mod server;
+pub mod store;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub use config::{Args, Config};
+pub use server::App;
+pub use store::Target;
+
+/// Builds the shared state: metrics, the Redis connection (made in the
+/// background) and the limiter. Must be called inside a Tokio runtime.
+pub fn build(config: &Config) -> Result<Arc<App>> {
+    keys::check_prefix(&config.key_prefix).map_err(anyhow::Error::msg)?;
+    let metrics = metrics::Metrics::new().context("registering metrics")?;
+    let store = store::Store::new(config.target.clone(), config.redis_timeout, metrics.clone())
+        .context("invalid Redis address")?;
+    let limiter = limiter::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
+    Ok(Arc::new(App { limiter, metrics }))
+}
+
+/// Binds `config.listen` and serves until `shutdown` completes.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let app = build(&config)?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
+    tracing::info!(listen = %config.listen, target = ?config.target, "ratelimit-gateway listening");
+    server::serve(listener, app, shutdown)
+        .await
+        .context("serving")?;
+    tracing::info!("ratelimit-gateway stopped");
+    Ok(())
+}
+
+/// A server running in this process (for tests): stops when dropped.
+pub struct Running {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    /// Its shared state.
+    pub app: Arc<App>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl Running {
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting, finishes the requests in flight and waits for the end.
+    pub async fn stop(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.context("server task")?.context("serving")?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Starts a server on `config.listen` (port 0 picks a free one) in the
+/// current runtime and waits up to `connect_wait` for its first Redis
+/// connection.
+pub async fn start(config: Config, connect_wait: std::time::Duration) -> Result<Running> {
+    let app = build(&config)?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    app.limiter.store().wait_connected(connect_wait).await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server::serve(listener, Arc::clone(&app), async move {
+        let _ = stopped.await;
+    }));
+    Ok(Running {
+        addr,
+        app,
+        stop: Some(stop),
+        task: Some(task),
+    })
+}

@@ -1,0 +1,165 @@
+//! One `/v1/check`: all or nothing over every limit of every bucket.
+//!
+//! On a single Redis (or when every key hashes to one cluster slot) this is
+//! one `EVALSHA` of `check.lua`, atomic by itself. When the keys span several
+//! cluster slots, the slot groups are checked and charged in order; if a later
+//! group denies, the groups already charged are refunded with `refund.lua`,
+//! the groups not yet checked are evaluated without charging (so that every
+//! limit has an answer), and the answer is "denied".
+
+use crate::keys::{self, Group};
+use crate::metrics::Metrics;
+use crate::protocol::{BucketResult, CheckRequest, CheckResponse, LimitResult, VERSION};
+use crate::script::{self, CheckReply, Mode};
+use crate::store::{Store, StoreError};
+
+/// The check logic over a [`Store`].
+pub struct Limiter {
+    store: Store,
+    prefix: String,
+    metrics: Metrics,
+}
+
+impl Limiter {
+    /// A limiter writing keys under `prefix`.
+    pub fn new(store: Store, prefix: String, metrics: Metrics) -> Self {
+        Limiter {
+            store,
+            prefix,
+            metrics,
+        }
+    }
+
+    /// The store, for health checks.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Checks a validated request, with time from Redis.
+    pub async fn check(&self, req: &CheckRequest) -> Result<CheckResponse, StoreError> {
+        self.check_at(req, None).await
+    }
+
+    /// Checks a validated request. `now_ms` is the **test-only** time
+    /// override handed to the scripts (`None` in the service).
+    pub async fn check_at(
+        &self,
+        req: &CheckRequest,
+        now_ms: Option<u64>,
+    ) -> Result<CheckResponse, StoreError> {
+        let limits = keys::limit_keys(&self.prefix, req);
+        let groups = if self.store.is_cluster() {
+            keys::group_by_slot(limits)
+        } else {
+            vec![Group { limits }]
+        };
+        let mut answers: Vec<BucketResult> = req
+            .buckets
+            .iter()
+            .map(|b| BucketResult {
+                limits: Vec::with_capacity(b.limits.len()),
+            })
+            .collect();
+        let mut slots: Vec<Vec<Option<LimitResult>>> = req
+            .buckets
+            .iter()
+            .map(|b| vec![None; b.limits.len()])
+            .collect();
+
+        let mut charged: Vec<(usize, u64)> = Vec::new();
+        let mut denied_at = None;
+        for (gi, group) in groups.iter().enumerate() {
+            match self.run(group, Mode::Charge, now_ms).await {
+                Ok(reply) => {
+                    place(&mut slots, group, &reply);
+                    if reply.allowed {
+                        charged.push((gi, reply.now_ms));
+                    } else {
+                        denied_at = Some(gi);
+                        break;
+                    }
+                }
+                Err(e) => {
+                    self.refund_all(&groups, &charged, now_ms).await;
+                    return Err(e);
+                }
+            }
+        }
+        let allowed = denied_at.is_none();
+        if let Some(d) = denied_at {
+            self.refund_all(&groups, &charged, now_ms).await;
+            for group in groups.iter().skip(d + 1) {
+                let reply = self.run(group, Mode::Peek, now_ms).await?;
+                place(&mut slots, group, &reply);
+            }
+        }
+        for (answer, bucket) in answers.iter_mut().zip(slots) {
+            for r in bucket {
+                let Some(r) = r else {
+                    return Err(StoreError::Reply("a limit got no answer".to_string()));
+                };
+                answer.limits.push(r);
+            }
+        }
+        if !allowed {
+            for (bucket, spec) in answers.iter().zip(&req.buckets) {
+                for (r, l) in bucket.limits.iter().zip(&spec.limits) {
+                    if !r.allowed {
+                        self.metrics
+                            .denials
+                            .with_label_values(&[l.algorithm.name()])
+                            .inc();
+                    }
+                }
+            }
+        }
+        Ok(CheckResponse {
+            version: VERSION,
+            allowed,
+            buckets: answers,
+        })
+    }
+
+    async fn run(
+        &self,
+        group: &Group,
+        mode: Mode,
+        now_ms: Option<u64>,
+    ) -> Result<CheckReply, StoreError> {
+        let (keys, args) = script::check_args(&group.limits, mode, now_ms);
+        let op = match mode {
+            Mode::Charge => "check",
+            Mode::Peek => "peek",
+        };
+        let reply: Vec<i64> = self.store.eval(script::check(), &keys, &args, op).await?;
+        script::parse_check_reply(&reply, keys.len()).map_err(StoreError::Reply)
+    }
+
+    /// Gives back every charged group; failures are logged and counted (the
+    /// client is then over-charged until its keys refill, never under-charged).
+    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64)], now_ms: Option<u64>) {
+        for &(gi, at) in charged {
+            let Some(group) = groups.get(gi) else {
+                continue;
+            };
+            let (keys, args) = script::refund_args(&group.limits, at, now_ms);
+            self.metrics.refunds.inc();
+            if let Err(e) = self
+                .store
+                .eval::<i64>(script::refund(), &keys, &args, "refund")
+                .await
+            {
+                self.metrics.error("refund");
+                tracing::warn!(error = %e, keys = keys.len(), "refund failed; the client stays charged until its keys refill");
+            }
+        }
+    }
+}
+
+fn place(slots: &mut [Vec<Option<LimitResult>>], group: &Group, reply: &CheckReply) {
+    for (lk, r) in group.limits.iter().zip(&reply.limits) {
+        if let Some(slot) = slots.get_mut(lk.bucket).and_then(|b| b.get_mut(lk.limit)) {
+            *slot = Some(*r);
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! Prometheus metrics, in a registry of their own (one per server, so that
+//! several servers can run in one test process).
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+};
+
+/// Results of `/v1/check`, as the `result` label.
+pub const RESULTS: [&str; 3] = ["allowed", "denied", "error"];
+/// Error kinds, as the `kind` label.
+pub const ERROR_KINDS: [&str; 6] = [
+    "bad_request",
+    "timeout",
+    "redis",
+    "not_connected",
+    "reply",
+    "refund",
+];
+/// Redis operations, as the `op` label.
+pub const OPS: [&str; 5] = ["check", "peek", "refund", "ping", "load"];
+/// Algorithms, as the `algorithm` label.
+pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
+
+/// Every metric the gateway exports.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `ratelimit_gateway_checks_total{result}`: answered checks.
+    pub checks: IntCounterVec,
+    /// `ratelimit_gateway_denials_total{algorithm}`: limits that denied a check.
+    pub denials: IntCounterVec,
+    /// `ratelimit_gateway_redis_duration_seconds{op}`: Redis round trips.
+    pub redis_latency: HistogramVec,
+    /// `ratelimit_gateway_errors_total{kind}`.
+    pub errors: IntCounterVec,
+    /// `ratelimit_gateway_script_reloads_total`: SCRIPT LOADs after NOSCRIPT.
+    pub script_reloads: IntCounter,
+    /// `ratelimit_gateway_refunds_total`: slot groups refunded after a later group denied.
+    pub refunds: IntCounter,
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered and every label value present.
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        let checks = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_checks_total",
+                "Checks answered, by result.",
+            ),
+            &["result"],
+        )?;
+        let denials = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_denials_total",
+                "Limits that denied a check, by algorithm.",
+            ),
+            &["algorithm"],
+        )?;
+        let redis_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "ratelimit_gateway_redis_duration_seconds",
+                "Redis round trips (including a NOSCRIPT reload), by operation.",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25,
+            ]),
+            &["op"],
+        )?;
+        let errors = IntCounterVec::new(
+            Opts::new("ratelimit_gateway_errors_total", "Errors, by kind."),
+            &["kind"],
+        )?;
+        let script_reloads = IntCounter::new(
+            "ratelimit_gateway_script_reloads_total",
+            "Scripts loaded again after Redis answered NOSCRIPT.",
+        )?;
+        let refunds = IntCounter::new(
+            "ratelimit_gateway_refunds_total",
+            "Slot groups refunded because a later group of the same check denied.",
+        )?;
+        registry.register(Box::new(checks.clone()))?;
+        registry.register(Box::new(denials.clone()))?;
+        registry.register(Box::new(redis_latency.clone()))?;
+        registry.register(Box::new(errors.clone()))?;
+        registry.register(Box::new(script_reloads.clone()))?;
+        registry.register(Box::new(refunds.clone()))?;
+        for r in RESULTS {
+            checks.with_label_values(&[r]);
+        }
+        for a in ALGORITHMS {
+            denials.with_label_values(&[a]);
+        }
+        for o in OPS {
+            redis_latency.with_label_values(&[o]);
+        }
+        for k in ERROR_KINDS {
+            errors.with_label_values(&[k]);
+        }
+        Ok(Metrics {
+            registry,
+            checks,
+            denials,
+            redis_latency,
+            errors,
+            script_reloads,
+            refunds,
+        })
+    }
+
+    /// Counts one check by result.
+    pub fn check(&self, result: &str) {
+        self.checks.with_label_values(&[result]).inc();
+    }
+
+    /// Counts one error by kind.
+    pub fn error(&self, kind: &str) {
+        self.errors.with_label_values(&[kind]).inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+}

@@ -1,0 +1,334 @@
+//! The wire protocol between the filter and the gateway (version 1).
+//!
+//! `POST /v1/check` takes a [`CheckRequest`] and answers 200 with a
+//! [`CheckResponse`], 400 with an [`ErrorBody`] naming the field at fault, or
+//! 503 with an [`ErrorBody`] when Redis fails or times out.
+
+use serde::{Deserialize, Serialize};
+
+/// The only protocol version.
+pub const VERSION: u32 = 1;
+/// Most buckets in one request.
+pub const MAX_BUCKETS: usize = 64;
+/// Most limits in one bucket.
+pub const MAX_LIMITS: usize = 8;
+/// Longest `domain`, `key` or `tag`, in bytes.
+pub const MAX_NAME_BYTES: usize = 512;
+/// Largest `requests × window_ms` (and `cost`): the Lua script's doubles stay
+/// exact integers up to 2^53.
+pub const MAX_EXACT: u64 = 1 << 53;
+
+/// How a limit counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// GCRA token bucket: bursts up to `requests`, refilled continuously over `window_ms`.
+    TokenBucket,
+    /// Sliding-window counter: about `requests` in any `window_ms`.
+    SlidingWindow,
+}
+
+impl Algorithm {
+    /// The name on the wire, in Redis keys and in the Lua script.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::SlidingWindow => "sliding_window",
+        }
+    }
+}
+
+/// One limit of a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    /// Requests allowed per window (bucket capacity for the token bucket).
+    pub requests: u64,
+    /// Window length (time to refill an empty token bucket), in ms.
+    pub window_ms: u64,
+    /// How to count.
+    pub algorithm: Algorithm,
+}
+
+/// One bucket: a client key and the limits that apply to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketSpec {
+    /// The bucket's identity within the domain (rule and client).
+    pub key: String,
+    /// The cluster hash tag: every key with the same domain and tag lands in one slot.
+    pub tag: String,
+    /// Tokens this request spends in this bucket's limits (a rule's own
+    /// cost); absent: the request's `cost`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<u64>,
+    /// The limits, checked together.
+    pub limits: Vec<LimitSpec>,
+}
+
+/// `POST /v1/check` request body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckRequest {
+    /// Must be [`VERSION`].
+    pub version: u32,
+    /// Namespace of the keys (the filter's configured domain).
+    pub domain: String,
+    /// Tokens this request spends in every limit (unless a bucket has its own).
+    pub cost: u64,
+    /// The buckets, all charged or none.
+    pub buckets: Vec<BucketSpec>,
+}
+
+impl BucketSpec {
+    /// The cost charged in this bucket.
+    pub fn cost_in(&self, request_cost: u64) -> u64 {
+        self.cost.unwrap_or(request_cost)
+    }
+}
+
+/// One limit's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitResult {
+    /// Whether this limit alone lets `cost` through.
+    pub allowed: bool,
+    /// Whole tokens left after the request (before it, when this limit denies).
+    pub remaining: u64,
+    /// Ms until the limit no longer holds anything back (bucket full again /
+    /// the current counts no longer weigh).
+    pub reset_ms: u64,
+    /// Ms until `cost` would pass this limit; 0 when allowed.
+    pub retry_after_ms: u64,
+}
+
+/// One bucket's answers, in the order of its limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketResult {
+    /// One per limit of the request's bucket.
+    pub limits: Vec<LimitResult>,
+}
+
+/// `POST /v1/check` 200 answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckResponse {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// True only when every limit of every bucket passed; then all were charged.
+    pub allowed: bool,
+    /// One per bucket of the request, in order.
+    pub buckets: Vec<BucketResult>,
+}
+
+/// 400 and 503 answer body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// For 400: `<field path>: <reason>`.
+    pub error: String,
+}
+
+impl ErrorBody {
+    /// An error body of this version.
+    pub fn new(error: impl Into<String>) -> Self {
+        ErrorBody {
+            version: VERSION,
+            error: error.into(),
+        }
+    }
+}
+
+/// `GET /healthz` answer body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// `ok` when Redis is up, else `unavailable`.
+    pub status: String,
+    /// `up` or `down`.
+    pub redis: String,
+}
+
+/// Parses and validates a request body; the error is `<field path>: <reason>`.
+pub fn parse(body: &[u8]) -> Result<CheckRequest, String> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let req: CheckRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let reason = strip_position(&inner);
+        if path == "." || path == "?" || path.is_empty() {
+            format!("body: {reason}")
+        } else {
+            format!("{path}: {reason}")
+        }
+    })?;
+    validate(&req)?;
+    Ok(req)
+}
+
+/// serde_json's message without its " at line L column C" suffix.
+fn strip_position(e: &serde_json::Error) -> String {
+    let full = e.to_string();
+    match full.rfind(" at line ") {
+        Some(i) if e.line() > 0 => full[..i].to_string(),
+        _ => full,
+    }
+}
+
+/// Checks the bounds serde cannot express.
+pub fn validate(req: &CheckRequest) -> Result<(), String> {
+    if req.version != VERSION {
+        return Err(format!(
+            "version: unsupported version {}, expected {VERSION}",
+            req.version
+        ));
+    }
+    name("domain", &req.domain, false)?;
+    if !(1..=MAX_EXACT).contains(&req.cost) {
+        return Err(format!(
+            "cost: must be between 1 and 2^53, got {}",
+            req.cost
+        ));
+    }
+    if req.buckets.is_empty() || req.buckets.len() > MAX_BUCKETS {
+        return Err(format!(
+            "buckets: must hold 1 to {MAX_BUCKETS} buckets, got {}",
+            req.buckets.len()
+        ));
+    }
+    for (b, bucket) in req.buckets.iter().enumerate() {
+        name(&format!("buckets[{b}].key"), &bucket.key, false)?;
+        name(&format!("buckets[{b}].tag"), &bucket.tag, true)?;
+        if let Some(cost) = bucket.cost {
+            if !(1..=MAX_EXACT).contains(&cost) {
+                return Err(format!(
+                    "buckets[{b}].cost: must be between 1 and 2^53, got {cost}"
+                ));
+            }
+        }
+        if bucket.limits.is_empty() || bucket.limits.len() > MAX_LIMITS {
+            return Err(format!(
+                "buckets[{b}].limits: must hold 1 to {MAX_LIMITS} limits, got {}",
+                bucket.limits.len()
+            ));
+        }
+        for (l, limit) in bucket.limits.iter().enumerate() {
+            let at = format!("buckets[{b}].limits[{l}]");
+            if limit.requests < 1 {
+                return Err(format!("{at}.requests: must be at least 1"));
+            }
+            if limit.window_ms < 1 {
+                return Err(format!("{at}.window_ms: must be at least 1"));
+            }
+            match limit.requests.checked_mul(limit.window_ms) {
+                Some(p) if p <= MAX_EXACT => {}
+                _ => {
+                    return Err(format!(
+                        "{at}: requests × window_ms must be at most 2^53 (9007199254740992)"
+                    ))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn name(path: &str, value: &str, may_be_empty: bool) -> Result<(), String> {
+    if value.is_empty() && !may_be_empty {
+        return Err(format!("{path}: must not be empty"));
+    }
+    if value.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "{path}: must be at most {MAX_NAME_BYTES} bytes, got {}",
+            value.len()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(v: serde_json::Value) -> Vec<u8> {
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    fn good() -> serde_json::Value {
+        serde_json::json!({
+            "version": 1, "domain": "demo", "cost": 1,
+            "buckets": [ { "key": "per-client/c=alice", "tag": "c=alice",
+                "limits": [ { "requests": 60, "window_ms": 60000, "algorithm": "token_bucket" },
+                            { "requests": 10, "window_ms": 1000, "algorithm": "sliding_window" } ] } ]
+        })
+    }
+
+    #[test]
+    fn the_example_parses() {
+        let r = parse(&body(good())).unwrap();
+        assert_eq!(r.buckets[0].limits[1].algorithm, Algorithm::SlidingWindow);
+    }
+
+    type Change = Box<dyn Fn(&mut serde_json::Value)>;
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: Vec<(Change, &str)> = vec![
+            (Box::new(|v| v["version"] = 2.into()), "version: "),
+            (Box::new(|v| v["cost"] = 0.into()), "cost: "),
+            (
+                Box::new(|v| v["extra"] = 0.into()),
+                "extra: unknown field `extra`",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["limits"][1]["algorithm"] = "leaky".into()),
+                "buckets[0].limits[1].algorithm: unknown variant `leaky`",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["limits"][0]["requests"] = 0.into()),
+                "buckets[0].limits[0].requests: must be at least 1",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["limits"][0]["window_ms"] = (-1).into()),
+                "buckets[0].limits[0].window_ms: invalid value",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["limits"][0]["requests"] = (1u64 << 40).into()),
+                "buckets[0].limits[0]: requests × window_ms must be at most 2^53",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["key"] = "k".repeat(513).into()),
+                "buckets[0].key: must be at most 512 bytes",
+            ),
+            (
+                Box::new(|v| {
+                    v["buckets"][0].as_object_mut().unwrap().remove("tag");
+                }),
+                "buckets[0]: missing field `tag`",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["cost"] = 0.into()),
+                "buckets[0].cost: must be between 1 and 2^53, got 0",
+            ),
+            (
+                Box::new(|v| v["buckets"] = serde_json::json!([])),
+                "buckets: must hold 1 to 64",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["limits"] = serde_json::json!([])),
+                "buckets[0].limits: must hold 1 to 8",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut v = good();
+            change(&mut v);
+            let err = parse(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+        let err = parse(b"{\"version\":1,").unwrap_err();
+        assert!(err.starts_with("body: EOF"), "{err}");
+        assert!(!err.contains("line"), "{err}");
+    }
+}

@@ -1,0 +1,125 @@
+//! The HTTP side: `POST /v1/check`, `GET /healthz`, `GET /metrics`.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+use crate::protocol::{self, ErrorBody, Health};
+
+/// Largest accepted request body. A maximal valid request (64 buckets with
+/// 512-byte keys and tags and 8 limits each) is about 140 KiB.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// What the handlers share.
+pub struct App {
+    /// The check logic and its Redis connection.
+    pub limiter: Limiter,
+    /// The metrics registry.
+    pub metrics: Metrics,
+}
+
+/// The routes.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/check", post(check))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(app)
+}
+
+/// Serves until `shutdown` completes, then finishes the requests in flight.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Arc<App>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(app))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(ErrorBody::new(message))).into_response()
+}
+
+async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            app.metrics.check("error");
+            app.metrics.error("bad_request");
+            return error(e.status(), format!("body: {}", e.body_text()));
+        }
+    };
+    let req = match protocol::parse(&body) {
+        Ok(r) => r,
+        Err(message) => {
+            app.metrics.check("error");
+            app.metrics.error("bad_request");
+            tracing::debug!(%message, "bad request");
+            return error(StatusCode::BAD_REQUEST, message);
+        }
+    };
+    match app.limiter.check(&req).await {
+        Ok(answer) => {
+            app.metrics
+                .check(if answer.allowed { "allowed" } else { "denied" });
+            (StatusCode::OK, Json(answer)).into_response()
+        }
+        Err(e) => {
+            app.metrics.check("error");
+            app.metrics.error(e.kind());
+            tracing::warn!(error = %e, domain = %req.domain, "check failed");
+            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
+    }
+}
+
+async fn healthz(State(app): State<Arc<App>>) -> Response {
+    match app.limiter.store().ping().await {
+        Ok(()) => (
+            StatusCode::OK,
+            Json(Health {
+                status: "ok".to_string(),
+                redis: "up".to_string(),
+            }),
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::debug!(error = %e, "health check: Redis down");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(Health {
+                    status: "unavailable".to_string(),
+                    redis: "down".to_string(),
+                }),
+            )
+                .into_response()
+        }
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    match app.metrics.render() {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}

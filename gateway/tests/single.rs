@@ -1,0 +1,373 @@
+//! The gateway against one real `redis-server`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use ratelimit_gateway::Target;
+use serde_json::json;
+
+const HOUR: u64 = 3_600_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_counts_then_denied_with_retry_after() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    for alg in ["token_bucket", "sliding_window"] {
+        let body = request(
+            "demo",
+            1,
+            &[("per-client/c=alice", "c=alice", &[(5, HOUR, alg)])],
+        );
+        for left in (0..5).rev() {
+            let (status, resp) = check(&client, &gw.url(), &body).await;
+            assert_eq!(status, 200, "{resp}");
+            assert_eq!(resp["allowed"], true, "{alg}: {resp}");
+            assert_eq!(limit(&resp, 0, 0)["remaining"], left, "{alg}: {resp}");
+            assert_eq!(limit(&resp, 0, 0)["retry_after_ms"], 0);
+        }
+        let (status, resp) = check(&client, &gw.url(), &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(resp["version"], 1);
+        assert_eq!(resp["allowed"], false, "{alg}: {resp}");
+        let l = limit(&resp, 0, 0);
+        assert_eq!(l["allowed"], false);
+        assert_eq!(l["remaining"], 0);
+        let retry = l["retry_after_ms"].as_u64().unwrap();
+        assert!(retry > 0, "{alg}: {resp}");
+        if alg == "token_bucket" {
+            // One token per hour / 5, give or take the ms elapsed since the burst.
+            assert!((HOUR / 5 - 1000..=HOUR / 5).contains(&retry), "{resp}");
+            assert!(l["reset_ms"].as_u64().unwrap() <= HOUR);
+        } else {
+            // 5 in this window: they must fade to 4 in the next one, 1/5 into it.
+            assert!(retry > HOUR / 5 && retry <= HOUR + HOUR / 5, "{resp}");
+        }
+        assert_eq!(
+            metric(
+                &client,
+                &gw.url(),
+                "ratelimit_gateway_denials_total{algorithm=\"token_bucket\"}"
+            )
+            .await,
+            1.0
+        );
+    }
+    assert_eq!(
+        metric(
+            &client,
+            &gw.url(),
+            "ratelimit_gateway_checks_total{result=\"allowed\"}"
+        )
+        .await,
+        10.0
+    );
+    assert_eq!(
+        metric(
+            &client,
+            &gw.url(),
+            "ratelimit_gateway_checks_total{result=\"denied\"}"
+        )
+        .await,
+        2.0
+    );
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_bucket_refills() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    let body = request(
+        "demo",
+        1,
+        &[("refill", "c=bob", &[(2, 1000, "token_bucket")])],
+    );
+    for _ in 0..2 {
+        assert_eq!(check(&client, &gw.url(), &body).await.1["allowed"], true);
+    }
+    let (_, denied) = check(&client, &gw.url(), &body).await;
+    assert_eq!(denied["allowed"], false);
+    let retry = limit(&denied, 0, 0)["retry_after_ms"].as_u64().unwrap();
+    assert!((400..=500).contains(&retry), "{denied}");
+    tokio::time::sleep(Duration::from_millis(1050)).await;
+    let (_, again) = check(&client, &gw.url(), &body).await;
+    assert_eq!(again["allowed"], true, "{again}");
+    assert_eq!(limit(&again, 0, 0)["remaining"], 1, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_or_nothing_across_buckets() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    for alg in ["token_bucket", "sliding_window"] {
+        let domain = format!("aon-{alg}");
+        let wide: &[L] = &[(10, HOUR, alg), (100, HOUR, "token_bucket")];
+        let narrow: &[L] = &[(1, HOUR, alg)];
+        let both = request(
+            &domain,
+            1,
+            &[("wide", "c=x", wide), ("narrow", "c=x", narrow)],
+        );
+        let only_wide = request(&domain, 1, &[("wide", "c=x", wide)]);
+
+        let (_, first) = check(&client, &gw.url(), &both).await;
+        assert_eq!(first["allowed"], true, "{first}");
+        assert_eq!(limit(&first, 0, 0)["remaining"], 9);
+
+        let (_, second) = check(&client, &gw.url(), &both).await;
+        assert_eq!(second["allowed"], false, "{second}");
+        // The wide bucket alone would pass: it reports what it would have left.
+        assert_eq!(limit(&second, 0, 0)["allowed"], true, "{second}");
+        assert_eq!(limit(&second, 0, 0)["remaining"], 8, "{second}");
+        assert_eq!(limit(&second, 1, 0)["allowed"], false, "{second}");
+
+        // Only the first request was charged in the wide bucket.
+        let (_, third) = check(&client, &gw.url(), &only_wide).await;
+        assert_eq!(third["allowed"], true);
+        assert_eq!(limit(&third, 0, 0)["remaining"], 8, "{alg}: {third}");
+        assert_eq!(limit(&third, 0, 1)["remaining"], 98, "{alg}: {third}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_get_exactly_the_limit() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 5000).await;
+    for alg in ["token_bucket", "sliding_window"] {
+        let body = request("burst", 1, &[(alg, "c=many", &[(100, HOUR, alg)])]);
+        let (allowed, denied, other) = burst(&gw.url(), body, 64, 300).await;
+        eprintln!("{alg}: 64 clients, 300 requests, limit 100: {allowed} allowed, {denied} denied, {other} errors");
+        assert_eq!((allowed, denied, other), (100, 200, 0), "{alg}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_when_full_again_and_denials_write_nothing() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    let body = request(
+        "ttl",
+        1,
+        &[(
+            "k",
+            "c=t",
+            &[(5, HOUR, "token_bucket"), (10, 60_000, "sliding_window")],
+        )],
+    );
+    let (_, resp) = check(&client, &gw.url(), &body).await;
+    assert_eq!(resp["allowed"], true);
+    let tb = redis
+        .cli(&["pttl", "rl:{ttl|c=t}|k|0|token_bucket|5|3600000"])
+        .unwrap();
+    let tb: i64 = tb.parse().unwrap();
+    // Refill time of one token: HOUR / 5.
+    assert!(tb > 0 && tb <= (HOUR / 5) as i64, "token bucket PTTL {tb}");
+    assert!(tb <= limit(&resp, 0, 0)["reset_ms"].as_i64().unwrap());
+    let sw: i64 = redis
+        .cli(&["pttl", "rl:{ttl|c=t}|k|1|sliding_window|10|60000"])
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(sw > 0 && sw <= 120_000, "sliding window PTTL {sw}");
+    assert!(sw <= limit(&resp, 0, 1)["reset_ms"].as_i64().unwrap());
+
+    // A cost above the capacity is denied and creates nothing.
+    let big = request("ttl", 6, &[("fresh", "c=t", &[(5, HOUR, "token_bucket")])]);
+    let (_, resp) = check(&client, &gw.url(), &big).await;
+    assert_eq!(resp["allowed"], false);
+    assert_eq!(limit(&resp, 0, 0)["retry_after_ms"], HOUR);
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 5);
+    assert_eq!(
+        redis
+            .cli(&["exists", "rl:{ttl|c=t}|fresh|0|token_bucket|5|3600000"])
+            .unwrap(),
+        "0"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noscript_after_script_flush_reloads() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    let body = request("ns", 1, &[("k", "c=n", &[(10, HOUR, "token_bucket")])]);
+    assert_eq!(check(&client, &gw.url(), &body).await.1["allowed"], true);
+    let reloads = "ratelimit_gateway_script_reloads_total";
+    assert_eq!(metric(&client, &gw.url(), reloads).await, 0.0);
+    assert_eq!(redis.cli(&["script", "flush"]).unwrap(), "OK");
+    let (status, resp) = check(&client, &gw.url(), &body).await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 8);
+    assert_eq!(metric(&client, &gw.url(), reloads).await, 1.0);
+    assert_eq!(check(&client, &gw.url(), &body).await.0, 200);
+    assert_eq!(metric(&client, &gw.url(), reloads).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_400_with_the_field_path() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    let good = request("demo", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]);
+    let mut cases = Vec::new();
+    let mut v = good.clone();
+    v["version"] = json!(2);
+    cases.push((v, "version: unsupported version 2, expected 1"));
+    let mut v = good.clone();
+    v["cost"] = json!(0);
+    cases.push((v, "cost: must be between 1 and 2^53, got 0"));
+    let mut v = good.clone();
+    v["buckets"][0]["limits"][0]["algorithm"] = json!("fixed_window");
+    cases.push((
+        v,
+        "buckets[0].limits[0].algorithm: unknown variant `fixed_window`",
+    ));
+    let mut v = good.clone();
+    v["buckets"][0]["limits"][0]["requests"] = json!(0);
+    cases.push((v, "buckets[0].limits[0].requests: must be at least 1"));
+    let mut v = good.clone();
+    v["buckets"][0]["limits"][0]["window_ms"] = json!(1u64 << 53);
+    cases.push((
+        v,
+        "buckets[0].limits[0]: requests × window_ms must be at most 2^53",
+    ));
+    let mut v = good.clone();
+    v["buckets"][0]["color"] = json!("red");
+    cases.push((v, "buckets[0].color: unknown field `color`"));
+    let mut v = good.clone();
+    v["buckets"][0]["tag"] = json!("t".repeat(513));
+    cases.push((v, "buckets[0].tag: must be at most 512 bytes, got 513"));
+    let mut v = good.clone();
+    v["buckets"] = json!(vec![good["buckets"][0].clone(); 65]);
+    cases.push((v, "buckets: must hold 1 to 64 buckets, got 65"));
+    let mut v = good.clone();
+    v["buckets"][0]["limits"] = json!(vec![good["buckets"][0]["limits"][0].clone(); 9]);
+    cases.push((v, "buckets[0].limits: must hold 1 to 8 limits, got 9"));
+    for (body, want) in cases {
+        let (status, resp) = check(&client, &gw.url(), &body).await;
+        assert_eq!(status, 400, "{resp}");
+        assert_eq!(resp["version"], 1);
+        let err = resp["error"].as_str().unwrap();
+        assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+    }
+    let (status, resp) = check_raw(&client, &gw.url(), "<html>").await;
+    assert_eq!(status, 400);
+    assert!(
+        resp["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("body: expected value"),
+        "{resp}"
+    );
+    // Nothing reached Redis.
+    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "0");
+    assert_eq!(
+        metric(
+            &client,
+            &gw.url(),
+            "ratelimit_gateway_errors_total{kind=\"bad_request\"}"
+        )
+        .await,
+        10.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_and_503_when_redis_dies() {
+    let mut redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 200).await;
+    let client = reqwest::Client::new();
+    let (status, body) = get(&client, &gw.url(), "/healthz").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+        json!({ "status": "ok", "redis": "up" })
+    );
+    let req = request("h", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]);
+    assert_eq!(check(&client, &gw.url(), &req).await.0, 200);
+
+    redis.kill();
+    let started = std::time::Instant::now();
+    let (status, resp) = check(&client, &gw.url(), &req).await;
+    assert_eq!(status, 503, "{resp}");
+    assert_eq!(resp["version"], 1);
+    assert!(
+        resp["error"].as_str().unwrap().starts_with("redis: "),
+        "{resp}"
+    );
+    let (status, body) = get(&client, &gw.url(), "/healthz").await;
+    assert_eq!(status, 503);
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["redis"], "down");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        metric(
+            &client,
+            &gw.url(),
+            "ratelimit_gateway_checks_total{result=\"error\"}"
+        )
+        .await,
+        1.0
+    );
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_exported() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    let req = request("m", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]);
+    check(&client, &gw.url(), &req).await;
+    let (status, text) = get(&client, &gw.url(), "/metrics").await;
+    assert_eq!(status, 200);
+    for name in [
+        "ratelimit_gateway_checks_total{result=\"allowed\"} 1",
+        "ratelimit_gateway_checks_total{result=\"error\"} 0",
+        "ratelimit_gateway_denials_total{algorithm=\"sliding_window\"} 0",
+        "ratelimit_gateway_redis_duration_seconds_count{op=\"check\"} 1",
+        "ratelimit_gateway_errors_total{kind=\"timeout\"} 0",
+        "ratelimit_gateway_script_reloads_total 0",
+        "ratelimit_gateway_refunds_total 0",
+    ] {
+        assert!(text.contains(name), "{name} missing in\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_cost_overrides_the_request_cost() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    // The body the filter sends (src/callout.rs): every bucket carries its cost.
+    let body = json!({"version":1,"domain":"demo","cost":1,"buckets":[
+        {"key":"g/c=alice","tag":"c=alice","cost":1,"limits":[
+            {"requests":10,"window_ms":60000,"algorithm":"token_bucket"},
+            {"requests":2,"window_ms":1000,"algorithm":"token_bucket"}]},
+        {"key":"search/c=alice","tag":"c=alice","cost":5,"limits":[
+            {"requests":12,"window_ms":60000,"algorithm":"sliding_window"}]}]});
+    let (status, resp) = check(&client, &gw.url(), &body).await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(resp["allowed"], true);
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 9);
+    assert_eq!(limit(&resp, 0, 1)["remaining"], 1);
+    assert_eq!(limit(&resp, 1, 0)["remaining"], 7);
+    let (_, resp) = check(&client, &gw.url(), &body).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    assert_eq!(limit(&resp, 1, 0)["remaining"], 2);
+    // 5 more do not fit in the 2 left: denied, and the first bucket is not charged.
+    let (_, resp) = check(&client, &gw.url(), &body).await;
+    assert_eq!(resp["allowed"], false, "{resp}");
+    assert_eq!(limit(&resp, 1, 0)["remaining"], 2);
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 7, "{resp}");
+}
