@@ -588,6 +588,24 @@ mod tests {
             .unwrap_or("<absent>")
     }
 
+    fn rejected(o: &Outcome) -> (&u32, &HeaderLines, &String) {
+        match &o.verdict {
+            Verdict::Reject {
+                status,
+                headers,
+                body,
+            } => (status, headers, body),
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    fn passed(o: &Outcome) -> &HeaderLines {
+        match &o.verdict {
+            Verdict::Pass(h) => h,
+            other => panic!("expected a pass, got {other:?}"),
+        }
+    }
+
     fn done(step: Step) -> Outcome {
         match step {
             Step::Done(o) => o,
@@ -611,22 +629,13 @@ mod tests {
         let s = MemoryStore::default();
         for left in (0..5).rev() {
             let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-            let Verdict::Pass(h) = &o.verdict else {
-                panic!("{o:?}")
-            };
+            let h = passed(&o);
             assert_eq!(header(h, "x-ratelimit-remaining"), left.to_string());
             assert_eq!(header(h, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
             assert_eq!(o.counts.get(Metric::Allowed), 1);
         }
         let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-        let Verdict::Reject {
-            status,
-            headers,
-            body,
-        } = &o.verdict
-        else {
-            panic!("{o:?}")
-        };
+        let (status, headers, body) = rejected(&o);
         assert_eq!(*status, 429);
         assert_eq!(header(headers, "retry-after"), "720");
         assert_eq!(header(headers, "content-type"), "application/problem+json");
@@ -752,9 +761,7 @@ mod tests {
         let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
         assert_eq!(body["buckets"][0]["key"], "shared/c=a");
         let o = finish(&p, pending, Some(b"200"), &gw(true, 1), SEC / 1000, &s, T0);
-        let Verdict::Pass(h) = &o.verdict else {
-            panic!("{o:?}")
-        };
+        let h = passed(&o);
         assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=4;w=60");
         assert_eq!(header(h, "x-ratelimit-remaining"), "1");
         assert_eq!(o.counts.get(Metric::GlobalCalls), 1);
@@ -766,14 +773,7 @@ mod tests {
         let s = MemoryStore::default();
         let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
-        let Verdict::Reject {
-            status,
-            headers,
-            body,
-        } = &o.verdict
-        else {
-            panic!("{o:?}")
-        };
+        let (status, headers, body) = rejected(&o);
         assert_eq!((*status, header(headers, "retry-after")), (429, "15"));
         assert!(body.contains("[\"shared\"]"), "{body}");
         // The local bucket was charged and refunded: the next local request sees 4 left of 5.
@@ -807,9 +807,7 @@ mod tests {
             &s,
             T0,
         );
-        let Verdict::Pass(h) = &o.verdict else {
-            panic!("{o:?}")
-        };
+        let h = passed(&o);
         assert_eq!(header(h, "ratelimit-policy"), "\"local\";q=5;w=3600");
         assert_eq!(o.counts.get(Metric::FailOpen), 1);
         assert_eq!(o.counts.get(Metric::GlobalFailures), 1);
@@ -822,14 +820,7 @@ mod tests {
         let s = MemoryStore::default();
         let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let o = finish(&p, pending, None, b"", 50 * SEC / 1000, &s, T0);
-        let Verdict::Reject {
-            status,
-            headers,
-            body,
-        } = &o.verdict
-        else {
-            panic!("{o:?}")
-        };
+        let (status, headers, body) = rejected(&o);
         assert_eq!((*status, header(headers, "retry-after")), (503, "3"));
         assert!(body.contains("Service Unavailable"));
         assert_eq!(local_remaining(&s), "4");
@@ -843,9 +834,7 @@ mod tests {
         for expected_left in ["1", "0"] {
             let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
             let o = finish(&p, pending, Some(b"503"), b"", SEC / 1000, &s, T0);
-            let Verdict::Pass(h) = &o.verdict else {
-                panic!("{o:?}")
-            };
+            let h = passed(&o);
             assert_eq!(header(h, "x-ratelimit-remaining"), expected_left);
             assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=2;w=60");
         }
@@ -976,9 +965,7 @@ mod tests {
         let first = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         assert!(first.shadow_denied.is_empty());
         let second = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-        let Verdict::Pass(h) = &second.verdict else {
-            panic!("{second:?}")
-        };
+        let h = passed(&second);
         assert_eq!(second.shadow_denied, ["watch"]);
         assert_eq!(second.counts.get(Metric::ShadowDenied), 1);
         assert_eq!(header(h, "x-ratelimit-remaining"), "0");
@@ -1037,14 +1024,7 @@ mod tests {
             &s,
             T0,
         );
-        let Verdict::Reject {
-            status,
-            headers,
-            body,
-        } = &o.verdict
-        else {
-            panic!("{o:?}")
-        };
+        let (status, headers, body) = rejected(&o);
         assert_eq!(*status, 403);
         assert_eq!(header(headers, "retry-after"), "<absent>");
         assert_eq!(

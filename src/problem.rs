@@ -5,6 +5,9 @@ use serde::Serialize;
 /// Media type of problem bodies.
 pub const CONTENT_TYPE: &str = "application/problem+json";
 
+/// Problem type of a 503: the generic one, since HTTP's status says it all.
+pub const UNAVAILABLE_TYPE: &str = "about:blank";
+
 #[derive(Serialize)]
 struct Problem<'a> {
     #[serde(rename = "type")]
@@ -12,33 +15,30 @@ struct Problem<'a> {
     title: &'a str,
     status: u16,
     detail: String,
-    #[serde(rename = "violated-policies")]
-    violated_policies: &'a [&'a str],
+    #[serde(rename = "violated-policies", skip_serializing_if = "Option::is_none")]
+    violated_policies: Option<&'a [&'a str]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    upgrade_url: Option<&'a str>,
+}
+
+impl Problem<'_> {
+    fn render(&self) -> String {
+        // Serialising plain strings and numbers cannot fail; keep a valid body regardless.
+        serde_json::to_string(self).unwrap_or_else(|_| format!("{{\"status\":{}}}", self.status))
+    }
 }
 
 /// The body of a 429.
 pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[&str]) -> String {
-    let p = Problem {
+    Problem {
         kind: problem_type,
         title: "Too Many Requests",
         status: 429,
         detail: format!("Rate limit exceeded. Retry after {retry_after_secs} seconds."),
-        violated_policies: violated,
-    };
-    // Serialising plain strings and numbers cannot fail; keep a valid body regardless.
-    serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":429}"))
-}
-
-#[derive(Serialize)]
-struct QuotaProblem<'a> {
-    #[serde(rename = "type")]
-    kind: &'a str,
-    title: &'a str,
-    status: u16,
-    detail: String,
-    #[serde(rename = "violated-policies")]
-    violated_policies: &'a [&'a str],
-    upgrade_url: &'a str,
+        violated_policies: Some(violated),
+        upgrade_url: None,
+    }
+    .render()
 }
 
 /// The body of a 403 when a quota is spent: no `Retry-After` — waiting a few
@@ -49,7 +49,7 @@ pub fn quota_exhausted(
     upgrade_url: &str,
     renews_in_secs: u64,
 ) -> String {
-    let p = QuotaProblem {
+    Problem {
         kind: problem_type,
         title: "Quota Exhausted",
         status: 403,
@@ -57,33 +57,23 @@ pub fn quota_exhausted(
             "Quota {} is used up; it renews in {renews_in_secs} seconds.",
             quotas.join(", ")
         ),
-        violated_policies: quotas,
-        upgrade_url,
-    };
-    serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":403}"))
-}
-
-/// Problem type of a 503: the generic one, since HTTP's status says it all.
-pub const UNAVAILABLE_TYPE: &str = "about:blank";
-
-#[derive(Serialize)]
-struct Unavailable<'a> {
-    #[serde(rename = "type")]
-    kind: &'a str,
-    title: &'a str,
-    status: u16,
-    detail: String,
+        violated_policies: Some(quotas),
+        upgrade_url: Some(upgrade_url),
+    }
+    .render()
 }
 
 /// The body of a 503 when the rate-limit service failed and `failure_mode` is `closed`.
 pub fn service_unavailable(retry_after_secs: u64) -> String {
-    let p = Unavailable {
+    Problem {
         kind: UNAVAILABLE_TYPE,
         title: "Service Unavailable",
         status: 503,
         detail: format!("Rate limit service unavailable. Retry after {retry_after_secs} seconds."),
-    };
-    serde_json::to_string(&p).unwrap_or_else(|_| String::from("{\"status\":503}"))
+        violated_policies: None,
+        upgrade_url: None,
+    }
+    .render()
 }
 
 #[cfg(test)]
