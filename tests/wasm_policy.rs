@@ -1,0 +1,1367 @@
+//! Policy features of the compiled filter, run in the wasmtime harness: tiers (from Envoy
+//! metadata, a header, or the static client map), client overrides and unlimited clients,
+//! shadow rules and soft clients, the graduated response (warn, delay, reject, block), the
+//! jitter of `Retry-After` and of block ends, global rules through gateway callouts (the
+//! failure modes and the circuit breaker), quotas, and late callout answers.
+//!
+//! Every expectation is README's contract ("Tiers, overrides and soft limits", "Graduated
+//! response", "Global limits", "Quotas", "What clients see", "Metrics").
+//!
+//! Build the filter first: `cargo build --release --target wasm32-wasip1 -p ratelimit-wasm`.
+
+mod harness;
+
+use harness::*;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+const SEC: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+const JWT: &str = "envoy.filters.http.jwt_authn";
+const CLUSTER: &str = "ratelimit_gateway";
+const UPGRADE: &str = "https://example.com/upgrade";
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+/// `config` with `domain` "policy" and `response.retry_jitter` 0 unless it sets them.
+fn cfg(mut config: Value) -> String {
+    if config.get("domain").is_none() {
+        config["domain"] = json!("policy");
+    }
+    if config.get("response").is_none() {
+        config["response"] = json!({});
+    }
+    if config["response"].get("retry_jitter").is_none() {
+        config["response"]["retry_jitter"] = json!(0);
+    }
+    config.to_string()
+}
+
+/// A harness whose workers all accepted `opts`' configuration.
+fn harness_with(opts: Options) -> Harness {
+    let config = String::from_utf8_lossy(&opts.plugin_config).into_owned();
+    let h = Harness::with_options(opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        h.configure_results().iter().all(|c| *c),
+        "the filter refused the configuration {config}:\n{}",
+        h.log_text()
+    );
+    h
+}
+
+fn harness(workers: usize, config: &str) -> Harness {
+    harness_with(Options::new(workers, config))
+}
+
+/// A harness for a configuration with a gateway on `CLUSTER`.
+fn gateway_harness(workers: usize, config: &str) -> Harness {
+    harness_with(Options::new(workers, config).clusters(&[CLUSTER]))
+}
+
+fn client(id: &str) -> Request {
+    Request::get("/").header("x-client-id", id)
+}
+
+/// A request whose `jwt_authn` payload says `sub` and `tier` (each only when given), as
+/// Envoy's dynamic metadata: the property `metadata.filter_metadata.<filter>.payload.<field>`.
+fn jwt(sub: Option<&str>, tier: Option<&str>) -> Request {
+    let mut r = Request::get("/");
+    if let Some(sub) = sub {
+        r = r.property(&["metadata", "filter_metadata", JWT, "payload", "sub"], sub);
+    }
+    if let Some(tier) = tier {
+        r = r.property(
+            &["metadata", "filter_metadata", JWT, "payload", "tier"],
+            tier,
+        );
+    }
+    r
+}
+
+fn num(o: &Outcome, name: &str) -> u64 {
+    let v = o.expect_header(name);
+    v.parse()
+        .unwrap_or_else(|e| panic!("{name}: {v:?} is not a number ({e}): {o:?}"))
+}
+
+fn assert_allowed(o: &Outcome) {
+    assert_eq!(o.status, 200, "expected the request through: {o:?}");
+    assert!(o.local_response.is_none(), "{o:?}");
+    assert!(o.completed, "{o:?}");
+    assert!(o.upstream_request.is_some(), "not forwarded: {o:?}");
+}
+
+/// The 429 of the contract: problem+json body naming `policies`, whole-second Retry-After.
+fn assert_problem(o: &Outcome, retry_after: u64, policies: &[&str]) {
+    assert_eq!(o.status, 429, "expected a 429: {o:?}");
+    assert!(o.completed, "{o:?}");
+    assert!(
+        o.upstream_request.is_none(),
+        "a denied request went upstream: {o:?}"
+    );
+    assert_eq!(
+        o.header_values("retry-after"),
+        vec![retry_after.to_string()],
+        "{o:?}"
+    );
+    assert_eq!(
+        o.header_values("content-type"),
+        vec!["application/problem+json".to_string()],
+        "{o:?}"
+    );
+    let body = o.body_json();
+    assert_eq!(
+        body,
+        json!({
+            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
+            "title": "Too Many Requests",
+            "status": 429,
+            "detail": format!("Rate limit exceeded. Retry after {retry_after} seconds."),
+            "violated-policies": policies,
+        }),
+        "{o:?}"
+    );
+}
+
+/// The headers of one limit, as README's "What clients see" has them.
+fn assert_shows(o: &Outcome, policy: &str, quota: u64, window: u64, remaining: u64) {
+    assert_eq!(
+        o.header_values("x-ratelimit-limit"),
+        vec![quota.to_string()],
+        "{o:?}"
+    );
+    assert_eq!(
+        o.header_values("x-ratelimit-remaining"),
+        vec![remaining.to_string()],
+        "{o:?}"
+    );
+    assert_eq!(
+        o.header_values("ratelimit-policy"),
+        vec![format!("\"{policy}\";q={quota};w={window}")],
+        "{o:?}"
+    );
+    let rl = o.expect_header("ratelimit");
+    assert!(
+        rl.starts_with(&format!("\"{policy}\";r={remaining};t=")),
+        "ratelimit: {rl}; {o:?}"
+    );
+}
+
+/// No rate-limit header at all: the client got the upstream's response untouched.
+fn assert_untouched(o: &Outcome) {
+    assert_allowed(o);
+    assert_eq!(
+        o.headers,
+        vec![(":status".to_string(), b"200".to_vec())],
+        "{o:?}"
+    );
+}
+
+/// Sends `limit` requests made by `mk` (all admitted, `remaining` counting down, the limit
+/// shown as `rule`'s `limit` per `per_secs`), then one more: 429 with the wait for one token.
+fn expect_limit(
+    h: &Harness,
+    what: &str,
+    rule: &str,
+    limit: u64,
+    per_secs: u64,
+    mk: impl Fn() -> Request,
+) {
+    for i in 0..limit {
+        let o = h.send_rr(i as usize, mk());
+        assert_eq!(o.status, 200, "{what}: request {} of {limit}: {o:?}", i + 1);
+        assert_shows(&o, rule, limit, per_secs, limit - 1 - i);
+    }
+    let o = h.send_rr(limit as usize, mk());
+    assert_problem(&o, per_secs.div_ceil(limit), &[rule]);
+    assert_eq!(
+        o.header_values("x-ratelimit-limit"),
+        vec![limit.to_string()],
+        "{what}: {o:?}"
+    );
+}
+
+/// Every metric value (a snapshot to compare).
+fn metric_values(h: &Harness) -> Vec<(String, i64)> {
+    h.metrics().into_iter().map(|(k, m)| (k, m.value)).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Tier resolution.
+
+/// `free` (3/h, the default) and `pro` (6/h); client and tier from `jwt_authn` metadata;
+/// `acme` is pro by the static map.
+fn metadata_tiers_config() -> String {
+    cfg(json!({
+        "tiers": { "free": {}, "pro": {} },
+        "identity": {
+            "client_id_metadata": [JWT, "payload", "sub"],
+            "tier_metadata": [JWT, "payload", "tier"],
+            "default_tier": "free",
+            "clients": { "acme": { "tier": "pro" } }
+        },
+        "rules": [{ "name": "per-client", "key": ["client"],
+                    "limits": [ { "requests": 3, "per": "1h" } ],
+                    "tiers": { "pro": [ { "requests": 6, "per": "1h" } ] } }]
+    }))
+}
+
+#[test]
+fn tier_from_jwt_metadata_gives_each_tier_its_own_limit() {
+    let h = harness(2, &metadata_tiers_config());
+    expect_limit(&h, "alice (pro)", "per-client", 6, 3600, || {
+        jwt(Some("alice"), Some("pro"))
+    });
+    expect_limit(&h, "bob (free)", "per-client", 3, 3600, || {
+        jwt(Some("bob"), Some("free"))
+    });
+    // No tier claim: the default tier.
+    expect_limit(&h, "carol (no tier)", "per-client", 3, 3600, || {
+        jwt(Some("carol"), None)
+    });
+    // A claimed tier that is not declared counts as unknown: the default applies.
+    expect_limit(&h, "dave (gold)", "per-client", 3, 3600, || {
+        jwt(Some("dave"), Some("gold"))
+    });
+    // The static map's tier wins over the credential's claim.
+    expect_limit(
+        &h,
+        "acme (claims free, pro by the map)",
+        "per-client",
+        6,
+        3600,
+        || jwt(Some("acme"), Some("free")),
+    );
+    // Buckets are per (rule, limits): bob, moved to pro, starts a fresh bucket.
+    expect_limit(&h, "bob moved to pro", "per-client", 6, 3600, || {
+        jwt(Some("bob"), Some("pro"))
+    });
+    assert_eq!(
+        h.metric("ratelimit_wasm_requests_allowed"),
+        6 + 3 + 3 + 3 + 6 + 6
+    );
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 6);
+}
+
+#[test]
+fn forged_identity_headers_change_nothing_when_metadata_is_configured() {
+    let h = harness(2, &metadata_tiers_config());
+    // No metadata (unauthenticated), forged client id and tier headers: keyed by the peer
+    // IP, default tier. Three different forged ids from one IP share one bucket of 3.
+    let forged = |id: &str| {
+        Request::get("/")
+            .source("198.51.100.1:4000")
+            .header("x-client-id", id)
+            .header("x-tier", "pro")
+    };
+    for (i, id) in ["alice", "acme", "zed"].into_iter().enumerate() {
+        let o = h.send_rr(i, forged(id));
+        assert_eq!(o.status, 200, "{o:?}");
+        assert_shows(&o, "per-client", 3, 3600, 2 - i as u64);
+    }
+    let o = h.send(0, forged("alice"));
+    assert_problem(&o, 1200, &["per-client"]);
+    assert_eq!(o.header_values("x-ratelimit-limit"), vec!["3"], "{o:?}");
+    // Another IP is another bucket.
+    let o = h.send(1, forged("alice").source("198.51.100.2:4000"));
+    assert_shows(&o, "per-client", 3, 3600, 2);
+    // The real alice (from metadata) was not touched by the forged requests.
+    let o = h.send(
+        0,
+        jwt(Some("alice"), Some("pro")).header("x-client-id", "zed"),
+    );
+    assert_eq!(o.status, 200, "{o:?}");
+    assert_shows(&o, "per-client", 6, 3600, 5);
+    // A forged tier header does not lift bob (free by his credential) to pro, and a forged
+    // client id does not move him to another bucket.
+    expect_limit(&h, "bob with forged headers", "per-client", 3, 3600, || {
+        jwt(Some("bob"), Some("free"))
+            .header("x-tier", "pro")
+            .header("x-client-id", "alice")
+    });
+    let o = h.send(1, jwt(Some("alice"), Some("pro")));
+    assert_shows(&o, "per-client", 6, 3600, 4);
+}
+
+#[test]
+fn tier_from_a_header_and_from_the_static_map() {
+    let h = harness(
+        2,
+        &cfg(json!({
+            "tiers": { "free": {}, "pro": {} },
+            "identity": {
+                "client_id_header": "x-client-id",
+                "tier_header": "x-tier",
+                "default_tier": "free",
+                "clients": { "acme": { "tier": "pro" } }
+            },
+            "rules": [{ "name": "per-client", "key": ["client"],
+                        "limits": [ { "requests": 3, "per": "1h" } ],
+                        "tiers": { "pro": [ { "requests": 6, "per": "1h" } ] } }]
+        })),
+    );
+    expect_limit(&h, "alice (pro)", "per-client", 6, 3600, || {
+        client("alice").header("x-tier", "pro")
+    });
+    expect_limit(&h, "bob (free)", "per-client", 3, 3600, || {
+        client("bob").header("x-tier", "free")
+    });
+    expect_limit(&h, "carol (no tier)", "per-client", 3, 3600, || {
+        client("carol")
+    });
+    expect_limit(&h, "dave (gold)", "per-client", 3, 3600, || {
+        client("dave").header("x-tier", "gold")
+    });
+    expect_limit(
+        &h,
+        "acme (header free, map pro)",
+        "per-client",
+        6,
+        3600,
+        || client("acme").header("x-tier", "free"),
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Overrides and unlimited.
+
+#[test]
+fn client_overrides_supersede_the_tier_and_unlimited_is_never_limited() {
+    let h = harness(
+        2,
+        &cfg(json!({
+            "tiers": { "free": {}, "pro": {}, "internal": { "unlimited": true } },
+            "identity": {
+                "client_id_metadata": [JWT, "payload", "sub"],
+                "tier_metadata": [JWT, "payload", "tier"],
+                "default_tier": "free",
+                "clients": {
+                    "acme": { "tier": "pro", "limits": { "per-client": [ { "requests": 2, "per": "1h" } ] } },
+                    "partner": { "limits": { "per-client": [ { "requests": 4, "per": "1h" } ] } },
+                    "ops": { "unlimited": true }
+                }
+            },
+            "rules": [{ "name": "per-client", "key": ["client"],
+                        "limits": [ { "requests": 3, "per": "1h" } ],
+                        "tiers": { "pro": [ { "requests": 6, "per": "1h" } ] } }]
+        })),
+    );
+    // acme's own limit (2) over its tier's (pro: 6).
+    expect_limit(&h, "acme override", "per-client", 2, 3600, || {
+        jwt(Some("acme"), Some("pro"))
+    });
+    // partner's own limit (4) over the default tier's (3).
+    expect_limit(&h, "partner override", "per-client", 4, 3600, || {
+        jwt(Some("partner"), None)
+    });
+    // An unlimited client (claiming a limited tier) and a client of an unlimited tier.
+    for i in 0..20 {
+        assert_untouched(&h.send_rr(i, jwt(Some("ops"), Some("free"))));
+        assert_untouched(&h.send_rr(i + 1, jwt(Some("zed"), Some("internal"))));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_unlimited"), 40);
+    // Others are still limited.
+    expect_limit(&h, "plain free client", "per-client", 3, 3600, || {
+        jwt(Some("yan"), Some("free"))
+    });
+    assert_eq!(h.metric("ratelimit_wasm_unlimited"), 40);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Shadow rules and soft clients.
+
+#[test]
+fn a_shadow_rule_never_rejects_but_counts_logs_and_shows_its_headers() {
+    let h = harness(
+        1,
+        &cfg(json!({
+            "rules": [
+                { "name": "watch", "mode": "shadow", "key": ["client"],
+                  "limits": [ { "requests": 2, "per": "1h" } ] },
+                { "name": "per-client", "key": ["client"],
+                  "limits": [ { "requests": 10, "per": "1h" } ] }
+            ]
+        })),
+    );
+    let shadow_lines = |h: &Harness| {
+        h.logs()
+            .into_iter()
+            .filter(|l| l.message.contains("shadow"))
+            .collect::<Vec<_>>()
+    };
+    for i in 0..3u64 {
+        let o = h.send(0, client("sam"));
+        assert_allowed(&o);
+        // The shadow rule is the tightest (2 vs 10): its headers are shown.
+        assert_shows(&o, "watch", 2, 3600, 1u64.saturating_sub(i));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 1);
+    let lines = shadow_lines(&h);
+    assert_eq!(lines.len(), 1, "{}", h.log_text());
+    assert!(
+        lines[0].message.contains("\"watch\""),
+        "the log line must name the rule: {}",
+        lines[0]
+    );
+    assert!(lines[0].level >= LogLevel::Info, "{}", lines[0]);
+    // More would-be denials in the same second: counted exactly; the next line (a second
+    // later) says how many were not logged.
+    for _ in 0..4 {
+        let o = h.send(0, client("sam"));
+        assert_allowed(&o);
+        assert_shows(&o, "watch", 2, 3600, 0);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 5);
+    h.advance(Duration::from_secs(1));
+    let o = h.send(0, client("sam"));
+    assert_allowed(&o);
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 6);
+    let lines = shadow_lines(&h);
+    assert_eq!(lines.len(), 2, "{}", h.log_text());
+    assert!(
+        lines[1].message.contains("\"watch\"") && lines[1].message.contains("+4 not logged"),
+        "{}",
+        lines[1]
+    );
+    // The enforced rule still rejects at its limit (8 admitted so far), and the shadow rule
+    // is not among the violated policies.
+    assert_allowed(&h.send(0, client("sam")));
+    assert_allowed(&h.send(0, client("sam")));
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 8);
+    // 10 tokens of 360 s each were taken, 7 of them a second earlier: 359 s to the next.
+    let o = h.send(0, client("sam"));
+    assert_problem(&o, 359, &["per-client"]);
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 8);
+    assert_eq!(h.metric("ratelimit_wasm_requests_allowed"), 10);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 1);
+}
+
+#[test]
+fn a_soft_client_is_never_rejected() {
+    let h = harness(
+        2,
+        &cfg(json!({
+            "identity": { "clients": { "trial": { "soft": true } } },
+            "rules": [{ "name": "per-client", "key": ["client"],
+                        "limits": [ { "requests": 3, "per": "1h" } ] }]
+        })),
+    );
+    for i in 0..8u64 {
+        let o = h.send_rr(i as usize, client("trial"));
+        assert_allowed(&o);
+        assert_shows(&o, "per-client", 3, 3600, 2u64.saturating_sub(i));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 5);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 0);
+    let lines = h.logs_containing("shadow");
+    assert!(
+        !lines.is_empty() && lines.iter().all(|l| l.message.contains("\"per-client\"")),
+        "{}",
+        h.log_text()
+    );
+    // Any other client is limited.
+    expect_limit(
+        &h,
+        "a client that is not soft",
+        "per-client",
+        3,
+        3600,
+        || client("other"),
+    );
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 5);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Graduated response.
+
+fn graduated_config(jitter: Option<f64>) -> String {
+    let mut c = json!({
+        "rules": [{ "name": "grad", "key": ["client"],
+                    "limits": [ { "requests": 10, "per": "1m" } ],
+                    "graduated": { "warn_at": 0.8, "delay_at": 1.0, "delay_ms": 100,
+                                   "reject_at": 1.2, "block_at": 2.0, "block_for": "5m" } }]
+    });
+    if let Some(j) = jitter {
+        c["response"] = json!({ "retry_jitter": j });
+    }
+    cfg(c)
+}
+
+#[test]
+fn graduated_warns_delays_rejects_then_blocks() {
+    let h = harness(2, &graduated_config(None));
+    assert_eq!([h.tick_period_ms(0), h.tick_period_ms(1)], [5, 5]);
+    let t0 = h.now_ns();
+    // 1-7: plain.
+    for i in 0..7u64 {
+        let o = h.send_rr(i as usize, client("gus"));
+        assert_allowed(&o);
+        assert_shows(&o, "grad", 10, 60, 9 - i);
+        assert_eq!(
+            o.header("x-ratelimit-warning"),
+            None,
+            "request {}: {o:?}",
+            i + 1
+        );
+    }
+    // 8-10: warned.
+    for (i, used) in [(7u64, 80), (8, 90), (9, 100)] {
+        let o = h.send_rr(i as usize, client("gus"));
+        assert_allowed(&o);
+        assert_shows(&o, "grad", 10, 60, 9 - i);
+        assert_eq!(
+            o.header_values("x-ratelimit-warning"),
+            vec![format!("\"grad\";used={used}")],
+            "request {}: {o:?}",
+            i + 1
+        );
+    }
+    // 11, 12: held (paused, no local response, nothing sent anywhere yet).
+    let delayed: Vec<StreamId> = (10..12)
+        .map(|i| {
+            let o = h.send_rr(i, client("gus"));
+            assert!(o.paused && !o.completed, "request {}: {o:?}", i + 1);
+            assert_eq!(o.request_action, Some(Action::Pause), "{o:?}");
+            assert!(
+                o.local_response.is_none() && o.http_calls.is_empty(),
+                "{o:?}"
+            );
+            assert!(o.upstream_request.is_none(), "{o:?}");
+            o.stream
+        })
+        .collect();
+    // 13-19: rejected; one token comes back in 6 s.
+    for i in 12..19 {
+        let o = h.send_rr(i, client("gus"));
+        assert_problem(&o, 6, &["grad"]);
+        assert_eq!(o.header_values("x-ratelimit-remaining"), vec!["0"], "{o:?}");
+    }
+    assert_eq!(h.metric("ratelimit_wasm_blocked"), 0);
+    // 20: the demand (denied requests included) reaches 200%: blocked for 5 minutes.
+    let o = h.send_rr(19, client("gus"));
+    assert_problem(&o, 300, &["grad"]);
+    assert_eq!(h.metric("ratelimit_wasm_blocked"), 1);
+    // The delayed requests are resumed by the root context's tick after 100 ms, not before.
+    h.advance_ms(95);
+    for id in &delayed {
+        let o = h.outcome(*id);
+        assert!(
+            o.paused && !o.completed && o.resumes == 0,
+            "at +95 ms: {o:?}"
+        );
+    }
+    h.advance_ms(5);
+    for (id, used) in delayed.iter().zip([110, 120]) {
+        let o = h.outcome(*id);
+        assert_allowed(&o);
+        assert_eq!(o.resumes, 1, "{o:?}");
+        assert_shows(&o, "grad", 10, 60, 0);
+        assert_eq!(
+            o.header_values("x-ratelimit-warning"),
+            vec![format!("\"grad\";used={used}")],
+            "{o:?}"
+        );
+    }
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+    assert_eq!(h.metric("ratelimit_wasm_delayed"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_warned"), 5);
+    assert_eq!(h.metric("ratelimit_wasm_blocked"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_requests_allowed"), 12);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 8);
+    // Still blocked at +299 s and just before +300 s (the bucket itself refilled long ago).
+    h.set_time_ns(t0 + 299 * SEC);
+    assert_problem(&h.send(0, client("gus")), 1, &["grad"]);
+    h.set_time_ns(t0 + 300 * SEC - MS);
+    assert_problem(&h.send(1, client("gus")), 1, &["grad"]);
+    assert_eq!(h.metric("ratelimit_wasm_blocked"), 3);
+    // Released at +300 s, with a full bucket.
+    h.set_time_ns(t0 + 300 * SEC);
+    let o = h.send(0, client("gus"));
+    assert_allowed(&o);
+    assert_shows(&o, "grad", 10, 60, 9);
+    assert_eq!(o.header("x-ratelimit-warning"), None, "{o:?}");
+    assert_eq!(h.metric("ratelimit_wasm_blocked"), 3);
+    // Another client was never affected.
+    let o = h.send(1, client("other"));
+    assert_shows(&o, "grad", 10, 60, 9);
+}
+
+#[test]
+fn a_delayed_request_cancelled_before_its_resume_is_never_resumed() {
+    let h = harness(1, &graduated_config(None));
+    for _ in 0..10 {
+        assert_allowed(&h.send(0, client("cat")));
+    }
+    let gone = h.send(0, client("cat"));
+    assert!(gone.paused && !gone.completed, "{gone:?}");
+    h.advance_ms(50);
+    let o = h.cancel(gone.stream);
+    assert!(o.completed && o.cancelled && o.resumes == 0, "{o:?}");
+    // A later request on the same worker, alive (waiting for its upstream) while the
+    // cancelled one's resume time passes.
+    let later = h.begin(0, client("dog").hold_upstream());
+    assert_eq!(h.outcome(later).phase, StreamPhase::AwaitingUpstream);
+    h.advance_ms(200);
+    let o = h.outcome(gone.stream);
+    assert!(o.completed && o.resumes == 0 && o.status == 0, "{o:?}");
+    let o = h.outcome(later);
+    assert_eq!(
+        o.resumes, 0,
+        "a request that was never held was resumed: {o:?}"
+    );
+    assert!(o.notes.is_empty(), "{o:?}");
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+    // A new delayed request on the same worker is resumed once, after its own 100 ms.
+    let next = h.send(0, client("cat"));
+    assert!(next.paused && !next.completed, "{next:?}");
+    h.advance_ms(99);
+    assert_eq!(h.outcome(next.stream).resumes, 0);
+    h.advance_ms(1);
+    let o = h.outcome(next.stream);
+    assert_allowed(&o);
+    assert_eq!(o.resumes, 1, "{o:?}");
+    let o = h.respond_upstream(later, Upstream::default());
+    assert_allowed(&o);
+    assert_eq!(o.resumes, 0, "{o:?}");
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+    assert!(h.open_streams().is_empty(), "{:?}", h.open_streams());
+    assert_eq!(h.metric("ratelimit_wasm_delayed"), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Jitter bounds (default `retry_jitter`, 0.1).
+
+fn seeded(workers: usize, config: &str, seed: u64) -> Harness {
+    let mut opts = Options::new(workers, config);
+    opts.random_seed = Some(seed);
+    harness_with(opts)
+}
+
+/// `Retry-After` and the number in the problem's `detail` (they must agree).
+fn retry_after(o: &Outcome) -> u64 {
+    assert_eq!(o.status, 429, "{o:?}");
+    let secs = num(o, "retry-after");
+    assert_eq!(
+        o.body_json()["detail"],
+        format!("Rate limit exceeded. Retry after {secs} seconds."),
+        "{o:?}"
+    );
+    secs
+}
+
+/// ceil(1.1 × `unjittered`), in integers (1.1 has no exact binary form).
+fn jitter_bound(unjittered: u64) -> u64 {
+    (unjittered * 11).div_ceil(10)
+}
+
+#[test]
+fn default_jitter_spreads_retry_after_upwards_by_at_most_ten_percent() {
+    let config = json!({ "domain": "policy", "rules": [{ "name": "per-client", "key": ["client"],
+        "limits": [ { "requests": 10, "per": "1h" } ] }] })
+    .to_string();
+    let mut seen = Vec::new();
+    for seed in 0..40u64 {
+        let h = seeded(2, &config, seed.wrapping_mul(0x9e37_79b9) + 1);
+        for c in 0..3 {
+            let who = format!("c{c}");
+            for i in 0..10 {
+                assert_allowed(&h.send_rr(i, client(&who)));
+            }
+            for i in 0..3 {
+                // One token takes 360 s.
+                let secs = retry_after(&h.send_rr(i, client(&who)));
+                assert!(
+                    (360..=jitter_bound(360)).contains(&secs),
+                    "seed {seed}: Retry-After {secs} outside [360, 396]"
+                );
+                seen.push(secs);
+            }
+        }
+    }
+    let distinct: BTreeSet<u64> = seen.iter().copied().collect();
+    assert!(
+        distinct.len() >= 15
+            && *distinct.first().unwrap() <= 365
+            && *distinct.last().unwrap() >= 391,
+        "the spread must cover [360, 396]: {distinct:?}"
+    );
+}
+
+#[test]
+fn block_ends_and_graduated_retry_after_stay_within_ten_percent() {
+    let config = graduated_config(Some(0.1));
+    let mut ends = Vec::new();
+    for seed in 0..30u64 {
+        let h = seeded(1, &config, seed.wrapping_mul(0x2545_f491) + 7);
+        let t0 = h.now_ns();
+        for _ in 0..10 {
+            assert_allowed(&h.send(0, client("jay")));
+        }
+        for _ in 0..2 {
+            assert!(h.send(0, client("jay")).paused);
+        }
+        for _ in 12..19 {
+            let secs = retry_after(&h.send(0, client("jay")));
+            assert!(
+                (6..=jitter_bound(6)).contains(&secs),
+                "seed {seed}: Retry-After {secs} outside [6, 7]"
+            );
+        }
+        let block = retry_after(&h.send(0, client("jay")));
+        // Find when the block ends, second by second (a blocked request changes nothing).
+        let mut end = None;
+        let mut waits = Vec::new();
+        for s in 299..=331u64 {
+            h.set_time_ns(t0 + s * SEC);
+            let o = h.send(0, client("jay"));
+            if o.status == 200 {
+                end = Some(s);
+                break;
+            }
+            waits.push((s, retry_after(&o)));
+        }
+        let end = end.unwrap_or_else(|| panic!("seed {seed}: still blocked at +331 s"));
+        // The block lasts block_for plus up to 10% of it: it ends in (end - 1, end] seconds.
+        assert!(
+            (300..=330).contains(&end),
+            "seed {seed}: the block ended at +{end} s, outside [300, 330]"
+        );
+        // Each Retry-After is the block's rest rounded up (end - now), spread upwards <= 10%.
+        assert!(
+            (end..=jitter_bound(end)).contains(&block),
+            "seed {seed}: Retry-After {block} at the block, which ends at +{end} s"
+        );
+        for (s, secs) in waits {
+            let rest = end - s;
+            assert!(
+                (rest..=jitter_bound(rest)).contains(&secs),
+                "seed {seed}: Retry-After {secs} at +{s} s, block ends at +{end} s"
+            );
+        }
+        ends.push(end);
+    }
+    let distinct: BTreeSet<u64> = ends.iter().copied().collect();
+    assert!(
+        distinct.len() >= 8
+            && *distinct.first().unwrap() <= 306
+            && *distinct.last().unwrap() >= 324,
+        "block ends must spread over [300, 330]: {ends:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Global rules through gateway callouts.
+
+/// A local rule (5/h) and a global rule `api` (4/min); a gateway per the brief.
+fn global_config(mode: &str) -> String {
+    cfg(json!({
+        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": mode, "instances": 2,
+                    "circuit": { "failures": 3, "cooldown_ms": 2000 } },
+        "rules": [
+            { "name": "local", "key": ["client"], "limits": [ { "requests": 5, "per": "1h" } ] },
+            { "name": "api", "scope": "global", "key": ["client"],
+              "limits": [ { "requests": 4, "per": "1m" } ] }
+        ]
+    }))
+}
+
+/// A gateway answer for one bucket with one limit.
+fn gw(allowed: bool, remaining: Value, reset_ms: Value, retry_after_ms: u64) -> CallResponse {
+    CallResponse::new(200)
+        .header("content-type", "application/json")
+        .body(
+            json!({ "version": 1, "allowed": allowed, "buckets": [ { "limits": [
+                { "allowed": allowed, "remaining": remaining, "reset_ms": reset_ms,
+                  "retry_after_ms": retry_after_ms } ] } ] })
+            .to_string(),
+        )
+}
+
+fn gw_allow(remaining: i64) -> CallResponse {
+    gw(true, json!(remaining), json!(15_000), 0)
+}
+
+fn gw_deny(retry_after_ms: u64) -> CallResponse {
+    gw(false, json!(0), json!(60_000), retry_after_ms)
+}
+
+/// Starts a request that must pause for exactly one callout; returns it and the callout.
+fn paused_for_callout(h: &Harness, w: usize, req: Request) -> (StreamId, HttpCall) {
+    let o = h.send(w, req);
+    assert!(
+        o.paused && !o.completed,
+        "expected a pause for the gateway: {o:?}"
+    );
+    assert_eq!(o.request_action, Some(Action::Pause), "{o:?}");
+    assert_eq!(o.http_calls.len(), 1, "{o:?}");
+    (o.stream, o.http_calls[0].clone())
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    Garbage,
+    Status503,
+    Timeout,
+    Reset,
+}
+
+const FAILURES: [Failure; 4] = [
+    Failure::Garbage,
+    Failure::Status503,
+    Failure::Timeout,
+    Failure::Reset,
+];
+
+fn fail(h: &Harness, call: &HttpCall, how: Failure) {
+    match how {
+        Failure::Garbage => h.respond_http_call(
+            call.worker,
+            call.token,
+            CallResponse::new(200).body("<html>not json</html>"),
+        ),
+        Failure::Status503 => h.respond_http_call(
+            call.worker,
+            call.token,
+            CallResponse::new(503).body(r#"{"version":1,"error":"redis: down"}"#),
+        ),
+        Failure::Timeout => {
+            h.advance_ms(49);
+            assert_eq!(
+                h.pending_http_calls().len(),
+                1,
+                "timed out too early: {:?}",
+                h.pending_http_calls()
+            );
+            h.advance_ms(1);
+        }
+        Failure::Reset => h.fail_http_call(call.worker, call.token),
+    }
+    let state = h
+        .http_calls()
+        .into_iter()
+        .find(|c| c.worker == call.worker && c.token == call.token)
+        .unwrap()
+        .state;
+    assert_ne!(state, CallState::Pending, "{how:?}");
+}
+
+#[test]
+fn a_global_rule_pauses_for_a_callout_and_an_allowed_answer_resumes_with_headers() {
+    let h = gateway_harness(2, &global_config("local"));
+    let (id, call) = paused_for_callout(&h, 0, client("alice"));
+    assert_eq!(call.upstream, CLUSTER);
+    assert_eq!(call.header(":method").as_deref(), Some("POST"), "{call:?}");
+    assert_eq!(
+        call.header(":path").as_deref(),
+        Some("/v1/check"),
+        "{call:?}"
+    );
+    assert_eq!(
+        call.header(":authority").as_deref(),
+        Some("ratelimit-gateway"),
+        "{call:?}"
+    );
+    assert_eq!(call.timeout_ms, 50);
+    let body: Value = serde_json::from_slice(&call.body)
+        .unwrap_or_else(|e| panic!("callout body is not JSON ({e}): {call:?}"));
+    assert_eq!(
+        body,
+        json!({ "version": 1, "domain": "policy", "cost": 1, "buckets": [
+            { "key": "api/c=alice", "tag": "c=alice", "cost": 1,
+              "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket" } ] } ] }),
+        "{call:?}"
+    );
+    assert_eq!(h.outcome(id).resumes, 0);
+    h.respond_http_call(call.worker, call.token, gw_allow(3));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_eq!(o.resumes, 1, "{o:?}");
+    // The global limit (3 left of 4) is tighter than the local one (4 left of 5).
+    assert_shows(&o, "api", 4, 60, 3);
+    assert_eq!(o.header_values("x-ratelimit-reset"), vec!["15"], "{o:?}");
+    assert_eq!(
+        o.header_values("ratelimit"),
+        vec!["\"api\";r=3;t=15"],
+        "{o:?}"
+    );
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_global_failures"), 0);
+    assert_eq!(h.metric("ratelimit_wasm_requests_allowed"), 1);
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+}
+
+#[test]
+fn a_global_denial_is_a_429_and_refunds_the_local_charge() {
+    let h = gateway_harness(2, &global_config("local"));
+    let (id, call) = paused_for_callout(&h, 0, client("bea"));
+    h.respond_http_call(call.worker, call.token, gw_allow(3));
+    assert_allowed(&h.outcome(id));
+    // The gateway denies: 429 with its wait; the local bucket's charge is given back.
+    let (id, call) = paused_for_callout(&h, 1, client("bea"));
+    h.respond_http_call(call.worker, call.token, gw_deny(15_000));
+    let o = h.outcome(id);
+    assert_problem(&o, 15, &["api"]);
+    assert_shows(&o, "api", 4, 60, 0);
+    assert_eq!(o.resumes, 0, "{o:?}");
+    // Local: 5 - 1 admitted = 4 before this request, 3 after (2 had the denial kept its charge).
+    let (id, call) = paused_for_callout(&h, 0, client("bea"));
+    h.respond_http_call(call.worker, call.token, gw_allow(4));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_shows(&o, "local", 5, 3600, 3);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 3);
+    // A local denial skips the callout.
+    for _ in 0..3 {
+        let (id, call) = paused_for_callout(&h, 1, client("bea"));
+        h.respond_http_call(call.worker, call.token, gw_allow(4));
+        assert_allowed(&h.outcome(id));
+    }
+    let calls = h.http_calls().len();
+    let o = h.send(0, client("bea"));
+    assert_problem(&o, 720, &["local"]);
+    assert_eq!(
+        h.http_calls().len(),
+        calls,
+        "a callout after a local denial"
+    );
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 6);
+}
+
+#[test]
+fn failure_mode_open_allows_every_failure_and_counts_it() {
+    let h = gateway_harness(2, &global_config("open"));
+    for (n, how) in FAILURES.into_iter().enumerate() {
+        let n = n as u64;
+        let (id, call) = paused_for_callout(&h, n as usize % 2, client("opa"));
+        fail(&h, &call, how);
+        let o = h.outcome(id);
+        assert_allowed(&o);
+        assert_eq!(o.resumes, 1, "{how:?}: {o:?}");
+        // Only the local rule's figures are known: 5 - (n + 1) left.
+        assert_shows(&o, "local", 5, 3600, 4 - n);
+        assert_eq!(
+            h.metric("ratelimit_wasm_failure_mode_open"),
+            n + 1,
+            "{how:?}"
+        );
+        assert_eq!(h.metric("ratelimit_wasm_global_failures"), n + 1, "{how:?}");
+        // A success in between keeps the circuit closed (failures must be consecutive).
+        let (id, call) = paused_for_callout(&h, 1, client(&format!("ok{n}")));
+        h.respond_http_call(call.worker, call.token, gw_allow(3));
+        assert_allowed(&h.outcome(id));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_circuit_opened"), 0);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 0);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 0);
+    assert!(
+        !h.logs_containing("gateway failed").is_empty(),
+        "{}",
+        h.log_text()
+    );
+}
+
+#[test]
+fn failure_mode_closed_answers_503_and_refunds() {
+    let h = gateway_harness(2, &global_config("closed"));
+    for (n, how) in FAILURES.into_iter().enumerate() {
+        let n = n as u64;
+        let (id, call) = paused_for_callout(&h, n as usize % 2, client("cle"));
+        fail(&h, &call, how);
+        let o = h.outcome(id);
+        assert_eq!(o.status, 503, "{how:?}: {o:?}");
+        assert!(
+            o.completed && o.upstream_request.is_none(),
+            "{how:?}: {o:?}"
+        );
+        assert_eq!(o.header_values("retry-after"), vec!["2"], "{how:?}: {o:?}");
+        assert_eq!(
+            o.header_values("content-type"),
+            vec!["application/problem+json"],
+            "{how:?}: {o:?}"
+        );
+        assert_eq!(
+            o.body_json(),
+            json!({ "type": "about:blank", "title": "Service Unavailable", "status": 503,
+                    "detail": "Rate limit service unavailable. Retry after 2 seconds." }),
+            "{how:?}"
+        );
+        assert_eq!(h.metric("ratelimit_wasm_failure_mode_closed"), n + 1);
+        assert_eq!(h.metric("ratelimit_wasm_requests_denied"), n + 1);
+        // The 503 consumed nothing: the local bucket still has all 5.
+        let (id, call) = paused_for_callout(&h, 1, client(&format!("ok{n}")));
+        h.respond_http_call(call.worker, call.token, gw_allow(4));
+        assert_allowed(&h.outcome(id));
+    }
+    let (id, call) = paused_for_callout(&h, 0, client("cle"));
+    h.respond_http_call(call.worker, call.token, gw_allow(4));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_shows(&o, "local", 5, 3600, 4);
+    // Three failures in a row open the circuit: then 503 without a callout.
+    for how in [Failure::Reset, Failure::Garbage, Failure::Reset] {
+        let (id, call) = paused_for_callout(&h, 0, client("cle"));
+        fail(&h, &call, how);
+        assert_eq!(h.outcome(id).status, 503);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_circuit_opened"), 1);
+    let calls = h.http_calls().len();
+    let o = h.send(1, client("cle"));
+    assert_eq!(o.status, 503, "{o:?}");
+    assert!(o.completed && o.http_calls.is_empty(), "{o:?}");
+    assert_eq!(o.header_values("retry-after"), vec!["2"], "{o:?}");
+    assert_eq!(h.http_calls().len(), calls);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_failure_mode_closed"), 8);
+}
+
+#[test]
+fn failure_mode_local_admits_exactly_the_limit_divided_by_instances() {
+    let h = gateway_harness(2, &global_config("local"));
+    // api: 4 per minute over 2 instances = 2 for this proxy while the gateway fails.
+    let mut admitted = 0;
+    for (n, how) in [Failure::Garbage, Failure::Timeout, Failure::Reset]
+        .into_iter()
+        .enumerate()
+    {
+        let (id, call) = paused_for_callout(&h, n % 2, client("lou"));
+        fail(&h, &call, how);
+        let o = h.outcome(id);
+        match n {
+            0 | 1 => {
+                assert_allowed(&o);
+                assert_shows(&o, "api", 2, 60, 1 - n as u64);
+                admitted += 1;
+            }
+            _ => assert_problem(&o, 30, &["api"]),
+        }
+    }
+    // The third failure opened the circuit: no more callouts, still decided locally.
+    assert_eq!(h.metric("ratelimit_wasm_circuit_opened"), 1);
+    let calls = h.http_calls().len();
+    for i in 0..4 {
+        let o = h.send_rr(i, client("lou"));
+        assert!(o.http_calls.is_empty(), "{o:?}");
+        assert_problem(&o, 30, &["api"]);
+    }
+    // Another client gets its own share of 2, without callouts.
+    for i in 0..4 {
+        let o = h.send_rr(i, client("max"));
+        assert!(o.completed && o.http_calls.is_empty(), "{o:?}");
+        if o.status == 200 {
+            admitted += 1;
+        } else {
+            assert_problem(&o, 30, &["api"]);
+        }
+    }
+    assert_eq!(admitted, 4, "2 per client");
+    assert_eq!(h.http_calls().len(), calls);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 8);
+    assert_eq!(h.metric("ratelimit_wasm_failure_mode_local"), 3 + 8);
+    assert_eq!(h.metric("ratelimit_wasm_global_failures"), 3);
+    // The local rule's charge was refunded for every denial: lou has 5 - 2 left.
+    let calls_before = h.http_calls().len();
+    h.advance(Duration::from_secs(2));
+    let (id, call) = paused_for_callout(&h, 0, client("lou"));
+    assert_eq!(h.http_calls().len(), calls_before + 1);
+    h.respond_http_call(call.worker, call.token, gw_allow(4));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_shows(&o, "local", 5, 3600, 2);
+}
+
+#[test]
+fn the_circuit_opens_after_three_failures_and_one_probe_closes_it() {
+    let h = gateway_harness(2, &global_config("open"));
+    for (n, how) in [Failure::Reset, Failure::Garbage, Failure::Timeout]
+        .into_iter()
+        .enumerate()
+    {
+        let (id, call) = paused_for_callout(&h, n % 2, client(&format!("c{n}")));
+        fail(&h, &call, how);
+        assert_allowed(&h.outcome(id));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_circuit_opened"), 1);
+    assert_eq!(
+        h.logs_containing("circuit to the gateway opened").len(),
+        1,
+        "{}",
+        h.log_text()
+    );
+    let opened_at = h.now_ns();
+    let calls = h.http_calls().len();
+    assert_eq!(calls, 3);
+    // Open: no callout, the failure mode decides (open: allowed, counted).
+    for w in 0..2 {
+        let o = h.send(w, client("skip"));
+        assert_allowed(&o);
+        assert!(o.http_calls.is_empty(), "{o:?}");
+    }
+    assert_eq!(h.http_calls().len(), calls);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_failure_mode_open"), 5);
+    h.advance_ms(1999);
+    assert_allowed(&h.send(0, client("skip")));
+    assert_eq!(h.http_calls().len(), calls);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 3);
+    // After the cooldown, exactly one request probes; the others still skip meanwhile.
+    h.advance_ms(1);
+    assert_eq!(h.now_ns() - opened_at, 2000 * MS);
+    let (probe, call) = paused_for_callout(&h, 1, client("probe"));
+    for w in 0..2 {
+        let o = h.send(w, client("skip"));
+        assert_allowed(&o);
+        assert!(o.http_calls.is_empty(), "a second probe: {o:?}");
+    }
+    assert_eq!(h.http_calls().len(), calls + 1);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 5);
+    // The probe succeeds: the circuit closes and requests call the gateway again.
+    h.respond_http_call(call.worker, call.token, gw_allow(3));
+    let o = h.outcome(probe);
+    assert_allowed(&o);
+    assert_shows(&o, "api", 4, 60, 3);
+    assert_eq!(
+        h.logs_containing("circuit to the gateway closed").len(),
+        1,
+        "{}",
+        h.log_text()
+    );
+    for w in 0..2 {
+        let (id, call) = paused_for_callout(&h, w, client("after"));
+        h.respond_http_call(call.worker, call.token, gw_allow(3 - w as i64));
+        assert_allowed(&h.outcome(id));
+    }
+    assert_eq!(h.http_calls().len(), calls + 3);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_open_skips"), 5);
+    assert_eq!(h.metric("ratelimit_wasm_circuit_opened"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 6);
+    assert_eq!(h.metric("ratelimit_wasm_global_failures"), 3);
+    assert_eq!(h.metric("ratelimit_wasm_failure_mode_open"), 3 + 5);
+}
+
+#[test]
+fn out_of_range_gateway_figures_are_clamped() {
+    let h = gateway_harness(
+        2,
+        &cfg(json!({
+            "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed", "instances": 2,
+                        "circuit": { "failures": 3, "cooldown_ms": 2000 } },
+            "rules": [{ "name": "api", "scope": "global", "key": ["client"],
+                        "limits": [ { "requests": 4, "per": "1m" } ] }]
+        })),
+    );
+    let ask = |w: usize, answer: CallResponse| {
+        let (id, call) = paused_for_callout(&h, w, client("cla"));
+        h.respond_http_call(call.worker, call.token, answer);
+        let o = h.outcome(id);
+        assert_allowed(&o);
+        o
+    };
+    // Remaining above the limit: shown as the limit.
+    let o = ask(0, gw(true, json!(99), json!(15_000), 0));
+    assert_shows(&o, "api", 4, 60, 4);
+    assert_eq!(h.metric("ratelimit_wasm_gateway_answer_clamped"), 1);
+    // Negative remaining: 0.
+    let o = ask(1, gw(true, json!(-3), json!(15_000), 0));
+    assert_shows(&o, "api", 4, 60, 0);
+    assert_eq!(h.metric("ratelimit_wasm_gateway_answer_clamped"), 2);
+    // A reset far beyond two windows: two windows (120 s).
+    let o = ask(0, gw(true, json!(2), json!(1e12), 0));
+    assert_shows(&o, "api", 4, 60, 2);
+    assert_eq!(o.header_values("x-ratelimit-reset"), vec!["120"], "{o:?}");
+    assert_eq!(h.metric("ratelimit_wasm_gateway_answer_clamped"), 3);
+    // In range: nothing clamped.
+    let o = ask(1, gw(true, json!(1), json!(15_000), 0));
+    assert_shows(&o, "api", 4, 60, 1);
+    assert_eq!(h.metric("ratelimit_wasm_gateway_answer_clamped"), 3);
+    assert_eq!(h.metric("ratelimit_wasm_global_failures"), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Quotas.
+
+fn quota_config(with_global_rule: bool) -> String {
+    let mut rules = vec![json!({ "name": "burst", "key": ["client"],
+                                 "limits": [ { "requests": 5, "per": "1h" } ] })];
+    if with_global_rule {
+        rules.push(json!({ "name": "api", "scope": "global", "key": ["client"],
+                           "limits": [ { "requests": 4, "per": "1m" } ] }));
+    }
+    cfg(json!({
+        "tiers": { "free": {}, "pro": {} },
+        "identity": { "default_tier": "free" },
+        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed", "instances": 2,
+                    "circuit": { "failures": 3, "cooldown_ms": 2000 } },
+        "rules": rules,
+        "quotas": [{ "name": "monthly", "key": ["client"], "period": "month",
+                     "tiers": { "free": 3 }, "upgrade_url": UPGRADE }]
+    }))
+}
+
+fn quota_answer(buckets: Value, quota_allowed: bool, remaining: u64) -> CallResponse {
+    let rate_allowed = buckets
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|b| b["limits"][0]["allowed"] == json!(true));
+    CallResponse::new(200).body(
+        json!({ "version": 1, "allowed": rate_allowed && quota_allowed, "buckets": buckets,
+                "quotas": [ { "allowed": quota_allowed, "remaining": remaining,
+                              "reset_ms": 86_400_000 } ] })
+        .to_string(),
+    )
+}
+
+#[test]
+fn an_exhausted_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
+    let h = gateway_harness(2, &quota_config(false));
+    let (id, call) = paused_for_callout(&h, 0, client("qui"));
+    let body: Value = serde_json::from_slice(&call.body).unwrap();
+    assert_eq!(
+        body,
+        json!({ "version": 1, "domain": "policy", "cost": 1, "buckets": [],
+                "quotas": [ { "key": "monthly/c=qui", "tag": "c=qui", "limit": 3,
+                              "period": "month", "amount": 1 } ] }),
+        "{call:?}"
+    );
+    h.respond_http_call(call.worker, call.token, quota_answer(json!([]), true, 2));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_shows(&o, "burst", 5, 3600, 4);
+    // Quota spent.
+    let (id, call) = paused_for_callout(&h, 1, client("qui"));
+    h.respond_http_call(call.worker, call.token, quota_answer(json!([]), false, 0));
+    let o = h.outcome(id);
+    assert_eq!(o.status, 403, "{o:?}");
+    assert!(o.completed && o.upstream_request.is_none(), "{o:?}");
+    assert_eq!(
+        o.header_values("content-type"),
+        vec!["application/problem+json"],
+        "{o:?}"
+    );
+    assert_eq!(
+        o.header_values("link"),
+        vec![format!("<{UPGRADE}>; rel=\"payment\"")],
+        "{o:?}"
+    );
+    assert!(o.header("retry-after").is_none(), "{o:?}");
+    let problem = o.body_json();
+    assert_eq!(
+        problem["type"], "tag:ratelimit-wasm,2026:quota-exhausted",
+        "{problem}"
+    );
+    assert_eq!(problem["title"], "Quota Exhausted", "{problem}");
+    assert_eq!(problem["status"], 403, "{problem}");
+    assert_eq!(
+        problem["violated-policies"],
+        json!(["monthly"]),
+        "{problem}"
+    );
+    assert_eq!(problem["upgrade_url"], UPGRADE, "{problem}");
+    assert_eq!(h.metric("ratelimit_wasm_quota_exhausted"), 1);
+    // Neither is charged: the local burst bucket got its token back (5 - 1 - 1 = 3 left).
+    let (id, call) = paused_for_callout(&h, 0, client("qui"));
+    h.respond_http_call(call.worker, call.token, quota_answer(json!([]), true, 1));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_shows(&o, "burst", 5, 3600, 3);
+    // A pro client has no quota (none configured for pro, no `limit`): no callout at all.
+    let h2 = gateway_harness(
+        1,
+        &quota_config(false).replace(r#""default_tier":"free""#, r#""default_tier":"pro""#),
+    );
+    let o = h2.send(0, client("pro-client"));
+    assert_allowed(&o);
+    assert!(o.http_calls.is_empty(), "{o:?}");
+}
+
+#[test]
+fn a_rate_limit_denial_beats_an_exhausted_quota_in_the_same_answer() {
+    let h = gateway_harness(2, &quota_config(true));
+    let (id, call) = paused_for_callout(&h, 0, client("rae"));
+    let body: Value = serde_json::from_slice(&call.body).unwrap();
+    assert_eq!(
+        body,
+        json!({ "version": 1, "domain": "policy", "cost": 1,
+                "buckets": [ { "key": "api/c=rae", "tag": "c=rae", "cost": 1,
+                  "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket" } ] } ],
+                "quotas": [ { "key": "monthly/c=rae", "tag": "c=rae", "limit": 3,
+                              "period": "month", "amount": 1 } ] }),
+        "{call:?}"
+    );
+    let denied = json!([ { "limits": [ { "allowed": false, "remaining": 0, "reset_ms": 60_000,
+                                        "retry_after_ms": 15_000 } ] } ]);
+    h.respond_http_call(call.worker, call.token, quota_answer(denied, false, 0));
+    let o = h.outcome(id);
+    assert_problem(&o, 15, &["api"]);
+    assert_eq!(h.metric("ratelimit_wasm_quota_exhausted"), 0);
+    // Only the quota spent: 403.
+    let (id, call) = paused_for_callout(&h, 1, client("rae"));
+    let allowed = json!([ { "limits": [ { "allowed": true, "remaining": 3, "reset_ms": 15_000,
+                                         "retry_after_ms": 0 } ] } ]);
+    h.respond_http_call(call.worker, call.token, quota_answer(allowed, false, 0));
+    assert_eq!(h.outcome(id).status, 403);
+    assert_eq!(h.metric("ratelimit_wasm_quota_exhausted"), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. A request cancelled while it waits for the gateway.
+
+#[test]
+fn a_late_answer_after_the_client_left_changes_nothing() {
+    let h = gateway_harness(2, &global_config("closed"));
+    // Three clients leave while their request waits; the answers arrive afterwards: a
+    // denial, an allowance, and a timeout.
+    let mut gone = Vec::new();
+    for w in 0..3 {
+        let (id, call) = paused_for_callout(&h, w % 2, client("lee"));
+        let o = h.cancel(id);
+        assert!(o.completed && o.cancelled && o.status == 0, "{o:?}");
+        gone.push((id, call));
+    }
+    let before = metric_values(&h);
+    h.respond_http_call(gone[0].1.worker, gone[0].1.token, gw_deny(15_000));
+    h.respond_http_call(gone[1].1.worker, gone[1].1.token, gw_allow(2));
+    h.advance_ms(50);
+    assert!(
+        h.pending_http_calls().is_empty(),
+        "{:?}",
+        h.pending_http_calls()
+    );
+    for (id, _) in &gone {
+        let o = h.outcome(*id);
+        assert!(o.completed && o.cancelled, "{o:?}");
+        assert_eq!((o.status, o.resumes), (0, 0), "{o:?}");
+        assert!(
+            o.local_response.is_none() && o.upstream_request.is_none(),
+            "{o:?}"
+        );
+        assert!(o.notes.is_empty(), "{o:?}");
+    }
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+    assert_eq!(
+        metric_values(&h),
+        before,
+        "a late answer changed the counters"
+    );
+    assert!(
+        h.logs_at_least(LogLevel::Critical).is_empty(),
+        "{}",
+        h.log_text()
+    );
+    // Both workers still work. (README, Limitations: a request cancelled while waiting for
+    // the gateway keeps its local charge: 5 - 3 - 1 = 1 left.)
+    let (id, call) = paused_for_callout(&h, 0, client("lee"));
+    h.respond_http_call(call.worker, call.token, gw_allow(4));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_eq!(o.resumes, 1);
+    assert_shows(&o, "local", 5, 3600, 1);
+    let (id, call) = paused_for_callout(&h, 1, client("other"));
+    h.respond_http_call(call.worker, call.token, gw_deny(15_000));
+    assert_problem(&h.outcome(id), 15, &["api"]);
+    assert!(h.open_streams().is_empty(), "{:?}", h.open_streams());
+}
