@@ -5,6 +5,7 @@
 #   make test              deps, fmt check, clippy (host + wasm), build, cargo test
 #   make demo              start Envoy with envoy/ratelimit.json and send a burst
 #   make validate-configs  `envoy --mode validate` on every shipped config, rendered
+#   make images            build the gateway and plugin images (needs a Docker engine)
 #
 # CI runs `.ci/run`, which runs `make test`.
 
@@ -21,7 +22,10 @@ SUDO          := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The tests, the demo and validate-configs find Envoy through this.
 export ENVOY_BIN := $(ENVOY)
 
-.PHONY: deps build wasm test demo validate-configs fmt lint clean
+.PHONY: deps build wasm test demo validate-configs fmt lint clean images
+
+IMAGE_REPO ?= ghcr.io/example
+VERSION    ?= 0.1.0
 
 deps:
 	@rustup target list --installed | grep -qx '$(WASM_TARGET)' || rustup target add $(WASM_TARGET)
@@ -62,6 +66,11 @@ demo: deps build
 
 validate-configs: deps wasm
 	cargo run --quiet -p testkit --bin validate-configs
+
+# Needs a Docker engine (none runs on the CI machines; no test needs this).
+images: wasm
+	docker build -f gateway/Dockerfile -t $(IMAGE_REPO)/ratelimit-gateway:$(VERSION) .
+	docker build -f Dockerfile.wasm    -t $(IMAGE_REPO)/ratelimit-wasm:$(VERSION) .
 
 clean:
 	cargo clean

@@ -2,7 +2,7 @@
 //!
 //! `envoy/` holds only Envoy bootstrap templates (`*.yaml`) and plugin
 //! configurations (`*.json`). A template has placeholders written `${NAME}`:
-//! `LISTEN_PORT`, `ADMIN_PORT` and `UPSTREAM_PORT` become integers;
+//! `LISTEN_PORT`, `ADMIN_PORT`, `UPSTREAM_PORT` and `GATEWAY_PORT` become integers;
 //! `WASM_PATH` and `PLUGIN_CONFIG` become JSON string literals (which are also
 //! valid YAML double-quoted scalars), so they stand unquoted in the template.
 
@@ -19,11 +19,19 @@ use crate::ports::Ports;
 pub struct TemplateVars {
     /// Listener, admin and upstream ports.
     pub ports: Ports,
+    /// Port of the `ratelimit_gateway` cluster (a `ratelimit-gateway` on
+    /// 127.0.0.1); [`DEFAULT_GATEWAY_PORT`] when the test uses no gateway.
+    pub gateway_port: u16,
     /// Path of `ratelimit_wasm.wasm`.
     pub wasm_path: PathBuf,
     /// The plugin configuration (JSON text, passed to the filter verbatim).
     pub plugin_config: String,
 }
+
+/// The gateway port rendered when none is given: the default `--listen`
+/// port of `ratelimit-gateway` (127.0.0.1:8081). A plugin configuration
+/// without global rules never calls it.
+pub const DEFAULT_GATEWAY_PORT: u16 = 8081;
 
 /// Path of the one Envoy bootstrap template, `<workspace>/envoy/envoy.yaml`.
 pub fn template_path() -> PathBuf {
@@ -33,6 +41,12 @@ pub fn template_path() -> PathBuf {
 /// Path of the demo's plugin configuration, `<workspace>/envoy/ratelimit.json`.
 pub fn demo_plugin_config_path() -> PathBuf {
     workspace_root().join("envoy/ratelimit.json")
+}
+
+/// Path of the demo's plugin configuration with a global rule (two proxies
+/// sharing one limit through the gateway), `<workspace>/envoy/ratelimit-global.json`.
+pub fn demo_global_plugin_config_path() -> PathBuf {
+    workspace_root().join("envoy/ratelimit-global.json")
 }
 
 /// Encodes `s` as a JSON string literal (quotes included).
@@ -49,6 +63,7 @@ fn json_string(s: &str) -> Result<String> {
 /// use testkit::{render_template, Ports, TemplateVars};
 /// let vars = TemplateVars {
 ///     ports: Ports { listen: 10000, admin: 9901, upstream: 10001 },
+///     gateway_port: 8081,
 ///     wasm_path: "/opt/ratelimit_wasm.wasm".into(),
 ///     plugin_config: r#"{"domain": "d"}"#.to_string(),
 /// };
@@ -64,6 +79,7 @@ pub fn render_template(template: &str, vars: &TemplateVars) -> Result<String> {
         ("LISTEN_PORT", vars.ports.listen.to_string()),
         ("ADMIN_PORT", vars.ports.admin.to_string()),
         ("UPSTREAM_PORT", vars.ports.upstream.to_string()),
+        ("GATEWAY_PORT", vars.gateway_port.to_string()),
         ("WASM_PATH", json_string(wasm)?),
         ("PLUGIN_CONFIG", json_string(&vars.plugin_config)?),
     ];
@@ -167,6 +183,7 @@ pub fn validate_shipped_configs() -> Result<Vec<String>> {
                     .with_context(|| format!("reading {}", plugin.display()))?;
                 let vars = TemplateVars {
                     ports: Ports::free()?,
+                    gateway_port: DEFAULT_GATEWAY_PORT,
                     wasm_path: wasm.clone(),
                     plugin_config,
                 };
@@ -215,6 +232,7 @@ mod tests {
                 admin: 2,
                 upstream: 3,
             },
+            gateway_port: 4,
             wasm_path: PathBuf::from("/x/\"q\".wasm"),
             plugin_config: config.to_string(),
         }
@@ -222,11 +240,11 @@ mod tests {
 
     #[test]
     fn substitutes_every_placeholder() {
-        let t = "a: ${LISTEN_PORT}\nb: ${ADMIN_PORT}\nc: ${UPSTREAM_PORT} ${UPSTREAM_PORT}\nw: ${WASM_PATH}\np: ${PLUGIN_CONFIG}\n";
+        let t = "a: ${LISTEN_PORT}\nb: ${ADMIN_PORT}\nc: ${UPSTREAM_PORT} ${UPSTREAM_PORT}\ng: ${GATEWAY_PORT}\nw: ${WASM_PATH}\np: ${PLUGIN_CONFIG}\n";
         let out = render_template(t, &vars("{\"k\": \"v\\n\"}\n")).unwrap();
         assert_eq!(
             out,
-            "a: 1\nb: 2\nc: 3 3\nw: \"/x/\\\"q\\\".wasm\"\np: \"{\\\"k\\\": \\\"v\\\\n\\\"}\\n\"\n"
+            "a: 1\nb: 2\nc: 3 3\ng: 4\nw: \"/x/\\\"q\\\".wasm\"\np: \"{\\\"k\\\": \\\"v\\\\n\\\"}\\n\"\n"
         );
     }
 
@@ -241,5 +259,14 @@ mod tests {
     fn shipped_template_has_only_known_placeholders() {
         let out = render_file(&template_path(), &vars("{}")).unwrap();
         assert!(!out.contains("${"));
+        // The gateway cluster that global rules name, on the rendered port.
+        let cluster = out
+            .split("- name: ratelimit_gateway")
+            .nth(1)
+            .expect("a ratelimit_gateway cluster");
+        assert!(
+            cluster.contains("port_value: 4 }"),
+            "gateway port: {cluster}"
+        );
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::config::{render_file, template_path, TemplateVars};
+use crate::config::{render_file, template_path, TemplateVars, DEFAULT_GATEWAY_PORT};
 use crate::http::{Client, ConnectionMode};
 use crate::paths::{envoy_bin, wasm_path};
 use crate::ports::Ports;
@@ -28,6 +28,9 @@ pub struct EnvoyOptions {
     /// Fixed ports; `None` picks free loopback ports (and retries with new
     /// ones if Envoy cannot bind).
     pub ports: Option<Ports>,
+    /// Port of the `ratelimit-gateway` behind the `ratelimit_gateway`
+    /// cluster; `None` renders [`DEFAULT_GATEWAY_PORT`].
+    pub gateway_port: Option<u16>,
     /// Envoy bootstrap template; default `envoy/envoy.yaml`.
     pub template: Option<PathBuf>,
     /// The filter; default [`wasm_path()`].
@@ -51,6 +54,7 @@ impl EnvoyOptions {
         EnvoyOptions {
             plugin_config: plugin_config.into(),
             ports: None,
+            gateway_port: None,
             template: None,
             wasm: None,
             concurrency: 2,
@@ -64,6 +68,12 @@ impl EnvoyOptions {
     /// Uses fixed ports instead of free ones.
     pub fn ports(mut self, ports: Ports) -> Self {
         self.ports = Some(ports);
+        self
+    }
+
+    /// Points the `ratelimit_gateway` cluster at 127.0.0.1:`port`.
+    pub fn gateway_port(mut self, port: u16) -> Self {
+        self.gateway_port = Some(port);
         self
     }
 
@@ -129,6 +139,32 @@ impl Envoy {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("Envoy did not start")))
     }
 
+    /// Starts several Envoys at once and waits until every one is ready:
+    /// their startups (mostly V8 compiling the module) overlap. Like
+    /// [`Envoy::start`], an Envoy on automatically picked ports that could not
+    /// bind is started again on new ones (up to three attempts each).
+    ///
+    /// Call it from the thread that keeps the returned values (see the
+    /// module documentation).
+    pub fn start_all(opts: &[EnvoyOptions]) -> Result<Vec<Envoy>> {
+        let mut envoys = opts
+            .iter()
+            .map(|o| Envoy::spawn(o.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        for (envoy, o) in envoys.iter_mut().zip(opts) {
+            if let Err(e) = envoy.wait_live(o.ready_timeout) {
+                let log = envoy.log();
+                let bind_failure =
+                    log.contains("Address already in use") || log.contains("cannot bind");
+                if !bind_failure || o.ports.is_some() {
+                    return Err(e);
+                }
+                *envoy = Envoy::start(o.clone())?;
+            }
+        }
+        Ok(envoys)
+    }
+
     /// Starts Envoy without waiting for it to be ready.
     pub fn spawn(opts: EnvoyOptions) -> Result<Envoy> {
         let envoy = envoy_bin()?;
@@ -155,6 +191,7 @@ impl Envoy {
         };
         let vars = TemplateVars {
             ports,
+            gateway_port: opts.gateway_port.unwrap_or(DEFAULT_GATEWAY_PORT),
             wasm_path: wasm,
             plugin_config: opts.plugin_config.clone(),
         };

@@ -1,7 +1,8 @@
 //! Process helpers shared by the end-to-end tests and the demo of
 //! `ratelimit-wasm`.
 //!
-//! * [`paths`]: where the workspace, Envoy and the built filter live;
+//! * [`paths`]: where the workspace, Envoy, the built filter and the built
+//!   gateway live;
 //! * [`ports`]: free loopback ports;
 //! * [`config`]: rendering the one Envoy bootstrap template `envoy/envoy.yaml`
 //!   and validating every shipped config with `envoy --mode validate`;
@@ -9,21 +10,29 @@
 //!   by `make deps`), waiting until it is ready, reading its log and stats,
 //!   and stopping it by its own PID;
 //! * [`http`]: a small blocking HTTP client (one connection per request when
-//!   asked) and a parallel burst helper.
+//!   asked) and a parallel burst helper;
+//! * [`gateway`]: a real `ratelimit-gateway` process that can be killed and
+//!   restarted on the same port;
+//! * [`stub`]: a canned-answer HTTP server (slow or garbage "gateways");
+//! * [`redis`]: real `redis-server` processes.
 //!
 //! Everything here talks to loopback addresses only.
 
 pub mod config;
 pub mod envoy;
+pub mod gateway;
 pub mod http;
 pub mod paths;
 pub mod ports;
+pub mod stub;
 
 pub use config::{render_template, validate_config, validate_shipped_configs, TemplateVars};
 pub use envoy::{prometheus_value, Envoy, EnvoyOptions};
+pub use gateway::{Gateway, GatewayOptions};
 pub use http::{burst, Client, ConnectionMode, Request, Response};
-pub use paths::{envoy_bin, wasm_path, workspace_root};
+pub use paths::{envoy_bin, gateway_bin, wasm_path, workspace_root};
 pub use ports::{free_port, Ports};
+pub use stub::{Stub, StubReply};
 
 /// Real `redis-server` processes (single and a 3-master cluster) for the gateway tests.
 pub mod redis;

@@ -1,4 +1,5 @@
-//! Where the workspace, the Envoy binary and the built filter live.
+//! Where the workspace, the Envoy binary, the built filter and the built
+//! gateway live.
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +11,9 @@ pub const ENVOY_BIN_ENV: &str = "ENVOY_BIN";
 
 /// Environment variable that overrides the path of the built filter.
 pub const WASM_ENV: &str = "RATELIMIT_WASM";
+
+/// Environment variable that overrides the `ratelimit-gateway` binary.
+pub const GATEWAY_BIN_ENV: &str = "RATELIMIT_GATEWAY_BIN";
 
 /// The workspace root (the directory holding the root `Cargo.toml`,
 /// `envoy/` and `.venv/`).
@@ -48,13 +52,7 @@ pub fn envoy_bin() -> Result<PathBuf> {
 pub fn wasm_path() -> Result<PathBuf> {
     let path = match std::env::var_os(WASM_ENV) {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => {
-            let target = match std::env::var_os("CARGO_TARGET_DIR") {
-                Some(t) if !t.is_empty() => PathBuf::from(t),
-                _ => workspace_root().join("target"),
-            };
-            target.join("wasm32-wasip1/release/ratelimit_wasm.wasm")
-        }
+        _ => target_dir().join("wasm32-wasip1/release/ratelimit_wasm.wasm"),
     };
     if !path.is_file() {
         bail!(
@@ -63,21 +61,52 @@ pub fn wasm_path() -> Result<PathBuf> {
             path.display()
         );
     }
-    warn_if_stale(&path);
+    warn_if_stale(&path, "src", "make build");
     Ok(path)
 }
 
-/// Prints a warning when the wasm file is older than some file under `src/`.
-fn warn_if_stale(wasm: &Path) {
-    let Ok(built) = std::fs::metadata(wasm).and_then(|m| m.modified()) else {
+/// Cargo's target directory: `$CARGO_TARGET_DIR`, else `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(t) if !t.is_empty() => PathBuf::from(t),
+        _ => workspace_root().join("target"),
+    }
+}
+
+/// The gateway binary built in debug mode: `$RATELIMIT_GATEWAY_BIN` if set,
+/// else `$CARGO_TARGET_DIR` (or `<workspace>/target`) + `debug/ratelimit-gateway`.
+///
+/// Fails with a message telling to run `cargo build -p ratelimit-gateway`
+/// when it does not exist, and warns on stderr when it is older than a file
+/// under `gateway/src/`.
+pub fn gateway_bin() -> Result<PathBuf> {
+    let path = match std::env::var_os(GATEWAY_BIN_ENV) {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => target_dir().join("debug/ratelimit-gateway"),
+    };
+    if !path.is_file() {
+        bail!(
+            "the gateway is not built ({} is missing): run `cargo build -p ratelimit-gateway` \
+             (or `make build`), or set {GATEWAY_BIN_ENV} to a ratelimit-gateway binary",
+            path.display()
+        );
+    }
+    warn_if_stale(&path, "gateway/src", "cargo build -p ratelimit-gateway");
+    Ok(path)
+}
+
+/// Prints a warning when `built` is older than some file under
+/// `<workspace>/<sources>`.
+fn warn_if_stale(built_path: &Path, sources: &str, rebuild: &str) {
+    let Ok(built) = std::fs::metadata(built_path).and_then(|m| m.modified()) else {
         return;
     };
-    let src = workspace_root().join("src");
+    let src = workspace_root().join(sources);
     if let Some(newest) = newest_mtime(&src) {
         if newest > built {
             eprintln!(
-                "warning: {} is older than the sources in {}; run `make build`",
-                wasm.display(),
+                "warning: {} is older than the sources in {}; run `{rebuild}`",
+                built_path.display(),
                 src.display()
             );
         }

@@ -1,21 +1,47 @@
-//! `make demo`: renders `envoy/envoy.yaml` with `envoy/ratelimit.json`,
-//! starts Envoy on loopback, sends a few bursts through the rate-limit
-//! filter and prints one line per request, then stops Envoy (also on Ctrl-C).
+//! `make demo`, in two parts, then stops everything it started (also on Ctrl-C):
 //!
-//! Usage: `demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--hold]`
-//! (default ports 10000, 9901, 10001; `--hold` keeps Envoy running after
-//! the bursts until Ctrl-C).
+//! 1. Local limits: renders `envoy/envoy.yaml` with `envoy/ratelimit.json`,
+//!    starts Envoy on loopback, sends a few bursts through the rate-limit
+//!    filter and prints one line per request.
+//! 2. One global limit across two proxies: starts `redis-server`, the
+//!    `ratelimit-gateway` in front of it and two Envoys with
+//!    `envoy/ratelimit-global.json`, then sends one client's requests to the
+//!    two proxies in turn and prints which proxy answered, the status and
+//!    `x-ratelimit-remaining`: both draw from one shared limit.
+//!
+//! Usage: `demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--local-only] [--hold]`
+//! (default ports: the local Envoy 10000, 9901, 10001; proxy A 10010, 9902,
+//! 10011; proxy B 10020, 9903, 10021; the gateway 8081; Redis a free port.
+//! `--ports` moves the local Envoy, `--free-ports` everything; `--hold`
+//! keeps everything running after the requests until Ctrl-C).
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use testkit::config::demo_plugin_config_path;
-use testkit::{workspace_root, Client, ConnectionMode, Envoy, EnvoyOptions, Ports, Request};
+use testkit::config::{demo_global_plugin_config_path, demo_plugin_config_path};
+use testkit::redis::Redis;
+use testkit::{
+    workspace_root, Client, ConnectionMode, Envoy, EnvoyOptions, Gateway, GatewayOptions, Ports,
+    Request,
+};
 
-/// PID of the Envoy this demo started, for the Ctrl-C handler (0: none).
-static ENVOY_PID: AtomicU32 = AtomicU32::new(0);
+/// PIDs of the processes this demo started and has not stopped yet, in
+/// start order, for the Ctrl-C handler.
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+fn register(pid: Option<u32>) {
+    if let (Some(pid), Ok(mut c)) = (pid, CHILDREN.lock()) {
+        c.push(pid);
+    }
+}
+
+fn unregister(pid: Option<u32>) {
+    if let (Some(pid), Ok(mut c)) = (pid, CHILDREN.lock()) {
+        c.retain(|p| *p != pid);
+    }
+}
 
 fn main() -> ExitCode {
     match run() {
@@ -30,20 +56,42 @@ fn main() -> ExitCode {
 /// Command-line options.
 struct Args {
     ports: Ports,
+    proxy_a: Ports,
+    proxy_b: Ports,
+    gateway_port: u16,
+    global: bool,
     hold: bool,
 }
 
-const USAGE: &str = "usage: demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--hold]";
+const USAGE: &str =
+    "usage: demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--local-only] [--hold]";
 
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         ports: Ports::DEMO,
+        proxy_a: Ports {
+            listen: 10010,
+            admin: 9902,
+            upstream: 10011,
+        },
+        proxy_b: Ports {
+            listen: 10020,
+            admin: 9903,
+            upstream: 10021,
+        },
+        gateway_port: testkit::config::DEFAULT_GATEWAY_PORT,
+        global: true,
         hold: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "--free-ports" => args.ports = Ports::free()?,
+            "--free-ports" => {
+                args.ports = Ports::free()?;
+                args.proxy_a = Ports::free()?;
+                args.proxy_b = Ports::free()?;
+                args.gateway_port = testkit::free_port()?;
+            }
             "--ports" => {
                 let list = it.next().context(USAGE)?;
                 let p: Vec<u16> = list
@@ -60,6 +108,7 @@ fn parse_args() -> Result<Args> {
                     upstream: *upstream,
                 };
             }
+            "--local-only" => args.global = false,
             "--hold" => args.hold = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -71,40 +120,100 @@ fn parse_args() -> Result<Args> {
     Ok(args)
 }
 
-/// Stops the Envoy started by the demo: SIGTERM, then SIGKILL after 5 s.
-fn stop_envoy_from_signal() {
-    let pid = ENVOY_PID.swap(0, Ordering::SeqCst);
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return;
+/// Stops every process the demo started, newest first: SIGTERM, then
+/// SIGKILL after 5 s. Called from the Ctrl-C handler.
+fn stop_children_from_signal() {
+    let pids = match CHILDREN.lock() {
+        Ok(mut c) => std::mem::take(&mut *c),
+        Err(_) => return,
     };
-    if pid == 0 {
-        return;
-    }
-    // SAFETY: kill(2) and waitpid(2) have no memory-safety preconditions;
-    // `status` outlives the call.
-    unsafe {
-        libc::kill(pid, libc::SIGTERM);
-        let mut status = 0;
-        for _ in 0..250 {
-            if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+    for pid in pids.into_iter().rev() {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            continue;
+        };
+        if pid <= 0 {
+            continue;
         }
-        libc::kill(pid, libc::SIGKILL);
-        libc::waitpid(pid, &mut status, 0);
+        // SAFETY: kill(2) and waitpid(2) have no memory-safety preconditions;
+        // `status` outlives the call. Each PID is a child of this process not
+        // reaped yet, so it cannot have been reused.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+            let mut status = 0;
+            let mut exited = false;
+            for _ in 0..250 {
+                if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
+                    exited = true;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !exited {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+        }
     }
 }
 
 fn run() -> Result<()> {
-    let Args { ports, hold } = parse_args()?;
+    let args = parse_args()?;
     ctrlc::set_handler(|| {
-        eprintln!("\ninterrupted: stopping Envoy");
-        stop_envoy_from_signal();
+        eprintln!("\ninterrupted: stopping everything the demo started");
+        stop_children_from_signal();
         std::process::exit(130);
     })
     .context("installing the Ctrl-C handler")?;
 
+    let mut envoy = local_part(&args)?;
+    let mut global = if args.global {
+        Some(global_part(&args)?)
+    } else {
+        None
+    };
+
+    if args.hold {
+        println!(
+            "\nEverything keeps running: try `curl -i -H 'x-client-id: me' {}`",
+            envoy.url("/")
+        );
+        if let Some(g) = &global {
+            println!(
+                "or the shared limit: `curl -i -H 'x-client-id: me' {}` and {}; press Ctrl-C to stop",
+                g.proxies[0].url("/"),
+                g.proxies[1].url("/")
+            );
+        } else {
+            println!("press Ctrl-C to stop");
+        }
+        loop {
+            if let Some(status) = envoy.try_wait()? {
+                bail!(
+                    "Envoy exited by itself ({status}); log {}",
+                    envoy.log_path().display()
+                );
+            }
+            if let Some(g) = global.as_mut() {
+                g.check_running()?;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    println!();
+    if let Some(g) = global.take() {
+        g.stop()?;
+    }
+    let pid = Some(envoy.pid());
+    let status = envoy.stop()?;
+    unregister(pid);
+    println!("stopped the local Envoy ({status})");
+    Ok(())
+}
+
+/// Part 1: one Envoy with `envoy/ratelimit.json`; returns it still running.
+fn local_part(args: &Args) -> Result<Envoy> {
+    let ports = args.ports;
     let config_path = demo_plugin_config_path();
     let plugin_config = std::fs::read_to_string(&config_path)
         .with_context(|| format!("reading {}", config_path.display()))?;
@@ -114,12 +223,12 @@ fn run() -> Result<()> {
         "starting Envoy: listener 127.0.0.1:{}, admin 127.0.0.1:{}, upstream 127.0.0.1:{}",
         ports.listen, ports.admin, ports.upstream
     );
-    let mut envoy = Envoy::start(
+    let envoy = Envoy::start(
         EnvoyOptions::new(plugin_config)
             .ports(ports)
             .work_dir(&work_dir),
     )?;
-    ENVOY_PID.store(envoy.pid(), Ordering::SeqCst);
+    register(Some(envoy.pid()));
     println!(
         "Envoy pid {} is ready; config {}, log {}\n",
         envoy.pid(),
@@ -159,27 +268,165 @@ fn run() -> Result<()> {
             println!("{line}");
         }
     }
+    Ok(envoy)
+}
 
-    if hold {
-        println!(
-            "\nEnvoy keeps running: try `curl -i -H 'x-client-id: me' {}`; press Ctrl-C to stop",
-            envoy.url("/")
-        );
-        loop {
-            if let Some(status) = envoy.try_wait()? {
+/// What part 2 started, stopped newest first.
+struct Global {
+    redis: Redis,
+    gateway: Gateway,
+    proxies: Vec<Envoy>,
+}
+
+impl Global {
+    fn check_running(&mut self) -> Result<()> {
+        for (name, p) in ["A", "B"].iter().zip(self.proxies.iter_mut()) {
+            if let Some(status) = p.try_wait()? {
                 bail!(
-                    "Envoy exited by itself ({status}); log {}",
-                    envoy.log_path().display()
+                    "proxy {name} exited by itself ({status}); log {}",
+                    p.log_path().display()
                 );
             }
-            std::thread::sleep(Duration::from_millis(200));
         }
+        if let Some(status) = self.gateway.try_wait()? {
+            bail!(
+                "the gateway exited by itself ({status}); log {}",
+                self.gateway.log_path().display()
+            );
+        }
+        if !self.redis.is_running() {
+            bail!("redis-server exited by itself");
+        }
+        Ok(())
     }
 
-    ENVOY_PID.store(0, Ordering::SeqCst);
-    let status = envoy.stop()?;
-    println!("\nstopped Envoy ({status})");
-    Ok(())
+    fn stop(mut self) -> Result<()> {
+        for (name, p) in ["A", "B"].iter().zip(self.proxies.iter_mut()).rev() {
+            let pid = Some(p.pid());
+            let status = p.stop()?;
+            unregister(pid);
+            println!("stopped proxy {name} ({status})");
+        }
+        let pid = self.gateway.pid();
+        if let Some(status) = self.gateway.stop()? {
+            println!("stopped the gateway ({status})");
+        }
+        unregister(pid);
+        let pid = self.redis.pid();
+        self.redis.kill();
+        unregister(pid);
+        println!("stopped redis-server");
+        Ok(())
+    }
+}
+
+/// Part 2: Redis, the gateway and two Envoys with `envoy/ratelimit-global.json`.
+fn global_part(args: &Args) -> Result<Global> {
+    let config_path = demo_global_plugin_config_path();
+    let plugin_config = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("reading {}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&plugin_config)
+        .with_context(|| format!("parsing {}", config_path.display()))?;
+    let rule = &config["rules"][0];
+    let limit = &rule["limits"][0];
+    println!(
+        "\n== one global limit, two proxies: rule {:?} allows {} requests per {} per client, \
+         counted by ratelimit-gateway in Redis (plugin config {})",
+        rule["name"].as_str().unwrap_or("?"),
+        limit["requests"],
+        limit["per"].as_str().unwrap_or("?"),
+        config_path.display()
+    );
+
+    let redis = Redis::start().context("starting redis-server (make deps installs it)")?;
+    register(redis.pid());
+    println!(
+        "redis-server pid {} on 127.0.0.1:{}",
+        redis.pid().unwrap_or(0),
+        redis.port()
+    );
+    let run_dir = workspace_root().join(".run/demo");
+    let gateway = Gateway::start(
+        GatewayOptions::new(redis.url())
+            .port(args.gateway_port)
+            .work_dir(run_dir.join("gateway")),
+    )?;
+    register(gateway.pid());
+    println!(
+        "ratelimit-gateway pid {} on 127.0.0.1:{}; log {}",
+        gateway.pid().unwrap_or(0),
+        gateway.port(),
+        gateway.log_path().display()
+    );
+    let opts = |ports: Ports, dir: &str| {
+        EnvoyOptions::new(plugin_config.clone())
+            .ports(ports)
+            .gateway_port(gateway.port())
+            .work_dir(run_dir.join(dir))
+    };
+    let proxies =
+        Envoy::start_all(&[opts(args.proxy_a, "proxy-a"), opts(args.proxy_b, "proxy-b")])?;
+    for p in &proxies {
+        register(Some(p.pid()));
+    }
+    let global = Global {
+        redis,
+        gateway,
+        proxies,
+    };
+    for (name, p) in ["A", "B"].iter().zip(&global.proxies) {
+        println!(
+            "proxy {name}: Envoy pid {} on {} (admin {}); log {}",
+            p.pid(),
+            p.url(""),
+            p.admin_url(""),
+            p.log_path().display()
+        );
+    }
+
+    println!("\n== 14 requests from client erin, alternating between proxy A and proxy B");
+    let clients: Vec<Client> = global
+        .proxies
+        .iter()
+        .map(|p| p.client(ConnectionMode::NewPerRequest))
+        .collect();
+    for i in 0..14 {
+        let name = ["A", "B"][i % 2];
+        let r = clients[i % 2].get("/", &[("x-client-id", "erin")])?;
+        let h = |n: &str| r.header(n).unwrap_or("-").to_string();
+        let mut line = format!(
+            "#{:02} erin   via proxy {name} ({})  {}  x-ratelimit-remaining={}",
+            i + 1,
+            global.proxies[i % 2].url(""),
+            r.status,
+            h("x-ratelimit-remaining"),
+        );
+        if r.status == 429 {
+            line.push_str(&format!("  retry-after={}", h("retry-after")));
+        }
+        println!("{line}");
+    }
+
+    println!("\n== metrics per proxy (admin /stats/prometheus)");
+    for (name, p) in ["A", "B"].iter().zip(&global.proxies) {
+        let stats = p.stats_prometheus()?;
+        for metric in [
+            "ratelimit_wasm_global_calls",
+            "ratelimit_wasm_requests_allowed",
+            "ratelimit_wasm_requests_denied",
+            "ratelimit_wasm_global_failures",
+        ] {
+            let v = testkit::prometheus_value(&stats, metric).unwrap_or(0.0);
+            println!("proxy {name}: {metric} {v}");
+        }
+    }
+    println!("\n== the gateway's checks (GET /metrics)");
+    for line in global.gateway.metrics()?.lines() {
+        if line.starts_with("ratelimit_gateway_checks_total") {
+            println!("{line}");
+        }
+    }
+    Ok(global)
 }
 
 fn print_line(n: usize, who: &str, req: &Request, client: &Client) -> Result<()> {

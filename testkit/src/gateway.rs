@@ -1,0 +1,371 @@
+//! A real `ratelimit-gateway` process (the binary `cargo build -p
+//! ratelimit-gateway` builds) in front of a Redis, on a loopback port.
+//!
+//! It can be killed (SIGKILL, as a crash) and started again on the same port,
+//! which is what an Envoy rendered with that gateway port keeps calling.
+//! Dropping a [`Gateway`] stops it by its own PID.
+//!
+//! Like Envoy from the wheel, the gateway gets SIGTERM when the *thread*
+//! that started it ends (a parent-death signal set here), so that a test or
+//! demo that dies never leaves it behind: start it from the thread that keeps
+//! the [`Gateway`] value.
+
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::http::{Client, ConnectionMode};
+use crate::paths::gateway_bin;
+use crate::ports::free_port;
+
+/// How to start a [`Gateway`].
+#[derive(Debug, Clone)]
+pub struct GatewayOptions {
+    /// `--redis`, e.g. `redis://127.0.0.1:6379`.
+    pub redis: String,
+    /// Fixed listen port on 127.0.0.1; `None` picks a free one (and retries
+    /// with another if it cannot bind).
+    pub port: Option<u16>,
+    /// More flags, e.g. `["--redis-timeout-ms", "50"]`.
+    pub extra_args: Vec<String>,
+    /// How long to wait for `GET /healthz` to answer 200 (Redis reachable).
+    pub ready_timeout: Duration,
+    /// Directory for the log; default a fresh temporary directory.
+    pub work_dir: Option<PathBuf>,
+}
+
+impl GatewayOptions {
+    /// Defaults for a gateway in front of the Redis at `redis_url`.
+    pub fn new(redis_url: impl Into<String>) -> Self {
+        GatewayOptions {
+            redis: redis_url.into(),
+            port: None,
+            extra_args: Vec::new(),
+            ready_timeout: Duration::from_secs(15),
+            work_dir: None,
+        }
+    }
+
+    /// Listens on 127.0.0.1:`port`.
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = Some(port);
+        self
+    }
+
+    /// Adds command-line flags.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.extra_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// Writes the log `gateway.log` into `dir` (created if needed).
+    pub fn work_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.work_dir = Some(dir.into());
+        self
+    }
+}
+
+#[derive(Debug)]
+enum LogDir {
+    Temp(tempfile::TempDir),
+    Fixed(PathBuf),
+}
+
+impl LogDir {
+    fn path(&self) -> &Path {
+        match self {
+            LogDir::Temp(t) => t.path(),
+            LogDir::Fixed(p) => p,
+        }
+    }
+}
+
+/// A running `ratelimit-gateway`; stopped (SIGTERM, then SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Gateway {
+    opts: GatewayOptions,
+    bin: PathBuf,
+    port: u16,
+    child: Option<Child>,
+    log_path: PathBuf,
+    // Dropped last: removes the temporary directory.
+    dir: Option<LogDir>,
+}
+
+impl Gateway {
+    /// Starts the gateway and waits until `/healthz` answers 200.
+    pub fn start(opts: GatewayOptions) -> Result<Gateway> {
+        let bin = gateway_bin()?;
+        let dir = match &opts.work_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+                LogDir::Fixed(d.clone())
+            }
+            None => LogDir::Temp(
+                tempfile::Builder::new()
+                    .prefix("ratelimit-gateway-")
+                    .tempdir()
+                    .context("creating a temporary directory")?,
+            ),
+        };
+        let log_path = dir.path().join("gateway.log");
+        File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let attempts = if opts.port.is_some() { 1 } else { 3 };
+        let mut gateway = Gateway {
+            port: 0,
+            opts,
+            bin,
+            child: None,
+            log_path,
+            dir: Some(dir),
+        };
+        let mut last_err = None;
+        for _ in 0..attempts {
+            gateway.port = match gateway.opts.port {
+                Some(p) => p,
+                None => free_port().context("picking a free port")?,
+            };
+            match gateway.spawn_and_wait() {
+                Ok(()) => return Ok(gateway),
+                Err(e) => {
+                    gateway.kill();
+                    let bind_failure = gateway.log().contains("binding 127.0.0.1:");
+                    last_err = Some(e);
+                    if !bind_failure {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow!("ratelimit-gateway did not start")))
+    }
+
+    fn spawn_and_wait(&mut self) -> Result<()> {
+        let log = OpenOptions::new()
+            .append(true)
+            .open(&self.log_path)
+            .with_context(|| format!("opening {}", self.log_path.display()))?;
+        let log_err = log.try_clone().context("duplicating the log file handle")?;
+        let mut cmd = Command::new(&self.bin);
+        let parent = std::process::id();
+        // SAFETY: the closure runs in the child between fork and exec and only
+        // makes async-signal-safe calls (prctl, getppid).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have died before prctl took effect.
+                if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                    return Err(std::io::Error::other("the parent exited"));
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--redis")
+            .arg(&self.opts.redis)
+            .args(&self.opts.extra_args)
+            // A plain log file, without colour codes.
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            // Its own process group: a Ctrl-C in a terminal reaches only the
+            // program that started it, which then stops it in order.
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("spawning {}", self.bin.display()))?;
+        self.child = Some(child);
+        self.wait_healthy(self.opts.ready_timeout)
+    }
+
+    /// Polls `GET /healthz` until it answers 200 (the gateway listens and
+    /// reaches Redis). Fails early if the process exits, and after `timeout`;
+    /// both errors include the tail of the log.
+    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let client = Client::with_timeout(
+            self.url(""),
+            ConnectionMode::NewPerRequest,
+            Duration::from_secs(1),
+        );
+        loop {
+            if let Some(status) = self.try_wait()? {
+                bail!(
+                    "ratelimit-gateway exited with {status} before becoming healthy \
+                     (port {}).\n--- log tail ---\n{}",
+                    self.port,
+                    self.log_tail(30)
+                );
+            }
+            let last = match client.get("/healthz", &[]) {
+                Ok(r) if r.status == 200 => return Ok(()),
+                Ok(r) => format!("/healthz answered {} {:?}", r.status, r.body.trim()),
+                Err(e) => format!("/healthz: {e:#}"),
+            };
+            if Instant::now() >= deadline {
+                bail!(
+                    "ratelimit-gateway (port {}) not healthy after {timeout:?}: {last}\n\
+                     --- log tail ---\n{}",
+                    self.port,
+                    self.log_tail(30)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The exit status if the process has exited (or was killed), without blocking.
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        match self.child.as_mut() {
+            Some(c) => c.try_wait().context("waiting for ratelimit-gateway"),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether the process runs.
+    pub fn is_running(&mut self) -> bool {
+        self.child.is_some() && matches!(self.try_wait(), Ok(None))
+    }
+
+    /// Kills the gateway now (SIGKILL by its own PID, as a crash) and waits
+    /// for it. Its port is free again when this returns.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops the gateway: SIGTERM (it finishes the requests in flight), then
+    /// SIGKILL after 5 s. `None` when it was not running.
+    pub fn stop(&mut self) -> Result<Option<ExitStatus>> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(None);
+        };
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s));
+        }
+        // The child is not reaped yet, so its PID cannot have been reused.
+        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some(s) = child.try_wait()? {
+                return Ok(Some(s));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child.kill().context("killing ratelimit-gateway")?;
+        Ok(Some(child.wait().context("waiting for ratelimit-gateway")?))
+    }
+
+    /// Starts the gateway again on the same port with the same flags
+    /// (killing it first if it still runs) and waits for `/healthz`.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        // The old listening socket is closed once the process is reaped, but
+        // be patient with a port that is briefly still held.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.spawn_and_wait() {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    self.kill();
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    /// The listen port (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// `http://127.0.0.1:<port><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The file receiving the gateway's output (appended to across restarts).
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// The whole log so far (lossy UTF-8; empty if unreadable).
+    pub fn log(&self) -> String {
+        let mut bytes = Vec::new();
+        if let Ok(mut f) = File::open(&self.log_path) {
+            let _ = f.read_to_end(&mut bytes);
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// The last `lines` lines of the log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// The `GET /metrics` page (Prometheus text).
+    pub fn metrics(&self) -> Result<String> {
+        let client = Client::new(self.url(""), ConnectionMode::NewPerRequest);
+        let r = client.get("/metrics", &[])?;
+        if r.status != 200 {
+            bail!("/metrics answered {}: {}", r.status, r.body);
+        }
+        Ok(r.body)
+    }
+
+    /// The value of one sample of `/metrics`, written exactly as the gateway
+    /// prints it, labels included (e.g. `ratelimit_gateway_checks_total{result="allowed"}`);
+    /// `None` when there is no such sample.
+    pub fn metric(&self, sample: &str) -> Result<Option<f64>> {
+        let page = self.metrics()?;
+        Ok(page.lines().find_map(|l| {
+            l.strip_prefix(sample)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        }))
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.stop();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- ratelimit-gateway (port {}) log tail ---\n{}\n--- end of gateway log ---",
+                self.port,
+                self.log_tail(30)
+            );
+            if let Some(LogDir::Temp(t)) = self.dir.take() {
+                eprintln!("kept the gateway's log in {}", t.keep().display());
+            }
+        }
+    }
+}

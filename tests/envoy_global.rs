@@ -1,0 +1,846 @@
+//! End-to-end tests of global limits (`"scope": "global"`): real Envoys
+//! (`--concurrency 2`, the filter built by `make build`), the
+//! `ratelimit-gateway` binary (`cargo build -p ratelimit-gateway`) and a real
+//! `redis-server`, all on loopback ports. Every request goes on its own
+//! connection, so both workers of each Envoy take part.
+//!
+//! * Two proxies, one gateway, one Redis: one limit holds across both.
+//! * Faults, one test per failure mode (`open`, `closed`, `local`): Redis
+//!   killed during a run, the gateway killed, a gateway that answers past the
+//!   callout timeout, one that answers in time but slower than `latency_ms`,
+//!   and one that answers garbage. In each, the circuit breaker opens, the
+//!   failure mode decides, and once the fault is gone the circuit closes again
+//!   and the gateway's exact count resumes.
+//!
+//! Nothing is skipped: without Envoy, the wasm file, the gateway binary or
+//! `redis-server`, the tests fail and say what to build or install.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use testkit::redis::Redis;
+use testkit::{
+    Client, ConnectionMode, Envoy, EnvoyOptions, Gateway, GatewayOptions, Request, Response, Stub,
+    StubReply,
+};
+
+const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
+/// The filter's counters (README, *Metrics*).
+const METRICS: [&str; 9] = [
+    "ratelimit_wasm_requests_allowed",
+    "ratelimit_wasm_requests_denied",
+    "ratelimit_wasm_global_calls",
+    "ratelimit_wasm_global_failures",
+    "ratelimit_wasm_failure_mode_open",
+    "ratelimit_wasm_failure_mode_closed",
+    "ratelimit_wasm_failure_mode_local",
+    "ratelimit_wasm_circuit_opened",
+    "ratelimit_wasm_circuit_open_skips",
+];
+
+fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("{what}: {e:#}"))
+}
+
+/// A plugin configuration with one global rule `rule` keyed on the client:
+/// `requests` per hour, decided by the gateway behind the `ratelimit_gateway`
+/// cluster with the given `global` settings (the cluster is added here).
+fn global_config(domain: &str, rule: &str, requests: u64, mut global: Value) -> String {
+    global["cluster"] = json!("ratelimit_gateway");
+    json!({
+        "domain": domain,
+        "identity": { "client_id_header": "x-client-id", "trusted_proxy_hops": 0 },
+        "global": global,
+        "rules": [{
+            "name": rule,
+            "scope": "global",
+            "key": ["client"],
+            "limits": [{ "requests": requests, "per": "1h" }]
+        }],
+        "response": { "headers": "both", "problem_type": PROBLEM_TYPE }
+    })
+    .to_string()
+}
+
+fn get(c: &Client, client_id: &str) -> Response {
+    match c.get("/", &[("x-client-id", client_id)]) {
+        Ok(r) => r,
+        Err(e) => panic!("GET / as {client_id}: {e:#}"),
+    }
+}
+
+fn header<'a>(r: &'a Response, name: &str) -> &'a str {
+    r.header(name)
+        .unwrap_or_else(|| panic!("no {name} header in {r:#?}"))
+}
+
+fn int_header(r: &Response, name: &str) -> u64 {
+    let v = header(r, name);
+    v.parse()
+        .unwrap_or_else(|_| panic!("{name}: {v:?} is not an integer in {r:#?}"))
+}
+
+fn json_body(r: &Response) -> Value {
+    serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {r:#?}"))
+}
+
+/// Checks a 429 from the filter: problem+json naming `violated`, a
+/// `Retry-After` of at most `wait` seconds (the time one token takes to come
+/// back) plus the default `response.retry_jitter` of 10%,
+/// `x-ratelimit-limit` = `limit` and nothing remaining.
+fn assert_429(r: &Response, violated: &str, limit: u64, wait: u64) {
+    assert_eq!(r.status, 429, "{r:#?}");
+    assert_eq!(header(r, "content-type"), "application/problem+json");
+    let max_retry = wait + wait.div_ceil(10);
+    let retry_after = int_header(r, "retry-after");
+    assert!(
+        (1..=max_retry).contains(&retry_after),
+        "retry-after {retry_after} outside 1..={max_retry}: {r:#?}"
+    );
+    assert_eq!(int_header(r, "x-ratelimit-limit"), limit, "{r:#?}");
+    assert_eq!(int_header(r, "x-ratelimit-remaining"), 0, "{r:#?}");
+    let body = json_body(r);
+    assert_eq!(body["type"], PROBLEM_TYPE, "{body}");
+    assert_eq!(body["title"], "Too Many Requests", "{body}");
+    assert_eq!(body["status"], 429, "{body}");
+    assert_eq!(
+        body["detail"],
+        format!("Rate limit exceeded. Retry after {retry_after} seconds."),
+        "{body}"
+    );
+    assert_eq!(body["violated-policies"], json!([violated]), "{body}");
+}
+
+/// The filter's counters on one Envoy; every one must be shown.
+fn counters(envoy: &Envoy) -> BTreeMap<&'static str, u64> {
+    let page = ok(envoy.stats_prometheus(), "reading /stats/prometheus");
+    METRICS
+        .iter()
+        .map(|&name| {
+            let v = testkit::prometheus_value(&page, name)
+                .unwrap_or_else(|| panic!("{name} missing from /stats/prometheus:\n{page}"));
+            (name, v as u64)
+        })
+        .collect()
+}
+
+/// `after - before`, per counter, without the `ratelimit_wasm_` prefix.
+fn delta(
+    before: &BTreeMap<&'static str, u64>,
+    after: &BTreeMap<&'static str, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(name, v)| {
+            let short = name.trim_start_matches("ratelimit_wasm_").to_string();
+            (short, v - before.get(name).copied().unwrap_or(0))
+        })
+        .collect()
+}
+
+fn d(m: &BTreeMap<String, u64>, name: &str) -> u64 {
+    m.get(name)
+        .copied()
+        .unwrap_or_else(|| panic!("no counter {name}"))
+}
+
+/// Sends `count` copies of `req` from `threads` threads at once, request `i`
+/// to `urls[i % urls.len()]`, each on a new connection. Returns, in request
+/// order, which URL answered and the response.
+fn spread(urls: &[String], req: &Request, count: usize, threads: usize) -> Vec<(usize, Response)> {
+    let next = AtomicUsize::new(0);
+    let slots: Mutex<Vec<Option<(usize, Response)>>> = Mutex::new(vec![None; count]);
+    let clients: Vec<Client> = urls
+        .iter()
+        .map(|u| Client::new(u.clone(), ConnectionMode::NewPerRequest))
+        .collect();
+    let start = std::sync::Barrier::new(threads);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                start.wait();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= count {
+                        break;
+                    }
+                    let proxy = i % clients.len();
+                    let r = clients[proxy]
+                        .send(req)
+                        .unwrap_or_else(|e| panic!("request {i} to proxy {proxy}: {e:#}"));
+                    slots.lock().unwrap()[i] = Some((proxy, r));
+                }
+            });
+        }
+    });
+    slots
+        .into_inner()
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or_else(|| panic!("request {i} was not sent")))
+        .collect()
+}
+
+#[test]
+fn two_proxies_share_one_global_limit() {
+    const LIMIT: u64 = 60;
+    const REQUESTS: usize = 150;
+    let redis = ok(Redis::start(), "starting redis-server");
+    // A debug build of the gateway on a busy 2-core machine: allow Redis
+    // round trips more than the default 20 ms, well within the callout's 200.
+    let gateway = ok(
+        Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
+        "starting ratelimit-gateway",
+    );
+    let config = global_config(
+        "two-proxies",
+        "shared",
+        LIMIT,
+        json!({ "timeout_ms": 200, "instances": 2, "failure_mode": "closed" }),
+    );
+    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
+    let envoys = ok(
+        Envoy::start_all(&[opts.clone(), opts]),
+        "starting two Envoys",
+    );
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("")).collect();
+    let req = Request::get("/").header("x-client-id", "everywhere");
+    let started = Instant::now();
+    let responses = spread(&urls, &req, REQUESTS, 16);
+    let took = started.elapsed();
+
+    let mut per_proxy = [[0usize; 2]; 2];
+    let mut remaining = Vec::new();
+    for (i, (proxy, r)) in responses.iter().enumerate() {
+        match r.status {
+            200 => {
+                per_proxy[*proxy][0] += 1;
+                assert_eq!(
+                    header(r, "ratelimit-policy"),
+                    "\"shared\";q=60;w=3600",
+                    "request {i}"
+                );
+                assert_eq!(int_header(r, "x-ratelimit-limit"), LIMIT, "request {i}");
+                let left = int_header(r, "x-ratelimit-remaining");
+                assert_eq!(
+                    header(r, "ratelimit"),
+                    format!(
+                        "\"shared\";r={left};t={}",
+                        int_header(r, "x-ratelimit-reset")
+                    ),
+                    "request {i}"
+                );
+                remaining.push(left);
+            }
+            429 => {
+                per_proxy[*proxy][1] += 1;
+                // One token comes back every 3600 / 60 = 60 s.
+                assert_429(r, "shared", LIMIT, 60);
+            }
+            other => panic!("request {i} via proxy {proxy}: unexpected status {other}: {r:#?}"),
+        }
+    }
+    for (p, [allowed, denied]) in per_proxy.iter().enumerate() {
+        println!(
+            "two proxies: proxy {} (127.0.0.1:{}): {allowed} x 200, {denied} x 429",
+            ["A", "B"][p],
+            envoys[p].ports().listen
+        );
+    }
+    let allowed: usize = per_proxy.iter().map(|p| p[0]).sum();
+    let denied: usize = per_proxy.iter().map(|p| p[1]).sum();
+    println!(
+        "two proxies: {REQUESTS} requests in {took:?}: {allowed} x 200, {denied} x 429 in total"
+    );
+    assert_eq!((allowed, denied), (60, 90));
+    // The gateway decides atomically: each admission saw its own count.
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..LIMIT).collect::<Vec<_>>());
+
+    // Every request was decided by the gateway, on the proxy it went to.
+    for (p, envoy) in envoys.iter().enumerate() {
+        let m = counters(envoy);
+        let sent = responses.iter().filter(|(proxy, _)| *proxy == p).count() as u64;
+        println!("two proxies: proxy {} counters {m:?}", ["A", "B"][p]);
+        assert_eq!(m["ratelimit_wasm_global_calls"], sent, "proxy {p}");
+        assert_eq!(
+            m["ratelimit_wasm_requests_allowed"], per_proxy[p][0] as u64,
+            "proxy {p}"
+        );
+        assert_eq!(
+            m["ratelimit_wasm_requests_denied"], per_proxy[p][1] as u64,
+            "proxy {p}"
+        );
+        for name in [
+            "ratelimit_wasm_global_failures",
+            "ratelimit_wasm_failure_mode_closed",
+            "ratelimit_wasm_circuit_opened",
+            "ratelimit_wasm_circuit_open_skips",
+        ] {
+            assert_eq!(m[name], 0, "proxy {p}: {name}");
+        }
+    }
+    let checks = |result: &str| {
+        let sample = format!("ratelimit_gateway_checks_total{{result=\"{result}\"}}");
+        ok(gateway.metric(&sample), "reading the gateway's /metrics")
+            .unwrap_or_else(|| panic!("no {sample} in the gateway's /metrics"))
+    };
+    assert_eq!(
+        (checks("allowed"), checks("denied"), checks("error")),
+        (60.0, 90.0, 0.0),
+        "the gateway's checks"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Faults.
+
+/// Limit of the global rule in the fault tests, and how many proxies share it.
+const LIMIT: u64 = 20;
+const INSTANCES: u64 = 2;
+/// This proxy's share while the gateway fails (`failure_mode: local`).
+const SHARE: u64 = LIMIT / INSTANCES;
+const FAILURES: u64 = 3;
+const COOLDOWN_MS: u64 = 1000;
+/// Requests decided by the gateway before each fault.
+const BEFORE: u64 = 3;
+/// Requests sent while the fault lasts.
+const DURING: usize = 15;
+/// The one rule.
+const RULE: &str = "api";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Open,
+    Closed,
+    Local,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Open => "open",
+            Mode::Closed => "closed",
+            Mode::Local => "local",
+        }
+    }
+}
+
+enum Fault {
+    /// `redis-server` killed (SIGKILL), later started again on its port, empty.
+    RedisKilled,
+    /// The gateway killed (SIGKILL), later started again on its port.
+    GatewayKilled,
+    /// The gateway replaced, on its port, by a stub that gives `reply` to
+    /// everything; `usable`: the reply is a valid answer (only slow).
+    Stub { reply: StubReply, usable: bool },
+}
+
+struct Phase {
+    id: &'static str,
+    what: &'static str,
+    fault: Fault,
+}
+
+/// A valid gateway answer for one bucket with one limit: allowed, 5 left.
+const VALID_ANSWER: &str = r#"{"version":1,"allowed":true,"buckets":[{"limits":[{"allowed":true,"remaining":5,"reset_ms":1000,"retry_after_ms":0}]}]}"#;
+
+/// Callout timeout and slow-answer threshold of a [`Rig`].
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    timeout_ms: u64,
+    latency_ms: u64,
+}
+
+/// The fault suite's settings: a 100 ms callout timeout, no latency
+/// threshold (on a busy 2-core machine a healthy debug gateway can take
+/// tens of ms; see `slow_answers_open_the_circuit_too` for `latency_ms`).
+const SUITE: Settings = Settings {
+    timeout_ms: 100,
+    latency_ms: 0,
+};
+
+fn phases() -> Vec<Phase> {
+    vec![
+        Phase {
+            id: "a",
+            what: "Redis killed during a run, then restarted",
+            fault: Fault::RedisKilled,
+        },
+        Phase {
+            id: "b",
+            what: "the gateway killed, then restarted",
+            fault: Fault::GatewayKilled,
+        },
+        Phase {
+            id: "c",
+            what: "the gateway answers after 300 ms, past timeout_ms 100",
+            fault: Fault::Stub {
+                reply: StubReply::json(VALID_ANSWER).delay(Duration::from_millis(300)),
+                usable: false,
+            },
+        },
+        Phase {
+            id: "d1",
+            what: "the gateway answers 200 with an HTML body",
+            fault: Fault::Stub {
+                reply: StubReply::new(200, "text/html", "<html><body>It works!</body></html>"),
+                usable: false,
+            },
+        },
+        Phase {
+            id: "d2",
+            what: "the gateway answers 200 with JSON of the wrong shape",
+            fault: Fault::Stub {
+                reply: StubReply::json(r#"{"status":"ok","allowed":"yes"}"#),
+                usable: false,
+            },
+        },
+        Phase {
+            id: "d3",
+            what: "the gateway answers 200 with well-formed JSON for no bucket",
+            fault: Fault::Stub {
+                reply: StubReply::json(r#"{"version":1,"allowed":true,"buckets":[]}"#),
+                usable: false,
+            },
+        },
+    ]
+}
+
+/// Redis, the gateway in front of it and one Envoy calling the gateway.
+struct Rig {
+    mode: Mode,
+    redis: Redis,
+    gateway: Gateway,
+    envoy: Envoy,
+    client: Client,
+}
+
+impl Rig {
+    fn start(mode: Mode, settings: Settings) -> Rig {
+        let redis = ok(Redis::start(), "starting redis-server");
+        // Redis round trips may take up to half the callout's timeout.
+        let redis_timeout = (settings.timeout_ms / 2).to_string();
+        let gateway = ok(
+            Gateway::start(
+                GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", &redis_timeout]),
+            ),
+            "starting ratelimit-gateway",
+        );
+        let config = global_config(
+            &format!("faults-{}", mode.name()),
+            RULE,
+            LIMIT,
+            json!({
+                "timeout_ms": settings.timeout_ms,
+                "instances": INSTANCES,
+                "failure_mode": mode.name(),
+                "circuit": {
+                    "failures": FAILURES,
+                    "latency_ms": settings.latency_ms,
+                    "cooldown_ms": COOLDOWN_MS
+                }
+            }),
+        );
+        let envoy = ok(
+            Envoy::start(EnvoyOptions::new(config).gateway_port(gateway.port())),
+            "starting Envoy",
+        );
+        let client = envoy.client(ConnectionMode::NewPerRequest);
+        Rig {
+            mode,
+            redis,
+            gateway,
+            envoy,
+            client,
+        }
+    }
+}
+
+/// Whether the gateway decided `r`: the global limit's figures (not the
+/// local stand-in's `SHARE`) on a 200 or 429.
+fn decided_by_gateway(r: &Response) -> bool {
+    matches!(r.status, 200 | 429) && r.header("x-ratelimit-limit") == Some(&LIMIT.to_string())
+}
+
+/// Checks a 200 decided by the gateway with `left` requests remaining.
+fn assert_gateway_200(r: &Response, left: u64, what: &str) {
+    assert_eq!(r.status, 200, "{what}: {r:#?}");
+    assert_eq!(int_header(r, "x-ratelimit-limit"), LIMIT, "{what}: {r:#?}");
+    assert_eq!(
+        int_header(r, "x-ratelimit-remaining"),
+        left,
+        "{what}: {r:#?}"
+    );
+    assert_eq!(
+        header(r, "ratelimit-policy"),
+        format!("\"{RULE}\";q={LIMIT};w=3600"),
+        "{what}"
+    );
+}
+
+/// Checks an answer given by the failure mode (gateway not consulted).
+/// `local_left`: for `local`, how many requests this proxy's share still
+/// holds before this one.
+fn assert_failure_mode(mode: Mode, r: &Response, local_left: u64, what: &str) {
+    match mode {
+        Mode::Open => {
+            assert_eq!(
+                r.status, 200,
+                "{what}: open lets everything through: {r:#?}"
+            );
+            assert_eq!(r.body, "ok\n", "{what}: the upstream's body");
+            assert_eq!(
+                r.header("x-ratelimit-limit"),
+                None,
+                "{what}: no limit was applied: {r:#?}"
+            );
+        }
+        Mode::Closed => {
+            assert_eq!(r.status, 503, "{what}: {r:#?}");
+            assert_eq!(header(r, "content-type"), "application/problem+json");
+            let retry = COOLDOWN_MS.div_ceil(1000);
+            assert_eq!(int_header(r, "retry-after"), retry, "{what}");
+            let body = json_body(r);
+            assert_eq!(body["type"], "about:blank", "{body}");
+            assert_eq!(body["title"], "Service Unavailable", "{body}");
+            assert_eq!(body["status"], 503, "{body}");
+            assert_eq!(
+                body["detail"],
+                format!("Rate limit service unavailable. Retry after {retry} seconds."),
+                "{body}"
+            );
+        }
+        Mode::Local => {
+            if local_left > 0 {
+                assert_eq!(r.status, 200, "{what}: within the local share: {r:#?}");
+                assert_eq!(int_header(r, "x-ratelimit-limit"), SHARE, "{what}");
+                assert_eq!(
+                    int_header(r, "x-ratelimit-remaining"),
+                    local_left - 1,
+                    "{what}"
+                );
+                assert_eq!(
+                    header(r, "ratelimit-policy"),
+                    format!("\"{RULE}\";q={SHARE};w=3600"),
+                    "{what}"
+                );
+            } else {
+                // The stand-in refills SHARE per hour: one every 360 s.
+                assert_429(r, RULE, SHARE, 360);
+            }
+        }
+    }
+}
+
+/// What one phase measured, for the summary.
+struct Observed {
+    statuses: BTreeMap<u16, usize>,
+    during: BTreeMap<String, u64>,
+    exact: bool,
+    stub_requests: Option<usize>,
+    recovered_after: Duration,
+    polls: usize,
+    /// After Redis came back: the gateway's `ratelimit_gateway_script_reloads_total`.
+    script_reloads: Option<f64>,
+}
+
+fn run_phase(rig: &mut Rig, phase: &Phase) -> Observed {
+    let mode = rig.mode;
+    let client_id = format!("{}-{}", mode.name(), phase.id);
+    let label = |step: &str| {
+        format!(
+            "mode {}, phase {} ({}): {step}",
+            mode.name(),
+            phase.id,
+            phase.what
+        )
+    };
+
+    // 1. The gateway decides.
+    for i in 1..=BEFORE {
+        let r = get(&rig.client, &client_id);
+        assert_gateway_200(
+            &r,
+            LIMIT - i,
+            &label(&format!("before the fault, request {i}")),
+        );
+    }
+
+    // 2. The fault.
+    let mut stub = None;
+    match &phase.fault {
+        Fault::RedisKilled => rig.redis.kill(),
+        Fault::GatewayKilled => rig.gateway.kill(),
+        Fault::Stub { reply, .. } => {
+            rig.gateway.kill();
+            let s = Stub::start_on(rig.gateway.port(), reply.clone());
+            stub = Some(ok(s, "starting the stub on the gateway's port"));
+        }
+    }
+    let usable = matches!(phase.fault, Fault::Stub { usable: true, .. });
+    let before = counters(&rig.envoy);
+    let mut during = Vec::new();
+    let mut opened_at = Instant::now();
+    for i in 0..DURING {
+        during.push(get(&rig.client, &client_id));
+        if i as u64 + 1 == FAILURES {
+            opened_at = Instant::now();
+        }
+    }
+    let open_run = opened_at.elapsed();
+    let after = counters(&rig.envoy);
+    let stub_requests = stub.as_ref().map(Stub::requests);
+
+    // Before the circuit opens, FAILURES callouts fail (or answer slowly but
+    // usably); after, the callout is skipped.
+    let mut share = SHARE;
+    for (i, r) in during.iter().enumerate() {
+        let what = label(&format!("during the fault, request {}", i + 1));
+        if usable && (i as u64) < FAILURES {
+            // The stub's valid answer: allowed, 5 remaining.
+            assert_eq!(r.status, 200, "{what}: {r:#?}");
+            assert_eq!(int_header(r, "x-ratelimit-remaining"), 5, "{what}");
+            continue;
+        }
+        assert_failure_mode(mode, r, share, &what);
+        share = share.saturating_sub(1);
+    }
+    let m = delta(&before, &after);
+    let decided_by_mode = if usable {
+        DURING as u64 - FAILURES
+    } else {
+        DURING as u64
+    };
+    let failure_counter = format!("failure_mode_{}", mode.name());
+    // The counts are exact when the requests after the circuit opened fit
+    // in its cooldown (they normally take well under 0.2 s): no half-open
+    // probe happened.
+    let exact = open_run + Duration::from_millis(200) < Duration::from_millis(COOLDOWN_MS);
+    if exact {
+        assert_eq!(
+            d(&m, "global_calls"),
+            FAILURES,
+            "{}: {m:?}",
+            label("callouts")
+        );
+        let failed = if usable { 0 } else { FAILURES };
+        assert_eq!(
+            d(&m, "global_failures"),
+            failed,
+            "{}: {m:?}",
+            label("failures")
+        );
+        assert_eq!(d(&m, "circuit_opened"), 1, "{}: {m:?}", label("opened"));
+        assert_eq!(
+            d(&m, "circuit_open_skips"),
+            DURING as u64 - FAILURES,
+            "{}: {m:?}",
+            label("skips")
+        );
+        assert_eq!(
+            d(&m, &failure_counter),
+            decided_by_mode,
+            "{}: {m:?}",
+            label("failure mode")
+        );
+        if let Some(n) = stub_requests {
+            assert_eq!(
+                n,
+                FAILURES as usize,
+                "{}",
+                label("callouts that reached the stub")
+            );
+        }
+    } else {
+        println!(
+            "{}: the requests after the circuit opened took {open_run:?}, not well within \
+             the cooldown; checking bounds only",
+            label("note")
+        );
+        assert!(d(&m, "global_calls") >= FAILURES, "{m:?}");
+        assert!(d(&m, "circuit_opened") >= 1, "{m:?}");
+        assert!(d(&m, "circuit_open_skips") > 0, "{m:?}");
+        assert!(d(&m, &failure_counter) >= decided_by_mode, "{m:?}");
+    }
+    for other in ["open", "closed", "local"] {
+        if other != mode.name() {
+            assert_eq!(d(&m, &format!("failure_mode_{other}")), 0, "{m:?}");
+        }
+    }
+    let mut statuses = BTreeMap::new();
+    for r in &during {
+        *statuses.entry(r.status).or_insert(0) += 1;
+    }
+
+    // 3. The fault is removed.
+    match &phase.fault {
+        Fault::RedisKilled => ok(rig.redis.restart(), "restarting redis-server"),
+        Fault::GatewayKilled => ok(rig.gateway.restart(), "restarting ratelimit-gateway"),
+        Fault::Stub { .. } => {
+            if let Some(mut s) = stub.take() {
+                s.stop();
+            }
+            ok(rig.gateway.restart(), "restarting ratelimit-gateway");
+        }
+    }
+    let back = Instant::now();
+    let before_recovery = counters(&rig.envoy);
+
+    // 4. Within about the cooldown, a probe gets through and the gateway
+    // decides again.
+    let deadline = Duration::from_millis(COOLDOWN_MS + 3000);
+    let mut polls = 0;
+    let first = loop {
+        let r = get(&rig.client, &client_id);
+        polls += 1;
+        if decided_by_gateway(&r) {
+            break r;
+        }
+        assert_failure_mode(mode, &r, share, &label(&format!("recovery poll {polls}")));
+        share = share.saturating_sub(1);
+        assert!(
+            back.elapsed() < deadline,
+            "{}: the gateway still does not decide {deadline:?} after the fault was removed; last answer {r:#?}",
+            label("recovery")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let recovered_after = back.elapsed();
+    assert!(
+        recovered_after <= Duration::from_millis(COOLDOWN_MS + 500),
+        "{}: recovered only after {recovered_after:?}, cooldown {COOLDOWN_MS} ms",
+        label("recovery")
+    );
+    // Redis came back empty; otherwise the count left before the fault goes on.
+    let left = match phase.fault {
+        Fault::RedisKilled => LIMIT - 1,
+        _ => LIMIT - BEFORE - 1,
+    };
+    assert_gateway_200(&first, left, &label("first answer from the gateway again"));
+    let recovered = counters(&rig.envoy);
+    let m = delta(&before_recovery, &recovered);
+    assert!(d(&m, "global_calls") >= 1, "{m:?}");
+
+    // 5. The exact global count resumes: `left` more, then 429 from the gateway.
+    for i in (0..left).rev() {
+        let r = get(&rig.client, &client_id);
+        assert_gateway_200(&r, i, &label("after recovery"));
+    }
+    let denied = get(&rig.client, &client_id);
+    assert_429(&denied, RULE, LIMIT, 3600 / LIMIT);
+    let m = delta(&recovered, &counters(&rig.envoy));
+    assert_eq!(
+        d(&m, "global_calls"),
+        left + 1,
+        "{}: {m:?}",
+        label("after recovery")
+    );
+    for name in [
+        "global_failures",
+        "failure_mode_open",
+        "failure_mode_closed",
+        "failure_mode_local",
+        "circuit_opened",
+        "circuit_open_skips",
+    ] {
+        assert_eq!(d(&m, name), 0, "{}: {name}: {m:?}", label("after recovery"));
+    }
+
+    let script_reloads = match phase.fault {
+        Fault::RedisKilled => ok(
+            rig.gateway.metric("ratelimit_gateway_script_reloads_total"),
+            "reading the gateway's /metrics",
+        ),
+        _ => None,
+    };
+    Observed {
+        statuses,
+        during: delta(&before, &after),
+        exact,
+        stub_requests,
+        recovered_after,
+        polls,
+        script_reloads,
+    }
+}
+
+fn fault_suite(mode: Mode, settings: Settings, phases: Vec<Phase>) {
+    let mut rig = Rig::start(mode, settings);
+    let suite = Instant::now();
+    for phase in phases {
+        let o = run_phase(&mut rig, &phase);
+        let m = &o.during;
+        println!(
+            "failure_mode {} | {} ({}): statuses during the fault {:?}; global_calls +{}, \
+             global_failures +{}, failure_mode_{} +{}, circuit_opened +{}, circuit_open_skips +{}{}{}; \
+             gateway decides again {:.0?} after the fault was removed ({} polls){}",
+            mode.name(),
+            phase.id,
+            phase.what,
+            o.statuses,
+            d(m, "global_calls"),
+            d(m, "global_failures"),
+            mode.name(),
+            d(m, &format!("failure_mode_{}", mode.name())),
+            d(m, "circuit_opened"),
+            d(m, "circuit_open_skips"),
+            o.stub_requests
+                .map(|n| format!(", {n} callouts reached the stub"))
+                .unwrap_or_default(),
+            if o.exact { "" } else { " (bounds only)" },
+            o.recovered_after,
+            o.polls,
+            o.script_reloads
+                .map(|n| format!("; gateway script reloads after NOSCRIPT: {n}"))
+                .unwrap_or_default(),
+        );
+    }
+    println!(
+        "failure_mode {}: all phases in {:.1?}; totals {:?}",
+        mode.name(),
+        suite.elapsed(),
+        counters(&rig.envoy)
+    );
+}
+
+#[test]
+fn failure_mode_open_lets_everything_through_while_the_gateway_fails() {
+    fault_suite(Mode::Open, SUITE, phases());
+}
+
+#[test]
+fn failure_mode_closed_answers_503_while_the_gateway_fails() {
+    fault_suite(Mode::Closed, SUITE, phases());
+}
+
+#[test]
+fn failure_mode_local_allows_this_proxys_share_while_the_gateway_fails() {
+    fault_suite(Mode::Local, SUITE, phases());
+}
+
+/// `latency_ms`: usable answers slower than the threshold open the circuit
+/// as failures do. Generous margins (1 s callout timeout, 250 ms threshold,
+/// a stub answering validly after 500 ms) keep a healthy debug gateway on a
+/// busy machine well below the threshold.
+#[test]
+fn slow_answers_open_the_circuit_too() {
+    let settings = Settings {
+        timeout_ms: 1000,
+        latency_ms: 250,
+    };
+    let phase = Phase {
+        id: "slow",
+        what: "the gateway answers validly but after 500 ms, slower than latency_ms 250",
+        fault: Fault::Stub {
+            reply: StubReply::json(VALID_ANSWER).delay(Duration::from_millis(500)),
+            usable: true,
+        },
+    };
+    fault_suite(Mode::Closed, settings, vec![phase]);
+}
