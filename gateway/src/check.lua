@@ -1,18 +1,32 @@
--- ratelimit-gateway: check-and-consume for every limit of one call, atomically.
+-- ratelimit-gateway: check-and-consume for every limit and every quota of one
+-- call, atomically, all or nothing.
 --
--- KEYS[i]          one Redis key per limit (all in one cluster slot)
--- ARGV[1]          "1": charge every key when every limit passes; "0": dry run
+-- KEYS[1..L]       one Redis key per limit (all keys of a call in one cluster slot)
+-- KEYS[L+1..L+Q]   one key base per quota, "<prefix>{<domain>|<tag>}|q|<key>|<period>";
+--                  the key used is "<base>|<period start, epoch s>" (same hash
+--                  tag, so same slot), since only this script knows the time
+-- ARGV[1]          "1": charge everything when everything passes; "0": dry run
 --                  (evaluate only, write nothing)
 -- ARGV[2]          "" in production: time comes from Redis TIME. TEST ONLY: a
 --                  time in ms overrides it, and then keys are written without
 --                  an expiry (Redis expires on its own clock, which the
---                  overridden time does not follow). Used only by the
---                  differential test against the Rust buckets.
--- ARGV[4i-1..4i+2] per key i: algorithm ("token_bucket" | "sliding_window"),
+--                  overridden time does not follow). Used only by tests
+--                  (Limiter::check_at), e.g. the differential test against the
+--                  Rust buckets and the quota period tests.
+-- ARGV[3]          L, the number of limit keys
+-- ARGV[4i..4i+3]   per limit key i (i = 1..L): algorithm ("token_bucket" | "sliding_window"),
 --                  requests (N or C), window_ms (W), cost (>= 1)
+-- ARGV[4L+3j+1..4L+3j+3]
+--                  per quota j (j = 1..Q): period ("minute" | "hour" | "day" | "month"),
+--                  limit (0..2^50), amount (>= 1)
 --
 -- Returns { all_allowed (1|0), now_ms,
---           then per key: allowed (1|0), remaining, reset_ms, retry_after_ms }.
+--           then per limit: allowed (1|0), remaining, reset_ms, retry_after_ms,
+--           then per quota: allowed (1|0), remaining, reset_ms }.
+--
+-- All or nothing: if any limit denies, nothing is charged (the quotas report
+-- their uncharged state); else if any quota would be exceeded, nothing is
+-- charged; else every limit and every quota is charged.
 --
 -- Lua numbers are doubles: every quantity below is an integer of at most
 -- 2^53 (the gateway rejects requests * window_ms > 2^53 and costs > 2^53), so
@@ -132,16 +146,62 @@ local function sliding_window(state, n, w, cost)
   return false, nil, remaining, reset, retry, 0
 end
 
+-- Calendar arithmetic in UTC on whole days since 1970-01-01 (Howard
+-- Hinnant's days_from_civil / civil_from_days, for days >= 0).
+local function civil_from_days(z)
+  z = z + 719468
+  local era, doe = divmod(z, 146097)
+  local yoe = divmod(doe - divmod(doe, 1460) + divmod(doe, 36524) - divmod(doe, 146096), 365)
+  local doy = doe - (365 * yoe + divmod(yoe, 4) - divmod(yoe, 100))
+  local mp = divmod(5 * doy + 2, 153)
+  local d = doy - divmod(153 * mp + 2, 5) + 1
+  local m
+  if mp < 10 then m = mp + 3 else m = mp - 9 end
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m, d
+end
+
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era, yoe = divmod(y, 400)
+  local mp
+  if m > 2 then mp = m - 3 else mp = m + 9 end
+  local doy = divmod(153 * mp + 2, 5) + d - 1
+  local doe = yoe * 365 + divmod(yoe, 4) - divmod(yoe, 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+-- Start and end (epoch seconds) of the period holding the second s.
+local function period_bounds(period, s)
+  local len
+  if period == 'minute' then len = 60
+  elseif period == 'hour' then len = 3600
+  elseif period == 'day' then len = 86400
+  elseif period == 'month' then
+    local days = divmod(s, 86400)
+    local y, m, d = civil_from_days(days)
+    local first = days - (d - 1)
+    if m == 12 then y, m = y + 1, 1 else m = m + 1 end
+    return first * 86400, days_from_civil(y, m, 1) * 86400
+  else
+    return nil
+  end
+  local q = divmod(s, len)
+  return q * len, q * len + len
+end
+
 local out = { 1, now }
 local pending = {} -- state written by an earlier limit of this call (same key twice)
 local writes = {}
 local all = true
-for i = 1, #KEYS do
+local n_limits = tonumber(ARGV[3])
+for i = 1, n_limits do
   local key = KEYS[i]
-  local algorithm = ARGV[4 * i - 1]
-  local requests = tonumber(ARGV[4 * i])
-  local window = tonumber(ARGV[4 * i + 1])
-  local cost = tonumber(ARGV[4 * i + 2])
+  local algorithm = ARGV[4 * i]
+  local requests = tonumber(ARGV[4 * i + 1])
+  local window = tonumber(ARGV[4 * i + 2])
+  local cost = tonumber(ARGV[4 * i + 3])
   local state = pending[key]
   if state == nil then state = redis.call('GET', key) end
   local ok, new_state, remaining, reset, retry, ttl
@@ -165,6 +225,38 @@ for i = 1, #KEYS do
   out[#out + 1] = retry
 end
 
+-- Quotas: count + amount <= limit, with count from this period's key (and
+-- the earlier quotas of this call with the same key).
+local sec = divmod(now, 1000)
+local counts = {}
+local quotas = {}
+for j = 1, #KEYS - n_limits do
+  local a = 4 * n_limits + 3 * j
+  local period = ARGV[a + 1]
+  local limit = tonumber(ARGV[a + 2])
+  local amount = tonumber(ARGV[a + 3])
+  local start, stop = period_bounds(period, sec)
+  if not start then
+    return redis.error_reply('ERR ratelimit: unknown period ' .. tostring(period))
+  end
+  local key = KEYS[n_limits + j] .. '|' .. fmt(start)
+  local count = counts[key]
+  if count == nil then count = tonumber(redis.call('GET', key) or '0') or 0 end
+  local ok = amount <= limit - count
+  if ok then counts[key] = count + amount else all = false end
+  quotas[j] = { key, ok, limit - count, amount, stop * 1000 - now, stop * 1000 }
+end
+
+local charge = all and commit
+for _, q in ipairs(quotas) do
+  local ok, left = q[2], q[3]
+  if charge then left = left - q[4] end -- after the request, only when charged
+  if left < 0 then left = 0 end
+  if ok then out[#out + 1] = 1 else out[#out + 1] = 0 end
+  out[#out + 1] = left
+  out[#out + 1] = q[5]
+end
+
 if not all then
   out[1] = 0
 elseif commit then
@@ -174,6 +266,13 @@ elseif commit then
       redis.call('SET', wr[1], wr[2])
     else
       redis.call('SET', wr[1], wr[2], 'PX', fmt(wr[3]))
+    end
+  end
+  for _, q in ipairs(quotas) do
+    redis.call('INCRBY', q[1], fmt(q[4]))
+    if not override then
+      -- The key names its period, so a late write can never extend an old one.
+      redis.call('PEXPIREAT', q[1], fmt(q[6]))
     end
   end
 end

@@ -7,10 +7,19 @@
 //! fresh key. `domain`, `tag` and `key` are escaped (`%` → `%25`, `|` → `%7C`,
 //! `{` → `%7B`, `}` → `%7D`) so that no two different requests can name the
 //! same key and a `}` in a tag cannot end the hash tag early.
+//!
+//! One key per quota and period:
+//! `<prefix>{<domain>|<tag>}|q|<key>|<period>|<period start, epoch s>`. The
+//! gateway passes the key without its last part ([`quota_base_key`], which
+//! routes the script to the right slot); the script appends the start of the
+//! current period, which only it knows (time comes from Redis `TIME`). The
+//! limit is not in the name: a client moved to another tier keeps its count.
+//! A quota key never equals a limit key: its fourth part is a period name,
+//! where a limit key has an algorithm name.
 
 use redis::cluster_routing::Slot;
 
-use crate::protocol::{CheckRequest, LimitSpec};
+use crate::protocol::{CheckRequest, LimitSpec, Period};
 
 /// One limit of one bucket, with its Redis key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,11 +36,28 @@ pub struct LimitKey {
     pub cost: u64,
 }
 
-/// Keys that share one cluster slot, in request order.
+/// One quota of the request, with the base of its Redis key.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaKey {
+    /// Index of the quota in the request.
+    pub quota: usize,
+    /// The key without the period start ([`quota_base_key`]).
+    pub base: String,
+    /// The calendar period.
+    pub period: Period,
+    /// Amount per period.
+    pub limit: u64,
+    /// What this request counts.
+    pub amount: u64,
+}
+
+/// Keys that share one cluster slot, in request order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Group {
     /// The limits of this group.
     pub limits: Vec<LimitKey>,
+    /// The quotas of this group.
+    pub quotas: Vec<QuotaKey>,
 }
 
 /// Escapes the characters that structure a key.
@@ -69,6 +95,49 @@ pub fn redis_key(
     )
 }
 
+/// The Redis key of a quota without its last part, the period start:
+/// `<prefix>{<domain>|<tag>}|q|<key>|<period>`.
+pub fn quota_base_key(prefix: &str, domain: &str, tag: &str, key: &str, period: Period) -> String {
+    format!(
+        "{prefix}{{{}|{}}}|q|{}|{}",
+        escape(domain),
+        escape(tag),
+        escape(key),
+        period.name()
+    )
+}
+
+/// The full Redis key of a quota in the period starting at `start_s` (epoch
+/// seconds, UTC), as the script names it.
+pub fn quota_key(
+    prefix: &str,
+    domain: &str,
+    tag: &str,
+    key: &str,
+    period: Period,
+    start_s: u64,
+) -> String {
+    format!(
+        "{}|{start_s}",
+        quota_base_key(prefix, domain, tag, key, period)
+    )
+}
+
+/// Every quota of the request with its key base, in request order.
+pub fn quota_keys(prefix: &str, req: &CheckRequest) -> Vec<QuotaKey> {
+    req.quotas
+        .iter()
+        .enumerate()
+        .map(|(q, spec)| QuotaKey {
+            quota: q,
+            base: quota_base_key(prefix, &req.domain, &spec.tag, &spec.key, spec.period),
+            period: spec.period,
+            limit: spec.limit,
+            amount: spec.amount,
+        })
+        .collect()
+}
+
 /// Every limit of the request with its key, in request order.
 pub fn limit_keys(prefix: &str, req: &CheckRequest) -> Vec<LimitKey> {
     let mut out = Vec::new();
@@ -86,14 +155,30 @@ pub fn limit_keys(prefix: &str, req: &CheckRequest) -> Vec<LimitKey> {
     out
 }
 
-/// Splits limits by cluster slot, groups ordered by first appearance.
-pub fn group_by_slot(limits: Vec<LimitKey>) -> Vec<Group> {
+/// Splits limits and quotas by cluster slot, groups ordered by first
+/// appearance (limits first, then quotas).
+pub fn group_by_slot(limits: Vec<LimitKey>, quotas: Vec<QuotaKey>) -> Vec<Group> {
+    fn group_of(groups: &mut Vec<(Slot, Group)>, key: &str) -> usize {
+        let slot = Slot::for_key(key.as_bytes());
+        match groups.iter().position(|(s, _)| *s == slot) {
+            Some(i) => i,
+            None => {
+                groups.push((slot, Group::default()));
+                groups.len() - 1
+            }
+        }
+    }
     let mut groups: Vec<(Slot, Group)> = Vec::new();
     for lk in limits {
-        let slot = Slot::for_key(lk.key.as_bytes());
-        match groups.iter_mut().find(|(s, _)| *s == slot) {
-            Some((_, g)) => g.limits.push(lk),
-            None => groups.push((slot, Group { limits: vec![lk] })),
+        let i = group_of(&mut groups, &lk.key);
+        if let Some((_, g)) = groups.get_mut(i) {
+            g.limits.push(lk);
+        }
+    }
+    for qk in quotas {
+        let i = group_of(&mut groups, &qk.base);
+        if let Some((_, g)) = groups.get_mut(i) {
+            g.quotas.push(qk);
         }
     }
     groups.into_iter().map(|(_, g)| g).collect()
@@ -137,6 +222,29 @@ mod tests {
     fn one_tag_is_one_slot() {
         let a = redis_key("rl:", "d", "t", "k1", 0, &TB);
         let b = redis_key("rl:", "d", "t", "other", 3, &TB);
-        assert_eq!(Slot::for_key(a), Slot::for_key(b));
+        assert_eq!(Slot::for_key(&a), Slot::for_key(b));
+        let q = quota_base_key("rl:", "d", "t", "monthly/c=x", Period::Month);
+        assert_eq!(Slot::for_key(&a), Slot::for_key(&q));
+        let full = quota_key("rl:", "d", "t", "monthly/c=x", Period::Month, 1_769_904_000);
+        assert_eq!(Slot::for_key(&a), Slot::for_key(full));
+    }
+
+    #[test]
+    fn quota_layout() {
+        assert_eq!(
+            quota_key(
+                "rl:",
+                "demo",
+                "c=alice",
+                "monthly/c=alice",
+                Period::Month,
+                1_769_904_000
+            ),
+            "rl:{demo|c=alice}|q|monthly/c=alice|month|1769904000"
+        );
+        assert_eq!(
+            quota_base_key("rl:", "a|b", "}x{", "k%|", Period::Minute),
+            "rl:{a%7Cb|%7Dx%7B}|q|k%25%7C|minute"
+        );
     }
 }

@@ -1,15 +1,18 @@
-//! One `/v1/check`: all or nothing over every limit of every bucket.
+//! One `/v1/check`: all or nothing over every limit of every bucket and every
+//! quota.
 //!
 //! On a single Redis (or when every key hashes to one cluster slot) this is
 //! one `EVALSHA` of `check.lua`, atomic by itself. When the keys span several
 //! cluster slots, the slot groups are checked and charged in order; if a later
 //! group denies, the groups already charged are refunded with `refund.lua`,
 //! the groups not yet checked are evaluated without charging (so that every
-//! limit has an answer), and the answer is "denied".
+//! limit and quota has an answer), and the answer is "denied".
 
 use crate::keys::{self, Group};
 use crate::metrics::Metrics;
-use crate::protocol::{BucketResult, CheckRequest, CheckResponse, LimitResult, VERSION};
+use crate::protocol::{
+    BucketResult, CheckRequest, CheckResponse, LimitResult, QuotaResult, VERSION,
+};
 use crate::script::{self, CheckReply, Mode};
 use crate::store::{Store, StoreError};
 
@@ -41,17 +44,21 @@ impl Limiter {
     }
 
     /// Checks a validated request. `now_ms` is the **test-only** time
-    /// override handed to the scripts (`None` in the service).
+    /// override handed to the scripts (`None` in the service): the scripts
+    /// then take it instead of Redis `TIME` for every limit and every quota
+    /// period (so a test can step into the next minute, day or month) and
+    /// write keys without an expiry. Nothing reachable over HTTP sets it.
     pub async fn check_at(
         &self,
         req: &CheckRequest,
         now_ms: Option<u64>,
     ) -> Result<CheckResponse, StoreError> {
         let limits = keys::limit_keys(&self.prefix, req);
+        let quotas = keys::quota_keys(&self.prefix, req);
         let groups = if self.store.is_cluster() {
-            keys::group_by_slot(limits)
+            keys::group_by_slot(limits, quotas)
         } else {
-            vec![Group { limits }]
+            vec![Group { limits, quotas }]
         };
         let mut answers: Vec<BucketResult> = req
             .buckets
@@ -65,13 +72,14 @@ impl Limiter {
             .iter()
             .map(|b| vec![None; b.limits.len()])
             .collect();
+        let mut quota_slots: Vec<Option<QuotaResult>> = vec![None; req.quotas.len()];
 
         let mut charged: Vec<(usize, u64)> = Vec::new();
         let mut denied_at = None;
         for (gi, group) in groups.iter().enumerate() {
             match self.run(group, Mode::Charge, now_ms).await {
                 Ok(reply) => {
-                    place(&mut slots, group, &reply);
+                    place(&mut slots, &mut quota_slots, group, &reply);
                     if reply.allowed {
                         charged.push((gi, reply.now_ms));
                     } else {
@@ -90,7 +98,17 @@ impl Limiter {
             self.refund_all(&groups, &charged, now_ms).await;
             for group in groups.iter().skip(d + 1) {
                 let reply = self.run(group, Mode::Peek, now_ms).await?;
-                place(&mut slots, group, &reply);
+                place(&mut slots, &mut quota_slots, group, &reply);
+            }
+            // The groups charged before were refunded: their quotas report
+            // what they had before the request, like every quota of a denied
+            // answer (they passed, so before = after + amount exactly).
+            for &(gi, _) in &charged {
+                for qk in groups.get(gi).map_or(&[][..], |g| &g.quotas) {
+                    if let Some(Some(r)) = quota_slots.get_mut(qk.quota) {
+                        r.remaining = r.remaining.saturating_add(qk.amount);
+                    }
+                }
             }
         }
         for (answer, bucket) in answers.iter_mut().zip(slots) {
@@ -101,7 +119,22 @@ impl Limiter {
                 answer.limits.push(r);
             }
         }
+        let mut quotas = Vec::with_capacity(quota_slots.len());
+        for r in quota_slots {
+            let Some(r) = r else {
+                return Err(StoreError::Reply("a quota got no answer".to_string()));
+            };
+            quotas.push(r);
+        }
         if !allowed {
+            for (r, q) in quotas.iter().zip(&req.quotas) {
+                if !r.allowed {
+                    self.metrics
+                        .quota_denials
+                        .with_label_values(&[q.period.name()])
+                        .inc();
+                }
+            }
             for (bucket, spec) in answers.iter().zip(&req.buckets) {
                 for (r, l) in bucket.limits.iter().zip(&spec.limits) {
                     if !r.allowed {
@@ -117,6 +150,7 @@ impl Limiter {
             version: VERSION,
             allowed,
             buckets: answers,
+            quotas,
         })
     }
 
@@ -126,13 +160,14 @@ impl Limiter {
         mode: Mode,
         now_ms: Option<u64>,
     ) -> Result<CheckReply, StoreError> {
-        let (keys, args) = script::check_args(&group.limits, mode, now_ms);
+        let (keys, args) = script::check_args(group, mode, now_ms);
         let op = match mode {
             Mode::Charge => "check",
             Mode::Peek => "peek",
         };
         let reply: Vec<i64> = self.store.eval(script::check(), &keys, &args, op).await?;
-        script::parse_check_reply(&reply, keys.len()).map_err(StoreError::Reply)
+        script::parse_check_reply(&reply, group.limits.len(), group.quotas.len())
+            .map_err(StoreError::Reply)
     }
 
     /// Gives back every charged group; failures are logged and counted (the
@@ -142,7 +177,7 @@ impl Limiter {
             let Some(group) = groups.get(gi) else {
                 continue;
             };
-            let (keys, args) = script::refund_args(&group.limits, at, now_ms);
+            let (keys, args) = script::refund_args(group, at, now_ms);
             self.metrics.refunds.inc();
             if let Err(e) = self
                 .store
@@ -156,9 +191,19 @@ impl Limiter {
     }
 }
 
-fn place(slots: &mut [Vec<Option<LimitResult>>], group: &Group, reply: &CheckReply) {
+fn place(
+    slots: &mut [Vec<Option<LimitResult>>],
+    quota_slots: &mut [Option<QuotaResult>],
+    group: &Group,
+    reply: &CheckReply,
+) {
     for (lk, r) in group.limits.iter().zip(&reply.limits) {
         if let Some(slot) = slots.get_mut(lk.bucket).and_then(|b| b.get_mut(lk.limit)) {
+            *slot = Some(*r);
+        }
+    }
+    for (qk, r) in group.quotas.iter().zip(&reply.quotas) {
+        if let Some(slot) = quota_slots.get_mut(qk.quota) {
             *slot = Some(*r);
         }
     }

@@ -20,6 +20,8 @@ pub const ERROR_KINDS: [&str; 6] = [
 pub const OPS: [&str; 5] = ["check", "peek", "refund", "ping", "load"];
 /// Algorithms, as the `algorithm` label.
 pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
+/// Quota periods, as the `period` label.
+pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
 
 /// Every metric the gateway exports.
 #[derive(Clone)]
@@ -29,6 +31,8 @@ pub struct Metrics {
     pub checks: IntCounterVec,
     /// `ratelimit_gateway_denials_total{algorithm}`: limits that denied a check.
     pub denials: IntCounterVec,
+    /// `ratelimit_gateway_quota_denials_total{period}`: quotas that denied a check.
+    pub quota_denials: IntCounterVec,
     /// `ratelimit_gateway_redis_duration_seconds{op}`: Redis round trips.
     pub redis_latency: HistogramVec,
     /// `ratelimit_gateway_errors_total{kind}`.
@@ -57,6 +61,13 @@ impl Metrics {
             ),
             &["algorithm"],
         )?;
+        let quota_denials = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_quota_denials_total",
+                "Quotas that denied a check (the amount did not fit in what was left), by period.",
+            ),
+            &["period"],
+        )?;
         let redis_latency = HistogramVec::new(
             HistogramOpts::new(
                 "ratelimit_gateway_redis_duration_seconds",
@@ -81,6 +92,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(checks.clone()))?;
         registry.register(Box::new(denials.clone()))?;
+        registry.register(Box::new(quota_denials.clone()))?;
         registry.register(Box::new(redis_latency.clone()))?;
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(script_reloads.clone()))?;
@@ -90,6 +102,9 @@ impl Metrics {
         }
         for a in ALGORITHMS {
             denials.with_label_values(&[a]);
+        }
+        for p in PERIODS {
+            quota_denials.with_label_values(&[p]);
         }
         for o in OPS {
             redis_latency.with_label_values(&[o]);
@@ -101,6 +116,7 @@ impl Metrics {
             registry,
             checks,
             denials,
+            quota_denials,
             redis_latency,
             errors,
             script_reloads,

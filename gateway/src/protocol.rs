@@ -12,6 +12,10 @@ pub const VERSION: u32 = 1;
 pub const MAX_BUCKETS: usize = 64;
 /// Most limits in one bucket.
 pub const MAX_LIMITS: usize = 8;
+/// Most quotas in one request.
+pub const MAX_QUOTAS: usize = 64;
+/// Largest quota `limit` (the filter's `MAX_QUOTA`).
+pub const MAX_QUOTA_LIMIT: u64 = 1 << 50;
 /// Longest `domain`, `key` or `tag`, in bytes.
 pub const MAX_NAME_BYTES: usize = 512;
 /// Largest `requests × window_ms` (and `cost`): the Lua script's doubles stay
@@ -50,6 +54,48 @@ pub struct LimitSpec {
     pub algorithm: Algorithm,
 }
 
+/// A calendar period of a quota, in UTC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Period {
+    /// A clock minute.
+    Minute,
+    /// A clock hour.
+    Hour,
+    /// A UTC day.
+    Day,
+    /// A UTC calendar month.
+    Month,
+}
+
+impl Period {
+    /// The name on the wire, in Redis keys and in the Lua script.
+    pub fn name(self) -> &'static str {
+        match self {
+            Period::Minute => "minute",
+            Period::Hour => "hour",
+            Period::Day => "day",
+            Period::Month => "month",
+        }
+    }
+}
+
+/// One quota counter: an amount per calendar period.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSpec {
+    /// The counter's identity within the domain (quota and client).
+    pub key: String,
+    /// The cluster hash tag, as for buckets.
+    pub tag: String,
+    /// Amount allowed per period; 0: the quota is spent.
+    pub limit: u64,
+    /// The calendar period (UTC) after which the count starts again.
+    pub period: Period,
+    /// What this request counts against the quota.
+    pub amount: u64,
+}
+
 /// One bucket: a client key and the limits that apply to it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -76,8 +122,11 @@ pub struct CheckRequest {
     pub domain: String,
     /// Tokens this request spends in every limit (unless a bucket has its own).
     pub cost: u64,
-    /// The buckets, all charged or none.
+    /// The buckets, all charged or none (with the quotas).
     pub buckets: Vec<BucketSpec>,
+    /// The quotas, charged together with the buckets, all or none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaSpec>,
 }
 
 impl BucketSpec {
@@ -102,6 +151,19 @@ pub struct LimitResult {
     pub retry_after_ms: u64,
 }
 
+/// One quota's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaResult {
+    /// Whether this quota alone lets `amount` through (`count + amount ≤ limit`).
+    pub allowed: bool,
+    /// `limit − count` after the request when the whole check is allowed,
+    /// before it otherwise; never negative.
+    pub remaining: u64,
+    /// Ms until the period ends (and the count starts again from 0).
+    pub reset_ms: u64,
+}
+
 /// One bucket's answers, in the order of its limits.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -116,10 +178,14 @@ pub struct BucketResult {
 pub struct CheckResponse {
     /// Always [`VERSION`].
     pub version: u32,
-    /// True only when every limit of every bucket passed; then all were charged.
+    /// True only when every limit of every bucket and every quota passed;
+    /// then all were charged.
     pub allowed: bool,
     /// One per bucket of the request, in order.
     pub buckets: Vec<BucketResult>,
+    /// One per quota of the request, in order (absent when it had none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaResult>,
 }
 
 /// 400 and 503 answer body.
@@ -192,9 +258,11 @@ pub fn validate(req: &CheckRequest) -> Result<(), String> {
             req.cost
         ));
     }
-    if req.buckets.is_empty() || req.buckets.len() > MAX_BUCKETS {
+    // A request may carry only quotas; then it needs no bucket.
+    let min_buckets = usize::from(req.quotas.is_empty());
+    if req.buckets.len() < min_buckets || req.buckets.len() > MAX_BUCKETS {
         return Err(format!(
-            "buckets: must hold 1 to {MAX_BUCKETS} buckets, got {}",
+            "buckets: must hold {min_buckets} to {MAX_BUCKETS} buckets, got {}",
             req.buckets.len()
         ));
     }
@@ -232,6 +300,28 @@ pub fn validate(req: &CheckRequest) -> Result<(), String> {
             }
         }
     }
+    if req.quotas.len() > MAX_QUOTAS {
+        return Err(format!(
+            "quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+            req.quotas.len()
+        ));
+    }
+    for (q, quota) in req.quotas.iter().enumerate() {
+        name(&format!("quotas[{q}].key"), &quota.key, false)?;
+        name(&format!("quotas[{q}].tag"), &quota.tag, true)?;
+        if quota.limit > MAX_QUOTA_LIMIT {
+            return Err(format!(
+                "quotas[{q}].limit: must be at most 2^50 ({MAX_QUOTA_LIMIT}), got {}",
+                quota.limit
+            ));
+        }
+        if !(1..=MAX_EXACT).contains(&quota.amount) {
+            return Err(format!(
+                "quotas[{q}].amount: must be between 1 and 2^53, got {}",
+                quota.amount
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -263,6 +353,49 @@ mod tests {
                 "limits": [ { "requests": 60, "window_ms": 60000, "algorithm": "token_bucket" },
                             { "requests": 10, "window_ms": 1000, "algorithm": "sliding_window" } ] } ]
         })
+    }
+
+    fn with_quota() -> serde_json::Value {
+        let mut v = good();
+        v["quotas"] = serde_json::json!([
+            { "key": "monthly/c=alice", "tag": "c=alice", "limit": 10000, "period": "month", "amount": 1 }
+        ]);
+        v
+    }
+
+    #[test]
+    fn quotas_parse_and_may_stand_alone() {
+        let r = parse(&body(with_quota())).unwrap();
+        assert_eq!(r.quotas[0].period, Period::Month);
+        assert_eq!(r.quotas[0].limit, 10000);
+        // Limit 0 (spent) and the largest limit and amount are valid.
+        let mut v = with_quota();
+        v["quotas"][0]["limit"] = 0.into();
+        v["quotas"][0]["amount"] = (1u64 << 53).into();
+        parse(&body(v)).unwrap();
+        let mut v = with_quota();
+        v["quotas"][0]["limit"] = (1u64 << 50).into();
+        parse(&body(v)).unwrap();
+        // Only quotas: no bucket needed.
+        let mut v = with_quota();
+        v["buckets"] = serde_json::json!([]);
+        let r = parse(&body(v)).unwrap();
+        assert!(r.buckets.is_empty());
+        // Neither: still an error.
+        let mut v = good();
+        v["buckets"] = serde_json::json!([]);
+        v["quotas"] = serde_json::json!([]);
+        assert!(parse(&body(v))
+            .unwrap_err()
+            .starts_with("buckets: must hold 1 to 64"));
+        // Without quotas the answer carries none.
+        let answer = CheckResponse {
+            version: VERSION,
+            allowed: true,
+            buckets: vec![],
+            quotas: vec![],
+        };
+        assert!(!serde_json::to_string(&answer).unwrap().contains("quotas"));
     }
 
     #[test]
@@ -323,6 +456,56 @@ mod tests {
         ];
         for (change, want) in cases {
             let mut v = good();
+            change(&mut v);
+            let err = parse(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+        let quota_cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|v| v["quotas"][0]["period"] = "week".into()),
+                "quotas[0].period: unknown variant `week`, expected one of `minute`, `hour`, `day`, `month`",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["limit"] = ((1u64 << 50) + 1).into()),
+                "quotas[0].limit: must be at most 2^50 (1125899906842624), got 1125899906842625",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["amount"] = 0.into()),
+                "quotas[0].amount: must be between 1 and 2^53, got 0",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["amount"] = ((1u64 << 53) + 1).into()),
+                "quotas[0].amount: must be between 1 and 2^53",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["key"] = "".into()),
+                "quotas[0].key: must not be empty",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["key"] = "k".repeat(513).into()),
+                "quotas[0].key: must be at most 512 bytes, got 513",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["tag"] = "t".repeat(513).into()),
+                "quotas[0].tag: must be at most 512 bytes, got 513",
+            ),
+            (
+                Box::new(|v| {
+                    v["quotas"][0].as_object_mut().unwrap().remove("period");
+                }),
+                "quotas[0]: missing field `period`",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["tier"] = "pro".into()),
+                "quotas[0].tier: unknown field `tier`",
+            ),
+            (
+                Box::new(|v| v["quotas"] = serde_json::json!(vec![v["quotas"][0].clone(); 65])),
+                "quotas: must hold at most 64 quotas, got 65",
+            ),
+        ];
+        for (change, want) in quota_cases {
+            let mut v = with_quota();
             change(&mut v);
             let err = parse(&body(v)).unwrap_err();
             assert!(err.starts_with(want), "{err:?} should start with {want:?}");

@@ -1,13 +1,13 @@
 //! The two Lua scripts, their arguments and their replies.
 //!
-//! `check.lua` checks and (when every limit passes) charges every key of one
-//! slot group atomically; `refund.lua` gives back a charge. Both take their
+//! `check.lua` checks and (when every limit and every quota passes) charges
+//! every key of one slot group atomically; `refund.lua` gives back a charge. Both take their
 //! time from Redis `TIME`, so gateway replicas with skewed clocks agree.
 
 use std::sync::OnceLock;
 
-use crate::keys::LimitKey;
-use crate::protocol::LimitResult;
+use crate::keys::{Group, LimitKey, QuotaKey};
+use crate::protocol::{LimitResult, QuotaResult};
 
 /// The check-and-consume script.
 pub const CHECK_LUA: &str = include_str!("check.lua");
@@ -56,17 +56,14 @@ pub enum Mode {
     Peek,
 }
 
-/// Keys and arguments of a `check.lua` call.
+/// Keys and arguments of a `check.lua` call: the limit keys, then the quota
+/// key bases.
 ///
 /// `now_ms` is the **test-only** time override: `None` in the service (time
-/// comes from Redis `TIME`); `Some` only in the differential tests, which
-/// replay generated times. With an override the script writes keys without
-/// an expiry.
-pub fn check_args(
-    limits: &[LimitKey],
-    mode: Mode,
-    now_ms: Option<u64>,
-) -> (Vec<String>, Vec<String>) {
+/// comes from Redis `TIME`); `Some` only in tests (through
+/// `Limiter::check_at`), which replay generated times or step into another
+/// quota period. With an override the script writes keys without an expiry.
+pub fn check_args(group: &Group, mode: Mode, now_ms: Option<u64>) -> (Vec<String>, Vec<String>) {
     let mut args = vec![
         match mode {
             Mode::Charge => "1".to_string(),
@@ -74,14 +71,19 @@ pub fn check_args(
         },
         now_ms.map(|n| n.to_string()).unwrap_or_default(),
     ];
-    push_limits(&mut args, limits);
-    (limits.iter().map(|l| l.key.clone()).collect(), args)
+    push_limits(&mut args, &group.limits);
+    for q in &group.quotas {
+        args.push(q.period.name().to_string());
+        args.push(q.limit.to_string());
+        args.push(q.amount.to_string());
+    }
+    (keys(&group.limits, &group.quotas), args)
 }
 
 /// Keys and arguments of a `refund.lua` call for a charge made at `charged_at_ms`
 /// (the time `check.lua` returned). `now_ms` is the test-only override.
 pub fn refund_args(
-    limits: &[LimitKey],
+    group: &Group,
     charged_at_ms: u64,
     now_ms: Option<u64>,
 ) -> (Vec<String>, Vec<String>) {
@@ -89,11 +91,25 @@ pub fn refund_args(
         charged_at_ms.to_string(),
         now_ms.map(|n| n.to_string()).unwrap_or_default(),
     ];
-    push_limits(&mut args, limits);
-    (limits.iter().map(|l| l.key.clone()).collect(), args)
+    push_limits(&mut args, &group.limits);
+    for q in &group.quotas {
+        args.push(q.period.name().to_string());
+        args.push(q.amount.to_string());
+    }
+    (keys(&group.limits, &group.quotas), args)
 }
 
+fn keys(limits: &[LimitKey], quotas: &[QuotaKey]) -> Vec<String> {
+    limits
+        .iter()
+        .map(|l| l.key.clone())
+        .chain(quotas.iter().map(|q| q.base.clone()))
+        .collect()
+}
+
+/// `L`, then per limit: algorithm, requests, window_ms, cost.
 fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
+    args.push(limits.len().to_string());
     for l in limits {
         args.push(l.spec.algorithm.name().to_string());
         args.push(l.spec.requests.to_string());
@@ -105,19 +121,25 @@ fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
 /// A decoded `check.lua` reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckReply {
-    /// Every limit passed (and, in [`Mode::Charge`], was charged).
+    /// Every limit and quota passed (and, in [`Mode::Charge`], was charged).
     pub allowed: bool,
     /// The Redis time the script used, in ms.
     pub now_ms: u64,
-    /// One per key, in order.
+    /// One per limit key, in order.
     pub limits: Vec<LimitResult>,
+    /// One per quota, in order.
+    pub quotas: Vec<QuotaResult>,
 }
 
-/// Decodes `{all, now, (allowed, remaining, reset, retry)*}`.
-pub fn parse_check_reply(reply: &[i64], keys: usize) -> Result<CheckReply, String> {
-    if reply.len() != 2 + 4 * keys {
+/// Decodes `{all, now, (allowed, remaining, reset, retry)*L, (allowed, remaining, reset)*Q}`.
+pub fn parse_check_reply(
+    reply: &[i64],
+    limits: usize,
+    quotas: usize,
+) -> Result<CheckReply, String> {
+    if reply.len() != 2 + 4 * limits + 3 * quotas {
         return Err(format!(
-            "check script answered {} integers for {keys} keys",
+            "check script answered {} integers for {limits} limits and {quotas} quotas",
             reply.len()
         ));
     }
@@ -127,10 +149,18 @@ pub fn parse_check_reply(reply: &[i64], keys: usize) -> Result<CheckReply, Strin
         [a, n] => (*a, *n),
         _ => return Err("short reply".to_string()),
     };
-    let mut limits = Vec::with_capacity(keys);
-    for chunk in rest.chunks_exact(4) {
+    let Some((limit_part, quota_part)) = rest.split_at_checked(4 * limits) else {
+        return Err("short reply".to_string());
+    };
+    let mut out = CheckReply {
+        allowed: all == 1,
+        now_ms: non_negative(now)?,
+        limits: Vec::with_capacity(limits),
+        quotas: Vec::with_capacity(quotas),
+    };
+    for chunk in limit_part.chunks_exact(4) {
         if let [a, rem, reset, retry] = chunk {
-            limits.push(LimitResult {
+            out.limits.push(LimitResult {
                 allowed: *a == 1,
                 remaining: non_negative(*rem)?,
                 reset_ms: non_negative(*reset)?,
@@ -138,9 +168,14 @@ pub fn parse_check_reply(reply: &[i64], keys: usize) -> Result<CheckReply, Strin
             });
         }
     }
-    Ok(CheckReply {
-        allowed: all == 1,
-        now_ms: non_negative(now)?,
-        limits,
-    })
+    for chunk in quota_part.chunks_exact(3) {
+        if let [a, rem, reset] = chunk {
+            out.quotas.push(QuotaResult {
+                allowed: *a == 1,
+                remaining: non_negative(*rem)?,
+                reset_ms: non_negative(*reset)?,
+            });
+        }
+    }
+    Ok(out)
 }

@@ -16,7 +16,8 @@ use crate::metrics::Metrics;
 use crate::protocol::{self, ErrorBody, Health};
 
 /// Largest accepted request body. A maximal valid request (64 buckets with
-/// 512-byte keys and tags and 8 limits each) is about 140 KiB.
+/// 512-byte keys and tags and 8 limits each, and 64 quotas with 512-byte keys
+/// and tags) is about 210 KiB.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 /// What the handlers share.

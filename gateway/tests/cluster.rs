@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use ratelimit_gateway::keys::{group_by_slot, limit_keys};
+use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
 use ratelimit_gateway::protocol::CheckRequest;
 use ratelimit_gateway::Target;
 
@@ -11,7 +11,7 @@ const HOUR: u64 = 3_600_000;
 
 fn groups(body: &serde_json::Value) -> usize {
     let req: CheckRequest = serde_json::from_value(body.clone()).unwrap();
-    group_by_slot(limit_keys("rl:", &req)).len()
+    group_by_slot(limit_keys("rl:", &req), quota_keys("rl:", &req)).len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,7 @@
 //! remaining, reset and retry-after — on the same generated sequences.
 //!
 //! The script normally takes its time from Redis `TIME`; here every call goes
-//! through [`Limiter::check_at`] with the **test-only** time override (ARGV[3]
+//! through [`Limiter::check_at`] with the **test-only** time override (ARGV[2]
 //! of `check.lua`), so both sides see the same whole-millisecond times. The
 //! Rust side runs in nanoseconds (`now_ms × 10^6`, `window_ms × 10^6`) and its
 //! reset / retry are rounded up to ms.
@@ -132,6 +132,7 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
                 cost: on_bucket.then_some(cost),
                 limits: specs.clone(),
             }],
+            quotas: vec![],
         };
         let mut now_ms: u64 = 1_700_000_000_000 + rng.range(0, 10_000_000_000);
         let mut states: Vec<Option<u128>> = vec![None; n_limits];

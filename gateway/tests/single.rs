@@ -335,6 +335,7 @@ async fn metrics_are_exported() {
         "ratelimit_gateway_checks_total{result=\"allowed\"} 1",
         "ratelimit_gateway_checks_total{result=\"error\"} 0",
         "ratelimit_gateway_denials_total{algorithm=\"sliding_window\"} 0",
+        "ratelimit_gateway_quota_denials_total{period=\"month\"} 0",
         "ratelimit_gateway_redis_duration_seconds_count{op=\"check\"} 1",
         "ratelimit_gateway_errors_total{kind=\"timeout\"} 0",
         "ratelimit_gateway_script_reloads_total 0",

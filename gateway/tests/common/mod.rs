@@ -49,6 +49,27 @@ pub fn request(domain: &str, cost: u64, buckets: &[(&str, &str, &[L])]) -> Value
     json!({ "version": 1, "domain": domain, "cost": cost, "buckets": buckets })
 }
 
+/// A quota: `{key, tag, limit, period, amount}`.
+pub fn quota(key: &str, tag: &str, limit: u64, period: &str, amount: u64) -> Value {
+    json!({ "key": key, "tag": tag, "limit": limit, "period": period, "amount": amount })
+}
+
+/// `body` with `quotas` set.
+pub fn with_quotas(mut body: Value, quotas: &[Value]) -> Value {
+    body["quotas"] = Value::Array(quotas.to_vec());
+    body
+}
+
+/// A request with only quotas (no bucket).
+pub fn quota_request(domain: &str, quotas: &[Value]) -> Value {
+    with_quotas(request(domain, 1, &[]), quotas)
+}
+
+/// `body.quotas[q]`.
+pub fn quota_of(body: &Value, q: usize) -> &Value {
+    &body["quotas"][q]
+}
+
 /// Posts to `/v1/check`; the status and the JSON body.
 pub async fn check(client: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
     let resp = client
