@@ -422,10 +422,14 @@ impl Context for Http {
                 .ok()
                 .flatten()
         };
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let body = if body_size == 0 {
+            Vec::new()
+        } else {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        };
         let now = now_ns();
         let outcome = decide::finish(
             &plan,
