@@ -254,6 +254,7 @@ pub fn parse_answer(
                 limit: i,
                 used_share: 0.0,
                 blocked: false,
+                cost: asked.cost,
                 check: Check {
                     allowed: l.allowed,
                     new_state: 0,

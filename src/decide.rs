@@ -212,10 +212,15 @@ impl<S: SharedStore> Ctx<'_, S> {
     fn too_many(&mut self, reports: &[Report]) -> Verdict {
         let shown = headers::binding(self.plan, reports);
         let retry = shown.as_ref().map_or(1, |s| s.retry_after_secs);
-        let retry = headers::jittered(retry, self.plan.retry_jitter, units(self.random).0);
-        if reports.iter().any(|r| r.blocked && !r.check.allowed) {
+        let blocked = reports.iter().any(|r| r.blocked && !r.check.allowed);
+        // A block's end is already spread when the block starts; spreading its
+        // Retry-After again would stretch it twice.
+        let retry = if blocked {
             self.counts.add(Metric::Blocked, 1);
-        }
+            retry
+        } else {
+            headers::jittered(retry, self.plan.retry_jitter, units(self.random).0)
+        };
         let lines = shown
             .as_ref()
             .map(|s| headers::render(self.plan.header_style, s))
@@ -244,7 +249,15 @@ impl<S: SharedStore> Ctx<'_, S> {
             .unwrap_or(0);
         let url = spent.first().map_or("", |(_, u)| *u);
         let names: Vec<&str> = spent.iter().map(|(n, _)| *n).collect();
-        let mut lines = headers::closest(self.plan, shown)
+        // Nothing was charged: show what is left now.
+        let shown: Vec<Report> = shown
+            .iter()
+            .map(|r| match self.plan.limits(r.rule, r.variant).get(r.limit) {
+                Some((limit, _)) => r.uncharged(limit),
+                None => *r,
+            })
+            .collect();
+        let mut lines = headers::closest(self.plan, &shown)
             .map(|s| headers::render(self.plan.header_style, &s))
             .unwrap_or_default();
         lines.push(("link", format!("<{url}>; rel=\"payment\"")));
@@ -946,9 +959,9 @@ mod tests {
             };
             blocks.push(header(headers, "retry-after").parse::<u64>().unwrap());
         }
-        // Block end spread within +10% (300..330 s), and Retry-After up to 10% above that.
+        // The block's end is spread within +10% (300..330 s); its Retry-After is that rest, not spread again.
         for b in &blocks {
-            assert!((300..=363).contains(b), "{blocks:?}");
+            assert!((300..=330).contains(b), "{blocks:?}");
         }
         assert_eq!(blocks[0], 300, "no spread at the low end");
         assert_ne!(blocks[0], blocks[1]);

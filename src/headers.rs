@@ -143,6 +143,7 @@ mod tests {
             variant: 0,
             used_share: 0.0,
             blocked: false,
+            cost: 1,
         }
     }
 

@@ -30,6 +30,24 @@ pub struct Report {
     pub used_share: f64,
     /// The client is blocked (graduated `block_at`); `check.retry_after_ns` is the block's rest.
     pub blocked: bool,
+    /// Tokens the request asked of this limit.
+    pub cost: u64,
+}
+
+impl Report {
+    /// The report as if this limit had not been charged: for a request denied
+    /// elsewhere, so that its headers say what is left now.
+    pub fn uncharged(mut self, limit: &crate::token_bucket::Limit) -> Report {
+        if self.check.allowed {
+            self.check.remaining = (self.check.remaining + self.cost).min(limit.capacity);
+            let per_token = limit.period_ns / limit.capacity.max(1);
+            self.check.reset_ns = self
+                .check
+                .reset_ns
+                .saturating_sub(per_token.saturating_mul(self.cost));
+        }
+        self
+    }
 }
 
 /// The decision for a request.
@@ -216,6 +234,7 @@ pub fn check_and_consume(
                     check,
                     used_share,
                     blocked: false,
+                    cost: b.cost,
                 });
                 let full_at_ns = rule.algorithm.full_at_ns(limit, check.new_state);
                 writes.push(Write {
@@ -266,6 +285,7 @@ fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
         },
         used_share: 0.0,
         blocked: true,
+        cost: b.cost,
     }
 }
 

@@ -58,11 +58,14 @@ impl Limit {
         u128::from(self.period_ns) * u128::from(self.burst.max(self.capacity))
     }
 
-    /// Share of the limit in use for a bucket at `state`, after the request.
+    /// Share of the limit in use for a bucket at `state`, counted in whole
+    /// tokens (a token partly refilled still counts as used), so that a stage
+    /// set on a whole request count, such as 80% of 5, is reached by the 4th
+    /// request however much has trickled back since the first.
     pub fn used_share(&self, state: u128, now_ns: u64) -> f64 {
         let used = state.saturating_sub(self.scaled(now_ns));
-        let full = u128::from(self.period_ns) * u128::from(self.capacity);
-        used as f64 / full.max(1) as f64
+        let tokens = used.div_ceil(self.interval().max(1));
+        tokens as f64 / self.capacity.max(1) as f64
     }
 
     /// Scaled time that spending `cost` tokens adds to the TAT.

@@ -851,6 +851,9 @@ fn kubernetes_objects_agree_with_each_other() {
 const COMPOSE_ENVOY: &str = "deploy/compose/envoy.yaml";
 /// The compose demo's plugin configuration (the demo's rules plus a global one).
 const COMPOSE_PLUGIN: &str = "deploy/compose/ratelimit.json";
+/// The key set the compose Envoy's `jwt_authn` verifies tokens with (inline
+/// in the generated config): the demo's.
+const COMPOSE_JWKS: &str = "envoy/jwt/jwks.json";
 /// Where docker-compose.yml mounts the filter inside the Envoy container.
 const COMPOSE_WASM: &str = "/opt/filters/ratelimit_wasm.wasm";
 /// The gateway's compose service name and port.
@@ -867,6 +870,7 @@ fn rendered_template(wasm: &str) -> Value {
         gateway_port: GATEWAY_PORT as u16,
         wasm_path: PathBuf::from(wasm),
         plugin_config: read(COMPOSE_PLUGIN),
+        jwks: read(COMPOSE_JWKS),
     };
     let text = testkit::render_template(&read("envoy/envoy.yaml"), &vars)
         .unwrap_or_else(|e| panic!("rendering envoy/envoy.yaml: {e:#}"));
@@ -983,8 +987,9 @@ fn compose_header() -> String {
 #
 # Rendered from the one Envoy template envoy/envoy.yaml (by testkit, as for the
 # native tests) with the demo's ports (listener {listen}, admin {admin}, upstream
-# {upstream}), the plugin configuration {COMPOSE_PLUGIN} and the wasm
-# path {COMPOSE_WASM}, then changed only where a container
+# {upstream}), the plugin configuration {COMPOSE_PLUGIN}, the wasm
+# path {COMPOSE_WASM} and the demo JWKS {COMPOSE_JWKS}
+# (inline, public key only), then changed only where a container
 # boundary requires it:
 #   - admin and the rate-limited listener bind 0.0.0.0 (the built-in upstream
 #     listener stays on loopback);
@@ -1015,6 +1020,7 @@ fn rendered_order() -> BTreeMap<String, Vec<String>> {
         gateway_port: GATEWAY_PORT as u16,
         wasm_path: PathBuf::from(COMPOSE_WASM),
         plugin_config: read(COMPOSE_PLUGIN),
+        jwks: read(COMPOSE_JWKS),
     };
     let text = testkit::render_template(&read("envoy/envoy.yaml"), &vars).expect("render");
     let yaml: Yaml = serde_norway::from_str(&text).expect("rendered YAML");

@@ -3,8 +3,13 @@
 //! `envoy/` holds only Envoy bootstrap templates (`*.yaml`) and plugin
 //! configurations (`*.json`). A template has placeholders written `${NAME}`:
 //! `LISTEN_PORT`, `ADMIN_PORT`, `UPSTREAM_PORT` and `GATEWAY_PORT` become integers;
-//! `WASM_PATH` and `PLUGIN_CONFIG` become JSON string literals (which are also
-//! valid YAML double-quoted scalars), so they stand unquoted in the template.
+//! `WASM_PATH`, `PLUGIN_CONFIG` and `JWKS` become JSON string literals (which
+//! are also valid YAML double-quoted scalars), so they stand unquoted in the
+//! template.
+//!
+//! `envoy/jwt/` holds the demo's JWT material: `jwks.json`, the key set that
+//! the template's `jwt_authn` verifies tokens with unless told otherwise, and
+//! `demo-signing-key.pem`, its RS256 private key (demo and tests only).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,6 +31,9 @@ pub struct TemplateVars {
     pub wasm_path: PathBuf,
     /// The plugin configuration (JSON text, passed to the filter verbatim).
     pub plugin_config: String,
+    /// The JSON Web Key Set (JSON text) that `jwt_authn` verifies bearer
+    /// tokens with; usually [`demo_jwks()`].
+    pub jwks: String,
 }
 
 /// The gateway port rendered when none is given: the default `--listen`
@@ -49,6 +57,32 @@ pub fn demo_global_plugin_config_path() -> PathBuf {
     workspace_root().join("envoy/ratelimit-global.json")
 }
 
+/// Path of the demo's JSON Web Key Set, `<workspace>/envoy/jwt/jwks.json`:
+/// the public half of [`demo_signing_key_path()`], rendered into the
+/// template's `jwt_authn` provider (issuer [`DEMO_JWT_ISSUER`]) by default.
+pub fn demo_jwks_path() -> PathBuf {
+    workspace_root().join("envoy/jwt/jwks.json")
+}
+
+/// Path of the demo's RS256 signing key (PKCS#1 PEM),
+/// `<workspace>/envoy/jwt/demo-signing-key.pem`. DEMO ONLY: it is public, so
+/// anyone can mint tokens that the demo JWKS accepts.
+pub fn demo_signing_key_path() -> PathBuf {
+    workspace_root().join("envoy/jwt/demo-signing-key.pem")
+}
+
+/// The `iss` that the template's `jwt_authn` provider requires.
+pub const DEMO_JWT_ISSUER: &str = "ratelimit-wasm-demo";
+
+/// The `kid` of the demo key in [`demo_jwks_path()`].
+pub const DEMO_JWT_KID: &str = "ratelimit-wasm-demo-1";
+
+/// The text of the demo JWKS ([`demo_jwks_path()`]).
+pub fn demo_jwks() -> Result<String> {
+    let path = demo_jwks_path();
+    std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+}
+
 /// Encodes `s` as a JSON string literal (quotes included).
 fn json_string(s: &str) -> Result<String> {
     serde_json::to_string(s).context("encoding a JSON string")
@@ -66,6 +100,7 @@ fn json_string(s: &str) -> Result<String> {
 ///     gateway_port: 8081,
 ///     wasm_path: "/opt/ratelimit_wasm.wasm".into(),
 ///     plugin_config: r#"{"domain": "d"}"#.to_string(),
+///     jwks: r#"{"keys": []}"#.to_string(),
 /// };
 /// let out = render_template("port: ${LISTEN_PORT}\nvalue: ${PLUGIN_CONFIG}\n", &vars).unwrap();
 /// assert_eq!(out, "port: 10000\nvalue: \"{\\\"domain\\\": \\\"d\\\"}\"\n");
@@ -82,6 +117,7 @@ pub fn render_template(template: &str, vars: &TemplateVars) -> Result<String> {
         ("GATEWAY_PORT", vars.gateway_port.to_string()),
         ("WASM_PATH", json_string(wasm)?),
         ("PLUGIN_CONFIG", json_string(&vars.plugin_config)?),
+        ("JWKS", json_string(&vars.jwks)?),
     ];
     let mut out = String::with_capacity(template.len() + vars.plugin_config.len() * 2);
     let mut rest = template;
@@ -169,6 +205,7 @@ pub fn validate_shipped_configs() -> Result<Vec<String>> {
         );
     }
     let wasm = wasm_path()?;
+    let jwks = demo_jwks()?;
     let work = tempfile::Builder::new()
         .prefix("ratelimit-validate-")
         .tempdir()
@@ -186,6 +223,7 @@ pub fn validate_shipped_configs() -> Result<Vec<String>> {
                     gateway_port: DEFAULT_GATEWAY_PORT,
                     wasm_path: wasm.clone(),
                     plugin_config,
+                    jwks: jwks.clone(),
                 };
                 let rendered = render_file(template, &vars)?;
                 let out = work.path().join(format!(
@@ -235,16 +273,17 @@ mod tests {
             gateway_port: 4,
             wasm_path: PathBuf::from("/x/\"q\".wasm"),
             plugin_config: config.to_string(),
+            jwks: "{\"keys\": []}".to_string(),
         }
     }
 
     #[test]
     fn substitutes_every_placeholder() {
-        let t = "a: ${LISTEN_PORT}\nb: ${ADMIN_PORT}\nc: ${UPSTREAM_PORT} ${UPSTREAM_PORT}\ng: ${GATEWAY_PORT}\nw: ${WASM_PATH}\np: ${PLUGIN_CONFIG}\n";
+        let t = "a: ${LISTEN_PORT}\nb: ${ADMIN_PORT}\nc: ${UPSTREAM_PORT} ${UPSTREAM_PORT}\ng: ${GATEWAY_PORT}\nw: ${WASM_PATH}\np: ${PLUGIN_CONFIG}\nj: ${JWKS}\n";
         let out = render_template(t, &vars("{\"k\": \"v\\n\"}\n")).unwrap();
         assert_eq!(
             out,
-            "a: 1\nb: 2\nc: 3 3\ng: 4\nw: \"/x/\\\"q\\\".wasm\"\np: \"{\\\"k\\\": \\\"v\\\\n\\\"}\\n\"\n"
+            "a: 1\nb: 2\nc: 3 3\ng: 4\nw: \"/x/\\\"q\\\".wasm\"\np: \"{\\\"k\\\": \\\"v\\\\n\\\"}\\n\"\nj: \"{\\\"keys\\\": []}\"\n"
         );
     }
 
@@ -268,5 +307,35 @@ mod tests {
             cluster.contains("port_value: 4 }"),
             "gateway port: {cluster}"
         );
+        // jwt_authn verifies tokens against the rendered JWKS, before the
+        // wasm filter reads the claims it wrote.
+        assert!(
+            out.contains("inline_string: \"{\\\"keys\\\": []}\""),
+            "{out}"
+        );
+        let jwt = out
+            .find("- name: envoy.filters.http.jwt_authn")
+            .expect("jwt_authn");
+        let wasm = out
+            .find("- name: envoy.filters.http.wasm")
+            .expect("wasm filter");
+        assert!(jwt < wasm, "jwt_authn must run before the wasm filter");
+        assert!(out.contains(&format!("issuer: {DEMO_JWT_ISSUER}")), "{out}");
+    }
+
+    #[test]
+    fn demo_jwks_is_one_public_rs256_key() {
+        let jwks: serde_json::Value = serde_json::from_str(&demo_jwks().unwrap()).unwrap();
+        let keys = jwks["keys"].as_array().expect("keys");
+        assert_eq!(keys.len(), 1, "{jwks}");
+        let key = &keys[0];
+        assert_eq!(key["kty"], "RSA");
+        assert_eq!(key["alg"], "RS256");
+        assert_eq!(key["kid"], DEMO_JWT_KID);
+        // The public half only: no private exponent or primes.
+        for private in ["d", "p", "q", "dp", "dq", "qi"] {
+            assert!(key.get(private).is_none(), "{private} in the JWKS");
+        }
+        assert!(demo_signing_key_path().is_file());
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::config::{render_file, template_path, TemplateVars, DEFAULT_GATEWAY_PORT};
+use crate::config::{demo_jwks, render_file, template_path, TemplateVars, DEFAULT_GATEWAY_PORT};
 use crate::http::{Client, ConnectionMode};
 use crate::paths::{envoy_bin, wasm_path};
 use crate::ports::Ports;
@@ -31,6 +31,9 @@ pub struct EnvoyOptions {
     /// Port of the `ratelimit-gateway` behind the `ratelimit_gateway`
     /// cluster; `None` renders [`DEFAULT_GATEWAY_PORT`].
     pub gateway_port: Option<u16>,
+    /// The JSON Web Key Set (JSON text) that `jwt_authn` verifies bearer
+    /// tokens with; `None` renders the demo key set `envoy/jwt/jwks.json`.
+    pub jwks: Option<String>,
     /// Envoy bootstrap template; default `envoy/envoy.yaml`.
     pub template: Option<PathBuf>,
     /// The filter; default [`wasm_path()`].
@@ -55,6 +58,7 @@ impl EnvoyOptions {
             plugin_config: plugin_config.into(),
             ports: None,
             gateway_port: None,
+            jwks: None,
             template: None,
             wasm: None,
             concurrency: 2,
@@ -74,6 +78,13 @@ impl EnvoyOptions {
     /// Points the `ratelimit_gateway` cluster at 127.0.0.1:`port`.
     pub fn gateway_port(mut self, port: u16) -> Self {
         self.gateway_port = Some(port);
+        self
+    }
+
+    /// Makes `jwt_authn` verify tokens against `jwks` (JSON Web Key Set text)
+    /// instead of the demo key set.
+    pub fn jwks(mut self, jwks: impl Into<String>) -> Self {
+        self.jwks = Some(jwks.into());
         self
     }
 
@@ -194,6 +205,10 @@ impl Envoy {
             gateway_port: opts.gateway_port.unwrap_or(DEFAULT_GATEWAY_PORT),
             wasm_path: wasm,
             plugin_config: opts.plugin_config.clone(),
+            jwks: match &opts.jwks {
+                Some(j) => j.clone(),
+                None => demo_jwks()?,
+            },
         };
         let rendered = render_file(&template, &vars)?;
         let config_path = dir.path().join("envoy.yaml");

@@ -1,25 +1,41 @@
-//! `make demo`, in two parts, then stops everything it started (also on Ctrl-C):
+//! `make demo`, in three parts, then stops everything it started (also on Ctrl-C):
 //!
 //! 1. Local limits: renders `envoy/envoy.yaml` with `envoy/ratelimit.json`,
 //!    starts Envoy on loopback, sends a few bursts through the rate-limit
 //!    filter and prints one line per request.
-//! 2. One global limit across two proxies: starts `redis-server`, the
+//! 2. A steady load: a second Envoy with `envoy/ratelimit-demo-graduated.json`
+//!    (one graduated rule: 20 requests per 2 s per client, warn, delay, then
+//!    429); one client sends 25 requests/s for 6 s on a fixed schedule and a
+//!    live table prints, for each second, what was sent and how it was
+//!    answered: 200 at once, 200 after a delay, 429, 403, and the last
+//!    `x-ratelimit-remaining`. Then it writes `.run/demo/chart.svg`: the
+//!    same seconds as a chart, against the limit's refill rate.
+//! 3. One global limit across two proxies: starts `redis-server`, the
 //!    `ratelimit-gateway` in front of it and two Envoys with
 //!    `envoy/ratelimit-global.json`, then sends one client's requests to the
 //!    two proxies in turn and prints which proxy answered, the status and
 //!    `x-ratelimit-remaining`: both draw from one shared limit.
 //!
-//! Usage: `demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--local-only] [--hold]`
-//! (default ports: the local Envoy 10000, 9901, 10001; proxy A 10010, 9902,
-//! 10011; proxy B 10020, 9903, 10021; the gateway 8081; Redis a free port.
-//! `--ports` moves the local Envoy, `--free-ports` everything; `--hold`
-//! keeps everything running after the requests until Ctrl-C).
+//! Usage: `demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--local-only]
+//! [--load-seconds N] [--load-rate N] [--hold]` (default ports: the local
+//! Envoy 10000, 9901, 10001; the steady-load Envoy 10030, 9904, 10031; proxy
+//! A 10010, 9902, 10011; proxy B 10020, 9903, 10021; the gateway 8081; Redis a
+//! free port. `--ports` moves the local Envoy, `--free-ports` everything;
+//! `--local-only` skips part 3; `--load-seconds` and `--load-rate` change part
+//! 2's load (default 6 s at 25 requests/s); `--hold` keeps everything running
+//! after the requests until Ctrl-C).
+
+#[path = "demo/chart.rs"]
+mod chart;
+#[path = "demo/load.rs"]
+mod load;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use testkit::config::{demo_global_plugin_config_path, demo_plugin_config_path};
 use testkit::redis::Redis;
 use testkit::{
@@ -28,23 +44,56 @@ use testkit::{
 };
 
 /// PIDs of the processes this demo started and has not stopped yet, in
-/// start order, for the Ctrl-C handler.
-static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+/// start order, for the Ctrl-C handler; `None` once the handler has taken
+/// them. Held while a child starts (see [`start_child`]).
+static CHILDREN: Mutex<Option<Vec<u32>>> = Mutex::new(Some(Vec::new()));
 
-fn register(pid: Option<u32>) {
-    if let (Some(pid), Ok(mut c)) = (pid, CHILDREN.lock()) {
-        c.push(pid);
-    }
+/// Set by the Ctrl-C handler, which then stops the children and exits: the
+/// load stops sending, and `main` leaves the exit to the handler.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+/// Starts children with `start` and registers their PIDs (`pids`) for the
+/// Ctrl-C handler, holding the list meanwhile: a Ctrl-C during a start waits
+/// for it to finish and then stops what it started too (a child without a
+/// parent-death signal, such as `redis-server`, would otherwise outlive the
+/// demo), and after a Ctrl-C nothing new starts.
+fn start_child<T>(
+    start: impl FnOnce() -> Result<T>,
+    pids: impl FnOnce(&T) -> Vec<Option<u32>>,
+) -> Result<T> {
+    let mut children = CHILDREN
+        .lock()
+        .map_err(|_| anyhow!("the list of children is poisoned"))?;
+    let Some(list) = children.as_mut() else {
+        bail!("interrupted");
+    };
+    let started = start()?;
+    list.extend(pids(&started).into_iter().flatten());
+    Ok(started)
 }
 
 fn unregister(pid: Option<u32>) {
     if let (Some(pid), Ok(mut c)) = (pid, CHILDREN.lock()) {
-        c.retain(|p| *p != pid);
+        if let Some(list) = c.as_mut() {
+            list.retain(|p| *p != pid);
+        }
     }
 }
 
 fn main() -> ExitCode {
-    match run() {
+    let result = run();
+    if interrupted() {
+        // The Ctrl-C handler is stopping the children (whose requests may
+        // have failed meanwhile) and exits with 130.
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("demo failed: {e:#}");
@@ -56,19 +105,27 @@ fn main() -> ExitCode {
 /// Command-line options.
 struct Args {
     ports: Ports,
+    load_ports: Ports,
     proxy_a: Ports,
     proxy_b: Ports,
     gateway_port: u16,
     global: bool,
+    load_seconds: u32,
+    load_rate: u32,
     hold: bool,
 }
 
-const USAGE: &str =
-    "usage: demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--local-only] [--hold]";
+const USAGE: &str = "usage: demo [--free-ports | --ports LISTEN,ADMIN,UPSTREAM] [--local-only] \
+                     [--load-seconds N] [--load-rate N] [--hold]";
 
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         ports: Ports::DEMO,
+        load_ports: Ports {
+            listen: 10030,
+            admin: 9904,
+            upstream: 10031,
+        },
         proxy_a: Ports {
             listen: 10010,
             admin: 9902,
@@ -81,6 +138,8 @@ fn parse_args() -> Result<Args> {
         },
         gateway_port: testkit::config::DEFAULT_GATEWAY_PORT,
         global: true,
+        load_seconds: 6,
+        load_rate: 25,
         hold: false,
     };
     let mut it = std::env::args().skip(1);
@@ -88,6 +147,7 @@ fn parse_args() -> Result<Args> {
         match arg.as_str() {
             "--free-ports" => {
                 args.ports = Ports::free()?;
+                args.load_ports = Ports::free()?;
                 args.proxy_a = Ports::free()?;
                 args.proxy_b = Ports::free()?;
                 args.gateway_port = testkit::free_port()?;
@@ -109,6 +169,19 @@ fn parse_args() -> Result<Args> {
                 };
             }
             "--local-only" => args.global = false,
+            "--load-seconds" | "--load-rate" => {
+                let v = it.next().context(USAGE)?;
+                let n: u32 = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .with_context(|| format!("{arg} wants a number from 1 to 1000, not {v:?}"))?;
+                if arg == "--load-seconds" {
+                    args.load_seconds = n;
+                } else {
+                    args.load_rate = n;
+                }
+            }
             "--hold" => args.hold = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -121,10 +194,11 @@ fn parse_args() -> Result<Args> {
 }
 
 /// Stops every process the demo started, newest first: SIGTERM, then
-/// SIGKILL after 5 s. Called from the Ctrl-C handler.
+/// SIGKILL after 5 s. Called from the Ctrl-C handler; waits for a start in
+/// progress to finish first, and no child starts after it.
 fn stop_children_from_signal() {
     let pids = match CHILDREN.lock() {
-        Ok(mut c) => std::mem::take(&mut *c),
+        Ok(mut c) => c.take().unwrap_or_default(),
         Err(_) => return,
     };
     for pid in pids.into_iter().rev() {
@@ -159,6 +233,7 @@ fn stop_children_from_signal() {
 fn run() -> Result<()> {
     let args = parse_args()?;
     ctrlc::set_handler(|| {
+        INTERRUPTED.store(true, Ordering::SeqCst);
         eprintln!("\ninterrupted: stopping everything the demo started");
         stop_children_from_signal();
         std::process::exit(130);
@@ -166,6 +241,7 @@ fn run() -> Result<()> {
     .context("installing the Ctrl-C handler")?;
 
     let mut envoy = local_part(&args)?;
+    let mut load_envoy = load_part(&args)?;
     let mut global = if args.global {
         Some(global_part(&args)?)
     } else {
@@ -176,6 +252,10 @@ fn run() -> Result<()> {
         println!(
             "\nEverything keeps running: try `curl -i -H 'x-client-id: me' {}`",
             envoy.url("/")
+        );
+        println!(
+            "or the graduated rule: `curl -si -H 'x-client-id: me' {} | grep -i ratelimit`",
+            load_envoy.url("/")
         );
         if let Some(g) = &global {
             println!(
@@ -193,6 +273,12 @@ fn run() -> Result<()> {
                     envoy.log_path().display()
                 );
             }
+            if let Some(status) = load_envoy.try_wait()? {
+                bail!(
+                    "the steady-load Envoy exited by itself ({status}); log {}",
+                    load_envoy.log_path().display()
+                );
+            }
             if let Some(g) = global.as_mut() {
                 g.check_running()?;
             }
@@ -204,6 +290,10 @@ fn run() -> Result<()> {
     if let Some(g) = global.take() {
         g.stop()?;
     }
+    let pid = Some(load_envoy.pid());
+    let status = load_envoy.stop()?;
+    unregister(pid);
+    println!("stopped the steady-load Envoy ({status})");
     let pid = Some(envoy.pid());
     let status = envoy.stop()?;
     unregister(pid);
@@ -223,12 +313,16 @@ fn local_part(args: &Args) -> Result<Envoy> {
         "starting Envoy: listener 127.0.0.1:{}, admin 127.0.0.1:{}, upstream 127.0.0.1:{}",
         ports.listen, ports.admin, ports.upstream
     );
-    let envoy = Envoy::start(
-        EnvoyOptions::new(plugin_config)
-            .ports(ports)
-            .work_dir(&work_dir),
+    let envoy = start_child(
+        || {
+            Envoy::start(
+                EnvoyOptions::new(plugin_config)
+                    .ports(ports)
+                    .work_dir(&work_dir),
+            )
+        },
+        |e| vec![Some(e.pid())],
     )?;
-    register(Some(envoy.pid()));
     println!(
         "Envoy pid {} is ready; config {}, log {}\n",
         envoy.pid(),
@@ -271,7 +365,155 @@ fn local_part(args: &Args) -> Result<Envoy> {
     Ok(envoy)
 }
 
-/// What part 2 started, stopped newest first.
+/// Path of part 2's plugin configuration.
+fn load_plugin_config_path() -> std::path::PathBuf {
+    workspace_root().join("envoy/ratelimit-demo-graduated.json")
+}
+
+/// A limit's `per` in seconds: `"<n>s"`, `"<n>m"`, `"<n>h"`, `"<n>d"` or a
+/// whole number of seconds.
+fn per_seconds(per: &serde_json::Value) -> Option<u64> {
+    if let Some(n) = per.as_u64() {
+        return Some(n);
+    }
+    let s = per.as_str()?;
+    let (n, unit) = s.split_at(s.len().checked_sub(1)?);
+    let n: u64 = n.parse().ok()?;
+    let unit = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return None,
+    };
+    Some(n * unit)
+}
+
+/// A share of a limit as a percentage, e.g. `0.8` as `80%`.
+fn percent(share: f64) -> String {
+    format!("{}%", (share * 100.0).round())
+}
+
+/// Part 2: one Envoy with `envoy/ratelimit-demo-graduated.json`, a steady
+/// load from one client with a live per-second table, then the chart.
+/// Returns the Envoy still running.
+fn load_part(args: &Args) -> Result<Envoy> {
+    let config_path = load_plugin_config_path();
+    let plugin_config = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("reading {}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&plugin_config)
+        .with_context(|| format!("parsing {}", config_path.display()))?;
+    let rule = &config["rules"][0];
+    let rule_name = rule["name"].as_str().unwrap_or("?");
+    let limit = &rule["limits"][0];
+    let requests = limit["requests"]
+        .as_u64()
+        .with_context(|| format!("{}: rules[0].limits[0].requests", config_path.display()))?;
+    let per = per_seconds(&limit["per"])
+        .filter(|p| *p > 0)
+        .with_context(|| format!("{}: rules[0].limits[0].per", config_path.display()))?;
+    let per_text = match &limit["per"] {
+        serde_json::Value::String(s) => s.clone(),
+        v => format!("{v}s"),
+    };
+    let limit_rate = requests as f64 / per as f64;
+    let graduated = &rule["graduated"];
+    let delay_ms = graduated["delay_ms"].as_u64();
+    let mut stages = Vec::new();
+    if let Some(w) = graduated["warn_at"].as_f64() {
+        stages.push(format!("x-ratelimit-warning from {} in use", percent(w)));
+    }
+    if let (Some(d), Some(ms)) = (graduated["delay_at"].as_f64(), delay_ms) {
+        stages.push(format!("held {ms} ms above {}", percent(d)));
+    }
+    let reject_at = graduated["reject_at"].as_f64().unwrap_or(1.0);
+    stages.push(format!("429 above {}", percent(reject_at)));
+    let who = "frank";
+    let load = load::Load {
+        seconds: args.load_seconds,
+        rate: args.load_rate,
+        request: Request::get("/").header("x-client-id", who),
+        delay: delay_ms.map(Duration::from_millis),
+    };
+
+    println!(
+        "\n== a steady load: client {who} sends {} requests/s for {} s on a fixed schedule \
+         (plugin config {})\n\
+         rule {rule_name:?}: {requests} requests per {per_text} per client, refilled at \
+         {limit_rate} requests/s; graduated: {}",
+        load.rate,
+        load.seconds,
+        config_path.display(),
+        stages.join(", "),
+    );
+    let work_dir = workspace_root().join(".run/demo");
+    let envoy = start_child(
+        || {
+            Envoy::start(
+                EnvoyOptions::new(plugin_config)
+                    .ports(args.load_ports)
+                    .work_dir(work_dir.join("steady")),
+            )
+        },
+        |e| vec![Some(e.pid())],
+    )?;
+    println!(
+        "Envoy pid {} on {} (admin {}); log {}",
+        envoy.pid(),
+        envoy.url(""),
+        envoy.admin_url(""),
+        envoy.log_path().display()
+    );
+    let held = match delay_ms {
+        Some(ms) => format!(
+            "200 after the graduated rule held it, told by its timing: it took at least \
+             delay_ms ({ms} ms) and carries x-ratelimit-warning"
+        ),
+        None => "none: this rule has no delay stage".to_string(),
+    };
+    println!(
+        "columns: 200 = answered at once; delayed = {held};\n         \
+         429 = over the limit; 403 = quota exhausted (this config has no quota: 0); \
+         other = any other status, or no answer\n"
+    );
+    println!("{}", load::header());
+    let client = envoy.client(ConnectionMode::KeepAlive);
+    let seconds = load::run(&client, &load, interrupted, |k, s| {
+        println!("{}", load::row(k, s));
+    })?;
+    println!("{}", load::total_row(&seconds));
+
+    let stats = envoy.stats_prometheus()?;
+    let metric = |m: &str| testkit::prometheus_value(&stats, m).unwrap_or(0.0);
+    println!(
+        "the filter's own counts (admin /stats/prometheus): ratelimit_wasm_requests_allowed {}, \
+         ratelimit_wasm_delayed {}, ratelimit_wasm_requests_denied {}, ratelimit_wasm_warned {}",
+        metric("ratelimit_wasm_requests_allowed"),
+        metric("ratelimit_wasm_delayed"),
+        metric("ratelimit_wasm_requests_denied"),
+        metric("ratelimit_wasm_warned"),
+    );
+
+    let chart_path = work_dir.join("chart.svg");
+    let title = format!(
+        "client {who}: {} requests/s for {} s against rule {rule_name:?} ({requests} per {per_text}, graduated)",
+        load.rate, load.seconds
+    );
+    let limit_label = format!("limit: {requests} per {per_text} = {limit_rate} requests/s");
+    chart::write(
+        &chart_path,
+        &seconds,
+        &chart::ChartInfo {
+            title: &title,
+            limit_rate,
+            limit_label: &limit_label,
+        },
+    )?;
+    println!("chart: {}", chart_path.display());
+    Ok(envoy)
+}
+
+/// What part 3 started, stopped newest first.
 struct Global {
     redis: Redis,
     gateway: Gateway,
@@ -320,7 +562,7 @@ impl Global {
     }
 }
 
-/// Part 2: Redis, the gateway and two Envoys with `envoy/ratelimit-global.json`.
+/// Part 3: Redis, the gateway and two Envoys with `envoy/ratelimit-global.json`.
 fn global_part(args: &Args) -> Result<Global> {
     let config_path = demo_global_plugin_config_path();
     let plugin_config = std::fs::read_to_string(&config_path)
@@ -338,20 +580,26 @@ fn global_part(args: &Args) -> Result<Global> {
         config_path.display()
     );
 
-    let redis = Redis::start().context("starting redis-server (make deps installs it)")?;
-    register(redis.pid());
+    let redis = start_child(
+        || Redis::start().context("starting redis-server (make deps installs it)"),
+        |r| vec![r.pid()],
+    )?;
     println!(
         "redis-server pid {} on 127.0.0.1:{}",
         redis.pid().unwrap_or(0),
         redis.port()
     );
     let run_dir = workspace_root().join(".run/demo");
-    let gateway = Gateway::start(
-        GatewayOptions::new(redis.url())
-            .port(args.gateway_port)
-            .work_dir(run_dir.join("gateway")),
+    let gateway = start_child(
+        || {
+            Gateway::start(
+                GatewayOptions::new(redis.url())
+                    .port(args.gateway_port)
+                    .work_dir(run_dir.join("gateway")),
+            )
+        },
+        |g| vec![g.pid()],
     )?;
-    register(gateway.pid());
     println!(
         "ratelimit-gateway pid {} on 127.0.0.1:{}; log {}",
         gateway.pid().unwrap_or(0),
@@ -364,11 +612,10 @@ fn global_part(args: &Args) -> Result<Global> {
             .gateway_port(gateway.port())
             .work_dir(run_dir.join(dir))
     };
-    let proxies =
-        Envoy::start_all(&[opts(args.proxy_a, "proxy-a"), opts(args.proxy_b, "proxy-b")])?;
-    for p in &proxies {
-        register(Some(p.pid()));
-    }
+    let proxies = start_child(
+        || Envoy::start_all(&[opts(args.proxy_a, "proxy-a"), opts(args.proxy_b, "proxy-b")]),
+        |ps| ps.iter().map(|p| Some(p.pid())).collect(),
+    )?;
     let global = Global {
         redis,
         gateway,
@@ -455,4 +702,21 @@ fn print_line(n: usize, who: &str, req: &Request, client: &Client) -> Result<()>
         println!("{line}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_seconds_reads_every_unit() {
+        let v = |s: &str| per_seconds(&serde_json::Value::from(s));
+        assert_eq!(v("2s"), Some(2));
+        assert_eq!(v("1m"), Some(60));
+        assert_eq!(v("3h"), Some(10_800));
+        assert_eq!(v("1d"), Some(86_400));
+        assert_eq!(per_seconds(&serde_json::json!(30)), Some(30));
+        assert_eq!(v("5x"), None);
+        assert_eq!(v(""), None);
+    }
 }
