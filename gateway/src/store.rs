@@ -15,6 +15,9 @@ use tokio::task::JoinHandle;
 use crate::metrics::Metrics;
 use crate::script::LuaScript;
 
+/// Longest wait between two reconnect attempts to a single Redis.
+const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
+
 /// Where Redis is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
@@ -102,9 +105,12 @@ impl Store {
         let connector = match target {
             Target::Single(url) => {
                 let client = redis::Client::open(url.as_str())?;
+                // Reconnect attempts back off exponentially; capped so that a
+                // connection is never still asleep long after Redis is back.
                 let config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout(timeout)))
-                    .set_response_timeout(Some(timeout));
+                    .set_response_timeout(Some(timeout))
+                    .set_max_delay(RECONNECT_MAX_DELAY);
                 tokio::spawn(async move {
                     connect_loop(cell, &url, || async {
                         ConnectionManager::new_with_config(client.clone(), config.clone())
