@@ -6,6 +6,8 @@
 #   make demo              start Envoy with envoy/ratelimit.json and send a burst
 #   make validate-configs  `envoy --mode validate` on every shipped config, rendered
 #   make images            build the gateway and plugin images (needs a Docker engine)
+#   make soak              several minutes of load with Redis/gateway faults (RELIABILITY.md)
+#   make fuzz              every fuzz target for FUZZ_SECONDS (nightly, cargo-fuzz)
 #
 # CI runs `.ci/run`, which runs `make test`.
 
@@ -85,3 +87,29 @@ clean:
 SOAK_SECONDS ?= 300
 soak: deps build
 	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_REPORT=target/soak/report.md cargo test --test soak -- --nocapture
+
+# Each fuzz target for FUZZ_SECONDS (nightly + cargo-fuzz, installed when
+# missing). New inputs go to fuzz/work/ (ignored); the seed corpus fuzz/corpus/
+# is only read, and `make test` replays it (tests/fuzz_corpus.rs,
+# gateway/tests/fuzz_corpus.rs). Fails if any target finds a crash: the input is
+# in fuzz/artifacts/<target>/.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= config gateway_answer gateway_request key decide filter_to_gateway
+FUZZ_FLAGS   := --sanitizer none --debug-assertions
+
+.PHONY: fuzz
+fuzz:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked
+	cd fuzz && cargo +nightly fuzz build $(FUZZ_FLAGS)
+	@cd fuzz && failed=""; \
+	for t in $(FUZZ_TARGETS); do \
+	  mkdir -p work/$$t; \
+	  dict=""; [ -f dicts/$$t.dict ] && dict="-dict=dicts/$$t.dict"; \
+	  echo "== fuzz $$t for $(FUZZ_SECONDS) s"; \
+	  cargo +nightly fuzz run $(FUZZ_FLAGS) $$t work/$$t corpus/$$t -- \
+	    -max_total_time=$(FUZZ_SECONDS) -max_len=8192 -print_final_stats=1 $$dict \
+	    || failed="$$failed $$t"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "fuzz: crashes in:$$failed (see fuzz/artifacts/)"; exit 1; fi; \
+	echo "fuzz: no crash"

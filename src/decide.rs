@@ -494,8 +494,11 @@ fn finish_with(
         let v = ctx.pass(&p.local_reports);
         return ctx.done(v, eval.bad_input, None, Transition::None);
     };
+    // A 4xx says the request was refused, not that the gateway is unwell: it
+    // takes the failure mode but does not count towards opening the circuit.
     let result = match &answer {
         Ok(_) => CallResult::Answered { latency_ns },
+        Err(AnswerError::Status(s)) if s.starts_with('4') => CallResult::Answered { latency_ns },
         Err(_) => CallResult::Failed,
     };
     let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
@@ -1067,5 +1070,20 @@ mod tests {
         // Out of rate limit: 429, before the gateway is asked.
         let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+    }
+
+    #[test]
+    fn a_refused_request_takes_the_failure_mode_but_does_not_open_the_circuit() {
+        let p = global_plan("open");
+        let s = MemoryStore::default();
+        for _ in 0..3 {
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+            let o = finish(&p, pending, Some(b"400"), b"{}", SEC / 1000, &s, T0);
+            assert!(matches!(o.verdict, Verdict::Pass(_)));
+            assert_eq!(o.counts.get(Metric::FailOpen), 1);
+            assert_eq!(o.circuit, Transition::None);
+        }
+        // Still calling: two failures of any other kind would have opened it.
+        call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
     }
 }

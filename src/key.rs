@@ -156,6 +156,22 @@ pub fn encode_part(key: &mut String, tag_out: Option<&mut String>, tag: u8, valu
     }
 }
 
+/// Longest global key sent to the gateway, which refuses keys over 512 bytes.
+pub const MAX_GLOBAL_KEY_BYTES: usize = 512;
+
+/// `key` itself when it fits the gateway's bound, else `<name>#<hash of key>`:
+/// several long parts together must not make a key the gateway refuses.
+pub fn bounded(key: String, name: &str) -> String {
+    use siphasher::sip128::{Hasher128, SipHasher13};
+    use std::hash::Hasher;
+    if key.len() <= MAX_GLOBAL_KEY_BYTES {
+        return key;
+    }
+    let mut h = SipHasher13::new();
+    h.write(key.as_bytes());
+    format!("{name}#{:032x}", h.finish128().as_u128())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +298,25 @@ mod tests {
         let mut long = String::new();
         encode_part(&mut long, None, b'h', &[b'x'; 500]);
         assert!(long.starts_with("h#") && long.len() == 2 + 32, "{long}");
+    }
+
+    #[test]
+    fn long_global_keys_are_hashed_whole() {
+        let mut k = String::from("rule");
+        for (t, v) in [
+            (b'c', [b' '; 128]),
+            (b'p', [b'/'; 128]),
+            (b'h', [b'%'; 128]),
+        ] {
+            encode_part(&mut k, None, t, &v);
+        }
+        assert!(k.len() > MAX_GLOBAL_KEY_BYTES);
+        let b = bounded(k.clone(), "rule");
+        assert!(b.starts_with("rule#") && b.len() == 5 + 32, "{b}");
+        let mut other = k.clone();
+        other.push('x');
+        assert_ne!(bounded(other, "rule"), b);
+        assert_eq!(bounded("rule/c=a".into(), "rule"), "rule/c=a");
     }
 
     #[test]

@@ -163,6 +163,8 @@ pub struct QuotaPlan {
     /// Where to buy more.
     pub upgrade_url: String,
     count: QuotaCount,
+    /// Amount for a tier not listed, and for every client when no tiers are declared.
+    limit: Option<u64>,
     by_tier: Vec<Option<u64>>,
     matcher: Option<Matcher>,
     key: Vec<KeyPart>,
@@ -449,6 +451,7 @@ impl Plan {
                     period: q.period,
                     upgrade_url: q.upgrade_url.clone(),
                     count: q.count,
+                    limit: q.limit,
                     by_tier: tiers
                         .iter()
                         .map(|(name, _)| q.tiers.get(name).copied().or(q.limit))
@@ -596,7 +599,7 @@ impl Plan {
                     eval.global.push(GlobalBucket {
                         rule: i,
                         variant,
-                        key,
+                        key: key::bounded(key, &rule.name),
                         tag,
                         cost,
                     });
@@ -616,7 +619,10 @@ impl Plan {
             }
             let limit = known
                 .and_then(|k| k.quotas.iter().find(|(x, _)| *x == qi).map(|(_, a)| *a))
-                .or_else(|| tier.and_then(|t| q.by_tier.get(t).copied().flatten()));
+                .or_else(|| match tier {
+                    Some(t) => q.by_tier.get(t).copied().flatten(),
+                    None => q.limit,
+                });
             let Some(limit) = limit else { continue };
             let (mut k, mut tag) = (q.name.clone(), String::new());
             let applies = key::write_key(
@@ -636,7 +642,7 @@ impl Plan {
                 };
                 eval.quotas.push(QuotaBucket {
                     quota: qi,
-                    key: k,
+                    key: key::bounded(k, &q.name),
                     tag,
                     limit,
                     amount,
@@ -933,6 +939,23 @@ mod tests {
         forged.tier_metadata = Some(b"pro".to_vec());
         let alice = p.evaluate(&forged);
         assert_eq!(capacity(&p, &alice), 100);
+    }
+
+    #[test]
+    fn a_quota_limit_applies_when_no_tiers_are_declared() {
+        let json = r#"{"domain":"d","global":{"cluster":"gw"},
+            "rules":[{"name":"api","key":["client"],"limits":[{"requests":10,"per":"1m"}]}],
+            "quotas":[{"name":"daily","key":["client"],"period":"day","limit":7,"upgrade_url":"https://e.com/up"}]}"#;
+        let p = plan(json);
+        let e = p.evaluate(&request(
+            &p,
+            "GET",
+            "/",
+            &[("x-client-id", "a")],
+            "1.1.1.1:1",
+        ));
+        assert_eq!(e.quotas.len(), 1);
+        assert_eq!(e.quotas[0].limit, 7);
     }
 
     #[test]

@@ -1,0 +1,117 @@
+//! `gateway_answer`: the filter's reading of the gateway's answer
+//! (`callout::parse_answer`) on any status and body, for a fixed plan with two global
+//! rules (three limits) and a quota. It must never panic, and whatever it accepts must be
+//! clamped to what the configured limits make possible.
+//!
+//! Input: the status up to the first `\n` (`~` for no answer at all), then the body. An
+//! input without `\n` is a body with status 200.
+
+use ratelimit_wasm::callout::{self, Answer, AnswerError};
+use ratelimit_wasm::plan::{Evaluation, Plan};
+use ratelimit_wasm::request::RequestInfo;
+
+pub const CONFIG: &str = r#"{
+  "domain": "fuzz",
+  "tiers": { "free": {} },
+  "identity": { "default_tier": "free" },
+  "global": { "cluster": "gw", "failure_mode": "local", "instances": 2 },
+  "rules": [
+    { "name": "g", "scope": "global", "key": ["client"],
+      "limits": [ { "requests": 10, "per": "1m" }, { "requests": 2, "per": "1s" } ] },
+    { "name": "g-up", "scope": "global", "algorithm": "sliding_window",
+      "match": { "path_prefix": "/upload" }, "key": ["client", "path"],
+      "limits": [ { "requests": 5, "per": "1h" } ] },
+    { "name": "local", "key": ["client"], "limits": [ { "requests": 100, "per": "1m" } ] }
+  ],
+  "quotas": [ { "name": "monthly", "key": ["client"], "period": "month", "limit": 1000,
+                "upgrade_url": "https://example.com/upgrade" } ]
+}"#;
+
+/// The fixed plan and the evaluation of `POST /upload/x` by client `alice`.
+fn setup() -> (Plan, Evaluation) {
+    let cfg = ratelimit_wasm::config::parse(CONFIG.as_bytes()).expect("the fixed config parses");
+    let plan = Plan::compile(&cfg, [0; 16]);
+    let headers = plan
+        .header_names
+        .iter()
+        .map(|n| match n.as_str() {
+            ":method" => Some(b"POST".to_vec()),
+            ":path" => Some(b"/upload/x?y".to_vec()),
+            "x-client-id" => Some(b"alice".to_vec()),
+            _ => None,
+        })
+        .collect();
+    let eval = plan.evaluate(&RequestInfo {
+        headers,
+        source_address: Some(b"192.0.2.1:1000".to_vec()),
+        ..RequestInfo::default()
+    });
+    assert_eq!(eval.global.len(), 2);
+    assert_eq!(eval.quotas.len(), 1);
+    (plan, eval)
+}
+
+thread_local! {
+    static SETUP: (Plan, Evaluation) = setup();
+}
+
+pub fn run(data: &[u8]) {
+    SETUP.with(|(plan, eval)| run_with(plan, eval, data));
+}
+
+fn run_with(plan: &Plan, eval: &Evaluation, data: &[u8]) {
+    let (status, body) = match data.iter().position(|&b| b == b'\n') {
+        Some(i) if &data[..i] == b"~" => (None, &data[i + 1..]),
+        Some(i) => (Some(&data[..i]), &data[i + 1..]),
+        None => (Some(&b"200"[..]), data),
+    };
+    let result = callout::parse_answer(plan, &eval.global, &eval.quotas, status, body);
+    match &result {
+        Err(AnswerError::NoAnswer) => assert!(status.is_none()),
+        Err(AnswerError::Status(_)) => assert_ne!(status, Some(&b"200"[..])),
+        Err(_) => {}
+        Ok(answer) => check(plan, eval, answer),
+    }
+    // Same input, same answer.
+    assert_eq!(
+        result,
+        callout::parse_answer(plan, &eval.global, &eval.quotas, status, body)
+    );
+}
+
+const MS: u64 = 1_000_000;
+
+fn check(plan: &Plan, eval: &Evaluation, answer: &Answer) {
+    let limits: Vec<_> = eval
+        .global
+        .iter()
+        .flat_map(|g| {
+            plan.limits(g.rule, g.variant)
+                .iter()
+                .enumerate()
+                .map(move |(i, l)| (g.rule, g.variant, i, l.0))
+        })
+        .collect();
+    assert_eq!(answer.reports.len(), limits.len(), "{answer:?}");
+    for (r, (rule, variant, i, limit)) in answer.reports.iter().zip(limits) {
+        assert_eq!((r.rule, r.variant, r.limit), (rule, variant, i), "{r:?}");
+        let window_ns = limit.period_ns / MS * MS;
+        assert!(r.check.remaining <= limit.capacity, "{r:?}");
+        assert!(r.check.reset_ns <= 2 * window_ns, "{r:?}");
+        assert!(r.check.retry_after_ns <= 2 * window_ns, "{r:?}");
+        if r.check.allowed {
+            assert_eq!(r.check.retry_after_ns, 0, "{r:?}");
+        } else {
+            assert!(
+                r.check.retry_after_ns > 0,
+                "a denial must say when to retry: {r:?}"
+            );
+        }
+    }
+    assert_eq!(answer.quotas.len(), eval.quotas.len(), "{answer:?}");
+    for (q, asked) in answer.quotas.iter().zip(&eval.quotas) {
+        assert_eq!(q.quota, asked.quota);
+        assert!(q.remaining <= asked.limit, "{q:?}");
+        assert!(q.reset_ms <= 31 * 86_400_000, "{q:?}");
+    }
+}
