@@ -23,6 +23,8 @@ mod gateway_answer;
 mod input;
 #[path = "../fuzz/targets/key.rs"]
 mod key;
+#[path = "../fuzz/targets/replay.rs"]
+mod replay;
 #[path = "../fuzz/targets/request_gen.rs"]
 mod request_gen;
 
@@ -32,50 +34,16 @@ use harness::{CallResponse, Harness, KeyFilter, Options, Request, StreamId, Stre
 use input::Input;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::rc::Rc;
 use std::time::Duration;
 
-/// Every file of `fuzz/corpus/<target>/` and `fuzz/artifacts/<target>/`, sorted.
-fn corpus(target: &str) -> Vec<PathBuf> {
-    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
-    let mut files: Vec<PathBuf> = ["corpus", "artifacts"]
-        .iter()
-        .filter_map(|d| std::fs::read_dir(fuzz.join(d).join(target)).ok())
-        .flatten()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    files
-}
-
-fn panic_message(e: &(dyn std::any::Any + Send)) -> String {
-    e.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "<non-string panic>".into())
-}
-
-/// Runs every corpus input of `target` through `run`; fails naming each input that panics.
+/// Replays one target's corpus through `run`.
 fn replay(target: &str, run: fn(&[u8])) {
-    let files = corpus(target);
-    assert!(!files.is_empty(), "no corpus for fuzz target {target}");
-    let failures: Vec<String> = files
-        .iter()
-        .filter_map(|f| {
-            let data = std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
-            catch_unwind(|| run(&data))
-                .err()
-                .map(|e| format!("{}: {}", f.display(), panic_message(&*e)))
-        })
-        .collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} inputs of fuzz target {target} fail:\n{}",
-        failures.len(),
-        files.len(),
-        failures.join("\n")
+    replay::replay(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz"),
+        target,
+        run,
     );
 }
 
@@ -419,7 +387,7 @@ fn compiled_filter_survives_random_host_events() {
         if let Err(e) = catch_unwind(AssertUnwindSafe(|| drive(seed, 300))) {
             panic!(
                 "random host events, seed {seed} (rerun: drive({seed}, 300)):\n{}",
-                panic_message(&*e)
+                replay::panic_message(&*e)
             );
         }
     }
