@@ -95,15 +95,16 @@ impl EnvoyOptions {
     }
 }
 
-/// Where the rendered config and the log of one Envoy live.
+/// Where the rendered config and the log of one process live: a temporary
+/// directory, or one the caller chose. Also used by [`crate::gateway`].
 #[derive(Debug)]
-enum WorkDir {
+pub(crate) enum WorkDir {
     Temp(tempfile::TempDir),
     Fixed(PathBuf),
 }
 
 impl WorkDir {
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         match self {
             WorkDir::Temp(t) => t.path(),
             WorkDir::Fixed(p) => p,

@@ -10,6 +10,7 @@
 //! demo that dies never leaves it behind: start it from the thread that keeps
 //! the [`Gateway`] value.
 
+use crate::envoy::WorkDir;
 use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -70,21 +71,6 @@ impl GatewayOptions {
     }
 }
 
-#[derive(Debug)]
-enum LogDir {
-    Temp(tempfile::TempDir),
-    Fixed(PathBuf),
-}
-
-impl LogDir {
-    fn path(&self) -> &Path {
-        match self {
-            LogDir::Temp(t) => t.path(),
-            LogDir::Fixed(p) => p,
-        }
-    }
-}
-
 /// A running `ratelimit-gateway`; stopped (SIGTERM, then SIGKILL) when dropped.
 #[derive(Debug)]
 pub struct Gateway {
@@ -94,7 +80,7 @@ pub struct Gateway {
     child: Option<Child>,
     log_path: PathBuf,
     // Dropped last: removes the temporary directory.
-    dir: Option<LogDir>,
+    dir: Option<WorkDir>,
 }
 
 impl Gateway {
@@ -104,9 +90,9 @@ impl Gateway {
         let dir = match &opts.work_dir {
             Some(d) => {
                 std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-                LogDir::Fixed(d.clone())
+                WorkDir::Fixed(d.clone())
             }
-            None => LogDir::Temp(
+            None => WorkDir::Temp(
                 tempfile::Builder::new()
                     .prefix("ratelimit-gateway-")
                     .tempdir()
@@ -363,7 +349,7 @@ impl Drop for Gateway {
                 self.port,
                 self.log_tail(30)
             );
-            if let Some(LogDir::Temp(t)) = self.dir.take() {
+            if let Some(WorkDir::Temp(t)) = self.dir.take() {
                 eprintln!("kept the gateway's log in {}", t.keep().display());
             }
         }
