@@ -241,7 +241,10 @@ fn unescape(s: &str) -> Option<Vec<u8>> {
 
 fn check_global_key(key: &str, tag: &str, name: &str, want: &[(u8, Vec<u8>)]) {
     assert!(key.is_ascii(), "{key:?}");
-    assert!(key.len() <= ratelimit_wasm::key::MAX_GLOBAL_KEY_BYTES, "{key:?}");
+    assert!(
+        key.len() <= ratelimit_wasm::key::MAX_GLOBAL_KEY_BYTES,
+        "{key:?}"
+    );
     // A key too long for the gateway is sent as `<name>#<hash of the whole key>`.
     if let Some(hash) = key.strip_prefix(name).and_then(|r| r.strip_prefix('#')) {
         assert!(
