@@ -8,6 +8,7 @@
 #   make images            build the gateway and plugin images (needs a Docker engine)
 #   make soak              several minutes of load with Redis/gateway faults (RELIABILITY.md)
 #   make fuzz              every fuzz target for FUZZ_SECONDS (nightly, cargo-fuzz)
+#   make bench             side-by-side throughput/latency/memory (BENCHMARKS.md)
 #
 # CI runs `.ci/run`, which runs `make test`.
 
@@ -45,7 +46,7 @@ deps:
 
 wasm:
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
-	cargo build --release --target $(WASM_TARGET) -p trap-filter
+	cargo build --release --target $(WASM_TARGET) -p trap-filter -p noop-filter
 
 build: wasm
 	cargo build --workspace
@@ -55,12 +56,12 @@ fmt:
 
 lint:
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p ratelimit-wasm -p trap-filter --target $(WASM_TARGET) --release -- -D warnings
+	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter --target $(WASM_TARGET) --release -- -D warnings
 
 test: deps
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p ratelimit-wasm -p trap-filter --target $(WASM_TARGET) --release -- -D warnings
+	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter --target $(WASM_TARGET) --release -- -D warnings
 	$(MAKE) wasm
 	cargo test --workspace
 
@@ -113,3 +114,33 @@ fuzz:
 	done; \
 	if [ -n "$$failed" ]; then echo "fuzz: crashes in:$$failed (see fuzz/artifacts/)"; exit 1; fi; \
 	echo "fuzz: no crash"
+
+# Benchmarks (BENCHMARKS.md): every Envoy variant (no filter, no-op wasm filter,
+# native local_ratelimit, this filter with 1 and 4 local rules, one global rule
+# through the gateway and Redis, and rejecting loads), interleaved over
+# BENCH_REPEATS rounds of BENCH_SECONDS each with wrk; the gateway against raw
+# EVALSHA (redis-benchmark); instructions per decision and the shared-data
+# footprint (tests/bench_fuel.rs). Rewrites the results section of
+# BENCHMARKS.md and BENCHMARKS.svg. About 7 minutes once built; set
+# BENCH_WAIT_QUIET=900 to first wait (up to 15 minutes) for a quiet machine.
+.PHONY: bench
+BENCH_REPEATS    ?= 4
+BENCH_SECONDS    ?= 5
+BENCH_WAIT_QUIET ?= 0
+BENCH_ARGS       ?=
+BENCH_WASM_OUT   := $(CURDIR)/target/bench/wasm
+bench: deps
+	@command -v wrk >/dev/null || { \
+	  $(SUDO) apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends wrk; }
+	@command -v redis-benchmark >/dev/null || { \
+	  $(SUDO) apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends redis-tools; }
+	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm -p noop-filter
+	cargo build --release -p ratelimit-gateway
+	rm -rf $(BENCH_WASM_OUT)
+	BENCH_WASM_OUT=$(BENCH_WASM_OUT) cargo test --test bench_fuel -- --include-ignored --nocapture
+	BENCH_COMMAND='$(strip make bench BENCH_REPEATS=$(BENCH_REPEATS) BENCH_SECONDS=$(BENCH_SECONDS) BENCH_WAIT_QUIET=$(BENCH_WAIT_QUIET) $(BENCH_ARGS))' \
+	RATELIMIT_GATEWAY_BIN=$(CURDIR)/target/release/ratelimit-gateway \
+	  cargo run --quiet -p testkit --bin bench -- --publish --wasm-results $(BENCH_WASM_OUT) \
+	  --repeats $(BENCH_REPEATS) --seconds $(BENCH_SECONDS) --wait-quiet $(BENCH_WAIT_QUIET) $(BENCH_ARGS)

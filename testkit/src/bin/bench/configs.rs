@@ -1,0 +1,266 @@
+//! The Envoy configurations of the bench, all derived from the ONE shipped
+//! template `envoy/envoy.yaml`.
+//!
+//! Every variant starts from the template rendered by `testkit` exactly as the
+//! tests and the demo render it. Then, programmatically (the rendered YAML is
+//! parsed with `serde_norway`, edited as data and written back):
+//!
+//! * in every variant the built-in `upstream` listener is removed: the
+//!   `upstream` cluster points at a separate upstream process instead (a
+//!   second Envoy, see [`upstream_config`]), so the stand-in upstream does not
+//!   share the measured Envoy's worker threads;
+//! * then only the `envoy.filters.http.wasm` entry of the `ingress` listener's
+//!   `http_filters` differs ([`FilterVariant`]): kept (c, d), removed (a),
+//!   pointed at the no-op module (a2), or replaced by Envoy's native
+//!   `envoy.filters.http.local_ratelimit` ([`NATIVE_LOCAL_RATELIMIT`], b).
+//!   `jwt_authn` and the router stay as shipped.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_norway::Value;
+use testkit::config::{demo_jwks, render_file, template_path, TemplateVars};
+use testkit::Ports;
+
+/// The name of the shipped wasm filter entry in `http_filters`.
+const WASM_FILTER: &str = "envoy.filters.http.wasm";
+
+/// What stands where the shipped template has the wasm rate-limit filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterVariant {
+    /// a: no rate-limit filter (the entry is removed).
+    None,
+    /// a2: the same `envoy.filters.http.wasm` entry with the no-op module.
+    Noop,
+    /// b: Envoy's native local rate limiter instead.
+    Native,
+    /// c, d: the shipped entry, unchanged.
+    Shipped,
+}
+
+/// Envoy's native local rate limiter, "equivalent" to the c variants: one
+/// token bucket per client (`x-client-id`, a dynamic descriptor: an entry
+/// without a value makes one bucket per distinct value, up to
+/// `max_dynamic_descriptors`) of 10^9 tokens per second, which rejects
+/// nothing; client `over` has a bucket of 1 token per day (the f load).
+/// Only the matching descriptor's bucket is charged
+/// (`always_consume_default_token_bucket: false`), as the filter charges one
+/// bucket per rule. It adds draft-03 `x-ratelimit-*` headers to every
+/// response, as the filter adds its rate-limit headers.
+pub const NATIVE_LOCAL_RATELIMIT: &str = r#"
+name: envoy.filters.http.local_ratelimit
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+  stat_prefix: bench_local_ratelimit
+  token_bucket: { max_tokens: 1000000000, tokens_per_fill: 1000000000, fill_interval: 1s }
+  filter_enabled: { default_value: { numerator: 100, denominator: HUNDRED } }
+  filter_enforced: { default_value: { numerator: 100, denominator: HUNDRED } }
+  always_consume_default_token_bucket: false
+  enable_x_ratelimit_headers: DRAFT_VERSION_03
+  max_dynamic_descriptors: 65536
+  rate_limits:
+  - actions:
+    - request_headers: { header_name: x-client-id, descriptor_key: client }
+  descriptors:
+  - entries: [ { key: client, value: over } ]
+    token_bucket: { max_tokens: 1, tokens_per_fill: 1, fill_interval: 86400s }
+  - entries: [ { key: client } ]
+    token_bucket: { max_tokens: 1000000000, tokens_per_fill: 1000000000, fill_interval: 1s }
+"#;
+
+/// The shipped template rendered by testkit, as YAML data.
+fn rendered(ports: Ports, gateway_port: u16, wasm: &Path, plugin_config: &str) -> Result<Value> {
+    let vars = TemplateVars {
+        ports,
+        gateway_port,
+        wasm_path: wasm.to_path_buf(),
+        plugin_config: plugin_config.to_string(),
+        jwks: demo_jwks()?,
+    };
+    let text = render_file(&template_path(), &vars)?;
+    serde_norway::from_str(&text).context("parsing the rendered envoy/envoy.yaml")
+}
+
+fn field<'a>(v: &'a mut Value, key: &str) -> Result<&'a mut Value> {
+    v.get_mut(key)
+        .ok_or_else(|| anyhow!("the rendered template has no `{key}` where expected"))
+}
+
+fn seq<'a>(v: &'a mut Value, what: &str) -> Result<&'a mut Vec<Value>> {
+    v.as_sequence_mut()
+        .ok_or_else(|| anyhow!("`{what}` in the rendered template is not a list"))
+}
+
+fn name_of(v: &Value) -> Option<&str> {
+    v.get("name").and_then(Value::as_str)
+}
+
+fn listeners(doc: &mut Value) -> Result<&mut Vec<Value>> {
+    seq(
+        field(field(doc, "static_resources")?, "listeners")?,
+        "listeners",
+    )
+}
+
+/// Keeps only the listeners whose name `keep` accepts; returns how many
+/// were removed.
+fn retain_listeners(doc: &mut Value, keep: impl Fn(&str) -> bool) -> Result<usize> {
+    let list = listeners(doc)?;
+    let before = list.len();
+    list.retain(|l| name_of(l).is_some_and(&keep));
+    Ok(before - list.len())
+}
+
+/// The `http_filters` list of listener `listener`'s (only) HTTP connection manager.
+fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Value>> {
+    let l = listeners(doc)?
+        .iter_mut()
+        .find(|l| name_of(l) == Some(listener))
+        .ok_or_else(|| anyhow!("no listener `{listener}` in the rendered template"))?;
+    let chains = seq(field(l, "filter_chains")?, "filter_chains")?;
+    if chains.len() != 1 {
+        bail!(
+            "listener `{listener}` has {} filter chains, not 1",
+            chains.len()
+        );
+    }
+    let filters = seq(field(&mut chains[0], "filters")?, "filters")?;
+    if filters.len() != 1 {
+        bail!(
+            "listener `{listener}` has {} network filters, not 1",
+            filters.len()
+        );
+    }
+    let hcm = &mut filters[0];
+    seq(
+        field(field(hcm, "typed_config")?, "http_filters")?,
+        "http_filters",
+    )
+}
+
+/// The measured Envoy's configuration: the shipped template rendered with
+/// `ports` (whose `upstream` is the separate upstream's port), the built-in
+/// upstream listener removed, and the wasm filter entry as `variant` says.
+pub fn proxy_config(
+    variant: FilterVariant,
+    ports: Ports,
+    gateway_port: u16,
+    wasm: &Path,
+    noop_wasm: &Path,
+    plugin_config: &str,
+) -> Result<String> {
+    let mut doc = rendered(ports, gateway_port, wasm, plugin_config)?;
+    if retain_listeners(&mut doc, |n| n != "upstream")? != 1 {
+        bail!("expected exactly one `upstream` listener in the rendered template");
+    }
+    let filters = http_filters(&mut doc, "ingress")?;
+    let at = filters
+        .iter()
+        .position(|f| name_of(f) == Some(WASM_FILTER))
+        .ok_or_else(|| anyhow!("no {WASM_FILTER} in the ingress listener's http_filters"))?;
+    match variant {
+        FilterVariant::Shipped => {}
+        FilterVariant::None => {
+            filters.remove(at);
+        }
+        FilterVariant::Native => {
+            filters[at] = serde_norway::from_str(NATIVE_LOCAL_RATELIMIT)
+                .context("parsing the native local_ratelimit entry")?;
+        }
+        FilterVariant::Noop => {
+            let entry = filters.get_mut(at).context("the wasm entry")?;
+            let local = ["typed_config", "config", "vm_config", "code", "local"]
+                .iter()
+                .try_fold(entry, |v, k| field(v, k))?;
+            let file = noop_wasm
+                .to_str()
+                .ok_or_else(|| anyhow!("{} is not UTF-8", noop_wasm.display()))?;
+            *field(local, "filename")? = Value::String(file.to_string());
+        }
+    }
+    serde_norway::to_string(&doc).context("writing the derived YAML")
+}
+
+/// The separate upstream: the same rendered template with only its
+/// `upstream` listener (the `direct_response` 200 with body `ok\n`, on
+/// `ports.upstream`) and no clusters.
+pub fn upstream_config(ports: Ports, wasm: &Path) -> Result<String> {
+    let mut doc = rendered(ports, ports.upstream, wasm, "{}")?;
+    retain_listeners(&mut doc, |n| n == "upstream")?;
+    if listeners(&mut doc)?.len() != 1 {
+        bail!("expected exactly one `upstream` listener in the rendered template");
+    }
+    *field(field(&mut doc, "static_resources")?, "clusters")? = Value::Sequence(Vec::new());
+    serde_norway::to_string(&doc).context("writing the derived YAML")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ports() -> Ports {
+        Ports {
+            listen: 1,
+            admin: 2,
+            upstream: 3,
+        }
+    }
+
+    fn filters_of(yaml: &str) -> Vec<String> {
+        let mut doc: Value = serde_norway::from_str(yaml).unwrap();
+        http_filters(&mut doc, "ingress")
+            .unwrap()
+            .iter()
+            .map(|f| name_of(f).unwrap().to_string())
+            .collect()
+    }
+
+    fn config(v: FilterVariant) -> String {
+        proxy_config(
+            v,
+            ports(),
+            4,
+            Path::new("/x/ratelimit_wasm.wasm"),
+            Path::new("/x/noop_filter.wasm"),
+            "{}",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn variants_differ_only_in_the_wasm_entry() {
+        let jwt = "envoy.filters.http.jwt_authn";
+        let router = "envoy.filters.http.router";
+        assert_eq!(
+            filters_of(&config(FilterVariant::Shipped)),
+            [jwt, WASM_FILTER, router]
+        );
+        assert_eq!(filters_of(&config(FilterVariant::None)), [jwt, router]);
+        assert_eq!(
+            filters_of(&config(FilterVariant::Native)),
+            [jwt, "envoy.filters.http.local_ratelimit", router]
+        );
+        let noop = config(FilterVariant::Noop);
+        assert_eq!(filters_of(&noop), [jwt, WASM_FILTER, router]);
+        assert!(noop.contains("/x/noop_filter.wasm") && !noop.contains("ratelimit_wasm.wasm"));
+        for v in [
+            FilterVariant::Shipped,
+            FilterVariant::None,
+            FilterVariant::Native,
+            FilterVariant::Noop,
+        ] {
+            let yaml = config(v);
+            // The built-in upstream listener is gone; the cluster still points at port 3.
+            assert!(!yaml.contains("upstream_http"), "{yaml}");
+            assert!(yaml.contains("port_value: 3"), "{yaml}");
+        }
+    }
+
+    #[test]
+    fn the_upstream_is_only_the_direct_response_listener() {
+        let yaml = upstream_config(ports(), Path::new("/x/ratelimit_wasm.wasm")).unwrap();
+        assert!(yaml.contains("direct_response"), "{yaml}");
+        assert!(!yaml.contains("ingress"), "{yaml}");
+        assert!(!yaml.contains(WASM_FILTER), "{yaml}");
+    }
+}

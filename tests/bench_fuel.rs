@@ -1,0 +1,474 @@
+//! Measurements for `make bench` (BENCHMARKS.md) that need the filter's own
+//! code rather than a running Envoy:
+//!
+//! * **Instructions per decision** inside the compiled module: the release
+//!   `ratelimit_wasm.wasm` (and the no-op `noop_filter.wasm` as a baseline)
+//!   runs in wasmtime with fuel metering on, driven by the test harness's host
+//!   (`tests/harness`: same headers, properties, shared data and clock as
+//!   every harness test). Wasmtime charges one unit of fuel per wasm
+//!   operator executed (`nop`, `drop`, `block`, `loop`, `else`, `end`,
+//!   `return` and `unreachable` are free; a `memory.copy` is one, whatever
+//!   its length), so fuel consumed = wasm instructions executed; time spent
+//!   in host functions is not counted. The plugin configurations are the
+//!   bench's own (`testkit/src/bin/bench/c1.json`, `c4.json`), so the numbers
+//!   belong to the same 1-rule and 4-rule variants `make bench` loads into
+//!   Envoy.
+//! * **Shared-data footprint** with 1,000,000 distinct client keys: the
+//!   filter's decision code over a `MemoryStore` (the approach of
+//!   `tests/hostile.rs`), bytes stored against the bound that `max_buckets`
+//!   sets.
+//!
+//! Each test prints its figures (`bench-wasm: {json}` lines, also written to
+//! `$BENCH_WASM_OUT/<name>.json` when that variable is set, which `make
+//! bench` does) and asserts only what must hold everywhere: positive fuel, 4
+//! rules cheaper than 8 × 1 rule, and the footprint within its bound. The
+//! footprint test is `#[ignore]`d (a minute or more in a debug build;
+//! `tests/hostile.rs` holds the same kind of bound in every `cargo test`);
+//! `make bench` runs both with `--include-ignored`.
+
+mod harness;
+
+use std::collections::BTreeMap;
+use std::hash::Hasher;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::{Mutex, OnceLock};
+
+use harness::host::{self, HostState, StreamState};
+use harness::{Harness, Options, Request, StreamPhase, ROOT_CONTEXT_ID};
+use ratelimit_wasm::config;
+use ratelimit_wasm::decide::{self, Step, Verdict};
+use ratelimit_wasm::plan::Plan;
+use ratelimit_wasm::request::RequestInfo;
+use ratelimit_wasm::store::MemoryStore;
+use serde_json::{json, Value};
+use wasmtime::{Engine, Instance, Module, Store};
+
+const C1: &str = include_str!("../testkit/src/bin/bench/c1.json");
+const C4: &str = include_str!("../testkit/src/bin/bench/c4.json");
+
+/// Requests measured per configuration (after [`WARMUP`] unmeasured ones).
+const MEASURED: u32 = 400;
+const WARMUP: u32 = 100;
+/// Distinct client ids the requests cycle through, as the Envoy bench's load.
+const CLIENTS: u32 = 1000;
+
+fn noop_wasm_path() -> PathBuf {
+    if let Ok(p) = std::env::var("NOOP_FILTER_WASM") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("target/wasm32-wasip1/release/noop_filter.wasm")
+}
+
+/// Prints `figures` and writes them to `$BENCH_WASM_OUT/<name>.json`.
+fn report(name: &str, figures: &Value) {
+    println!("bench-wasm: {figures}");
+    if let Some(dir) = std::env::var_os("BENCH_WASM_OUT") {
+        let dir = PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).expect("creating $BENCH_WASM_OUT");
+        let file = dir.join(format!("{name}.json"));
+        std::fs::write(&file, format!("{figures:#}\n"))
+            .unwrap_or_else(|e| panic!("writing {}: {e}", file.display()));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instructions per decision.
+
+/// One VM of `wasm` in a fuel-metering engine, on the host of a one-worker
+/// [`Harness`] (whose shared data, clock and metrics it uses).
+///
+/// The harness's own engine has no fuel metering, so this VM is built here
+/// from the harness's pieces (its linker and per-VM host state) and driven
+/// through the same callbacks, in the same order, as `Harness::send` drives a
+/// request that the filter lets through to an upstream answering 200.
+struct FuelVm {
+    // Keeps the shared data, clock and metrics alive (the host state holds a Weak).
+    _harness: Harness,
+    store: Store<HostState>,
+    instance: Instance,
+}
+
+/// `wasm` compiled (once per process) by an engine with fuel metering on.
+fn fuel_module(wasm: &Path) -> Module {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    static MODULES: Mutex<BTreeMap<PathBuf, Module>> = Mutex::new(BTreeMap::new());
+    let engine = ENGINE.get_or_init(|| {
+        let mut cfg = wasmtime::Config::new();
+        cfg.consume_fuel(true);
+        Engine::new(&cfg).expect("a fuel-metering engine")
+    });
+    let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
+    modules
+        .entry(wasm.to_path_buf())
+        .or_insert_with(|| compile_cached(engine, wasm))
+        .clone()
+}
+
+/// Compiles `wasm`, or loads what an earlier run compiled from the same
+/// bytes: a debug build of cranelift takes many seconds on the filter, so the
+/// code is kept in `target/tmp/bench-fuel-cache` (as the harness keeps its
+/// own), keyed by a hash of the bytes. Any problem with the cache just means
+/// compiling again.
+fn compile_cached(engine: &Engine, wasm: &Path) -> Module {
+    let bytes = std::fs::read(wasm).unwrap_or_else(|e| panic!("reading {}: {e}", wasm.display()));
+    let mut hasher = std::hash::DefaultHasher::new();
+    hasher.write(&bytes);
+    hasher.write(b"fuel/wasmtime-48");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-fuel-cache");
+    let file = dir.join(format!("{:016x}-{}.cwasm", hasher.finish(), bytes.len()));
+    // SAFETY: the file was written below by `Module::serialize` of these very
+    // bytes (keyed by their hash) with this engine's configuration, in this
+    // build's own target directory; wasmtime also checks the artifact's
+    // version and engine configuration before using it.
+    if let Ok(m) = unsafe { Module::deserialize_file(engine, &file) } {
+        return m;
+    }
+    let module = Module::from_binary(engine, &bytes).expect("compiling the module");
+    if let Ok(data) = module.serialize() {
+        let _ = std::fs::create_dir_all(&dir);
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, data).is_ok() {
+            let _ = std::fs::rename(&tmp, &file);
+        }
+        prune(&dir, 6);
+    }
+    module
+}
+
+/// Keeps the `keep` most recent artifacts in `dir` (each rebuild of the
+/// filter makes a new one).
+fn prune(dir: &Path, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut files: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+        .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+        .collect();
+    files.sort_by_key(|f| std::cmp::Reverse(f.0));
+    for (_, old) in files.into_iter().skip(keep) {
+        let _ = std::fs::remove_file(old);
+    }
+}
+
+/// Fuel consumed by one request's callbacks.
+#[derive(Debug, Clone, Copy, Default)]
+struct RequestFuel {
+    /// `proxy_on_request_headers`: the decision.
+    request_headers: u64,
+    /// Every callback of the request: context create, request headers,
+    /// response headers, log, done, delete.
+    total: u64,
+    /// `proxy_on_request_headers` returned Continue and sent no local reply.
+    passed: bool,
+}
+
+impl FuelVm {
+    fn new(wasm: &Path, plugin_config: &str) -> FuelVm {
+        assert!(
+            wasm.exists(),
+            "{} does not exist: build it first with\n    \
+             cargo build --release --target wasm32-wasip1 -p ratelimit-wasm -p noop-filter",
+            wasm.display()
+        );
+        let harness = Harness::with_options(Options::new(1, plugin_config).wasm_path(wasm))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(harness.configured(0), "{}", harness.log_text());
+        let module = fuel_module(wasm);
+        let linker = host::linker(module.engine(), &module).expect("the harness's linker");
+        let state = HostState::new(0, Rc::downgrade(&harness.inner), 0x5eed);
+        let mut store = Store::new(module.engine(), state);
+        store.set_fuel(u64::MAX).expect("fuel is on");
+        let instance = linker
+            .instantiate(&mut store, &module)
+            .expect("instantiating");
+        let mut vm = FuelVm {
+            _harness: harness,
+            store,
+            instance,
+        };
+        let root = ROOT_CONTEXT_ID as i32;
+        if vm.has("_initialize") {
+            vm.call::<(), ()>(ROOT_CONTEXT_ID, "_initialize", ());
+        } else if vm.has("_start") {
+            vm.call::<(), ()>(ROOT_CONTEXT_ID, "_start", ());
+        }
+        vm.call::<(i32, i32), ()>(ROOT_CONTEXT_ID, "proxy_on_context_create", (root, 0));
+        let started = vm.call::<(i32, i32), i32>(ROOT_CONTEXT_ID, "proxy_on_vm_start", (root, 0));
+        assert_ne!(started, 0, "proxy_on_vm_start returned false");
+        vm.store.data_mut().plugin_config_available = true;
+        let len = plugin_config.len() as i32;
+        let configured =
+            vm.call::<(i32, i32), i32>(ROOT_CONTEXT_ID, "proxy_on_configure", (root, len));
+        vm.store.data_mut().plugin_config_available = false;
+        assert_ne!(configured, 0, "proxy_on_configure returned false");
+        vm
+    }
+
+    fn has(&mut self, name: &str) -> bool {
+        self.instance.get_export(&mut self.store, name).is_some()
+    }
+
+    fn fuel_left(&self) -> u64 {
+        self.store.get_fuel().expect("fuel is on")
+    }
+
+    /// Calls export `name` with `ctx` as the current context.
+    fn call<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+        &mut self,
+        ctx: u32,
+        name: &str,
+        params: P,
+    ) -> R {
+        let func = self
+            .instance
+            .get_typed_func::<P, R>(&mut self.store, name)
+            .unwrap_or_else(|e| panic!("export {name}: {e:?}"));
+        {
+            let d = self.store.data_mut();
+            d.current_ctx = ctx;
+            d.effective_ctx = None;
+            d.in_call = Some(format!("{name}(context {ctx})"));
+        }
+        let r = func
+            .call(&mut self.store, params)
+            .unwrap_or_else(|e| panic!("wasm trap during {name}(context {ctx}): {e:?}"));
+        let d = self.store.data_mut();
+        d.in_call = None;
+        d.effective_ctx = None;
+        d.actions.clear();
+        r
+    }
+
+    fn stream(&mut self, ctx: u32) -> &mut StreamState {
+        self.store
+            .data_mut()
+            .streams
+            .get_mut(&ctx)
+            .expect("the stream exists")
+    }
+
+    /// One request through every callback, as `Harness::send` drives it.
+    fn request(&mut self, req: Request) -> RequestFuel {
+        let ctx = {
+            let d = self.store.data_mut();
+            let ctx = d.next_ctx;
+            d.next_ctx += 1;
+            d.streams.insert(ctx, StreamState::new(ctx, req));
+            ctx
+        };
+        let c = ctx as i32;
+        let root = ROOT_CONTEXT_ID as i32;
+        let start = self.fuel_left();
+        self.call::<(i32, i32), ()>(ctx, "proxy_on_context_create", (c, root));
+        let n = {
+            let s = self.stream(ctx);
+            s.phase = StreamPhase::RequestHeaders;
+            s.req_map_held = true;
+            s.request_headers.len() as i32
+        };
+        let before = self.fuel_left();
+        let action = self.call::<(i32, i32, i32), i32>(ctx, "proxy_on_request_headers", (c, n, 1));
+        let request_headers = before - self.fuel_left();
+        let passed = action == 0 && self.stream(ctx).local_response.is_none();
+        if passed {
+            let n = {
+                let s = self.stream(ctx);
+                s.req_map_held = false;
+                s.upstream_request = Some(s.request_headers.clone());
+                s.response_headers = Some(vec![
+                    (":status".to_string(), b"200".to_vec()),
+                    ("content-length".to_string(), b"3".to_vec()),
+                ]);
+                s.response_body = b"ok\n".to_vec();
+                s.resp_map_held = true;
+                s.phase = StreamPhase::ResponseHeaders;
+                2
+            };
+            self.call::<(i32, i32, i32), i32>(ctx, "proxy_on_response_headers", (c, n, 0));
+            let s = self.stream(ctx);
+            s.resp_map_held = false;
+            s.phase = StreamPhase::Completing;
+        }
+        self.stream(ctx).access_log_phase = true;
+        self.call::<i32, ()>(ctx, "proxy_on_log", c);
+        {
+            let s = self.stream(ctx);
+            s.access_log_phase = false;
+            s.req_map_held = false;
+            s.resp_map_held = false;
+        }
+        self.call::<i32, i32>(ctx, "proxy_on_done", c);
+        self.call::<i32, ()>(ctx, "proxy_on_delete", c);
+        let total = start - self.fuel_left();
+        self.store.data_mut().streams.remove(&ctx);
+        RequestFuel {
+            request_headers,
+            total,
+            passed,
+        }
+    }
+}
+
+fn client_request(client: &str) -> Request {
+    Request::get("/").header("x-client-id", client)
+}
+
+/// Mean fuel over [`MEASURED`] requests of clients `c0`…`c999` (after
+/// [`WARMUP`]); every one must pass.
+fn mean_passing(vm: &mut FuelVm) -> (f64, f64) {
+    let (mut decide, mut total) = (0u64, 0u64);
+    for i in 0..WARMUP + MEASURED {
+        let f = vm.request(client_request(&format!("c{}", i % CLIENTS)));
+        assert!(f.passed, "request {i} was not let through");
+        if i >= WARMUP {
+            decide += f.request_headers;
+            total += f.total;
+        }
+    }
+    let n = f64::from(MEASURED);
+    (decide as f64 / n, total as f64 / n)
+}
+
+#[test]
+fn instructions_per_decision_in_the_compiled_module() {
+    let filter = harness::default_wasm_path();
+    let mut c1 = FuelVm::new(&filter, C1);
+    let (c1_decide, c1_total) = mean_passing(&mut c1);
+    // A denied decision: client "over" has 1 request per 366 days.
+    assert!(c1.request(client_request("over")).passed);
+    let over: Vec<RequestFuel> = (0..MEASURED)
+        .map(|_| c1.request(client_request("over")))
+        .collect();
+    assert!(over.iter().all(|f| !f.passed), "\"over\" must be denied");
+    let denied_decide =
+        over.iter().map(|f| f.request_headers).sum::<u64>() as f64 / f64::from(MEASURED);
+
+    let mut c4 = FuelVm::new(&filter, C4);
+    let (c4_decide, c4_total) = mean_passing(&mut c4);
+
+    // The no-op baseline is only a reference figure: `make bench` builds
+    // the module (and then requires it); a plain `cargo test` may not have.
+    let noop_path = noop_wasm_path();
+    let noop = if noop_path.exists() || std::env::var_os("BENCH_WASM_OUT").is_some() {
+        let mut vm = FuelVm::new(&noop_path, "{}");
+        let (decide, total) = mean_passing(&mut vm);
+        json!({ "decision": decide, "request": total })
+    } else {
+        println!(
+            "bench-wasm: no baseline: {} is not built (cargo build --release --target \
+             wasm32-wasip1 -p noop-filter)",
+            noop_path.display()
+        );
+        Value::Null
+    };
+
+    let figures = json!({
+        "unit": "wasm instructions (wasmtime fuel), mean per request",
+        "requests": MEASURED,
+        "clients": CLIENTS,
+        "c1": { "decision": c1_decide, "request": c1_total, "denied_decision": denied_decide },
+        "c4": { "decision": c4_decide, "request": c4_total },
+        "noop": noop,
+        "c4_over_c1": c4_decide / c1_decide,
+    });
+    report("fuel", &figures);
+    for v in [c1_decide, c1_total, denied_decide, c4_decide, c4_total] {
+        assert!(v > 0.0, "{figures}");
+    }
+    assert!(
+        c4_decide < 8.0 * c1_decide,
+        "4 rules must cost less than 8 × 1 rule: {figures}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared-data footprint.
+
+fn request_info(plan: &Plan, client: &[u8]) -> RequestInfo {
+    let headers = plan
+        .header_names
+        .iter()
+        .map(|n| match n.as_str() {
+            ":method" => Some(b"GET".to_vec()),
+            ":path" => Some(b"/".to_vec()),
+            "x-client-id" => Some(client.to_vec()),
+            _ => None,
+        })
+        .collect();
+    RequestInfo {
+        headers,
+        source_address: Some(b"127.0.0.1:40000".to_vec()),
+        ..RequestInfo::default()
+    }
+}
+
+/// The bytes (keys + values) that the bucket table of `plan` can ever hold:
+/// `sets` keys of at most the longest set key's length, each holding
+/// `ways` buckets of 33 bytes plus 16 per extra limit, after a 2-byte header
+/// (README, *Shared state and its bounds*).
+fn bound(plan: &Plan, max_limits: usize) -> usize {
+    let key = plan.set_key(plan.sets - 1).len();
+    let per_bucket = 33 + 16 * (max_limits - 1);
+    plan.sets as usize * (key + 2 + ratelimit_wasm::table::WAYS * per_bucket)
+}
+
+/// Decides one request for each of `clients` distinct clients over a
+/// `MemoryStore` and reports what the store holds.
+fn footprint(name: &str, plugin_config: &str, max_limits: usize, clients: u64) -> Value {
+    let plan = Plan::compile(&config::parse(plugin_config.as_bytes()).unwrap(), [7; 16]);
+    let store = MemoryStore::default();
+    const T0: u64 = 1_700_000_000 * 1_000_000_000;
+    let mut denied = 0u64;
+    for i in 0..clients {
+        let step = decide::start(
+            &plan,
+            &request_info(&plan, format!("client-{i}").as_bytes()),
+            &store,
+            T0 + i * 1000,
+            0,
+        );
+        match step {
+            Step::Done(o) => {
+                if !matches!(o.verdict, Verdict::Pass(_)) {
+                    denied += 1;
+                }
+            }
+            Step::Call(_) => panic!("no global rules here"),
+        }
+    }
+    let bound = bound(&plan, max_limits);
+    json!({
+        "config": name,
+        "clients": clients,
+        "max_buckets": plan.sets as usize * ratelimit_wasm::table::WAYS,
+        "keys": store.len(),
+        "bytes": store.bytes(),
+        "bound_bytes": bound,
+        "denied": denied,
+    })
+}
+
+// A million decisions per configuration take a minute or more in a debug
+// build, and `tests/hostile.rs` already holds the bound for a million
+// clients in every `cargo test`; `make bench` runs this one with
+// `--include-ignored`.
+#[test]
+#[ignore = "slow (a minute or more); run by `make bench`"]
+fn shared_data_footprint_with_a_million_distinct_clients() {
+    let clients = 1_000_000;
+    let c1 = footprint("c1", C1, 1, clients);
+    let c4 = footprint("c4", C4, 2, clients);
+    let figures = json!({ "c1": c1, "c4": c4 });
+    report("footprint", &figures);
+    for f in [&c1, &c4] {
+        assert!(f["bytes"].as_u64() <= f["bound_bytes"].as_u64(), "{f}");
+        assert_eq!(
+            f["denied"], 0,
+            "each new client gets its first request: {f}"
+        );
+    }
+}
