@@ -1,6 +1,7 @@
 //! The gateway protocol, filter side: the `POST /v1/check` body for a
 //! request's global buckets, and a distrustful reading of the answer.
 
+use crate::lease::Lease;
 use crate::limiter::Report;
 use crate::plan::{GlobalBucket, Plan, QuotaBucket};
 use crate::token_bucket::Check;
@@ -296,6 +297,127 @@ pub fn parse_answer(
         quotas: quota_reports,
         clamped,
     })
+}
+
+#[derive(Serialize)]
+struct LeaseRequest<'a> {
+    version: u32,
+    domain: &'a str,
+    key: &'a str,
+    tag: &'a str,
+    limits: Vec<RequestLimit>,
+    want: u64,
+    #[serde(rename = "return")]
+    returned: u64,
+}
+
+/// The JSON body of `POST /v1/lease`: reserve up to `want` tokens of the
+/// bucket of `lease`, after giving back `returned` unspent ones.
+pub fn encode_lease(plan: &Plan, lease: &Lease, want: u64, returned: u64) -> Vec<u8> {
+    let g = &lease.bucket;
+    let limits = plan
+        .rules
+        .get(g.rule)
+        .map(|rule| {
+            rule.limits(g.variant)
+                .iter()
+                .map(|(l, secs)| RequestLimit {
+                    requests: l.capacity,
+                    window_ms: secs * 1000,
+                    algorithm: rule.algorithm.name(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let body = LeaseRequest {
+        version: VERSION,
+        domain: &plan.domain,
+        key: &g.key,
+        tag: &g.tag,
+        limits,
+        want,
+        returned,
+    };
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+#[derive(Deserialize)]
+struct LeaseAnswerBody {
+    version: u32,
+    granted: f64,
+    limits: Vec<LeaseAnswerLimit>,
+}
+
+#[derive(Deserialize)]
+struct LeaseAnswerLimit {
+    remaining: f64,
+    reset_ms: f64,
+    retry_after_ms: f64,
+}
+
+/// A usable lease answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseAnswer {
+    /// Tokens reserved for this proxy (never above what was asked).
+    pub granted: u64,
+    /// Per limit: tokens the gateway has left, and ms until the limit is full.
+    pub limits: Vec<(u64, u64)>,
+    /// Per limit: ms until one token is free (when nothing was granted).
+    pub retry_after_ms: Vec<u64>,
+    /// Figures outside what the limit allows, clamped.
+    pub clamped: u64,
+}
+
+/// Reads the gateway's answer to a lease of `want` tokens for `lease`.
+pub fn parse_lease_answer(
+    plan: &Plan,
+    lease: &Lease,
+    want: u64,
+    status: Option<&[u8]>,
+    body: &[u8],
+) -> Result<LeaseAnswer, AnswerError> {
+    match status {
+        None => return Err(AnswerError::NoAnswer),
+        Some(b"200") => {}
+        Some(other) => {
+            return Err(AnswerError::Status(
+                String::from_utf8_lossy(other).into_owned(),
+            ))
+        }
+    }
+    let answer: LeaseAnswerBody =
+        serde_json::from_slice(body).map_err(|e| AnswerError::Garbled(e.to_string()))?;
+    if answer.version != VERSION {
+        return Err(AnswerError::Version(answer.version));
+    }
+    let limits = plan.limits(lease.bucket.rule, lease.bucket.variant);
+    if answer.limits.len() != limits.len() {
+        return Err(AnswerError::Inconsistent(format!(
+            "{} limits for a lease on {}",
+            answer.limits.len(),
+            limits.len()
+        )));
+    }
+    let mut clamped = 0;
+    // More than was asked would let this proxy hold more than one lease.
+    let granted = clamp(answer.granted, want, &mut clamped);
+    let mut out = LeaseAnswer {
+        granted,
+        limits: Vec::with_capacity(limits.len()),
+        retry_after_ms: Vec::with_capacity(limits.len()),
+        clamped: 0,
+    };
+    for ((limit, _), l) in limits.iter().zip(&answer.limits) {
+        let window_ms = limit.period_ns / MS;
+        out.limits.push((
+            clamp(l.remaining, limit.capacity, &mut clamped),
+            clamp(l.reset_ms, 2 * window_ms, &mut clamped),
+        ));
+        out.retry_after_ms
+            .push(clamp(l.retry_after_ms, 2 * window_ms, &mut clamped));
+    }
+    out.clamped = clamped;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -147,6 +147,42 @@ pub struct Global {
     /// Circuit breaker.
     #[serde(default)]
     pub circuit: Circuit,
+    /// Lease mode: spend batches of a global bucket's tokens locally; absent, one callout per request.
+    #[serde(default)]
+    pub lease: Option<Lease>,
+}
+
+/// Lease mode of global token-bucket rules.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lease {
+    /// Share of the smallest limit reserved per batch (at least one token).
+    pub fraction: f64,
+    /// Longest a request waits for a batch: the timeout of a lease callout.
+    #[serde(default = "default_lease_wait_ms")]
+    pub max_wait_ms: u64,
+    /// How long a batch may be spent; unspent tokens are given back with the next batch.
+    #[serde(default = "default_lease_ttl_ms")]
+    pub ttl_ms: u64,
+    /// Path of the gateway's lease endpoint.
+    #[serde(default = "default_lease_path")]
+    pub path: String,
+    /// Bound on leases held per proxy (one shared-data key each).
+    #[serde(default = "default_max_leases")]
+    pub max_leases: u64,
+}
+
+fn default_lease_wait_ms() -> u64 {
+    20
+}
+fn default_lease_ttl_ms() -> u64 {
+    2000
+}
+fn default_lease_path() -> String {
+    "/v1/lease".into()
+}
+fn default_max_leases() -> u64 {
+    4096
 }
 
 /// Circuit-breaker settings, shared by all workers of a proxy.
@@ -1018,6 +1054,9 @@ impl Config {
                 "must be between 1 and 3600000",
             ));
         }
+        if let Some(l) = &g.lease {
+            validate_lease(l)?;
+        }
         for (i, rule) in self
             .rules
             .iter()
@@ -1035,6 +1074,40 @@ impl Config {
         }
         Ok(())
     }
+}
+
+fn validate_lease(l: &Lease) -> Result<(), ConfigError> {
+    if !(l.fraction > 0.0 && l.fraction <= 1.0) {
+        return Err(ConfigError::field(
+            "global.lease.fraction",
+            format!("{} must be above 0 and at most 1", l.fraction),
+        ));
+    }
+    if !(1..=60_000).contains(&l.max_wait_ms) {
+        return Err(ConfigError::field(
+            "global.lease.max_wait_ms",
+            "must be between 1 and 60000 (Envoy treats 0 as no timeout)",
+        ));
+    }
+    if !(10..=3_600_000).contains(&l.ttl_ms) {
+        return Err(ConfigError::field(
+            "global.lease.ttl_ms",
+            "must be between 10 and 3600000",
+        ));
+    }
+    if !l.path.starts_with('/') {
+        return Err(ConfigError::field(
+            "global.lease.path",
+            format!("{:?} must start with /", l.path),
+        ));
+    }
+    if !(1..=1 << 20).contains(&l.max_leases) {
+        return Err(ConfigError::field(
+            "global.lease.max_leases",
+            "must be between 1 and 1048576",
+        ));
+    }
+    Ok(())
 }
 
 impl Match {
@@ -1292,6 +1365,35 @@ mod tests {
         assert_eq!(
             err(v),
             "global.timeout_ms: must be between 1 and 60000 (Envoy treats 0 as no timeout)"
+        );
+    }
+
+    #[test]
+    fn lease_settings_are_checked_with_their_paths() {
+        let cases = [
+            (json!({"fraction": 0}), "global.lease.fraction: 0 must be above 0 and at most 1"),
+            (json!({"fraction": 1.5}), "global.lease.fraction: 1.5 must be above 0 and at most 1"),
+            (
+                json!({"fraction": 0.1, "max_wait_ms": 0}),
+                "global.lease.max_wait_ms: must be between 1 and 60000 (Envoy treats 0 as no timeout)",
+            ),
+            (json!({"fraction": 0.1, "ttl_ms": 5}), "global.lease.ttl_ms: must be between 10 and 3600000"),
+            (json!({"fraction": 0.1, "path": "x"}), r#"global.lease.path: "x" must start with /"#),
+            (json!({"fraction": 0.1, "max_leases": 0}), "global.lease.max_leases: must be between 1 and 1048576"),
+            (json!({"fraction": 0.1, "size": 3}), "global.lease.size: unknown field `size`, expected one of `fraction`, `max_wait_ms`, `ttl_ms`, `path`, `max_leases`"),
+        ];
+        for (lease, want) in cases {
+            let mut v = base();
+            v["global"] = json!({"cluster": "gw", "lease": lease});
+            assert_eq!(err(v), want);
+        }
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw", "lease": {"fraction": 0.05}});
+        let c = parse(v.to_string().as_bytes()).unwrap();
+        let l = c.global.unwrap().lease.unwrap();
+        assert_eq!(
+            (l.max_wait_ms, l.ttl_ms, l.path.as_str(), l.max_leases),
+            (20, 2000, "/v1/lease", 4096)
         );
     }
 

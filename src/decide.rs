@@ -12,6 +12,7 @@ use crate::circuit::{self, CallResult, Gate, Transition};
 use crate::config::{FailureMode, OnError};
 use crate::headers;
 use crate::key::BadInput;
+use crate::lease::{self, Claim, Lease, Take};
 use crate::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::metrics::Metric;
 use crate::plan::{Bucket, Evaluation, Plan};
@@ -85,6 +86,8 @@ pub struct Outcome {
     pub shadow_denied: Vec<String>,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
+    /// The lease that served the request, for the timer to keep topped up.
+    pub lease: Option<Lease>,
 }
 
 /// A request waiting for the gateway.
@@ -101,6 +104,23 @@ pub struct Pending {
     counts: Counts,
     error: Option<LimitError>,
     shadow_denied: Vec<String>,
+    lease: Option<(Lease, Claim)>,
+}
+
+impl Pending {
+    /// The lease this callout fetches a batch for.
+    pub fn lease(&self) -> Option<&Lease> {
+        self.lease.as_ref().map(|(l, _)| l)
+    }
+
+    /// Path and timeout of this callout: the lease endpoint for a lease.
+    pub fn route<'a>(&self, plan: &'a Plan) -> Option<(&'a str, u64)> {
+        let g = plan.global.as_ref()?;
+        match (&self.lease, &g.lease) {
+            (Some(_), Some(lp)) => Some((lp.path.as_str(), lp.max_wait_ms)),
+            _ => Some((g.path.as_str(), g.timeout_ms)),
+        }
+    }
 }
 
 /// The first step for a request.
@@ -199,6 +219,13 @@ impl<S: SharedStore> Ctx<'_, S> {
         self.counts.add(Metric::ShadowDenied, 1);
         for name in headers::violated(self.plan, reports) {
             self.shadow_denied.push(name.to_string());
+        }
+    }
+
+    fn give_back(&mut self, l: &Lease) {
+        if let Err(e) = lease::give_back(self.store, l, l.bucket.cost) {
+            self.counts.add(Metric::Errors, 1);
+            self.error = Some(e);
         }
     }
 
@@ -336,6 +363,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             circuit,
             shadow_denied: self.shadow_denied,
             bad_input,
+            lease: None,
         }
     }
 }
@@ -390,9 +418,36 @@ pub fn start(
             circuit: Transition::None,
             shadow_denied: Vec::new(),
             bad_input: eval.bad_input,
+            lease: None,
         });
     }
-    let needs_gateway = !eval.global.is_empty() || !eval.quotas.is_empty();
+    // Lease mode serves a request whose gateway part is one token bucket.
+    let lease = match (eval.global.as_slice(), eval.quotas.is_empty(), eval.soft) {
+        ([g], true, false) => lease::locate(plan, g),
+        _ => None,
+    };
+    let mut leased = None;
+    let mut short = false;
+    if let Some(l) = &lease {
+        match lease::take(store, l, now_ns) {
+            Ok(Take::Taken(slot)) => {
+                ctx.counts.add(Metric::LeaseServed, 1);
+                leased = Some(lease::reports(plan, l, &slot, now_ns));
+            }
+            Ok(Take::Short) => short = true,
+            Ok(Take::Busy) => {}
+            Ok(Take::Empty { wait_ns }) => {
+                ctx.counts.add(Metric::LeaseServed, 1);
+                let v = ctx.too_many(&lease::empty_reports(plan, l, wait_ns, now_ns));
+                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
+            }
+            Err(e) => {
+                ctx.counts.add(Metric::Errors, 1);
+                ctx.error = Some(e);
+            }
+        }
+    }
+    let needs_gateway = (!eval.global.is_empty() && leased.is_none()) || !eval.quotas.is_empty();
     let global = plan.global.as_ref().filter(|_| needs_gateway);
     let gate = global.map(|g| circuit::gate(store, &g.circuit_key, g.timeout_ms, now_ns));
     let mut charge = eval.buckets.clone();
@@ -419,7 +474,12 @@ pub fn start(
     }
     let mut reports = match ctx.charge(&charge) {
         Ok(r) => r,
-        Err(v) => return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None)),
+        Err(v) => {
+            if let (Some(l), Some(_)) = (&lease, &leased) {
+                ctx.give_back(l);
+            }
+            return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
+        }
     };
     reports.extend(ctx.watch(&eval.shadow));
     if watch_fallback {
@@ -428,8 +488,28 @@ pub fn start(
     match gate {
         Some(Gate::Call) | Some(Gate::Probe) => {
             ctx.counts.add(Metric::GlobalCalls, 1);
+            let lease_call = match (lease, global.and_then(|g| g.lease.as_ref())) {
+                (Some(l), Some(lp)) if short => match lease::claim(store, &l, lp, now_ns, false) {
+                    Ok(Some(c)) => Some((l, c)),
+                    Ok(None) => None,
+                    Err(e) => {
+                        ctx.counts.add(Metric::Errors, 1);
+                        ctx.error = Some(e);
+                        None
+                    }
+                },
+                _ => None,
+            };
+            let body = match &lease_call {
+                Some((l, c)) => {
+                    ctx.counts.add(Metric::LeaseFetches, 1);
+                    callout::encode_lease(plan, l, c.want, c.returned)
+                }
+                None => callout::encode_request(plan, eval.cost, &eval.global, &eval.quotas),
+            };
             Step::Call(Box::new(Pending {
-                body: callout::encode_request(plan, eval.cost, &eval.global, &eval.quotas),
+                body,
+                lease: lease_call,
                 probe: gate == Some(Gate::Probe),
                 charged: if ctx.error.is_some() {
                     Vec::new()
@@ -445,9 +525,12 @@ pub fn start(
             }))
         }
         _ => {
+            let served = leased.is_some();
+            reports.extend(leased.unwrap_or_default());
             let v = ctx.pass(&reports);
-            let bad = eval.bad_input;
-            Step::Done(ctx.done(v, bad, None, Transition::None))
+            let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
+            outcome.lease = lease.filter(|_| served);
+            Step::Done(outcome)
         }
     }
 }
@@ -455,13 +538,18 @@ pub fn start(
 /// Reads the gateway's status and body for `pending` and finishes the decision.
 pub fn finish(
     plan: &Plan,
-    pending: Pending,
+    mut pending: Pending,
     status: Option<&[u8]>,
     body: &[u8],
     latency_ns: u64,
     store: &impl SharedStore,
     now_ns: u64,
 ) -> Outcome {
+    if let Some((l, c)) = pending.lease.take() {
+        let cost = l.bucket.cost;
+        let answer = lease_answer(plan, &mut pending, &l, c, cost, status, body, store, now_ns);
+        return finish_with(plan, pending, answer, latency_ns, store, now_ns);
+    }
     let answer = callout::parse_answer(
         plan,
         &pending.eval.global,
@@ -470,6 +558,74 @@ pub fn finish(
         body,
     );
     finish_with(plan, pending, answer, latency_ns, store, now_ns)
+}
+
+/// Stores a lease answer in the slot, spending `cost` of it at once, and reads
+/// it as a check answer: allowed when the batch covers the cost.
+#[allow(clippy::too_many_arguments)]
+fn lease_answer(
+    plan: &Plan,
+    p: &mut Pending,
+    l: &Lease,
+    c: Claim,
+    cost: u64,
+    status: Option<&[u8]>,
+    body: &[u8],
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Result<Answer, AnswerError> {
+    let lp = plan.global.as_ref().and_then(|g| g.lease.as_ref());
+    let (lp, a) = match (
+        lp,
+        callout::parse_lease_answer(plan, l, c.want, status, body),
+    ) {
+        (Some(lp), Ok(a)) => (lp, a),
+        (_, parsed) => {
+            if let Err(e) = lease::release(store, l) {
+                p.counts.add(Metric::Errors, 1);
+                p.error = Some(e);
+            }
+            return Err(parsed.err().unwrap_or(AnswerError::NoAnswer));
+        }
+    };
+    let spend = if a.granted >= cost { cost } else { 0 };
+    // Nothing granted: the pool is empty until the gateway expects a token.
+    let empty_ns = if a.granted == 0 {
+        a.retry_after_ms.iter().max().copied().unwrap_or(0).max(1) * 1_000_000
+    } else {
+        0
+    };
+    let slot = match lease::store_grant(store, l, lp, a.granted, spend, &a.limits, empty_ns, now_ns)
+    {
+        Ok(slot) => slot,
+        Err(e) => {
+            p.counts.add(Metric::Errors, 1);
+            p.error = Some(e);
+            lease::Slot::default()
+        }
+    };
+    let mut reports = lease::reports(plan, l, &slot, now_ns);
+    if a.granted < cost {
+        for (r, retry_ms) in reports.iter_mut().zip(&a.retry_after_ms) {
+            r.check.allowed = false;
+            r.check.retry_after_ns = (*retry_ms).max(1) * 1_000_000;
+        }
+    }
+    Ok(Answer {
+        reports,
+        quotas: Vec::new(),
+        clamped: a.clamped,
+    })
+}
+
+/// A 4xx says the request was refused, not that the gateway is unwell: it
+/// takes the failure mode but does not count towards opening the circuit.
+fn call_result<T>(answer: &Result<T, AnswerError>, latency_ns: u64) -> CallResult {
+    match answer {
+        Ok(_) => CallResult::Answered { latency_ns },
+        Err(AnswerError::Status(s)) if s.starts_with('4') => CallResult::Answered { latency_ns },
+        Err(_) => CallResult::Failed,
+    }
 }
 
 fn finish_with(
@@ -494,13 +650,7 @@ fn finish_with(
         let v = ctx.pass(&p.local_reports);
         return ctx.done(v, eval.bad_input, None, Transition::None);
     };
-    // A 4xx says the request was refused, not that the gateway is unwell: it
-    // takes the failure mode but does not count towards opening the circuit.
-    let result = match &answer {
-        Ok(_) => CallResult::Answered { latency_ns },
-        Err(AnswerError::Status(s)) if s.starts_with('4') => CallResult::Answered { latency_ns },
-        Err(_) => CallResult::Failed,
-    };
+    let result = call_result(&answer, latency_ns);
     let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
     if transition == Transition::Opened {
         ctx.counts.add(Metric::CircuitOpened, 1);
@@ -563,6 +713,93 @@ fn finish_with(
         }
     }
 }
+/// A lease callout made by the root timer to top up a batch running low, so
+/// that steady traffic finds tokens in the slot and never waits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refresh {
+    /// Body of the `POST` to the lease endpoint.
+    pub body: Vec<u8>,
+    lease: Lease,
+    claim: Claim,
+    probe: bool,
+}
+
+/// Starts a refresh of `l` when its live batch is at half or less and the
+/// circuit lets calls through.
+pub fn refresh_start(
+    plan: &Plan,
+    store: &impl SharedStore,
+    l: &Lease,
+    now_ns: u64,
+) -> Option<Refresh> {
+    let g = plan.global.as_ref()?;
+    let lp = g.lease.as_ref()?;
+    let claim = lease::claim(store, l, lp, now_ns, true).ok()??;
+    let probe = match circuit::gate(store, &g.circuit_key, lp.max_wait_ms, now_ns) {
+        Gate::Call => false,
+        Gate::Probe => true,
+        Gate::Open => {
+            // The requests themselves take the failure mode; a batch in hand is still spent.
+            let _ = lease::release(store, l);
+            return None;
+        }
+    };
+    Some(Refresh {
+        body: callout::encode_lease(plan, l, claim.want, claim.returned),
+        lease: l.clone(),
+        claim,
+        probe,
+    })
+}
+
+/// Stores the answer to a refresh; what to count and what the circuit did.
+pub fn refresh_finish(
+    plan: &Plan,
+    store: &impl SharedStore,
+    r: Refresh,
+    status: Option<&[u8]>,
+    body: &[u8],
+    latency_ns: u64,
+    now_ns: u64,
+) -> (Counts, Transition, Option<AnswerError>) {
+    let mut counts = Counts::default();
+    let Some(g) = plan.global.as_ref() else {
+        return (counts, Transition::None, None);
+    };
+    let mut p = Pending {
+        body: Vec::new(),
+        probe: r.probe,
+        charged: Vec::new(),
+        local_reports: Vec::new(),
+        eval: Evaluation::default(),
+        random: 0,
+        counts,
+        error: None,
+        shadow_denied: Vec::new(),
+        lease: None,
+    };
+    // The timer spends nothing: the whole grant goes to the slot.
+    let answer = lease_answer(
+        plan, &mut p, &r.lease, r.claim, 0, status, body, store, now_ns,
+    );
+    counts = p.counts;
+    let result = call_result(&answer, latency_ns);
+    let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, r.probe);
+    if transition == Transition::Opened {
+        counts.add(Metric::CircuitOpened, 1);
+    }
+    match answer {
+        Ok(a) => {
+            counts.add(Metric::GatewayClamped, a.clamped);
+            (counts, transition, None)
+        }
+        Err(e) => {
+            counts.add(Metric::GlobalFailures, 1);
+            (counts, transition, Some(e))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

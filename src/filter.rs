@@ -4,7 +4,8 @@
 
 use crate::circuit::Transition;
 use crate::config;
-use crate::decide::{self, Outcome, Pending, Step, Verdict};
+use crate::decide::{self, Outcome, Pending, Refresh, Step, Verdict};
+use crate::lease::{Lease, Watched};
 use crate::metrics::Metric;
 use crate::plan::{Plan, KEY_PREFIX};
 use crate::request::RequestInfo;
@@ -13,6 +14,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -146,6 +148,8 @@ type Delays = Rc<RefCell<Vec<(u32, u64)>>>;
 
 /// How often the root context looks for delayed requests to resume.
 const TICK: Duration = Duration::from_millis(5);
+/// How often the root context looks for leases running low.
+const REFRESH_EVERY_NS: u64 = 20_000_000;
 
 /// One per worker: holds the compiled configuration.
 #[derive(Default)]
@@ -154,9 +158,82 @@ struct Root {
     metrics: Rc<Metrics>,
     logs: Rc<LogGates>,
     delays: Delays,
+    /// Leases this worker's requests used lately.
+    leases: Rc<RefCell<Watched>>,
+    /// Lease refreshes in flight: callout token → refresh and when it left.
+    refreshes: HashMap<u32, (Refresh, u64)>,
+    next_refresh_ns: u64,
 }
 
-impl Context for Root {}
+impl Root {
+    /// Tops up leases running low, ahead of the requests that will need them.
+    fn refresh_leases(&mut self, plan: &Plan, now: u64) {
+        let Some(lp) = plan.global.as_ref().and_then(|g| g.lease.as_ref()) else {
+            return;
+        };
+        if now < self.next_refresh_ns {
+            return;
+        }
+        self.next_refresh_ns = now.saturating_add(REFRESH_EVERY_NS);
+        let recent = self.leases.borrow_mut().recent(now, lp.ttl_ns);
+        for lease in recent {
+            let Some(r) = decide::refresh_start(plan, &HostStore, &lease, now) else {
+                continue;
+            };
+            let mut counts = [0u64; Metric::ALL.len()];
+            if let Some(c) = counts.get_mut(Metric::LeaseFetches.index()) {
+                *c = 1;
+            }
+            self.metrics.add_all(&counts);
+            match dispatch(plan, &r.body, &lp.path, lp.max_wait_ms) {
+                Some(token) => {
+                    self.refreshes.insert(token, (r, now));
+                }
+                None => {
+                    let (counts, _, _) =
+                        decide::refresh_finish(plan, &HostStore, r, None, &[], 0, now);
+                    self.metrics.add_all(&counts.0);
+                }
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let (Some(plan), Some((r, sent_at))) =
+            (self.plan.clone(), self.refreshes.remove(&token_id))
+        else {
+            return;
+        };
+        let (status, body) = call_response(num_headers, body_size);
+        let now = now_ns();
+        let (counts, transition, error) = decide::refresh_finish(
+            &plan,
+            &HostStore,
+            r,
+            status.as_deref(),
+            &body,
+            now.saturating_sub(sent_at),
+            now,
+        );
+        self.metrics.add_all(&counts.0);
+        if let Some(e) = error {
+            if let Some(more) = self.logs.gateway.open(now) {
+                log::warn!("ratelimit-wasm: lease refresh failed: {e} (+{more} not logged)");
+            }
+        }
+        if transition == Transition::Opened {
+            log::warn!("ratelimit-wasm: circuit to the gateway opened");
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -189,9 +266,10 @@ impl RootContext for Root {
             .rules
             .iter()
             .any(|r| r.graduated.is_some_and(|g| g.delay_ms > 0));
-        if delays {
+        let leases = plan.global.as_ref().is_some_and(|g| g.lease.is_some());
+        if delays || leases {
             if let Err(e) = hostcalls::set_tick_period(TICK) {
-                log::error!("ratelimit-wasm: no timer for delayed requests: {e:?}");
+                log::error!("ratelimit-wasm: no timer for delayed requests and leases: {e:?}");
                 return false;
             }
         }
@@ -202,6 +280,9 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let now = now_ns();
+        if let Some(plan) = self.plan.clone() {
+            self.refresh_leases(&plan, now);
+        }
         let due: Vec<u32> = {
             let mut delays = self.delays.borrow_mut();
             let due = delays
@@ -229,6 +310,7 @@ impl RootContext for Root {
             metrics: self.metrics.clone(),
             logs: self.logs.clone(),
             delays: self.delays.clone(),
+            leases: self.leases.clone(),
             response_headers: Vec::new(),
             answered: false,
             pending: None,
@@ -247,11 +329,55 @@ struct Http {
     metrics: Rc<Metrics>,
     logs: Rc<LogGates>,
     delays: Delays,
+    leases: Rc<RefCell<Watched>>,
     response_headers: Vec<(&'static str, String)>,
     /// The filter sent the response itself; it already carries the headers.
     answered: bool,
     /// A callout in flight: its token, what it decides, and when it left.
     pending: Option<(u32, Box<Pending>, u64)>,
+}
+
+/// Posts `body` to the gateway; `None` when the callout could not even start.
+fn dispatch(plan: &Plan, body: &[u8], path: &str, timeout_ms: u64) -> Option<u32> {
+    let g = plan.global.as_ref()?;
+    let headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", g.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let timeout = Duration::from_millis(timeout_ms);
+    match hostcalls::dispatch_http_call(&g.cluster, headers, Some(body), vec![], timeout) {
+        Ok(token) => Some(token),
+        Err(e) => {
+            log::warn!(
+                "ratelimit-wasm: callout to cluster {:?} failed to start: {e:?}",
+                g.cluster
+            );
+            None
+        }
+    }
+}
+
+/// The status and body of a callout's answer. A reset callout has no response
+/// to read: Envoy answers BadArgument, on which the SDK's getter panics, so do not ask.
+fn call_response(num_headers: usize, body_size: usize) -> (Option<Vec<u8>>, Vec<u8>) {
+    let status = if num_headers == 0 {
+        None
+    } else {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+    };
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    (status, body)
 }
 
 fn property(path: &Option<Vec<String>>) -> Option<Vec<u8>> {
@@ -270,6 +396,10 @@ fn random_u64(plan: &Plan) -> u64 {
 }
 
 impl Http {
+    fn watch(&self, lease: &Lease, now: u64) {
+        self.leases.borrow_mut().touch(lease, now);
+    }
+
     fn read_request(plan: &Plan) -> RequestInfo {
         RequestInfo {
             headers: plan
@@ -364,34 +494,6 @@ impl Http {
             }
         }
     }
-
-    /// Sends the check to the gateway; `None` when the callout could not even start.
-    fn dispatch(plan: &Plan, pending: &Pending) -> Option<u32> {
-        let g = plan.global.as_ref()?;
-        let headers = vec![
-            (":method", "POST"),
-            (":path", g.path.as_str()),
-            (":authority", g.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let timeout = Duration::from_millis(g.timeout_ms);
-        match hostcalls::dispatch_http_call(
-            &g.cluster,
-            headers,
-            Some(&pending.body),
-            vec![],
-            timeout,
-        ) {
-            Ok(token) => Some(token),
-            Err(e) => {
-                log::warn!(
-                    "ratelimit-wasm: callout to cluster {:?} failed to start: {e:?}",
-                    g.cluster
-                );
-                None
-            }
-        }
-    }
 }
 
 impl Context for Http {
@@ -413,23 +515,7 @@ impl Context for Http {
             self.pending = Some((token, pending, sent_at));
             return;
         }
-        // A reset callout has no response to read: Envoy answers BadArgument, on
-        // which the SDK's getter panics, so do not ask.
-        let status = if num_headers == 0 {
-            None
-        } else {
-            hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-                .ok()
-                .flatten()
-        };
-        let body = if body_size == 0 {
-            Vec::new()
-        } else {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default()
-        };
+        let (status, body) = call_response(num_headers, body_size);
         let now = now_ns();
         let outcome = decide::finish(
             &plan,
@@ -455,10 +541,19 @@ impl HttpContext for Http {
         match decide::start(&plan, &req, &HostStore, now, random_u64(&plan)) {
             Step::Done(outcome) => {
                 self.report(&plan, &outcome, now);
+                if let Some(l) = &outcome.lease {
+                    self.watch(l, now);
+                }
                 self.carry_out(outcome.verdict, false)
             }
-            Step::Call(pending) => match Self::dispatch(&plan, &pending) {
+            Step::Call(pending) => match pending
+                .route(&plan)
+                .and_then(|(path, timeout)| dispatch(&plan, &pending.body, path, timeout))
+            {
                 Some(token) => {
+                    if let Some(l) = pending.lease() {
+                        self.watch(l, now);
+                    }
                     self.pending = Some((token, pending, now));
                     Action::Pause
                 }

@@ -23,6 +23,7 @@ pub mod decide;
 pub mod duration;
 pub mod headers;
 pub mod key;
+pub mod lease;
 pub mod limiter;
 pub mod matcher;
 pub mod metrics;

@@ -46,11 +46,15 @@ pub enum Metric {
     Delayed,
     /// Requests of unlimited clients or tiers.
     Unlimited,
+    /// Global requests served from a lease, without a callout.
+    LeaseServed,
+    /// Lease callouts (by requests and by the timer).
+    LeaseFetches,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 21] = [
+    pub const ALL: [Metric; 23] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -72,6 +76,8 @@ impl Metric {
         Metric::Warned,
         Metric::Delayed,
         Metric::Unlimited,
+        Metric::LeaseServed,
+        Metric::LeaseFetches,
     ];
 
     /// The name given to Envoy.
@@ -98,6 +104,8 @@ impl Metric {
             Metric::Warned => "ratelimit_wasm_warned",
             Metric::Delayed => "ratelimit_wasm_delayed",
             Metric::Unlimited => "ratelimit_wasm_unlimited",
+            Metric::LeaseServed => "ratelimit_wasm_lease_served",
+            Metric::LeaseFetches => "ratelimit_wasm_lease_fetches",
         }
     }
 

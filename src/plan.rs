@@ -8,6 +8,7 @@ use crate::config::{
     Scope,
 };
 use crate::key::{self, BadInput, IpSource, KeyPart};
+use crate::lease::LeasePlan;
 use crate::matcher::Matcher;
 use crate::request::{HeaderId, RequestInfo};
 use crate::table::WAYS;
@@ -199,6 +200,8 @@ pub struct GlobalPlan {
     pub circuit: Circuit,
     /// Shared-data key of the circuit-breaker state.
     pub circuit_key: String,
+    /// Lease mode, when configured.
+    pub lease: Option<LeasePlan>,
 }
 
 /// Where identity comes from.
@@ -489,6 +492,10 @@ impl Plan {
                 failure_mode: g.failure_mode,
                 circuit: g.circuit.clone(),
                 circuit_key: format!("{KEY_PREFIX}circuit/{}/{}", config.domain, g.cluster),
+                lease: g
+                    .lease
+                    .as_ref()
+                    .map(|l| LeasePlan::new(l, &config.domain, keys)),
             }),
             domain: config.domain.clone(),
             costs,

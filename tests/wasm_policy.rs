@@ -1365,3 +1365,198 @@ fn a_late_answer_after_the_client_left_changes_nothing() {
     assert_problem(&h.outcome(id), 15, &["api"]);
     assert!(h.open_streams().is_empty(), "{:?}", h.open_streams());
 }
+
+// ---------------------------------------------------------------------------------------------
+// 9. Lease mode: batches of a global bucket spent locally.
+
+/// A global rule `api` (100/h) in lease mode: batches of 5, spent for 1 s.
+fn lease_config(mode: &str) -> String {
+    cfg(json!({
+        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": mode,
+                    "circuit": { "failures": 3, "cooldown_ms": 2000 },
+                    "lease": { "fraction": 0.05, "max_wait_ms": 20, "ttl_ms": 1000 } },
+        "rules": [
+            { "name": "api", "scope": "global", "key": ["client"],
+              "limits": [ { "requests": 100, "per": "1h" } ] }
+        ]
+    }))
+}
+
+/// The gateway's answer to a lease.
+fn granted(n: u64, remaining: u64, retry_after_ms: u64) -> CallResponse {
+    CallResponse::new(200)
+        .header("content-type", "application/json")
+        .body(
+            json!({ "version": 1, "granted": n, "limits": [
+                { "remaining": remaining, "reset_ms": 90_000, "retry_after_ms": retry_after_ms } ] })
+            .to_string(),
+        )
+}
+
+fn call_json(call: &HttpCall) -> Value {
+    serde_json::from_slice(&call.body).unwrap_or_else(|e| panic!("not JSON ({e}): {call:?}"))
+}
+
+fn lease_body(want: u64, returned: u64) -> Value {
+    json!({ "version": 1, "domain": "policy", "key": "api/c=ann", "tag": "c=ann",
+            "limits": [ { "requests": 100, "window_ms": 3_600_000, "algorithm": "token_bucket" } ],
+            "want": want, "return": returned })
+}
+
+#[test]
+fn a_lease_serves_both_workers_without_callouts_until_it_is_spent() {
+    let h = gateway_harness(2, &lease_config("closed"));
+    let (id, call) = paused_for_callout(&h, 0, client("ann"));
+    assert_eq!(
+        call.header(":path").as_deref(),
+        Some("/v1/lease"),
+        "{call:?}"
+    );
+    assert_eq!(
+        call.timeout_ms, 20,
+        "max_wait_ms is the lease callout's timeout"
+    );
+    assert_eq!(call_json(&call), lease_body(5, 0));
+    h.respond_http_call(call.worker, call.token, granted(5, 90, 0));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    // remaining: 90 in the pool + 4 left in this proxy's batch.
+    assert_shows(&o, "api", 100, 3600, 94);
+    // The other 4 tokens serve either worker with no callout.
+    for (i, left) in [(1, 93), (0, 92), (1, 91), (0, 90)] {
+        let o = h.send(i, client("ann"));
+        assert_allowed(&o);
+        assert!(o.http_calls.is_empty(), "{o:?}");
+        assert_shows(&o, "api", 100, 3600, left);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_lease_served"), 4);
+    assert_eq!(h.metric("ratelimit_wasm_lease_fetches"), 1);
+    // Spent: the next request fetches the next batch; one arriving meanwhile is
+    // checked on its own rather than waiting or fetching twice.
+    let (id, call) = paused_for_callout(&h, 1, client("ann"));
+    assert_eq!(call_json(&call), lease_body(5, 0));
+    let (id2, call2) = paused_for_callout(&h, 0, client("ann"));
+    assert_eq!(
+        call2.header(":path").as_deref(),
+        Some("/v1/check"),
+        "{call2:?}"
+    );
+    h.respond_http_call(
+        call2.worker,
+        call2.token,
+        gw(true, json!(84), json!(60_000), 0),
+    );
+    assert_allowed(&h.outcome(id2));
+    h.respond_http_call(call.worker, call.token, granted(5, 85, 0));
+    assert_allowed(&h.outcome(id));
+    assert_eq!(h.metric("ratelimit_wasm_lease_fetches"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 3);
+    assert_eq!(h.metric("ratelimit_wasm_requests_allowed"), 7);
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+}
+
+#[test]
+fn an_empty_lease_grant_is_a_429_here_until_a_token_is_due_and_leftovers_go_back_after_the_ttl() {
+    let h = gateway_harness(2, &lease_config("closed"));
+    let (id, call) = paused_for_callout(&h, 0, client("ann"));
+    h.respond_http_call(call.worker, call.token, granted(0, 0, 36_000));
+    assert_problem(&h.outcome(id), 36, &["api"]);
+    // Until a token is due, both workers refuse without asking the gateway again.
+    h.advance_ms(6_000);
+    let o = h.send(1, client("ann"));
+    assert_problem(&o, 30, &["api"]);
+    assert!(o.http_calls.is_empty(), "{o:?}");
+    assert_eq!(h.metric("ratelimit_wasm_lease_fetches"), 1);
+    h.advance_ms(30_000);
+    let (_, call) = paused_for_callout(&h, 1, client("ann"));
+    assert_eq!(call_json(&call), lease_body(5, 0));
+    h.respond_http_call(call.worker, call.token, granted(0, 0, 36_000));
+    // Another client: 4 of 5 left, unspent after the 1 s ttl, go back with the next batch.
+    let (id, call) = paused_for_callout(&h, 0, client("bob"));
+    h.respond_http_call(call.worker, call.token, granted(5, 50, 0));
+    assert_allowed(&h.outcome(id));
+    h.advance_ms(1001);
+    let (id, call) = paused_for_callout(&h, 1, client("bob"));
+    let mut want = lease_body(5, 4);
+    want["key"] = json!("api/c=bob");
+    want["tag"] = json!("c=bob");
+    assert_eq!(call_json(&call), want);
+    h.respond_http_call(call.worker, call.token, granted(5, 50, 0));
+    assert_allowed(&h.outcome(id));
+}
+
+#[test]
+fn the_timer_tops_up_a_batch_at_half_without_holding_more_than_one_lease() {
+    let h = gateway_harness(2, &lease_config("closed"));
+    let (id, call) = paused_for_callout(&h, 0, client("ann"));
+    h.respond_http_call(call.worker, call.token, granted(5, 90, 0));
+    assert_allowed(&h.outcome(id));
+    // 4 left: above half, no refresh.
+    h.advance_ms(50);
+    assert!(
+        h.pending_http_calls().is_empty(),
+        "{:?}",
+        h.pending_http_calls()
+    );
+    assert_allowed(&h.send(1, client("ann")));
+    assert_allowed(&h.send(1, client("ann")));
+    // 2 left of 5: a timer asks for the 3 missing, once across both workers.
+    h.advance_ms(25);
+    let calls = h.pending_http_calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(call_json(&calls[0]), lease_body(3, 0));
+    h.respond_http_call(calls[0].worker, calls[0].token, granted(3, 87, 0));
+    for _ in 0..5 {
+        let o = h.send(0, client("ann"));
+        assert_allowed(&o);
+        assert!(o.http_calls.is_empty(), "{o:?}");
+    }
+    assert_eq!(h.metric("ratelimit_wasm_lease_fetches"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_lease_served"), 7);
+}
+
+#[test]
+fn a_failed_lease_takes_the_failure_mode_and_the_next_request_tries_again() {
+    for how in FAILURES {
+        let h = gateway_harness(2, &lease_config("open"));
+        let (id, call) = paused_for_callout(&h, 0, client("ann"));
+        if let Failure::Timeout = how {
+            // A lease waits max_wait_ms (20), not timeout_ms.
+            h.advance_ms(19);
+            assert_eq!(h.pending_http_calls().len(), 1, "timed out too early");
+            h.advance_ms(1);
+        } else {
+            fail(&h, &call, how);
+        }
+        let o = h.outcome(id);
+        assert_allowed(&o);
+        assert_eq!(h.metric("ratelimit_wasm_failure_mode_open"), 1, "{how:?}");
+        assert_eq!(h.metric("ratelimit_wasm_global_failures"), 1, "{how:?}");
+        let (id, call) = paused_for_callout(&h, 1, client("ann"));
+        assert_eq!(
+            call.header(":path").as_deref(),
+            Some("/v1/lease"),
+            "{how:?}"
+        );
+        h.respond_http_call(call.worker, call.token, granted(5, 90, 0));
+        assert_allowed(&h.outcome(id));
+    }
+    // Closed: a 503, and after 3 failures the circuit opens; a batch in hand is still spent.
+    let h = gateway_harness(2, &lease_config("closed"));
+    let (id, call) = paused_for_callout(&h, 0, client("ann"));
+    h.respond_http_call(call.worker, call.token, granted(5, 90, 0));
+    assert_allowed(&h.outcome(id));
+    for n in 0..3 {
+        let (id, call) = paused_for_callout(&h, n % 2, client(&format!("x{n}")));
+        fail(&h, &call, Failure::Status503);
+        assert_eq!(h.outcome(id).status, 503);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_circuit_opened"), 1);
+    let o = h.send(0, client("nobody"));
+    assert_eq!(o.status, 503, "{o:?}");
+    assert!(o.http_calls.is_empty(), "{o:?}");
+    for _ in 0..4 {
+        assert_allowed(&h.send(1, client("ann")));
+    }
+    assert_eq!(h.send(1, client("ann")).status, 503);
+}
