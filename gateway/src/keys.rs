@@ -1,6 +1,7 @@
 //! Redis key layout and cluster slot grouping.
 //!
-//! One key per limit:
+//! One key per limit (a lease names the same keys as a check of the same
+//! bucket, [`lease_keys`]):
 //! `<prefix>{<domain>|<tag>}|<key>|<limit index>|<algorithm>|<requests>|<window_ms>`.
 //! The `{…}` hash tag puts every key of one domain and tag in one cluster
 //! slot; the limit's parameters in the name make a changed limit start a
@@ -19,7 +20,7 @@
 
 use redis::cluster_routing::Slot;
 
-use crate::protocol::{CheckRequest, LimitSpec, Period};
+use crate::protocol::{CheckRequest, LeaseRequest, LimitSpec, Period};
 
 /// One limit of one bucket, with its Redis key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +156,17 @@ pub fn limit_keys(prefix: &str, req: &CheckRequest) -> Vec<LimitKey> {
     out
 }
 
+/// The Redis keys of a lease's limits, in order: the keys [`limit_keys`]
+/// gives a check bucket with the same domain, tag, key and limits, so that
+/// leases and checks draw from one bucket. One tag, hence one cluster slot.
+pub fn lease_keys(prefix: &str, req: &LeaseRequest) -> Vec<String> {
+    req.limits
+        .iter()
+        .enumerate()
+        .map(|(l, spec)| redis_key(prefix, &req.domain, &req.tag, &req.key, l, spec))
+        .collect()
+}
+
 /// Splits limits and quotas by cluster slot, groups ordered by first
 /// appearance (limits first, then quotas).
 pub fn group_by_slot(limits: Vec<LimitKey>, quotas: Vec<QuotaKey>) -> Vec<Group> {
@@ -227,6 +239,51 @@ mod tests {
         assert_eq!(Slot::for_key(&a), Slot::for_key(&q));
         let full = quota_key("rl:", "d", "t", "monthly/c=x", Period::Month, 1_769_904_000);
         assert_eq!(Slot::for_key(&a), Slot::for_key(full));
+    }
+
+    #[test]
+    fn a_lease_names_the_keys_of_the_same_check_bucket() {
+        let limits = vec![
+            TB,
+            LimitSpec {
+                requests: 5,
+                window_ms: 1000,
+                algorithm: Algorithm::TokenBucket,
+            },
+        ];
+        let lease = LeaseRequest {
+            version: 1,
+            domain: "d|x".to_string(),
+            key: "rule/client=abc".to_string(),
+            tag: "client=abc}".to_string(),
+            limits: limits.clone(),
+            want: 3,
+            returned: 0,
+        };
+        let check = CheckRequest {
+            version: 1,
+            domain: lease.domain.clone(),
+            cost: 1,
+            buckets: vec![crate::protocol::BucketSpec {
+                key: lease.key.clone(),
+                tag: lease.tag.clone(),
+                cost: None,
+                limits,
+            }],
+            quotas: vec![],
+        };
+        let from_check: Vec<String> = limit_keys("rl:", &check)
+            .into_iter()
+            .map(|k| k.key)
+            .collect();
+        assert_eq!(lease_keys("rl:", &lease), from_check);
+        assert_eq!(
+            from_check,
+            [
+                "rl:{d%7Cx|client=abc%7D}|rule/client=abc|0|token_bucket|60|60000",
+                "rl:{d%7Cx|client=abc%7D}|rule/client=abc|1|token_bucket|5|1000"
+            ]
+        );
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! ratelimit-gateway: a small stateless HTTP service between the
 //! `ratelimit-wasm` filter and Redis.
 //!
-//! [`server`] answers `POST /v1/check` ([`protocol`]) by running the Lua
-//! scripts of [`script`] over the Redis connection of [`store`], under the
-//! keys of [`keys`], all or nothing ([`limiter`]), counted in [`metrics`].
+//! [`server`] answers `POST /v1/check` and `POST /v1/lease` ([`protocol`])
+//! by running the Lua scripts of [`script`] over the Redis connection of
+//! [`store`], under the keys of [`keys`], all or nothing ([`limiter`]),
+//! counted in [`metrics`].
 //! `main.rs` only parses [`config::Args`] and calls [`run`].
 #![cfg_attr(
     not(test),

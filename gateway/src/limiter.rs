@@ -7,11 +7,15 @@
 //! group denies, the groups already charged are refunded with `refund.lua`,
 //! the groups not yet checked are evaluated without charging (so that every
 //! limit and quota has an answer), and the answer is "denied".
+//!
+//! One `/v1/lease` is one `EVALSHA` of `lease.lua`: the keys of one bucket
+//! share a hash tag, so they are always one slot.
 
 use crate::keys::{self, Group};
 use crate::metrics::Metrics;
 use crate::protocol::{
-    BucketResult, CheckRequest, CheckResponse, LimitResult, QuotaResult, VERSION,
+    BucketResult, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, LimitResult,
+    QuotaResult, VERSION,
 };
 use crate::script::{self, CheckReply, Mode};
 use crate::store::{Store, StoreError};
@@ -152,6 +156,29 @@ impl Limiter {
             buckets: answers,
             quotas,
         })
+    }
+
+    /// Leases tokens for a validated lease request, with time from Redis.
+    pub async fn lease(&self, req: &LeaseRequest) -> Result<LeaseResponse, StoreError> {
+        self.lease_at(req, None).await
+    }
+
+    /// Leases tokens for a validated lease request. `now_ms` is the
+    /// **test-only** time override, as for [`Limiter::check_at`]: the script
+    /// takes it instead of Redis `TIME` and writes keys without an expiry.
+    /// Nothing reachable over HTTP sets it.
+    pub async fn lease_at(
+        &self,
+        req: &LeaseRequest,
+        now_ms: Option<u64>,
+    ) -> Result<LeaseResponse, StoreError> {
+        let keys = keys::lease_keys(&self.prefix, req);
+        let args = script::lease_args(req, now_ms);
+        let reply: Vec<i64> = self
+            .store
+            .eval(script::lease(), &keys, &args, "lease")
+            .await?;
+        script::parse_lease_reply(&reply, req.limits.len()).map_err(StoreError::Reply)
     }
 
     async fn run(

@@ -5,8 +5,10 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
 };
 
-/// Results of `/v1/check`, as the `result` label.
-pub const RESULTS: [&str; 3] = ["allowed", "denied", "error"];
+/// Results of `/v1/check` (`allowed`, `denied`) and `/v1/lease` (`lease`,
+/// whatever it granted), and of both when answered 400 or 503 (`error`), as
+/// the `result` label.
+pub const RESULTS: [&str; 4] = ["allowed", "denied", "lease", "error"];
 /// Error kinds, as the `kind` label.
 pub const ERROR_KINDS: [&str; 6] = [
     "bad_request",
@@ -17,7 +19,7 @@ pub const ERROR_KINDS: [&str; 6] = [
     "refund",
 ];
 /// Redis operations, as the `op` label.
-pub const OPS: [&str; 5] = ["check", "peek", "refund", "ping", "load"];
+pub const OPS: [&str; 6] = ["check", "peek", "refund", "lease", "ping", "load"];
 /// Algorithms, as the `algorithm` label.
 pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
 /// Quota periods, as the `period` label.
@@ -27,7 +29,7 @@ pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
-    /// `ratelimit_gateway_checks_total{result}`: answered checks.
+    /// `ratelimit_gateway_checks_total{result}`: answered checks and leases.
     pub checks: IntCounterVec,
     /// `ratelimit_gateway_denials_total{algorithm}`: limits that denied a check.
     pub denials: IntCounterVec,
@@ -50,7 +52,7 @@ impl Metrics {
         let checks = IntCounterVec::new(
             Opts::new(
                 "ratelimit_gateway_checks_total",
-                "Checks answered, by result.",
+                "Checks and leases answered, by result (lease: a lease answered 200).",
             ),
             &["result"],
         )?;

@@ -2,7 +2,9 @@
 //!
 //! `POST /v1/check` takes a [`CheckRequest`] and answers 200 with a
 //! [`CheckResponse`], 400 with an [`ErrorBody`] naming the field at fault, or
-//! 503 with an [`ErrorBody`] when Redis fails or times out.
+//! 503 with an [`ErrorBody`] when Redis fails or times out. `POST /v1/lease`
+//! takes a [`LeaseRequest`] and answers 200 with a [`LeaseResponse`], or 400
+//! and 503 as a check does.
 
 use serde::{Deserialize, Serialize};
 
@@ -188,6 +190,57 @@ pub struct CheckResponse {
     pub quotas: Vec<QuotaResult>,
 }
 
+/// `POST /v1/lease` request body: reserve up to `want` tokens of one token
+/// bucket at once, after giving back `return` unspent tokens of the
+/// caller's previous lease. The bucket (domain, tag, key, limits) is the one
+/// a [`BucketSpec`] of a check names: same Redis keys, one bucket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRequest {
+    /// Must be [`VERSION`].
+    pub version: u32,
+    /// Namespace of the keys, as in a check.
+    pub domain: String,
+    /// The bucket's identity within the domain, as [`BucketSpec::key`].
+    pub key: String,
+    /// The cluster hash tag, as [`BucketSpec::tag`].
+    pub tag: String,
+    /// The bucket's limits, all `token_bucket`, charged together.
+    pub limits: Vec<LimitSpec>,
+    /// Tokens asked for (1..=2^53); capped at the smallest `requests`.
+    pub want: u64,
+    /// Unspent tokens of the previous lease on this bucket (0..=2^53), given
+    /// back before granting; absent: 0.
+    #[serde(default, rename = "return")]
+    pub returned: u64,
+}
+
+/// One limit's answer to a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseLimitResult {
+    /// Whole tokens left in this limit after the grant.
+    pub remaining: u64,
+    /// Ms until this limit is full again.
+    pub reset_ms: u64,
+    /// 0 when something was granted; else ms until 1 token is free in this
+    /// limit (0 when one already is and another limit held the grant back).
+    pub retry_after_ms: u64,
+}
+
+/// `POST /v1/lease` 200 answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseResponse {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// Tokens granted, charged in every limit; 0 when some limit has no
+    /// whole token free (then nothing is charged).
+    pub granted: u64,
+    /// One per limit of the request, in order.
+    pub limits: Vec<LeaseLimitResult>,
+}
+
 /// 400 and 503 answer body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -219,8 +272,23 @@ pub struct Health {
 
 /// Parses and validates a request body; the error is `<field path>: <reason>`.
 pub fn parse(body: &[u8]) -> Result<CheckRequest, String> {
+    let req: CheckRequest = decode(body)?;
+    validate(&req)?;
+    Ok(req)
+}
+
+/// Parses and validates a `POST /v1/lease` body; the error is
+/// `<field path>: <reason>`, as for [`parse`].
+pub fn parse_lease(body: &[u8]) -> Result<LeaseRequest, String> {
+    let req: LeaseRequest = decode(body)?;
+    validate_lease(&req)?;
+    Ok(req)
+}
+
+/// Deserializes a body, naming the field at fault in the error.
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    let req: CheckRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+    serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let reason = strip_position(&inner);
@@ -229,9 +297,7 @@ pub fn parse(body: &[u8]) -> Result<CheckRequest, String> {
         } else {
             format!("{path}: {reason}")
         }
-    })?;
-    validate(&req)?;
-    Ok(req)
+    })
 }
 
 /// serde_json's message without its " at line L column C" suffix.
@@ -283,21 +349,7 @@ pub fn validate(req: &CheckRequest) -> Result<(), String> {
             ));
         }
         for (l, limit) in bucket.limits.iter().enumerate() {
-            let at = format!("buckets[{b}].limits[{l}]");
-            if limit.requests < 1 {
-                return Err(format!("{at}.requests: must be at least 1"));
-            }
-            if limit.window_ms < 1 {
-                return Err(format!("{at}.window_ms: must be at least 1"));
-            }
-            match limit.requests.checked_mul(limit.window_ms) {
-                Some(p) if p <= MAX_EXACT => {}
-                _ => {
-                    return Err(format!(
-                        "{at}: requests × window_ms must be at most 2^53 (9007199254740992)"
-                    ))
-                }
-            }
+            limit_spec(&format!("buckets[{b}].limits[{l}]"), limit)?;
         }
     }
     if req.quotas.len() > MAX_QUOTAS {
@@ -323,6 +375,62 @@ pub fn validate(req: &CheckRequest) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Checks the bounds of a lease request serde cannot express.
+pub fn validate_lease(req: &LeaseRequest) -> Result<(), String> {
+    if req.version != VERSION {
+        return Err(format!(
+            "version: unsupported version {}, expected {VERSION}",
+            req.version
+        ));
+    }
+    name("domain", &req.domain, false)?;
+    name("key", &req.key, false)?;
+    name("tag", &req.tag, true)?;
+    if req.limits.is_empty() || req.limits.len() > MAX_LIMITS {
+        return Err(format!(
+            "limits: must hold 1 to {MAX_LIMITS} limits, got {}",
+            req.limits.len()
+        ));
+    }
+    for (l, limit) in req.limits.iter().enumerate() {
+        let at = format!("limits[{l}]");
+        // Only a token bucket has tokens to hand out ahead of the requests.
+        if limit.algorithm != Algorithm::TokenBucket {
+            return Err(format!("{at}.algorithm: leases need token_bucket"));
+        }
+        limit_spec(&at, limit)?;
+    }
+    if !(1..=MAX_EXACT).contains(&req.want) {
+        return Err(format!(
+            "want: must be between 1 and 2^53, got {}",
+            req.want
+        ));
+    }
+    if req.returned > MAX_EXACT {
+        return Err(format!(
+            "return: must be at most 2^53, got {}",
+            req.returned
+        ));
+    }
+    Ok(())
+}
+
+/// Checks one limit; `at` is its field path.
+fn limit_spec(at: &str, limit: &LimitSpec) -> Result<(), String> {
+    if limit.requests < 1 {
+        return Err(format!("{at}.requests: must be at least 1"));
+    }
+    if limit.window_ms < 1 {
+        return Err(format!("{at}.window_ms: must be at least 1"));
+    }
+    match limit.requests.checked_mul(limit.window_ms) {
+        Some(p) if p <= MAX_EXACT => Ok(()),
+        _ => Err(format!(
+            "{at}: requests × window_ms must be at most 2^53 (9007199254740992)"
+        )),
+    }
 }
 
 fn name(path: &str, value: &str, may_be_empty: bool) -> Result<(), String> {
@@ -396,6 +504,132 @@ mod tests {
             quotas: vec![],
         };
         assert!(!serde_json::to_string(&answer).unwrap().contains("quotas"));
+    }
+
+    fn good_lease() -> serde_json::Value {
+        serde_json::json!({
+            "version": 1, "domain": "d", "key": "rule/client=abc", "tag": "client=abc",
+            "limits": [ { "requests": 100, "window_ms": 60000, "algorithm": "token_bucket" } ],
+            "want": 5, "return": 0
+        })
+    }
+
+    #[test]
+    fn the_lease_example_parses() {
+        let r = parse_lease(&body(good_lease())).unwrap();
+        assert_eq!((r.want, r.returned), (5, 0));
+        assert_eq!(r.limits[0].requests, 100);
+        // `return` is optional; the bounds themselves are valid.
+        let mut v = good_lease();
+        v.as_object_mut().unwrap().remove("return");
+        assert_eq!(parse_lease(&body(v)).unwrap().returned, 0);
+        let mut v = good_lease();
+        v["want"] = (1u64 << 53).into();
+        v["return"] = (1u64 << 53).into();
+        v["tag"] = "".into();
+        let r = parse_lease(&body(v)).unwrap();
+        assert_eq!((r.want, r.returned), (1 << 53, 1 << 53));
+        // The wire name is `return` both ways.
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(text.contains("\"return\":9007199254740992"), "{text}");
+    }
+
+    #[test]
+    fn lease_errors_name_the_field() {
+        let sliding = serde_json::json!(
+            { "requests": 10, "window_ms": 1000, "algorithm": "sliding_window" });
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|v| v["limits"][0]["algorithm"] = "sliding_window".into()),
+                "limits[0].algorithm: leases need token_bucket",
+            ),
+            (
+                Box::new(move |v| {
+                    v["limits"].as_array_mut().unwrap().push(sliding.clone());
+                }),
+                "limits[1].algorithm: leases need token_bucket",
+            ),
+            (
+                Box::new(|v| v["want"] = 0.into()),
+                "want: must be between 1 and 2^53, got 0",
+            ),
+            (
+                Box::new(|v| v["want"] = ((1u64 << 53) + 1).into()),
+                "want: must be between 1 and 2^53, got 9007199254740993",
+            ),
+            (
+                Box::new(|v| v["return"] = ((1u64 << 53) + 1).into()),
+                "return: must be at most 2^53, got 9007199254740993",
+            ),
+            (
+                Box::new(|v| v["return"] = (-1).into()),
+                "return: invalid value: integer `-1`",
+            ),
+            (
+                Box::new(|v| v["cost"] = 1.into()),
+                "cost: unknown field `cost`",
+            ),
+            (
+                Box::new(|v| v["limits"][0]["burst"] = 1.into()),
+                "limits[0].burst: unknown field `burst`",
+            ),
+            (
+                Box::new(|v| v["version"] = 2.into()),
+                "version: unsupported version 2, expected 1",
+            ),
+            (
+                Box::new(|v| v["limits"] = serde_json::json!([])),
+                "limits: must hold 1 to 8 limits, got 0",
+            ),
+            (
+                Box::new(|v| v["limits"] = serde_json::json!(vec![v["limits"][0].clone(); 9])),
+                "limits: must hold 1 to 8 limits, got 9",
+            ),
+            (
+                Box::new(|v| v["limits"][0]["requests"] = 0.into()),
+                "limits[0].requests: must be at least 1",
+            ),
+            (
+                Box::new(|v| v["limits"][0]["window_ms"] = 0.into()),
+                "limits[0].window_ms: must be at least 1",
+            ),
+            (
+                Box::new(|v| v["limits"][0]["requests"] = (1u64 << 40).into()),
+                "limits[0]: requests × window_ms must be at most 2^53 (9007199254740992)",
+            ),
+            (
+                Box::new(|v| v["limits"][0]["algorithm"] = "leaky".into()),
+                "limits[0].algorithm: unknown variant `leaky`",
+            ),
+            (Box::new(|v| v["key"] = "".into()), "key: must not be empty"),
+            (
+                Box::new(|v| v["tag"] = "t".repeat(513).into()),
+                "tag: must be at most 512 bytes, got 513",
+            ),
+            (
+                Box::new(|v| v["domain"] = "".into()),
+                "domain: must not be empty",
+            ),
+            (
+                Box::new(|v| {
+                    v.as_object_mut().unwrap().remove("want");
+                }),
+                "body: missing field `want`",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut v = good_lease();
+            change(&mut v);
+            let err = parse_lease(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+        // A check body is not a lease body, and the other way round.
+        assert!(parse_lease(&body(good()))
+            .unwrap_err()
+            .starts_with("buckets: unknown field `buckets`"));
+        assert!(parse(&body(good_lease()))
+            .unwrap_err()
+            .starts_with("key: unknown field `key`"));
     }
 
     #[test]

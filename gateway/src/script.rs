@@ -1,18 +1,23 @@
-//! The two Lua scripts, their arguments and their replies.
+//! The three Lua scripts, their arguments and their replies.
 //!
 //! `check.lua` checks and (when every limit and every quota passes) charges
-//! every key of one slot group atomically; `refund.lua` gives back a charge. Both take their
+//! every key of one slot group atomically; `refund.lua` gives back a charge;
+//! `lease.lua` grants a batch of one token bucket's tokens. All take their
 //! time from Redis `TIME`, so gateway replicas with skewed clocks agree.
 
 use std::sync::OnceLock;
 
 use crate::keys::{Group, LimitKey, QuotaKey};
-use crate::protocol::{LimitResult, QuotaResult};
+use crate::protocol::{
+    LeaseLimitResult, LeaseRequest, LeaseResponse, LimitResult, QuotaResult, VERSION,
+};
 
 /// The check-and-consume script.
 pub const CHECK_LUA: &str = include_str!("check.lua");
 /// The refund script.
 pub const REFUND_LUA: &str = include_str!("refund.lua");
+/// The lease script.
+pub const LEASE_LUA: &str = include_str!("lease.lua");
 
 /// One script: its source and its SHA1 (for `EVALSHA`).
 #[derive(Debug)]
@@ -35,6 +40,12 @@ pub fn check() -> &'static LuaScript {
 pub fn refund() -> &'static LuaScript {
     static S: OnceLock<LuaScript> = OnceLock::new();
     S.get_or_init(|| LuaScript::new("refund", REFUND_LUA))
+}
+
+/// The lease script.
+pub fn lease() -> &'static LuaScript {
+    static S: OnceLock<LuaScript> = OnceLock::new();
+    S.get_or_init(|| LuaScript::new("lease", LEASE_LUA))
 }
 
 impl LuaScript {
@@ -97,6 +108,21 @@ pub fn refund_args(
         args.push(q.amount.to_string());
     }
     (keys(&group.limits, &group.quotas), args)
+}
+
+/// Arguments of a `lease.lua` call (its keys are [`crate::keys::lease_keys`]):
+/// the time override, want, return, then per limit requests and window_ms.
+/// `now_ms` is the test-only override, as for [`check_args`].
+pub fn lease_args(req: &LeaseRequest, now_ms: Option<u64>) -> Vec<String> {
+    let mut args = Vec::with_capacity(3 + 2 * req.limits.len());
+    args.push(now_ms.map(|n| n.to_string()).unwrap_or_default());
+    args.push(req.want.to_string());
+    args.push(req.returned.to_string());
+    for l in &req.limits {
+        args.push(l.requests.to_string());
+        args.push(l.window_ms.to_string());
+    }
+    args
 }
 
 fn keys(limits: &[LimitKey], quotas: &[QuotaKey]) -> Vec<String> {
@@ -178,4 +204,91 @@ pub fn parse_check_reply(
         }
     }
     Ok(out)
+}
+
+/// Decodes `lease.lua`'s `{granted, (remaining, reset, retry)*L}`.
+pub fn parse_lease_reply(reply: &[i64], limits: usize) -> Result<LeaseResponse, String> {
+    if reply.len() != 1 + 3 * limits {
+        return Err(format!(
+            "lease script answered {} integers for {limits} limits",
+            reply.len()
+        ));
+    }
+    let non_negative = |v: i64| u64::try_from(v).map_err(|_| format!("negative value {v}"));
+    let Some((granted, rest)) = reply.split_first() else {
+        return Err("empty reply".to_string());
+    };
+    let mut out = LeaseResponse {
+        version: VERSION,
+        granted: non_negative(*granted)?,
+        limits: Vec::with_capacity(limits),
+    };
+    for chunk in rest.chunks_exact(3) {
+        if let [remaining, reset, retry] = chunk {
+            out.limits.push(LeaseLimitResult {
+                remaining: non_negative(*remaining)?,
+                reset_ms: non_negative(*reset)?,
+                retry_after_ms: non_negative(*retry)?,
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Algorithm, LimitSpec};
+
+    #[test]
+    fn lease_args_layout() {
+        let tb = |requests, window_ms| LimitSpec {
+            requests,
+            window_ms,
+            algorithm: Algorithm::TokenBucket,
+        };
+        let req = LeaseRequest {
+            version: 1,
+            domain: "d".to_string(),
+            key: "k".to_string(),
+            tag: "t".to_string(),
+            limits: vec![tb(10, 60_000), tb(3, 1000)],
+            want: 5,
+            returned: 2,
+        };
+        assert_eq!(
+            lease_args(&req, None),
+            ["", "5", "2", "10", "60000", "3", "1000"]
+        );
+        assert_eq!(lease_args(&req, Some(1234))[0], "1234");
+    }
+
+    #[test]
+    fn lease_replies() {
+        let r = parse_lease_reply(&[2, 0, 60_000, 0, 7, 18_000, 0], 2).unwrap();
+        assert_eq!(r.granted, 2);
+        assert_eq!(
+            r.limits,
+            [
+                LeaseLimitResult {
+                    remaining: 0,
+                    reset_ms: 60_000,
+                    retry_after_ms: 0
+                },
+                LeaseLimitResult {
+                    remaining: 7,
+                    reset_ms: 18_000,
+                    retry_after_ms: 0
+                },
+            ]
+        );
+        assert_eq!(
+            parse_lease_reply(&[2, 0, 1], 1).unwrap_err(),
+            "lease script answered 3 integers for 1 limits"
+        );
+        assert_eq!(
+            parse_lease_reply(&[0, 0, -1, 0], 1).unwrap_err(),
+            "negative value -1"
+        );
+    }
 }

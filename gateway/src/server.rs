@@ -1,4 +1,5 @@
-//! The HTTP side: `POST /v1/check`, `GET /healthz`, `GET /metrics`.
+//! The HTTP side: `POST /v1/check`, `POST /v1/lease`, `GET /healthz`,
+//! `GET /metrics`.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -32,6 +33,7 @@ pub struct App {
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/check", post(check))
+        .route("/v1/lease", post(lease))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -53,23 +55,27 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(ErrorBody::new(message))).into_response()
 }
 
-async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => {
-            app.metrics.check("error");
-            app.metrics.error("bad_request");
-            return error(e.status(), format!("body: {}", e.body_text()));
-        }
+/// Reads and parses a body with `parse`; on failure, the status and message
+/// of the error answer (counted as a bad request).
+fn read_body<T>(
+    app: &App,
+    body: Result<Bytes, BytesRejection>,
+    parse: fn(&[u8]) -> Result<T, String>,
+) -> Result<T, (StatusCode, String)> {
+    let bad = |status, message: String| {
+        app.metrics.check("error");
+        app.metrics.error("bad_request");
+        tracing::debug!(%message, "bad request");
+        (status, message)
     };
-    let req = match protocol::parse(&body) {
+    let body = body.map_err(|e| bad(e.status(), format!("body: {}", e.body_text())))?;
+    parse(&body).map_err(|message| bad(StatusCode::BAD_REQUEST, message))
+}
+
+async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req = match read_body(&app, body, protocol::parse) {
         Ok(r) => r,
-        Err(message) => {
-            app.metrics.check("error");
-            app.metrics.error("bad_request");
-            tracing::debug!(%message, "bad request");
-            return error(StatusCode::BAD_REQUEST, message);
-        }
+        Err((status, message)) => return error(status, message),
     };
     match app.limiter.check(&req).await {
         Ok(answer) => {
@@ -81,6 +87,25 @@ async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>)
             app.metrics.check("error");
             app.metrics.error(e.kind());
             tracing::warn!(error = %e, domain = %req.domain, "check failed");
+            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+        }
+    }
+}
+
+async fn lease(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let req = match read_body(&app, body, protocol::parse_lease) {
+        Ok(r) => r,
+        Err((status, message)) => return error(status, message),
+    };
+    match app.limiter.lease(&req).await {
+        Ok(answer) => {
+            app.metrics.check("lease");
+            (StatusCode::OK, Json(answer)).into_response()
+        }
+        Err(e) => {
+            app.metrics.check("error");
+            app.metrics.error(e.kind());
+            tracing::warn!(error = %e, domain = %req.domain, "lease failed");
             error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
         }
     }

@@ -256,10 +256,14 @@ where
     }
 }
 
-/// Loads both scripts once on a new connection (on every master, in a
+/// Loads every script once on a new connection (on every master, in a
 /// cluster). Best effort: `EVALSHA` loads a missing script on `NOSCRIPT`.
 async fn preload(conn: &Conn) {
-    for script in [crate::script::check(), crate::script::refund()] {
+    for script in [
+        crate::script::check(),
+        crate::script::refund(),
+        crate::script::lease(),
+    ] {
         let mut cmd = redis::cmd("SCRIPT");
         cmd.arg("LOAD").arg(script.source);
         let result: Result<String, RedisError> = match conn.clone() {

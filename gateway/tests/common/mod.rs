@@ -49,6 +49,36 @@ pub fn request(domain: &str, cost: u64, buckets: &[(&str, &str, &[L])]) -> Value
     json!({ "version": 1, "domain": domain, "cost": cost, "buckets": buckets })
 }
 
+/// A lease request body for one bucket (key, tag, limits).
+pub fn lease_request(
+    domain: &str,
+    key: &str,
+    tag: &str,
+    limits: &[L],
+    want: u64,
+    give_back: u64,
+) -> Value {
+    let limits: Vec<Value> = limits
+        .iter()
+        .map(|(r, w, a)| json!({ "requests": r, "window_ms": w, "algorithm": a }))
+        .collect();
+    json!({ "version": 1, "domain": domain, "key": key, "tag": tag,
+            "limits": limits, "want": want, "return": give_back })
+}
+
+/// Posts to `/v1/lease`; the status and the JSON body.
+pub async fn lease(client: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
+    let resp = client
+        .post(format!("{base}/v1/lease"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let body: Value = resp.json().await.unwrap();
+    (status, body)
+}
+
 /// A quota: `{key, tag, limit, period, amount}`.
 pub fn quota(key: &str, tag: &str, limit: u64, period: &str, amount: u64) -> Value {
     json!({ "key": key, "tag": tag, "limit": limit, "period": period, "amount": amount })

@@ -1,0 +1,151 @@
+-- ratelimit-gateway: lease a batch of tokens of one token bucket, atomically
+-- over every limit of the bucket.
+--
+-- KEYS[1..L]        one Redis key per limit: exactly the keys check.lua gets
+--                   for the same bucket (one domain and tag: one cluster slot),
+--                   so leases and checks draw from one bucket
+-- ARGV[1]           "" in production: time comes from Redis TIME. TEST ONLY: a
+--                   time in ms overrides it, and then keys are written without
+--                   an expiry (as in check.lua). Used only by tests
+--                   (Limiter::lease_at).
+-- ARGV[2]           want (1..2^53): tokens asked for
+-- ARGV[3]           return (0..2^53): unspent tokens of the caller's previous
+--                   lease on this bucket
+-- ARGV[2i+2..2i+3]  per limit i (i = 1..L): requests (C), window_ms (W); every
+--                   limit is a token bucket
+--
+-- Returns { granted, then per limit: remaining, reset_ms, retry_after_ms }.
+--
+-- 1. Give back: in every limit the TAT goes back by return * W / C ms,
+--    floored at now (as refund.lua gives back a token-bucket charge).
+-- 2. Grant g = min(want, every C, every limit's whole tokens free now), and
+--    charge g in every limit as check.lua charges a cost of g. When g is 0
+--    nothing is charged, but what step 1 gave back is still written.
+-- 3. Every write sets PX to the time until the limit is full again (reset_ms),
+--    as check.lua does; a limit full again is deleted.
+--
+-- State "tat_ms:rem" and arithmetic exactly as check.lua: every quantity is
+-- an integer of at most 2^53 (the gateway rejects requests * window_ms > 2^53,
+-- want and return > 2^53), so every + - * is exact, and divisions go through
+-- divmod (math.fmod is exact).
+
+local now
+local override = ARGV[1] ~= ''
+if override then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local want = tonumber(ARGV[2])
+local give = tonumber(ARGV[3])
+
+-- divmod, ceildiv and fmt are copies of check.lua's: Redis scripts cannot
+-- include each other, and the two must round the same way.
+
+-- q, r with a = q*b + r, 0 <= r < b, for integers a >= 0, b >= 1.
+local function divmod(a, b)
+  local r = math.fmod(a, b)
+  return (a - r) / b, r
+end
+
+local function ceildiv(a, b)
+  local q, r = divmod(a, b)
+  if r > 0 then q = q + 1 end
+  return q
+end
+
+local function fmt(x)
+  return string.format('%.0f', x)
+end
+
+-- The bucket's use as check.lua reads it: TAT - now = d + r/C ms with
+-- 0 <= r < C, or (0, 0) when the TAT is past (the bucket is full).
+local function read(state)
+  if state then
+    local t, r = string.match(state, '^(%d+):(%d+)$')
+    t, r = tonumber(t), tonumber(r)
+    if t and r and (t > now or (t == now and r > 0)) then
+      return t - now, r
+    end
+  end
+  return 0, 0
+end
+
+-- (d, r) with n tokens given back: n*W/C ms less, floored at now. With
+-- n = a*C + b the products stay below 2^53: b*W < C*W, and a*W is formed only
+-- when a <= floor(d/W) + 1 (a larger a takes back more than d + 1 ms).
+local function give_back(d, r, c, w, n)
+  local a, b = divmod(n, c)
+  if a > divmod(d, w) + 1 then return 0, 0 end
+  local q1, r1 = divmod(b * w, c)
+  d, r = d - a * w - q1, r - r1
+  if r < 0 then
+    d, r = d - 1, r + c
+  end
+  if d < 0 or (d == 0 and r == 0) then return 0, 0 end
+  return d, r
+end
+
+local limits = {}
+local granted = want
+for i = 1, #KEYS do
+  local c = tonumber(ARGV[2 * i + 2])
+  local w = tonumber(ARGV[2 * i + 3])
+  local d0, r0 = read(redis.call('GET', KEYS[i]))
+  local d, r = give_back(d0, r0, c, w, give)
+  -- Free use in units of 1/C ms, as check.lua: d*C + r < W*C only when d < W
+  -- (d >= W only when Redis time went backwards).
+  local free = 0
+  if d < w then free = w * c - (d * c + r) end
+  local whole = 0
+  if free > 0 then whole = divmod(free, w) end
+  if c < granted then granted = c end
+  if whole < granted then granted = whole end
+  limits[i] = { c = c, w = w, d = d, r = r, free = free, whole = whole,
+                given = d ~= d0 or r ~= r0 }
+end
+
+local out = { granted }
+for i, l in ipairs(limits) do
+  local c, w, d, r = l.c, l.w, l.d, l.r
+  local state, remaining, reset, retry
+  if granted > 0 then
+    -- granted <= whole here, so d < W and need <= W*C: exact.
+    local need = d * c + r + granted * w
+    local q, rem = divmod(need, c)
+    state = fmt(now + q) .. ':' .. fmt(rem)
+    remaining = divmod(l.free - granted * w, w)
+    reset = ceildiv(need, c)
+    retry = 0
+  else
+    remaining = l.whole
+    reset = d
+    if r > 0 then reset = d + 1 end
+    retry = 0
+    if l.whole < 1 then
+      -- check.lua's retry for cost 1: (d - W) + ceil((r + W) / C).
+      local q1, r1 = divmod(w, c)
+      retry = d - w + q1
+      if r + r1 > 0 then
+        if r1 <= c - r then retry = retry + 1 else retry = retry + 2 end
+      end
+    end
+    if l.given then
+      if reset == 0 then state = false else state = fmt(now + d) .. ':' .. fmt(r) end
+    end
+  end
+  if state == false then
+    redis.call('DEL', KEYS[i])
+  elseif state then
+    if override then
+      redis.call('SET', KEYS[i], state)
+    else
+      redis.call('SET', KEYS[i], state, 'PX', fmt(reset))
+    end
+  end
+  out[#out + 1] = remaining
+  out[#out + 1] = reset
+  out[#out + 1] = retry
+end
+return out
