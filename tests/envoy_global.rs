@@ -297,6 +297,96 @@ fn two_proxies_share_one_global_limit() {
     );
 }
 
+/// Lease mode: two proxies, each spending batches of 5 tokens (5% of 100)
+/// through its workers. Every token spent was charged in Redis first, and a
+/// proxy holds at most one batch, so across both:
+/// limit − 2 × 5 ≤ admitted ≤ limit + 2 × 5 (README, *Lease mode*).
+#[test]
+fn two_proxies_in_lease_mode_stay_within_limit_plus_one_lease_each() {
+    const LIMIT: u64 = 100;
+    const LEASE: u64 = 5;
+    const REQUESTS: usize = 300;
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gateway = ok(
+        Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
+        "starting ratelimit-gateway",
+    );
+    let config = global_config(
+        "lease",
+        "shared",
+        LIMIT,
+        json!({ "timeout_ms": 200, "instances": 2, "failure_mode": "closed",
+                "lease": { "fraction": 0.05, "max_wait_ms": 200, "ttl_ms": 10_000 } }),
+    );
+    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
+    let envoys = ok(
+        Envoy::start_all(&[opts.clone(), opts]),
+        "starting two Envoys",
+    );
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("")).collect();
+    let req = Request::get("/").header("x-client-id", "everywhere");
+    let started = Instant::now();
+    let responses = spread(&urls, &req, REQUESTS, 16);
+    let took = started.elapsed();
+    let mut allowed = [0u64; 2];
+    for (i, (proxy, r)) in responses.iter().enumerate() {
+        match r.status {
+            200 => {
+                allowed[*proxy] += 1;
+                assert_eq!(
+                    header(r, "ratelimit-policy"),
+                    "\"shared\";q=100;w=3600",
+                    "request {i}"
+                );
+                assert!(
+                    int_header(r, "x-ratelimit-remaining") <= LIMIT,
+                    "request {i}: {r:#?}"
+                );
+            }
+            // One token comes back every 3600 / 100 = 36 s.
+            429 => assert_429(r, "shared", LIMIT, 36),
+            other => panic!("request {i} via proxy {proxy}: unexpected status {other}: {r:#?}"),
+        }
+    }
+    let total: u64 = allowed.iter().sum();
+    let lease = |e: &Envoy, name: &str| {
+        ok(e.metric(name), "reading /stats").unwrap_or_else(|| panic!("no {name}")) as u64
+    };
+    let served: Vec<u64> = envoys
+        .iter()
+        .map(|e| lease(e, "ratelimit_wasm_lease_served"))
+        .collect();
+    let fetches: Vec<u64> = envoys
+        .iter()
+        .map(|e| lease(e, "ratelimit_wasm_lease_fetches"))
+        .collect();
+    let calls: Vec<u64> = envoys
+        .iter()
+        .map(|e| lease(e, "ratelimit_wasm_global_calls"))
+        .collect();
+    println!(
+        "lease: {REQUESTS} requests in {took:?}: admitted {total} ({allowed:?} per proxy), \
+         bound {}..={}; served from a lease {served:?}, lease fetches {fetches:?}, callouts {calls:?}",
+        LIMIT - 2 * LEASE,
+        LIMIT + 2 * LEASE
+    );
+    assert!(
+        (LIMIT - 2 * LEASE..=LIMIT + 2 * LEASE).contains(&total),
+        "admitted {total} outside limit ± instances × lease"
+    );
+    assert!(
+        allowed.iter().all(|a| *a > 0),
+        "both proxies admitted: {allowed:?}"
+    );
+    // Most requests needed no callout.
+    let calls: u64 = calls.iter().sum();
+    assert!(
+        calls < REQUESTS as u64 / 2,
+        "{calls} callouts for {REQUESTS} requests"
+    );
+    assert!(served.iter().sum::<u64>() > 0);
+}
+
 // ---------------------------------------------------------------------------
 // Faults.
 

@@ -59,6 +59,7 @@ use testkit::{
 const C1_JSON: &str = include_str!("bench/c1.json");
 const C4_JSON: &str = include_str!("bench/c4.json");
 const D_JSON: &str = include_str!("bench/d.json");
+const E_JSON: &str = include_str!("bench/e.json");
 
 /// What the wrk script sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +92,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 8] = [
+pub const VARIANTS: [Variant; 9] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -141,6 +142,14 @@ pub const VARIANTS: [Variant; 8] = [
         needs_gateway: true,
     },
     Variant {
+        id: "e",
+        what: "this filter, 1 global rule in lease mode (batches of 5%)",
+        filter: FilterVariant::Shipped,
+        plugin: E_JSON,
+        load: LoadMode::Spread,
+        needs_gateway: true,
+    },
+    Variant {
         id: "b-f",
         what: "as b, half the requests over the limit",
         filter: FilterVariant::Native,
@@ -178,7 +187,7 @@ pub struct Args {
 }
 
 const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--connections C] \
-                     [--threads T] [--only a,a2,b,c1,c4,d,b-f,c1-f,gw] [--wait-quiet SECONDS] \
+                     [--threads T] [--only a,a2,b,c1,c4,d,e,b-f,c1-f,gw] [--wait-quiet SECONDS] \
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
 fn parse_args() -> Result<Args> {
@@ -616,13 +625,15 @@ struct RunContext<'a> {
 }
 
 /// Counters read from the measured Envoy after a run (Prometheus names).
-const COUNTERS: [&str; 6] = [
+const COUNTERS: [&str; 8] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
     "ratelimit_wasm_global_failures",
     "ratelimit_wasm_circuit_open_skips",
     "ratelimit_wasm_errors",
+    "ratelimit_wasm_lease_served",
+    "ratelimit_wasm_lease_fetches",
 ];
 
 /// The filter's counters ([`COUNTERS`]) and the native limiter's

@@ -30,6 +30,7 @@ fn color_of(id: &str) -> RGBColor {
         "c1" | "c4" => RGBColor(54, 110, 190),
         "c1-f" => RGBColor(140, 175, 225),
         "d" => RGBColor(120, 80, 170),
+        "e" => RGBColor(170, 130, 210),
         _ => RGBColor(80, 80, 80),
     }
 }
