@@ -389,7 +389,7 @@ pub fn start(
     now_ns: u64,
     random: u64,
 ) -> Step {
-    let eval = plan.evaluate(req);
+    let mut eval = plan.evaluate(req);
     let mut ctx = Ctx {
         plan,
         store,
@@ -450,7 +450,7 @@ pub fn start(
     let needs_gateway = (!eval.global.is_empty() && leased.is_none()) || !eval.quotas.is_empty();
     let global = plan.global.as_ref().filter(|_| needs_gateway);
     let gate = global.map(|g| circuit::gate(store, &g.circuit_key, g.timeout_ms, now_ns));
-    let mut charge = eval.buckets.clone();
+    let mut charge = std::mem::take(&mut eval.buckets);
     let mut watch_fallback = false;
     if let (Some(g), Some(Gate::Open)) = (global, gate) {
         ctx.counts.add(Metric::CircuitOpenSkips, 1);

@@ -7,7 +7,7 @@ use crate::config;
 use crate::decide::{self, Outcome, Pending, Refresh, Step, Verdict};
 use crate::lease::{Lease, Watched};
 use crate::metrics::Metric;
-use crate::plan::{Plan, KEY_PREFIX};
+use crate::plan::{Plan, SourceNeed, KEY_PREFIX};
 use crate::request::RequestInfo;
 use crate::store::{SharedStore, StoreError, CREATE_ONLY};
 use proxy_wasm::hostcalls;
@@ -160,6 +160,7 @@ struct Root {
     delays: Delays,
     /// Leases this worker's requests used lately.
     leases: Rc<RefCell<Watched>>,
+    jitter: Rc<Jitter>,
     /// Lease refreshes in flight: callout token → refresh and when it left.
     refreshes: HashMap<u32, (Refresh, u64)>,
     next_refresh_ns: u64,
@@ -275,6 +276,7 @@ impl RootContext for Root {
         }
         self.plan = Some(Rc::new(plan));
         self.metrics = Rc::new(Metrics::define());
+        self.jitter = Rc::new(Jitter::seeded());
         true
     }
 
@@ -311,6 +313,7 @@ impl RootContext for Root {
             logs: self.logs.clone(),
             delays: self.delays.clone(),
             leases: self.leases.clone(),
+            jitter: self.jitter.clone(),
             response_headers: Vec::new(),
             answered: false,
             pending: None,
@@ -330,6 +333,7 @@ struct Http {
     logs: Rc<LogGates>,
     delays: Delays,
     leases: Rc<RefCell<Watched>>,
+    jitter: Rc<Jitter>,
     response_headers: Vec<(&'static str, String)>,
     /// The filter sent the response itself; it already carries the headers.
     answered: bool,
@@ -385,13 +389,33 @@ fn property(path: &Option<Vec<String>>) -> Option<Vec<u8>> {
     hostcalls::get_property(path).ok().flatten()
 }
 
-fn random_u64(plan: &Plan) -> u64 {
-    let mut bytes = [0u8; 8];
-    if plan.retry_jitter > 0.0 && getrandom::fill(&mut bytes).is_ok() {
-        u64::from_le_bytes(bytes)
-    } else {
-        // No spread: waits stay as computed.
-        0
+/// Per-worker random numbers for jitter: splitmix64 seeded once from the
+/// host, so a request costs no `random_get` hostcall. Jitter only needs spread,
+/// not secrecy.
+#[derive(Default)]
+struct Jitter(Cell<u64>);
+
+impl Jitter {
+    fn seeded() -> Jitter {
+        let mut bytes = [0u8; 8];
+        let seed = match getrandom::fill(&mut bytes) {
+            Ok(()) => u64::from_le_bytes(bytes),
+            Err(_) => now_ns(),
+        };
+        Jitter(Cell::new(seed))
+    }
+
+    fn next(&self, plan: &Plan) -> u64 {
+        if plan.retry_jitter <= 0.0 {
+            // No spread: waits stay as computed.
+            return 0;
+        }
+        let state = self.0.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        self.0.set(state);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
     }
 }
 
@@ -401,27 +425,34 @@ impl Http {
     }
 
     fn read_request(plan: &Plan) -> RequestInfo {
-        RequestInfo {
+        let mut req = RequestInfo {
             headers: plan
                 .header_names
                 .iter()
-                .map(|name| {
-                    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-                        .ok()
-                        .flatten()
+                .zip(&plan.header_needed)
+                .map(|(name, needed)| {
+                    needed
+                        .then(|| hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name))
+                        .and_then(|v| v.ok().flatten())
                 })
                 .collect(),
-            source_address: if plan.needs_source_address {
-                hostcalls::get_property(vec!["source", "address"])
-                    .ok()
-                    .flatten()
-            } else {
-                None
-            },
+            source_address: None,
             client_metadata: property(&plan.client_id_property),
             tier_metadata: property(&plan.tier_property),
+        };
+        let source = match plan.source {
+            SourceNeed::Never => false,
+            SourceNeed::WithoutClient => !plan.has_client_id(&req),
+            SourceNeed::Always => true,
+        };
+        if source {
+            req.source_address = hostcalls::get_property(vec!["source", "address"])
+                .ok()
+                .flatten();
         }
+        req
     }
+
     fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
         self.metrics.add_all(&outcome.counts.0);
         if let Some(e) = &outcome.error {
@@ -538,7 +569,7 @@ impl HttpContext for Http {
         };
         let req = Self::read_request(&plan);
         let now = now_ns();
-        match decide::start(&plan, &req, &HostStore, now, random_u64(&plan)) {
+        match decide::start(&plan, &req, &HostStore, now, self.jitter.next(&plan)) {
             Step::Done(outcome) => {
                 self.report(&plan, &outcome, now);
                 if let Some(l) = &outcome.lease {

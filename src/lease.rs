@@ -412,9 +412,9 @@ impl Watched {
         if let Some(e) = self
             .entries
             .iter_mut()
-            .find(|(l, _)| l.slot_key == lease.slot_key)
+            .find(|(l, _)| l.fingerprint == lease.fingerprint && l.slot_key == lease.slot_key)
         {
-            *e = (lease.clone(), now_ns);
+            e.1 = now_ns;
             return;
         }
         if self.entries.len() >= WATCHED {

@@ -30,6 +30,17 @@ impl Matcher {
         }
     }
 
+    /// The headers this matcher reads (`:method` and `:path` included).
+    pub fn reads(&self) -> impl Iterator<Item = HeaderId> + '_ {
+        let method = self.methods.is_some().then_some(crate::request::METHOD);
+        let path = (self.path_prefix.is_some() || self.path_exact.is_some())
+            .then_some(crate::request::PATH);
+        method
+            .into_iter()
+            .chain(path)
+            .chain(self.headers.iter().map(|(id, _)| *id))
+    }
+
     /// Whether the request satisfies every condition.
     pub fn matches(&self, req: &RequestInfo) -> bool {
         let path = req.path();

@@ -220,8 +220,12 @@ struct IdentityPlan {
 pub struct Plan {
     /// Headers to fetch per request, lower-case, `:method` and `:path` first.
     pub header_names: Vec<String>,
-    /// Whether any rule needs the peer address.
-    pub needs_source_address: bool,
+    /// Which of `header_names` a request must fetch: a registered header
+    /// nothing reads (`:method` without a method match, `X-Forwarded-For`
+    /// without trusted hops) costs a hostcall for nothing.
+    pub header_needed: Vec<bool>,
+    /// When the peer address must be fetched.
+    pub source: SourceNeed,
     /// Property path of the client id in Envoy metadata, when configured.
     pub client_id_property: Option<Vec<String>>,
     /// Property path of the tier in Envoy metadata, when configured.
@@ -250,6 +254,17 @@ pub struct Plan {
     pub domain: String,
     costs: Vec<(Matcher, u64)>,
     identity: IdentityPlan,
+}
+
+/// When a request's peer address is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceNeed {
+    /// No key reads the client IP.
+    Never,
+    /// Only for requests without a client id (the IP stands in for it).
+    WithoutClient,
+    /// Some key reads the IP itself.
+    Always,
 }
 
 /// Registers header names to fetch, giving each an index.
@@ -357,14 +372,10 @@ impl Plan {
             );
         }
         let keys = split_seed(seed);
-        let mut needs_source_address = false;
         let mut rules = Vec::with_capacity(config.rules.len());
         let mut stand_ins = Vec::new();
         for (rule_index, rule) in config.rules.iter().enumerate() {
             let key = h.key(&rule.key);
-            needs_source_address |= key
-                .iter()
-                .any(|k| matches!(k, KeyPart::Client | KeyPart::Ip));
             let maker = VariantMaker { config, rule, keys };
             let divisor = match (&config.global, rule.scope) {
                 (Some(g), Scope::Global) => Some(g.instances.max(1)),
@@ -433,7 +444,7 @@ impl Plan {
                 r.fallback = Some(index);
             }
         }
-        let quotas = config
+        let quotas: Vec<QuotaPlan> = config
             .quotas
             .iter()
             .enumerate()
@@ -446,9 +457,6 @@ impl Plan {
                     }
                 }
                 let key = h.key(&q.key);
-                needs_source_address |= key
-                    .iter()
-                    .any(|k| matches!(k, KeyPart::Client | KeyPart::Ip));
                 QuotaPlan {
                     name: q.name.clone(),
                     period: q.period,
@@ -464,15 +472,25 @@ impl Plan {
                 }
             })
             .collect();
-        let costs = config
+        let costs: Vec<(Matcher, u64)> = config
             .costs
             .iter()
             .map(|c| (Matcher::compile(&c.matches, |n| h.id(n)), c.cost))
             .collect();
         let sets = (config.max_buckets / WAYS as u64).max(1);
+        let (header_needed, source) = reads(
+            h.0.len(),
+            &identity,
+            config.identity.client_id_metadata.is_none(),
+            config.identity.tier_metadata.is_none(),
+            &rules,
+            quotas.as_slice(),
+            costs.as_slice(),
+        );
         Plan {
             header_names: h.0,
-            needs_source_address,
+            header_needed,
+            source,
             client_id_property: id.client_id_metadata.as_ref().map(|p| metadata_path(p)),
             tier_property: id.tier_metadata.as_ref().map(|p| metadata_path(p)),
             rules,
@@ -503,9 +521,19 @@ impl Plan {
         }
     }
 
+    /// Whether `req` carries a client id (from metadata or the header, as configured).
+    pub fn has_client_id(&self, req: &RequestInfo) -> bool {
+        self.client(req).0.is_some()
+    }
+
     /// The shared-data key of set `index`.
     pub fn set_key(&self, index: u64) -> String {
-        format!("{}{index}", self.set_key_prefix)
+        let mut n = itoa::Buffer::new();
+        let index = n.format(index);
+        let mut key = String::with_capacity(self.set_key_prefix.len() + index.len());
+        key.push_str(&self.set_key_prefix);
+        key.push_str(index);
+        key
     }
 
     /// The limits of a bucket's rule and variant.
@@ -671,6 +699,61 @@ impl Plan {
     }
 }
 
+/// Which headers the compiled plan reads, and when it reads the peer address.
+fn reads(
+    headers: usize,
+    identity: &IdentityPlan,
+    client_from_header: bool,
+    tier_from_header: bool,
+    rules: &[RulePlan],
+    quotas: &[QuotaPlan],
+    costs: &[(Matcher, u64)],
+) -> (Vec<bool>, SourceNeed) {
+    let mut needed = vec![false; headers];
+    let mut mark = |id: HeaderId| {
+        if let Some(n) = needed.get_mut(id) {
+            *n = true;
+        }
+    };
+    if client_from_header {
+        mark(identity.client_header);
+    }
+    if let (true, Some(t)) = (tier_from_header, identity.tier_header) {
+        mark(t);
+    }
+    let (mut ip, mut client) = (false, false);
+    let keys = rules
+        .iter()
+        .map(|r| &r.key)
+        .chain(quotas.iter().map(|q| &q.key));
+    for part in keys.flatten() {
+        match part {
+            KeyPart::Client => client = true,
+            KeyPart::Ip => ip = true,
+            KeyPart::Method => mark(crate::request::METHOD),
+            KeyPart::Path => mark(crate::request::PATH),
+            KeyPart::Header(id) => mark(*id),
+        }
+    }
+    let matchers = rules
+        .iter()
+        .filter_map(|r| r.matcher.as_ref())
+        .chain(quotas.iter().filter_map(|q| q.matcher.as_ref()))
+        .chain(costs.iter().map(|(m, _)| m));
+    for m in matchers {
+        m.reads().for_each(&mut mark);
+    }
+    if (ip || client) && identity.ip_source.hops > 0 {
+        mark(identity.ip_source.xff);
+    }
+    let source = match (ip, client) {
+        (true, _) => SourceNeed::Always,
+        (false, true) => SourceNeed::WithoutClient,
+        (false, false) => SourceNeed::Never,
+    };
+    (needed, source)
+}
+
 /// Envoy's property path for a field of a filter's dynamic metadata.
 fn metadata_path(path: &[String]) -> Vec<String> {
     let mut out = vec!["metadata".to_string(), "filter_metadata".to_string()];
@@ -748,7 +831,18 @@ mod tests {
                 "x-tenant"
             ]
         );
-        assert!(p.needs_source_address);
+        // X-Forwarded-For is registered but not read without trusted hops.
+        assert_eq!(p.header_needed, [true, true, true, false, true]);
+        assert_eq!(p.source, SourceNeed::WithoutClient);
+        let only_client = plan(
+            r#"{"domain":"d","rules":[{"name":"r","key":["client"],"limits":[{"requests":1,"per":1}]}]}"#,
+        );
+        assert_eq!(only_client.header_needed, [false, false, true, false]);
+        let by_ip = plan(
+            r#"{"domain":"d","identity":{"trusted_proxy_hops":1},"rules":[{"name":"r","key":["ip"],"match":{"methods":["GET"]},"limits":[{"requests":1,"per":1}]}]}"#,
+        );
+        assert_eq!(by_ip.header_needed, [true, false, true, true]);
+        assert_eq!(by_ip.source, SourceNeed::Always);
         assert_eq!(p.sets, 16_384);
         assert_eq!(p.set_key(3), "ratelimit-wasm/set/demo/16384/3");
     }
