@@ -1,12 +1,15 @@
 //! `gateway_answer`: the filter's reading of the gateway's answer
 //! (`callout::parse_answer`) on any status and body, for a fixed plan with two global
-//! rules (three limits) and a quota. It must never panic, and whatever it accepts must be
-//! clamped to what the configured limits make possible.
+//! rules (three limits) and a quota, and the same bytes as an answer to a lease of the
+//! first rule (`callout::parse_lease_answer`). It must never panic, and whatever it
+//! accepts must be clamped to what the configured limits make possible (a lease: never
+//! more granted than asked).
 //!
 //! Input: the status up to the first `\n` (`~` for no answer at all), then the body. An
 //! input without `\n` is a body with status 200.
 
 use ratelimit_wasm::callout::{self, Answer, AnswerError};
+use ratelimit_wasm::lease;
 use ratelimit_wasm::plan::{Evaluation, Plan};
 use ratelimit_wasm::request::RequestInfo;
 
@@ -14,7 +17,8 @@ pub const CONFIG: &str = r#"{
   "domain": "fuzz",
   "tiers": { "free": {} },
   "identity": { "default_tier": "free" },
-  "global": { "cluster": "gw", "failure_mode": "local", "instances": 2 },
+  "global": { "cluster": "gw", "failure_mode": "local", "instances": 2,
+              "lease": { "fraction": 0.5 } },
   "rules": [
     { "name": "g", "scope": "global", "key": ["client"],
       "limits": [ { "requests": 10, "per": "1m" }, { "requests": 2, "per": "1s" } ] },
@@ -77,6 +81,30 @@ fn run_with(plan: &Plan, eval: &Evaluation, data: &[u8]) {
         result,
         callout::parse_answer(plan, &eval.global, &eval.quotas, status, body)
     );
+    lease(plan, eval, status, body);
+}
+
+/// The bytes as the answer to a lease of 3 tokens of the first global rule.
+fn lease(plan: &Plan, eval: &Evaluation, status: Option<&[u8]>, body: &[u8]) {
+    let Some(l) = eval.global.first().and_then(|g| lease::locate(plan, g)) else {
+        panic!("the first global rule leases");
+    };
+    const WANT: u64 = 3;
+    match callout::parse_lease_answer(plan, &l, WANT, status, body) {
+        Err(AnswerError::NoAnswer) => assert!(status.is_none()),
+        Err(AnswerError::Status(_)) => assert_ne!(status, Some(&b"200"[..])),
+        Err(_) => {}
+        Ok(a) => {
+            assert!(a.granted <= WANT, "{a:?}");
+            let limits = plan.limits(l.bucket.rule, l.bucket.variant);
+            assert_eq!(a.limits.len(), limits.len(), "{a:?}");
+            assert_eq!(a.retry_after_ms.len(), limits.len(), "{a:?}");
+            for ((remaining, reset_ms), (limit, _)) in a.limits.iter().zip(limits) {
+                assert!(*remaining <= limit.capacity, "{a:?}");
+                assert!(*reset_ms <= 2 * (limit.period_ns / MS), "{a:?}");
+            }
+        }
+    }
 }
 
 const MS: u64 = 1_000_000;
