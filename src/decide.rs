@@ -547,7 +547,11 @@ pub fn finish(
 ) -> Outcome {
     if let Some((l, c)) = pending.lease.take() {
         let cost = l.bucket.cost;
-        let answer = lease_answer(plan, &mut pending, &l, c, cost, status, body, store, now_ns);
+        let mut noted = Noted {
+            counts: &mut pending.counts,
+            error: &mut pending.error,
+        };
+        let answer = lease_answer(plan, &mut noted, &l, c, cost, status, body, store, now_ns);
         return finish_with(plan, pending, answer, latency_ns, store, now_ns);
     }
     let answer = callout::parse_answer(
@@ -560,12 +564,25 @@ pub fn finish(
     finish_with(plan, pending, answer, latency_ns, store, now_ns)
 }
 
+/// Where a step notes what to count and the shared-data failure it met.
+struct Noted<'a> {
+    counts: &'a mut Counts,
+    error: &'a mut Option<LimitError>,
+}
+
+impl Noted<'_> {
+    fn failed(&mut self, e: LimitError) {
+        self.counts.add(Metric::Errors, 1);
+        *self.error = Some(e);
+    }
+}
+
 /// Stores a lease answer in the slot, spending `cost` of it at once, and reads
 /// it as a check answer: allowed when the batch covers the cost.
 #[allow(clippy::too_many_arguments)]
 fn lease_answer(
     plan: &Plan,
-    p: &mut Pending,
+    p: &mut Noted,
     l: &Lease,
     c: Claim,
     cost: u64,
@@ -582,8 +599,7 @@ fn lease_answer(
         (Some(lp), Ok(a)) => (lp, a),
         (_, parsed) => {
             if let Err(e) = lease::release(store, l) {
-                p.counts.add(Metric::Errors, 1);
-                p.error = Some(e);
+                p.failed(e);
             }
             return Err(parsed.err().unwrap_or(AnswerError::NoAnswer));
         }
@@ -599,8 +615,7 @@ fn lease_answer(
     {
         Ok(slot) => slot,
         Err(e) => {
-            p.counts.add(Metric::Errors, 1);
-            p.error = Some(e);
+            p.failed(e);
             lease::Slot::default()
         }
     };
@@ -713,6 +728,7 @@ fn finish_with(
         }
     }
 }
+
 /// A lease callout made by the root timer to top up a batch running low, so
 /// that steady traffic finds tokens in the slot and never waits.
 #[derive(Debug, Clone, PartialEq)]
@@ -766,23 +782,15 @@ pub fn refresh_finish(
     let Some(g) = plan.global.as_ref() else {
         return (counts, Transition::None, None);
     };
-    let mut p = Pending {
-        body: Vec::new(),
-        probe: r.probe,
-        charged: Vec::new(),
-        local_reports: Vec::new(),
-        eval: Evaluation::default(),
-        random: 0,
-        counts,
-        error: None,
-        shadow_denied: Vec::new(),
-        lease: None,
+    let mut error = None;
+    let mut noted = Noted {
+        counts: &mut counts,
+        error: &mut error,
     };
     // The timer spends nothing: the whole grant goes to the slot.
     let answer = lease_answer(
-        plan, &mut p, &r.lease, r.claim, 0, status, body, store, now_ns,
+        plan, &mut noted, &r.lease, r.claim, 0, status, body, store, now_ns,
     );
-    counts = p.counts;
     let result = call_result(&answer, latency_ns);
     let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, r.probe);
     if transition == Transition::Opened {
