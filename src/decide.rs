@@ -1331,4 +1331,69 @@ mod tests {
         // Still calling: two failures of any other kind would have opened it.
         call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
     }
+
+    fn lease_answer_body(granted: u64, retry_after_ms: u64) -> Vec<u8> {
+        serde_json::json!({"version": 1, "granted": granted,
+            "limits": [{"remaining": 50, "reset_ms": 1000, "retry_after_ms": retry_after_ms}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses_here() {
+        let p = plan(
+            r#"{"domain":"d","global":{"cluster":"gw","failure_mode":"closed","lease":{"fraction":0.04}},
+               "rules":[{"name":"local","key":["client"],"limits":[{"requests":3,"per":"1h"}]},
+                        {"name":"shared","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1m"}]}]}"#,
+        );
+        let s = MemoryStore::default();
+        let r = req(&p, "/", Some("ann"));
+        // The first request fetches a batch of 4 and spends 1.
+        let pending = call(start(&p, &r, &s, T0, NEUTRAL));
+        assert_eq!(pending.route(&p), Some(("/v1/lease", 20)));
+        let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+        assert_eq!(
+            (body["want"].as_u64(), body["return"].as_u64()),
+            (Some(4), Some(0))
+        );
+        let o = finish(
+            &p,
+            pending,
+            Some(b"200"),
+            &lease_answer_body(4, 0),
+            0,
+            &s,
+            T0,
+        );
+        assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+        // Two more from the batch, no callout; the local rule (3/h) then denies and the
+        // lease token it took goes back.
+        for _ in 0..2 {
+            let o = done(start(&p, &r, &s, T0, NEUTRAL));
+            assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+            assert_eq!(o.counts.get(Metric::LeaseServed), 1);
+        }
+        let o = done(start(&p, &r, &s, T0, NEUTRAL));
+        assert_eq!(rejected(&o).0, &429);
+        let other = req(&p, "/", Some("bob"));
+        let pending = call(start(&p, &other, &s, T0, NEUTRAL));
+        // Bob's pool is empty for 7 s: refused here, with that wait, without a callout.
+        let o = finish(
+            &p,
+            pending,
+            Some(b"200"),
+            &lease_answer_body(0, 7000),
+            0,
+            &s,
+            T0,
+        );
+        assert_eq!(header(rejected(&o).1, "retry-after"), "7");
+        let o = done(start(&p, &other, &s, T0 + SEC, NEUTRAL));
+        assert_eq!(header(rejected(&o).1, "retry-after"), "6");
+        assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+        // Ann's slot still holds the token given back: 1 left.
+        let l = crate::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
+        let (bytes, _) = s.get(&l.slot_key).unwrap().unwrap();
+        assert_eq!(crate::lease::Slot::decode(&bytes).unwrap().tokens, 1);
+    }
 }
