@@ -44,6 +44,21 @@ struct RequestLimit {
     algorithm: &'static str,
 }
 
+/// The limits of a global bucket as the gateway takes them.
+fn request_limits(plan: &Plan, g: &GlobalBucket) -> Vec<RequestLimit> {
+    let Some(rule) = plan.rules.get(g.rule) else {
+        return Vec::new();
+    };
+    rule.limits(g.variant)
+        .iter()
+        .map(|(l, secs)| RequestLimit {
+            requests: l.capacity,
+            window_ms: secs * 1000,
+            algorithm: rule.algorithm.name(),
+        })
+        .collect()
+}
+
 /// The JSON body asking the gateway to check and charge every bucket at its
 /// cost, and every quota by its amount, all or nothing.
 pub fn encode_request(
@@ -55,20 +70,13 @@ pub fn encode_request(
     let buckets = global
         .iter()
         .filter_map(|g| {
-            let rule = plan.rules.get(g.rule)?;
+            // A bucket of an unknown rule is left out, not sent without limits.
+            plan.rules.get(g.rule)?;
             Some(RequestBucket {
                 key: &g.key,
                 tag: &g.tag,
                 cost: g.cost,
-                limits: rule
-                    .limits(g.variant)
-                    .iter()
-                    .map(|(l, secs)| RequestLimit {
-                        requests: l.capacity,
-                        window_ms: secs * 1000,
-                        algorithm: rule.algorithm.name(),
-                    })
-                    .collect(),
+                limits: request_limits(plan, g),
             })
         })
         .collect();
@@ -315,26 +323,12 @@ struct LeaseRequest<'a> {
 /// bucket of `lease`, after giving back `returned` unspent ones.
 pub fn encode_lease(plan: &Plan, lease: &Lease, want: u64, returned: u64) -> Vec<u8> {
     let g = &lease.bucket;
-    let limits = plan
-        .rules
-        .get(g.rule)
-        .map(|rule| {
-            rule.limits(g.variant)
-                .iter()
-                .map(|(l, secs)| RequestLimit {
-                    requests: l.capacity,
-                    window_ms: secs * 1000,
-                    algorithm: rule.algorithm.name(),
-                })
-                .collect()
-        })
-        .unwrap_or_default();
     let body = LeaseRequest {
         version: VERSION,
         domain: &plan.domain,
         key: &g.key,
         tag: &g.tag,
-        limits,
+        limits: request_limits(plan, g),
         want,
         returned,
     };
@@ -427,7 +421,7 @@ mod tests {
     use crate::request::RequestInfo;
 
     fn setup() -> (Plan, Vec<GlobalBucket>) {
-        let json = r#"{"domain":"demo","global":{"cluster":"gw"},"rules":[
+        let json = r#"{"domain":"demo","global":{"cluster":"gw","lease":{"fraction":0.5}},"rules":[
             {"name":"g","scope":"global","key":["client"],"limits":[{"requests":10,"per":"1m"},{"requests":2,"per":"1s"}]}]}"#;
         let plan = Plan::compile(&config::parse(json.as_bytes()).unwrap(), [0; 16]);
         let headers = plan
@@ -529,5 +523,58 @@ mod tests {
             ),
             Err(AnswerError::Inconsistent(_))
         ));
+    }
+
+    #[test]
+    fn lease_bodies_and_answers_are_read_distrustfully() {
+        use serde_json::json;
+        let (plan, global) = setup();
+        let l = crate::lease::locate(&plan, &global[0]).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_slice(&encode_lease(&plan, &l, 1, 2)).unwrap();
+        assert_eq!(
+            body,
+            json!({"version": 1, "domain": "demo", "key": "g/c=alice", "tag": "c=alice",
+                   "limits": [{"requests": 10, "window_ms": 60_000, "algorithm": "token_bucket"},
+                              {"requests": 2, "window_ms": 1000, "algorithm": "token_bucket"}],
+                   "want": 1, "return": 2})
+        );
+        let read = |v: serde_json::Value| {
+            parse_lease_answer(&plan, &l, 1, Some(b"200"), v.to_string().as_bytes())
+        };
+        let limit =
+            |r: f64, t: f64, w: f64| json!({"remaining": r, "reset_ms": t, "retry_after_ms": w});
+        let a = read(json!({"version": 1, "granted": 1,
+                            "limits": [limit(8.0, 12_000.0, 0.0), limit(1.0, 500.0, 0.0)]}))
+        .unwrap();
+        assert_eq!(
+            (a.granted, a.limits.clone(), a.clamped),
+            (1, vec![(8, 12_000), (1, 500)], 0)
+        );
+        // More than asked, negative or out-of-window figures are clamped and counted.
+        let a = read(json!({"version": 1, "granted": 5,
+                            "limits": [limit(-1.0, 1e12, 0.0), limit(3.0, 1.0, 9e9)]}))
+        .unwrap();
+        assert_eq!(
+            (a.granted, a.limits.clone()),
+            (1, vec![(0, 120_000), (2, 1)])
+        );
+        assert_eq!((a.retry_after_ms.clone(), a.clamped), (vec![0, 2000], 5));
+        assert!(matches!(
+            read(json!({"version": 1, "granted": 1, "limits": [limit(1.0, 1.0, 0.0)]})),
+            Err(AnswerError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            read(json!({"version": 2, "granted": 1, "limits": []})),
+            Err(AnswerError::Version(2))
+        ));
+        assert_eq!(
+            parse_lease_answer(&plan, &l, 1, Some(b"503"), b"{}"),
+            Err(AnswerError::Status("503".into()))
+        );
+        assert_eq!(
+            parse_lease_answer(&plan, &l, 1, None, b""),
+            Err(AnswerError::NoAnswer)
+        );
     }
 }

@@ -258,9 +258,10 @@ pub fn give_back(store: &impl SharedStore, lease: &Lease, tokens: u64) -> Result
     })
 }
 
-/// Takes the slot for one callout; `Some(returned)` when this caller must make
-/// it, with the unspent tokens of an expired batch to give back to the gateway.
-/// `refresh` asks only for a live batch running low (the root timer).
+/// Takes the slot for one callout; `Some(claim)` when this caller must make
+/// it: what to ask for, and the unspent tokens of an expired batch to give
+/// back to the gateway. `refresh` claims only a live batch running low (the
+/// root timer).
 pub fn claim(
     store: &impl SharedStore,
     lease: &Lease,
