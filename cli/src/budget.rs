@@ -70,6 +70,16 @@ pub fn run(files: &[String], provider: &str, headroom: &str) -> Result<(), Strin
             Some((rule, rate)) => {
                 println!("{f:<32} {rule:<24} {rate:>12.3}");
                 total += rate;
+                if let Some(g) = &c.global {
+                    if let Some(l) = &g.lease {
+                        unbounded.push(format!(
+                            "{f}: lease mode: the rate holds, but at any moment up to {} × {:.0}% \
+                             of the limit (global.instances × lease.fraction) may be admitted on top",
+                            g.instances,
+                            l.fraction * 100.0
+                        ));
+                    }
+                }
             }
             None => {
                 return Err(format!(

@@ -156,6 +156,19 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
         "{}",
         over.stderr
     );
+    let leased = file(
+        "svc-lease.json",
+        r#"{"domain":"svc-lease","global":{"cluster":"gw","instances":3,"lease":{"fraction":0.05}},
+            "rules":[{"name":"all","scope":"global","limits":[{"requests":300,"per":"1m"}]}]}"#,
+    );
+    let ok = run(&["budget", &leased, "--provider-limit", "1000/1m"]);
+    assert_eq!(ok.code, 0, "{}{}", ok.stdout, ok.stderr);
+    assert!(
+        ok.stdout
+            .contains("lease mode: the rate holds, but at any moment up to 3 × 5% of the limit"),
+        "{}",
+        ok.stdout
+    );
     let bad = run(&["budget", &a, "--provider-limit", "lots"]);
     assert_eq!(bad.code, 1);
     assert!(
