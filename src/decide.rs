@@ -577,6 +577,23 @@ impl Noted<'_> {
     }
 }
 
+/// The client left while its request waited for the gateway: gives back the
+/// local charge (the request never reached the upstream) and frees a lease
+/// claim. A late answer is dropped, so what the gateway charged stays charged:
+/// the strict side.
+pub fn abandon(plan: &Plan, pending: Pending, store: &impl SharedStore) -> Counts {
+    let mut counts = Counts::default();
+    if limiter::refund(store, plan, &pending.charged).is_err() {
+        counts.add(Metric::Errors, 1);
+    }
+    if let Some((l, _)) = &pending.lease {
+        if lease::release(store, l).is_err() {
+            counts.add(Metric::Errors, 1);
+        }
+    }
+    counts
+}
+
 /// Stores a lease answer in the slot, spending `cost` of it at once, and reads
 /// it as a check answer: allowed when the batch covers the cost.
 #[allow(clippy::too_many_arguments)]
@@ -1038,6 +1055,17 @@ mod tests {
         assert_eq!((*status, header(headers, "retry-after")), (429, "15"));
         assert!(body.contains("[\"shared\"]"), "{body}");
         // The local bucket was charged and refunded: the next local request sees 4 left of 5.
+        assert_eq!(local_remaining(&s), "4");
+    }
+
+    #[test]
+    fn a_request_abandoned_while_waiting_gives_its_local_charge_back() {
+        let p = global_plan("local");
+        let s = MemoryStore::default();
+        for _ in 0..3 {
+            let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+            assert_eq!(abandon(&p, pending, &s), Counts::default());
+        }
         assert_eq!(local_remaining(&s), "4");
     }
 

@@ -601,6 +601,11 @@ impl HttpContext for Http {
         // The stream is done (or was cancelled while held): never resume it.
         let id = self.id;
         self.delays.borrow_mut().retain(|(d, _)| *d != id);
+        // Cancelled while waiting for the gateway: give the local charge back.
+        if let (Some(plan), Some((_, pending, _))) = (self.plan.clone(), self.pending.take()) {
+            let counts = decide::abandon(&plan, *pending, &HostStore);
+            self.metrics.add_all(&counts.0);
+        }
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

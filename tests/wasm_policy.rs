@@ -1352,14 +1352,14 @@ fn a_late_answer_after_the_client_left_changes_nothing() {
         "{}",
         h.log_text()
     );
-    // Both workers still work. (README, Limitations: a request cancelled while waiting for
-    // the gateway keeps its local charge: 5 - 3 - 1 = 1 left.)
+    // Both workers still work, and the three cancelled requests gave their local charge
+    // back (README, Global limits): 5 - 1 = 4 left of the local 5/h.
     let (id, call) = paused_for_callout(&h, 0, client("lee"));
     h.respond_http_call(call.worker, call.token, gw_allow(4));
     let o = h.outcome(id);
     assert_allowed(&o);
     assert_eq!(o.resumes, 1);
-    assert_shows(&o, "local", 5, 3600, 1);
+    assert_shows(&o, "local", 5, 3600, 4);
     let (id, call) = paused_for_callout(&h, 1, client("other"));
     h.respond_http_call(call.worker, call.token, gw_deny(15_000));
     assert_problem(&h.outcome(id), 15, &["api"]);
