@@ -200,6 +200,29 @@ fn clamp(v: f64, max: u64, clamped: &mut u64) -> u64 {
 
 const MS: u64 = 1_000_000;
 
+/// A 200 answer's body as `T` in this protocol version; anything else is an error.
+fn read_body<T: serde::de::DeserializeOwned>(
+    status: Option<&[u8]>,
+    body: &[u8],
+    version: fn(&T) -> u32,
+) -> Result<T, AnswerError> {
+    match status {
+        None => return Err(AnswerError::NoAnswer),
+        Some(b"200") => {}
+        Some(other) => {
+            return Err(AnswerError::Status(
+                String::from_utf8_lossy(other).into_owned(),
+            ))
+        }
+    }
+    let answer: T =
+        serde_json::from_slice(body).map_err(|e| AnswerError::Garbled(e.to_string()))?;
+    match version(&answer) {
+        VERSION => Ok(answer),
+        v => Err(AnswerError::Version(v)),
+    }
+}
+
 /// Reads the gateway's answer to a request for `global`. Figures are clamped to
 /// what the configured limit makes possible: remaining within 0..=requests,
 /// waits within two windows.
@@ -210,20 +233,7 @@ pub fn parse_answer(
     status: Option<&[u8]>,
     body: &[u8],
 ) -> Result<Answer, AnswerError> {
-    match status {
-        None => return Err(AnswerError::NoAnswer),
-        Some(b"200") => {}
-        Some(other) => {
-            return Err(AnswerError::Status(
-                String::from_utf8_lossy(other).into_owned(),
-            ))
-        }
-    }
-    let answer: CheckAnswer =
-        serde_json::from_slice(body).map_err(|e| AnswerError::Garbled(e.to_string()))?;
-    if answer.version != VERSION {
-        return Err(AnswerError::Version(answer.version));
-    }
+    let answer: CheckAnswer = read_body(status, body, |a: &CheckAnswer| a.version)?;
     if answer.buckets.len() != global.len() {
         return Err(AnswerError::Inconsistent(format!(
             "{} buckets for {} asked",
@@ -370,20 +380,7 @@ pub fn parse_lease_answer(
     status: Option<&[u8]>,
     body: &[u8],
 ) -> Result<LeaseAnswer, AnswerError> {
-    match status {
-        None => return Err(AnswerError::NoAnswer),
-        Some(b"200") => {}
-        Some(other) => {
-            return Err(AnswerError::Status(
-                String::from_utf8_lossy(other).into_owned(),
-            ))
-        }
-    }
-    let answer: LeaseAnswerBody =
-        serde_json::from_slice(body).map_err(|e| AnswerError::Garbled(e.to_string()))?;
-    if answer.version != VERSION {
-        return Err(AnswerError::Version(answer.version));
-    }
+    let answer: LeaseAnswerBody = read_body(status, body, |a: &LeaseAnswerBody| a.version)?;
     let limits = plan.limits(lease.bucket.rule, lease.bucket.variant);
     if answer.limits.len() != limits.len() {
         return Err(AnswerError::Inconsistent(format!(

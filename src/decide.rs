@@ -785,7 +785,8 @@ pub fn refresh_start(
     })
 }
 
-/// Stores the answer to a refresh; what to count and what the circuit did.
+/// Stores the answer to a refresh (or its failure to start); what to count,
+/// the lease fetch included, and what the circuit did.
 pub fn refresh_finish(
     plan: &Plan,
     store: &impl SharedStore,
@@ -796,6 +797,7 @@ pub fn refresh_finish(
     now_ns: u64,
 ) -> (Counts, Transition, Option<AnswerError>) {
     let mut counts = Counts::default();
+    counts.add(Metric::LeaseFetches, 1);
     let Some(g) = plan.global.as_ref() else {
         return (counts, Transition::None, None);
     };

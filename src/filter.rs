@@ -181,11 +181,6 @@ impl Root {
             let Some(r) = decide::refresh_start(plan, &HostStore, &lease, now) else {
                 continue;
             };
-            let mut counts = [0u64; Metric::ALL.len()];
-            if let Some(c) = counts.get_mut(Metric::LeaseFetches.index()) {
-                *c = 1;
-            }
-            self.metrics.add_all(&counts);
             match dispatch(plan, &r.body, &lp.path, lp.max_wait_ms) {
                 Some(token) => {
                     self.refreshes.insert(token, (r, now));
@@ -442,7 +437,7 @@ impl Http {
         };
         let source = match plan.source {
             SourceNeed::Never => false,
-            SourceNeed::WithoutClient => !plan.has_client_id(&req),
+            SourceNeed::WithoutClient => plan.client_id(&req).is_none(),
             SourceNeed::Always => true,
         };
         if source {

@@ -521,9 +521,13 @@ impl Plan {
         }
     }
 
-    /// Whether `req` carries a client id (from metadata or the header, as configured).
-    pub fn has_client_id(&self, req: &RequestInfo) -> bool {
-        self.client(req).0.is_some()
+    /// The client id of `req`, from metadata or the header as configured; `None` when absent or empty.
+    pub fn client_id<'a>(&self, req: &'a RequestInfo) -> Option<&'a [u8]> {
+        match &self.client_id_property {
+            Some(_) => req.client_metadata.as_deref(),
+            None => req.header(self.identity.client_header),
+        }
+        .filter(|v| !v.is_empty())
     }
 
     /// The shared-data key of set `index`.
@@ -549,11 +553,7 @@ impl Plan {
         req: &'a RequestInfo,
     ) -> (Option<&'a [u8]>, Option<&'a ClientPlan>, Option<usize>) {
         let id = &self.identity;
-        let client_id = match &self.client_id_property {
-            Some(_) => req.client_metadata.as_deref(),
-            None => req.header(id.client_header),
-        }
-        .filter(|v| !v.is_empty());
+        let client_id = self.client_id(req);
         let known = client_id.and_then(|c| id.clients.get(c));
         let claimed = match (&self.tier_property, id.tier_header) {
             (Some(_), _) => req.tier_metadata.as_deref(),
