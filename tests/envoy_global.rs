@@ -186,33 +186,58 @@ fn spread(urls: &[String], req: &Request, count: usize, threads: usize) -> Vec<(
         .collect()
 }
 
+/// Redis, one gateway and two Envoys sharing a global rule `shared` of
+/// `limit` per hour for one client.
+struct TwoProxies {
+    envoys: Vec<Envoy>,
+    gateway: Gateway,
+    _redis: Redis,
+}
+
+impl TwoProxies {
+    fn start(domain: &str, limit: u64, global: Value) -> TwoProxies {
+        let redis = ok(Redis::start(), "starting redis-server");
+        // A debug build of the gateway on a busy 2-core machine: allow Redis
+        // round trips more than the default 20 ms, well within the callout's 200.
+        let gateway = ok(
+            Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
+            "starting ratelimit-gateway",
+        );
+        let config = global_config(domain, "shared", limit, global);
+        let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
+        let envoys = ok(
+            Envoy::start_all(&[opts.clone(), opts]),
+            "starting two Envoys",
+        );
+        TwoProxies {
+            envoys,
+            gateway,
+            _redis: redis,
+        }
+    }
+
+    /// `count` requests of the one client from 16 threads over both proxies,
+    /// and how long they took.
+    fn burst(&self, count: usize) -> (Vec<(usize, Response)>, Duration) {
+        let urls: Vec<String> = self.envoys.iter().map(|e| e.url("")).collect();
+        let req = Request::get("/").header("x-client-id", "everywhere");
+        let started = Instant::now();
+        let responses = spread(&urls, &req, count, 16);
+        (responses, started.elapsed())
+    }
+}
+
 #[test]
 fn two_proxies_share_one_global_limit() {
     const LIMIT: u64 = 60;
     const REQUESTS: usize = 150;
-    let redis = ok(Redis::start(), "starting redis-server");
-    // A debug build of the gateway on a busy 2-core machine: allow Redis
-    // round trips more than the default 20 ms, well within the callout's 200.
-    let gateway = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
-        "starting ratelimit-gateway",
-    );
-    let config = global_config(
+    let rig = TwoProxies::start(
         "two-proxies",
-        "shared",
         LIMIT,
         json!({ "timeout_ms": 200, "instances": 2, "failure_mode": "closed" }),
     );
-    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
-    let envoys = ok(
-        Envoy::start_all(&[opts.clone(), opts]),
-        "starting two Envoys",
-    );
-    let urls: Vec<String> = envoys.iter().map(|e| e.url("")).collect();
-    let req = Request::get("/").header("x-client-id", "everywhere");
-    let started = Instant::now();
-    let responses = spread(&urls, &req, REQUESTS, 16);
-    let took = started.elapsed();
+    let (envoys, gateway) = (&rig.envoys, &rig.gateway);
+    let (responses, took) = rig.burst(REQUESTS);
 
     let mut per_proxy = [[0usize; 2]; 2];
     let mut remaining = Vec::new();
@@ -306,28 +331,14 @@ fn two_proxies_in_lease_mode_stay_within_limit_plus_one_lease_each() {
     const LIMIT: u64 = 100;
     const LEASE: u64 = 5;
     const REQUESTS: usize = 300;
-    let redis = ok(Redis::start(), "starting redis-server");
-    let gateway = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
-        "starting ratelimit-gateway",
-    );
-    let config = global_config(
+    let rig = TwoProxies::start(
         "lease",
-        "shared",
         LIMIT,
         json!({ "timeout_ms": 200, "instances": 2, "failure_mode": "closed",
                 "lease": { "fraction": 0.05, "max_wait_ms": 200, "ttl_ms": 10_000 } }),
     );
-    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
-    let envoys = ok(
-        Envoy::start_all(&[opts.clone(), opts]),
-        "starting two Envoys",
-    );
-    let urls: Vec<String> = envoys.iter().map(|e| e.url("")).collect();
-    let req = Request::get("/").header("x-client-id", "everywhere");
-    let started = Instant::now();
-    let responses = spread(&urls, &req, REQUESTS, 16);
-    let took = started.elapsed();
+    let envoys = &rig.envoys;
+    let (responses, took) = rig.burst(REQUESTS);
     let mut allowed = [0u64; 2];
     for (i, (proxy, r)) in responses.iter().enumerate() {
         match r.status {
