@@ -28,36 +28,11 @@
 -- their uncharged state); else if any quota would be exceeded, nothing is
 -- charged; else every limit and every quota is charged.
 --
--- Lua numbers are doubles: every quantity below is an integer of at most
--- 2^53 (the gateway rejects requests * window_ms > 2^53 and costs > 2^53), so
--- every + - * is exact. Division is never trusted near integers: divmod uses
--- fmod, which is exact for doubles, and then divides an exact multiple.
+-- clock, divmod, ceildiv, fmt and period_bounds come from common.lua, which
+-- script.rs puts in front (with why the arithmetic is exact).
 
 local commit = ARGV[1] == '1'
-local now
-local override = ARGV[2] ~= ''
-if override then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
--- q, r with a = q*b + r, 0 <= r < b, for integers a >= 0, b >= 1.
-local function divmod(a, b)
-  local r = math.fmod(a, b)
-  return (a - r) / b, r
-end
-
-local function ceildiv(a, b)
-  local q, r = divmod(a, b)
-  if r > 0 then q = q + 1 end
-  return q
-end
-
-local function fmt(x)
-  return string.format('%.0f', x)
-end
+local now, override = clock(ARGV[2])
 
 -- Token bucket (GCRA). State "tat_ms:rem": TAT = tat_ms + rem/C ms, 0 <= rem < C.
 -- The bucket holds TAT - now = d + r/C ms of use (0 when the TAT is past), i.e.
@@ -144,51 +119,6 @@ local function sliding_window(state, n, w, cost)
     if not retry then retry = window_end + from(cur, n - cost) end
   end
   return false, nil, remaining, reset, retry, 0
-end
-
--- Calendar arithmetic in UTC on whole days since 1970-01-01 (Howard
--- Hinnant's days_from_civil / civil_from_days, for days >= 0).
-local function civil_from_days(z)
-  z = z + 719468
-  local era, doe = divmod(z, 146097)
-  local yoe = divmod(doe - divmod(doe, 1460) + divmod(doe, 36524) - divmod(doe, 146096), 365)
-  local doy = doe - (365 * yoe + divmod(yoe, 4) - divmod(yoe, 100))
-  local mp = divmod(5 * doy + 2, 153)
-  local d = doy - divmod(153 * mp + 2, 5) + 1
-  local m
-  if mp < 10 then m = mp + 3 else m = mp - 9 end
-  local y = yoe + era * 400
-  if m <= 2 then y = y + 1 end
-  return y, m, d
-end
-
-local function days_from_civil(y, m, d)
-  if m <= 2 then y = y - 1 end
-  local era, yoe = divmod(y, 400)
-  local mp
-  if m > 2 then mp = m - 3 else mp = m + 9 end
-  local doy = divmod(153 * mp + 2, 5) + d - 1
-  local doe = yoe * 365 + divmod(yoe, 4) - divmod(yoe, 100) + doy
-  return era * 146097 + doe - 719468
-end
-
--- Start and end (epoch seconds) of the period holding the second s.
-local function period_bounds(period, s)
-  local len
-  if period == 'minute' then len = 60
-  elseif period == 'hour' then len = 3600
-  elseif period == 'day' then len = 86400
-  elseif period == 'month' then
-    local days = divmod(s, 86400)
-    local y, m, d = civil_from_days(days)
-    local first = days - (d - 1)
-    if m == 12 then y, m = y + 1, 1 else m = m + 1 end
-    return first * 86400, days_from_civil(y, m, 1) * 86400
-  else
-    return nil
-  end
-  local q = divmod(s, len)
-  return q * len, q * len + len
 end
 
 local out = { 1, now }

@@ -29,35 +29,12 @@
 -- want and return > 2^53), so every + - * is exact, and divisions go through
 -- divmod (math.fmod is exact).
 
-local now
-local override = ARGV[1] ~= ''
-if override then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+-- clock, divmod, ceildiv and fmt come from common.lua, which script.rs puts
+-- in front: the same rounding as check.lua.
+
+local now, override = clock(ARGV[1])
 local want = tonumber(ARGV[2])
 local give = tonumber(ARGV[3])
-
--- divmod, ceildiv and fmt are copies of check.lua's: Redis scripts cannot
--- include each other, and the two must round the same way.
-
--- q, r with a = q*b + r, 0 <= r < b, for integers a >= 0, b >= 1.
-local function divmod(a, b)
-  local r = math.fmod(a, b)
-  return (a - r) / b, r
-end
-
-local function ceildiv(a, b)
-  local q, r = divmod(a, b)
-  if r > 0 then q = q + 1 end
-  return q
-end
-
-local function fmt(x)
-  return string.format('%.0f', x)
-end
 
 -- The bucket's use as check.lua reads it: TAT - now = d + r/C ms with
 -- 0 <= r < C, or (0, 0) when the TAT is past (the bucket is full).

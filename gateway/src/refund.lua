@@ -20,55 +20,11 @@
 -- The expiry is kept: it can only be later than needed, never earlier.
 -- Returns the number of keys changed.
 
+-- clock, divmod, fmt and period_bounds come from common.lua, which script.rs
+-- puts in front.
+
 local charged_at = tonumber(ARGV[1])
-local now
-if ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
-local function divmod(a, b)
-  local r = math.fmod(a, b)
-  return (a - r) / b, r
-end
-
-local function fmt(x)
-  return string.format('%.0f', x)
-end
-
--- As in check.lua.
-local function civil_from_days(z)
-  z = z + 719468
-  local era, doe = divmod(z, 146097)
-  local yoe = divmod(doe - divmod(doe, 1460) + divmod(doe, 36524) - divmod(doe, 146096), 365)
-  local doy = doe - (365 * yoe + divmod(yoe, 4) - divmod(yoe, 100))
-  local mp = divmod(5 * doy + 2, 153)
-  local d = doy - divmod(153 * mp + 2, 5) + 1
-  local m
-  if mp < 10 then m = mp + 3 else m = mp - 9 end
-  local y = yoe + era * 400
-  if m <= 2 then y = y + 1 end
-  return y, m, d
-end
-
--- Start (epoch seconds) of the period holding the second s.
-local function period_start(period, s)
-  local len
-  if period == 'minute' then len = 60
-  elseif period == 'hour' then len = 3600
-  elseif period == 'day' then len = 86400
-  elseif period == 'month' then
-    local days = divmod(s, 86400)
-    local _, _, d = civil_from_days(days)
-    return (days - (d - 1)) * 86400
-  else
-    return nil
-  end
-  local q = divmod(s, len)
-  return q * len
-end
+local now = clock(ARGV[2])
 
 local changed = 0
 local n_limits = tonumber(ARGV[3])
@@ -119,8 +75,8 @@ for j = 1, #KEYS - n_limits do
   local a = 4 * n_limits + 2 * j
   local period = ARGV[a + 2]
   local amount = tonumber(ARGV[a + 3])
-  local start = period_start(period, divmod(charged_at, 1000))
-  if start and start == period_start(period, divmod(now, 1000)) then
+  local start = period_bounds(period, divmod(charged_at, 1000))
+  if start and start == period_bounds(period, divmod(now, 1000)) then
     local key = KEYS[n_limits + j] .. '|' .. fmt(start)
     local count = tonumber(redis.call('GET', key) or '')
     if count then

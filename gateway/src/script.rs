@@ -12,12 +12,13 @@ use crate::protocol::{
     LeaseLimitResult, LeaseRequest, LeaseResponse, LimitResult, QuotaResult, VERSION,
 };
 
-/// The check-and-consume script.
-pub const CHECK_LUA: &str = include_str!("check.lua");
-/// The refund script.
-pub const REFUND_LUA: &str = include_str!("refund.lua");
-/// The lease script.
-pub const LEASE_LUA: &str = include_str!("lease.lua");
+/// The check-and-consume script (after the shared helpers of `common.lua`:
+/// Redis scripts cannot include each other).
+pub const CHECK_LUA: &str = concat!(include_str!("common.lua"), include_str!("check.lua"));
+/// The refund script, after `common.lua`.
+pub const REFUND_LUA: &str = concat!(include_str!("common.lua"), include_str!("refund.lua"));
+/// The lease script, after `common.lua`.
+pub const LEASE_LUA: &str = concat!(include_str!("common.lua"), include_str!("lease.lua"));
 
 /// One script: its source and its SHA1 (for `EVALSHA`).
 #[derive(Debug)]

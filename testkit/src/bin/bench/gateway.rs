@@ -21,11 +21,15 @@ pub struct BenchResult {
 /// Client keys the load cycles through (as the wrk scripts).
 pub const CLIENTS: u32 = 1000;
 
-/// Loads `check.lua` into `redis` and returns its SHA1.
+/// Loads `check.lua`, behind the `common.lua` helpers as the gateway sends it
+/// (`gateway/src/script.rs`), into `redis` and returns its SHA1.
 pub fn load_script(redis: &Redis) -> Result<String> {
-    let path = workspace_root().join("gateway/src/check.lua");
-    let source =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut source = String::new();
+    for file in ["common.lua", "check.lua"] {
+        let path = workspace_root().join("gateway/src").join(file);
+        source += &std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+    }
     let sha = redis.cli(&["SCRIPT", "LOAD", &source])?;
     if sha.len() != 40 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
         bail!("SCRIPT LOAD answered {sha:?}");
