@@ -436,23 +436,6 @@ async fn a_lease_answers_503_when_redis_dies_and_reloads_on_noscript() {
     gw.stop().await.unwrap();
 }
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-}
-
 /// A lease of g tokens is a check of cost g: on twin buckets (same limits,
 /// another domain) at the same generated times, a lease granting g ≥ 1 and a
 /// check of cost g give the same remaining and reset and leave the same

@@ -68,15 +68,14 @@ pub fn lease_request(
 
 /// Posts to `/v1/lease`; the status and the JSON body.
 pub async fn lease(client: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
-    let resp = client
-        .post(format!("{base}/v1/lease"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    post(client, &format!("{base}/v1/lease"), body).await
+}
+
+/// Posts `body` as JSON to `url`; the status and the JSON answer.
+async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
+    let resp = client.post(url).json(body).send().await.unwrap();
     let status = resp.status().as_u16();
-    let body: Value = resp.json().await.unwrap();
-    (status, body)
+    (status, resp.json().await.unwrap())
 }
 
 /// A quota: `{key, tag, limit, period, amount}`.
@@ -102,15 +101,7 @@ pub fn quota_of(body: &Value, q: usize) -> &Value {
 
 /// Posts to `/v1/check`; the status and the JSON body.
 pub async fn check(client: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
-    let resp = client
-        .post(format!("{base}/v1/check"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    let body: Value = resp.json().await.unwrap();
-    (status, body)
+    post(client, &format!("{base}/v1/check"), body).await
 }
 
 /// Posts raw bytes to `/v1/check`.
@@ -193,4 +184,27 @@ pub async fn burst(base: &str, body: Value, clients: usize, total: usize) -> (u6
         sum = (sum.0 + a, sum.1 + d, sum.2 + o);
     }
     sum
+}
+
+/// splitmix64: seeded, reproducible test input.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+
+    /// One of `items`.
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[(self.next() % items.len() as u64) as usize]
+    }
 }
