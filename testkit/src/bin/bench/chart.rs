@@ -134,6 +134,52 @@ fn bar_series(
     Ok(())
 }
 
+/// One panel of bars per variant with min–max whiskers: `value` of each bar,
+/// the y axis up to `headroom` × the largest maximum.
+fn whisker_panel(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    bars: &[Bar],
+    label_of: &dyn Fn(&SegmentValue<usize>) -> String,
+    caption: &str,
+    y_desc: &str,
+    value: fn(&Bar) -> Spread,
+    headroom: f64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let n = bars.len().max(1);
+    let y_max = bars.iter().map(|b| value(b).max).fold(1.0, f64::max) * headroom;
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 15))
+        .margin(12)
+        .x_label_area_size(30)
+        .y_label_area_size(70)
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .light_line_style(TRANSPARENT)
+        .x_labels(n)
+        .x_label_formatter(label_of)
+        .x_label_style(("sans-serif", 14))
+        .y_desc(y_desc)
+        .y_label_formatter(&|y| group(*y, 0))
+        .draw()?;
+    let values: Vec<(usize, Spread, RGBColor)> = bars
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (i, value(b), b.color))
+        .collect();
+    bar_series(
+        &mut chart,
+        &values,
+        &BarStyle {
+            margins: (14, 14),
+            decimals: 0,
+            label_dx: 0,
+            whiskers: true,
+        },
+    )
+}
+
 fn draw(path: &Path, s: &Session) -> Result<(), Box<dyn std::error::Error>> {
     let bars = bars(s);
     let n = bars.len().max(1);
@@ -159,78 +205,23 @@ fn draw(path: &Path, s: &Session) -> Result<(), Box<dyn std::error::Error>> {
         _ => String::new(),
     };
 
-    // Requests per second.
-    let y_max = bars.iter().map(|b| b.rps.max).fold(1.0, f64::max) * 1.15;
-    let mut chart = ChartBuilder::on(&top)
-        .caption(
-            "requests/s (bar: mean; whisker: min–max over the rounds)",
-            ("sans-serif", 15),
-        )
-        .margin(12)
-        .x_label_area_size(30)
-        .y_label_area_size(70)
-        .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..y_max)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .light_line_style(TRANSPARENT)
-        .x_labels(n)
-        .x_label_formatter(&label_of)
-        .x_label_style(("sans-serif", 14))
-        .y_desc("requests/s")
-        .y_label_formatter(&|y| group(*y, 0))
-        .draw()?;
-    let values: Vec<(usize, Spread, RGBColor)> = bars
-        .iter()
-        .enumerate()
-        .map(|(i, b)| (i, b.rps, b.color))
-        .collect();
-    bar_series(
-        &mut chart,
-        &values,
-        &BarStyle {
-            margins: (14, 14),
-            decimals: 0,
-            label_dx: 0,
-            whiskers: true,
-        },
+    whisker_panel(
+        &top,
+        &bars,
+        &label_of,
+        "requests/s (bar: mean; whisker: min–max over the rounds)",
+        "requests/s",
+        |b| b.rps,
+        1.15,
     )?;
-
-    // Envoy's CPU time per request.
-    let y_max = bars.iter().map(|b| b.cpu.max).fold(1.0, f64::max) * 1.2;
-    let mut chart = ChartBuilder::on(&middle)
-        .caption(
-            "measured Envoy's CPU time per request, µs (user + system, all threads; whisker: min–max)",
-            ("sans-serif", 15),
-        )
-        .margin(12)
-        .x_label_area_size(30)
-        .y_label_area_size(70)
-        .build_cartesian_2d((0..n - 1).into_segmented(), 0f64..y_max)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .light_line_style(TRANSPARENT)
-        .x_labels(n)
-        .x_label_formatter(&label_of)
-        .x_label_style(("sans-serif", 14))
-        .y_desc("µs")
-        .y_label_formatter(&|y| group(*y, 0))
-        .draw()?;
-    let values: Vec<(usize, Spread, RGBColor)> = bars
-        .iter()
-        .enumerate()
-        .map(|(i, b)| (i, b.cpu, b.color))
-        .collect();
-    bar_series(
-        &mut chart,
-        &values,
-        &BarStyle {
-            margins: (14, 14),
-            decimals: 0,
-            label_dx: 0,
-            whiskers: true,
-        },
+    whisker_panel(
+        &middle,
+        &bars,
+        &label_of,
+        "measured Envoy's CPU time per request, µs (user + system, all threads; whisker: min–max)",
+        "µs",
+        |b| b.cpu,
+        1.2,
     )?;
 
     // Latency: p50 (light) and p99 (dark) side by side.
