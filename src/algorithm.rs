@@ -40,11 +40,12 @@ impl Algorithm {
         }
     }
 
-    /// `state` with `cost` given back.
-    pub fn refund(self, limit: &Limit, state: u128, cost: u64) -> u128 {
+    /// `state` with `cost`, charged at `charged_at_ns`, given back. The sliding
+    /// window needs the charge's time to find the window that holds it.
+    pub fn refund(self, limit: &Limit, state: u128, cost: u64, charged_at_ns: u64) -> u128 {
         match self {
             Algorithm::TokenBucket => state.saturating_sub(limit.increment(cost)),
-            Algorithm::SlidingWindow => sliding_window::refund(state, cost),
+            Algorithm::SlidingWindow => sliding_window::refund(limit, state, cost, charged_at_ns),
         }
     }
 }

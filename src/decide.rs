@@ -98,6 +98,8 @@ pub struct Pending {
     /// This call is the half-open circuit's probe.
     pub probe: bool,
     charged: Vec<Bucket>,
+    /// When `charged` was charged: a refund finds the sliding window holding it.
+    charged_at_ns: u64,
     local_reports: Vec<Report>,
     eval: Evaluation,
     random: u64,
@@ -229,8 +231,8 @@ impl<S: SharedStore> Ctx<'_, S> {
         }
     }
 
-    fn refund(&mut self, buckets: &[Bucket]) {
-        if let Err(e) = limiter::refund(self.store, self.plan, buckets) {
+    fn refund(&mut self, buckets: &[Bucket], charged_at_ns: u64) {
+        if let Err(e) = limiter::refund(self.store, self.plan, buckets, charged_at_ns) {
             self.counts.add(Metric::Errors, 1);
             self.error = Some(e);
         }
@@ -516,6 +518,7 @@ pub fn start(
                 } else {
                     charge
                 },
+                charged_at_ns: now_ns,
                 local_reports: reports,
                 eval,
                 random,
@@ -583,7 +586,7 @@ impl Noted<'_> {
 /// the strict side.
 pub fn abandon(plan: &Plan, pending: Pending, store: &impl SharedStore) -> Counts {
     let mut counts = Counts::default();
-    if limiter::refund(store, plan, &pending.charged).is_err() {
+    if limiter::refund(store, plan, &pending.charged, pending.charged_at_ns).is_err() {
         counts.add(Metric::Errors, 1);
     }
     if let Some((l, _)) = &pending.lease {
@@ -698,10 +701,10 @@ fn finish_with(
                 ctx.note_shadow(&a.reports);
                 ctx.pass(&all)
             } else if rate_denied {
-                ctx.refund(&p.charged);
+                ctx.refund(&p.charged, p.charged_at_ns);
                 ctx.too_many(&all)
             } else if quota_denied {
-                ctx.refund(&p.charged);
+                ctx.refund(&p.charged, p.charged_at_ns);
                 ctx.quota_exhausted(&a.quotas, &all)
             } else {
                 ctx.pass(&all)
@@ -717,7 +720,7 @@ fn finish_with(
                 }
                 FailureMode::Closed => {
                     ctx.counts.add(Metric::FailClosed, 1);
-                    ctx.refund(&p.charged);
+                    ctx.refund(&p.charged, p.charged_at_ns);
                     ctx.unavailable()
                 }
                 FailureMode::Local if eval.soft => {
@@ -735,7 +738,7 @@ fn finish_with(
                             ctx.pass(&all)
                         }
                         Err(v) => {
-                            ctx.refund(&p.charged);
+                            ctx.refund(&p.charged, p.charged_at_ns);
                             v
                         }
                     }

@@ -256,7 +256,7 @@ pub fn check_and_consume(
         let touched = apply(&mut work, &writes);
         // A denial writes only demand and blocks, which are never refunded.
         let refundable = if denied { &[][..] } else { buckets };
-        match write_all(store, plan, &work, &touched, refundable)? {
+        match write_all(store, plan, &work, &touched, refundable, now_ns)? {
             true => {
                 stats.evictions += evictions;
                 return Ok(if denied {
@@ -339,14 +339,15 @@ fn apply(work: &mut [SetWork], writes: &[Write]) -> Vec<bool> {
     touched
 }
 
-/// CAS-writes every touched set; on a conflict refunds the charges in those
-/// already written and returns false.
+/// CAS-writes every touched set; on a conflict refunds the charges (made at
+/// `now_ns`) in those already written and returns false.
 fn write_all(
     store: &impl SharedStore,
     plan: &Plan,
     work: &[SetWork],
     touched: &[bool],
     refundable: &[Bucket],
+    now_ns: u64,
 ) -> Result<bool, LimitError> {
     let sets = || {
         work.iter()
@@ -357,7 +358,7 @@ fn write_all(
     for (done, sw) in sets().enumerate() {
         if !store.compare_and_set(&sw.key, &sw.set.encode(), sw.cas)? {
             for written in sets().take(done) {
-                refund_set(store, plan, written.index, refundable)?;
+                refund_set(store, plan, written.index, refundable, now_ns)?;
             }
             return Ok(false);
         }
@@ -366,13 +367,19 @@ fn write_all(
 }
 
 /// Gives back a charge made by an allowed [`check_and_consume`], when a later
-/// check of the same request (the gateway) denied it.
-pub fn refund(store: &impl SharedStore, plan: &Plan, buckets: &[Bucket]) -> Result<(), LimitError> {
+/// check of the same request (the gateway) denied it. `charged_at_ns` is the
+/// `now_ns` of that charge: a sliding window gives back only in its window.
+pub fn refund(
+    store: &impl SharedStore,
+    plan: &Plan,
+    buckets: &[Bucket],
+    charged_at_ns: u64,
+) -> Result<(), LimitError> {
     let mut sets: Vec<u64> = buckets.iter().map(|b| b.set).collect();
     sets.sort_unstable();
     sets.dedup();
     for set in sets {
-        refund_set(store, plan, set, buckets)?;
+        refund_set(store, plan, set, buckets, charged_at_ns)?;
     }
     Ok(())
 }
@@ -384,6 +391,7 @@ fn refund_set(
     plan: &Plan,
     set_index: u64,
     buckets: &[Bucket],
+    charged_at_ns: u64,
 ) -> Result<(), LimitError> {
     let key = plan.set_key(set_index);
     for _ in 0..MAX_ATTEMPTS {
@@ -403,7 +411,7 @@ fn refund_set(
                 .find(|e| e.fingerprint == b.fingerprint)
             {
                 for ((limit, _), tat) in rule.limits(b.variant).iter().zip(entry.tats.iter_mut()) {
-                    *tat = rule.algorithm.refund(limit, *tat, b.cost);
+                    *tat = rule.algorithm.refund(limit, *tat, b.cost, charged_at_ns);
                 }
             }
         }
