@@ -5,7 +5,8 @@
 //! Nothing here needs Docker or Kubernetes. What is checked:
 //! * every YAML and JSON file under `deploy/` and `docker-compose.yml` parses;
 //! * the WasmPlugins validate against the `openAPIV3Schema` of the real Istio
-//!   CRD (`../shared/istio/wasmplugin-crd.yaml`, read in place) with the
+//!   CRD (vendored in `deploy/istio/crd/wasmplugin-crd.yaml`; origin and
+//!   license in `NOTICE`) with the
 //!   `jsonschema` crate, made as strict as the API server (see
 //!   [`structural`]); their `pluginConfig` passes the filter's own
 //!   validation (`ratelimit_wasm::config::parse`);
@@ -170,7 +171,8 @@ fn every_yaml_and_json_file_parses() {
 // The Istio WasmPlugin CRD
 // ---------------------------------------------------------------------------
 
-const CRD: &str = "../shared/istio/wasmplugin-crd.yaml";
+/// Vendored from istio/api (see `deploy/istio/crd/README.md`).
+const CRD: &str = "deploy/istio/crd/wasmplugin-crd.yaml";
 const WASMPLUGINS: [&str; 2] = [
     "deploy/istio/wasmplugin.yaml",
     "deploy/istio/wasmplugin-file.yaml",
@@ -1675,4 +1677,35 @@ fn client_docs_cover_every_header_clients_see() {
             "docs/clients.md does not explain {h}"
         );
     }
+}
+
+/// The 403 of a spent quota is built: `docs/clients.md` shows the body the
+/// filter really sends (with the default `quota_problem_type`), not a plan.
+#[test]
+fn client_docs_show_the_quota_403_as_built() {
+    let docs = read("docs/clients.md");
+    let section = docs
+        .split("\n## 403 for a quota")
+        .nth(1)
+        .expect("docs/clients.md has a 403 section");
+    let heading = section.lines().next().unwrap_or_default();
+    assert!(
+        !heading.contains("coming") && !section.contains("will be documented when"),
+        "docs/clients.md still calls the 403 a plan: {heading:?}"
+    );
+    let defaults = ratelimit_wasm::config::parse(
+        br#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":1,"per":"1s"}]}]}"#,
+    )
+    .expect("a minimal config parses");
+    let body = ratelimit_wasm::problem::quota_exhausted(
+        &defaults.response.quota_problem_type,
+        &["monthly"],
+        "https://example.com/upgrade",
+        86400,
+    );
+    assert!(
+        section.contains(&body),
+        "docs/clients.md does not show the 403 body as sent: {body}"
+    );
+    assert!(section.contains(r#"Link: <https://example.com/upgrade>; rel="payment""#));
 }
