@@ -20,6 +20,7 @@
 pub mod config;
 pub mod keys;
 pub mod limiter;
+pub mod logging;
 pub mod metrics;
 pub mod protocol;
 pub mod script;
@@ -46,7 +47,12 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
     let store = store::Store::new(config.target.clone(), config.redis_timeout, metrics.clone())
         .context("invalid Redis address")?;
     let limiter = limiter::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
-    Ok(Arc::new(App { limiter, metrics }))
+    let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
+    Ok(Arc::new(App {
+        limiter,
+        metrics,
+        warnings,
+    }))
 }
 
 /// Binds `config.listen` and serves until `shutdown` completes.

@@ -12,6 +12,7 @@
 //! share a hash tag, so they are always one slot.
 
 use crate::keys::{self, Group};
+use crate::logging::Escaped;
 use crate::metrics::Metrics;
 use crate::protocol::{
     BucketResult, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, LimitResult,
@@ -212,7 +213,7 @@ impl Limiter {
                 .await
             {
                 self.metrics.error("refund");
-                tracing::warn!(error = %e, keys = keys.len(), "refund failed; the client stays charged until its keys refill");
+                tracing::warn!(error = %Escaped(&e), keys = keys.len(), "refund failed; the client stays charged until its keys refill");
             }
         }
     }

@@ -18,6 +18,9 @@ pub const ERROR_KINDS: [&str; 6] = [
     "reply",
     "refund",
 ];
+/// Kinds of the warnings callers can cause (a 400, or a 503 of this error
+/// kind), as the `kind` label of the suppressed log lines (`crate::logging`).
+pub const WARNING_KINDS: [&str; 5] = ["bad_request", "timeout", "redis", "not_connected", "reply"];
 /// Redis operations, as the `op` label.
 pub const OPS: [&str; 6] = ["check", "peek", "refund", "lease", "ping", "load"];
 /// Algorithms, as the `algorithm` label.
@@ -43,6 +46,9 @@ pub struct Metrics {
     pub script_reloads: IntCounter,
     /// `ratelimit_gateway_refunds_total`: slot groups refunded after a later group denied.
     pub refunds: IntCounter,
+    /// `ratelimit_gateway_log_suppressed_total{kind}`: caller-caused warnings
+    /// left out of the log by its rate limit.
+    pub log_suppressed: IntCounterVec,
 }
 
 impl Metrics {
@@ -92,6 +98,14 @@ impl Metrics {
             "ratelimit_gateway_refunds_total",
             "Slot groups refunded because a later group of the same check denied.",
         )?;
+        let log_suppressed = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_log_suppressed_total",
+                "Warnings caused by callers (bad requests, Redis failures) left out of the log \
+                 by its rate limit, by kind.",
+            ),
+            &["kind"],
+        )?;
         registry.register(Box::new(checks.clone()))?;
         registry.register(Box::new(denials.clone()))?;
         registry.register(Box::new(quota_denials.clone()))?;
@@ -99,6 +113,7 @@ impl Metrics {
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(script_reloads.clone()))?;
         registry.register(Box::new(refunds.clone()))?;
+        registry.register(Box::new(log_suppressed.clone()))?;
         for r in RESULTS {
             checks.with_label_values(&[r]);
         }
@@ -114,6 +129,9 @@ impl Metrics {
         for k in ERROR_KINDS {
             errors.with_label_values(&[k]);
         }
+        for k in WARNING_KINDS {
+            log_suppressed.with_label_values(&[k]);
+        }
         Ok(Metrics {
             registry,
             checks,
@@ -123,6 +141,7 @@ impl Metrics {
             errors,
             script_reloads,
             refunds,
+            log_suppressed,
         })
     }
 

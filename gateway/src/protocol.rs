@@ -241,13 +241,17 @@ pub struct LeaseResponse {
     pub limits: Vec<LeaseLimitResult>,
 }
 
+/// The `error` of every 503: what failed in Redis (script SHA and line,
+/// Redis' own message) is for the gateway's log, not for the caller.
+pub const STORE_UNAVAILABLE: &str = "redis: unavailable";
+
 /// 400 and 503 answer body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorBody {
     /// Always [`VERSION`].
     pub version: u32,
-    /// For 400: `<field path>: <reason>`.
+    /// For 400: `<field path>: <reason>`; for 503: [`STORE_UNAVAILABLE`].
     pub error: String,
 }
 

@@ -13,8 +13,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use crate::limiter::Limiter;
+use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
-use crate::protocol::{self, ErrorBody, Health};
+use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
+use crate::store::StoreError;
 
 /// Largest accepted request body. A maximal valid request (64 buckets with
 /// 512-byte keys and tags and 8 limits each, and 64 quotas with 512-byte keys
@@ -27,6 +29,8 @@ pub struct App {
     pub limiter: Limiter,
     /// The metrics registry.
     pub metrics: Metrics,
+    /// The rate limit of the warnings callers cause.
+    pub warnings: Warnings,
 }
 
 /// The routes.
@@ -55,6 +59,23 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(ErrorBody::new(message))).into_response()
 }
 
+/// A failed check or lease (`what`): counted, logged in full (within the
+/// warnings' rate limit), answered 503 with a body that says only that the
+/// store failed.
+fn unavailable(app: &App, what: &'static str, domain: &str, e: &StoreError) -> Response {
+    app.metrics.check("error");
+    app.metrics.error(e.kind());
+    if let Some(suppressed) = app.warnings.allow(e.kind()) {
+        tracing::warn!(
+            error = %Escaped(e),
+            domain = %Escaped(domain),
+            suppressed,
+            "{what} failed"
+        );
+    }
+    error(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
+}
+
 /// Reads and parses a body with `parse`; on failure, the status and message
 /// of the error answer (counted as a bad request).
 fn read_body<T>(
@@ -65,7 +86,10 @@ fn read_body<T>(
     let bad = |status, message: String| {
         app.metrics.check("error");
         app.metrics.error("bad_request");
-        tracing::debug!(%message, "bad request");
+        // The caller's own words are in `message`: escaped, and rate-limited.
+        if let Some(suppressed) = app.warnings.allow("bad_request") {
+            tracing::warn!(error = %Escaped(&message), suppressed, "bad request");
+        }
         (status, message)
     };
     let body = body.map_err(|e| bad(e.status(), format!("body: {}", e.body_text())))?;
@@ -83,12 +107,7 @@ async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>)
                 .check(if answer.allowed { "allowed" } else { "denied" });
             (StatusCode::OK, Json(answer)).into_response()
         }
-        Err(e) => {
-            app.metrics.check("error");
-            app.metrics.error(e.kind());
-            tracing::warn!(error = %e, domain = %req.domain, "check failed");
-            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-        }
+        Err(e) => unavailable(&app, "check", &req.domain, &e),
     }
 }
 
@@ -102,12 +121,7 @@ async fn lease(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>)
             app.metrics.check("lease");
             (StatusCode::OK, Json(answer)).into_response()
         }
-        Err(e) => {
-            app.metrics.check("error");
-            app.metrics.error(e.kind());
-            tracing::warn!(error = %e, domain = %req.domain, "lease failed");
-            error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-        }
+        Err(e) => unavailable(&app, "lease", &req.domain, &e),
     }
 }
 
@@ -122,7 +136,7 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
         )
             .into_response(),
         Err(e) => {
-            tracing::debug!(error = %e, "health check: Redis down");
+            tracing::debug!(error = %Escaped(&e), "health check: Redis down");
             (
                 StatusCode::SERVICE_UNAVAILABLE,
                 Json(Health {

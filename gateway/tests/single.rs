@@ -372,3 +372,256 @@ async fn a_bucket_cost_overrides_the_request_cost() {
     assert_eq!(limit(&resp, 1, 0)["remaining"], 2);
     assert_eq!(limit(&resp, 0, 0)["remaining"], 7, "{resp}");
 }
+
+// ---------------------------------------------------------------------------
+// The `ratelimit-gateway` process itself (its log, its exit), through
+// `testkit::Gateway`, in plain threads: the process must be started and kept
+// by one thread (it gets SIGTERM when that thread ends).
+
+/// A log line a caller would like to forge.
+const FORGED: &str = "2026-01-01T00:00:00Z INFO ratelimit_gateway: forged admin login ok";
+
+/// Starts the `ratelimit-gateway` binary in front of `redis` with `args`.
+fn gateway_process(redis: &testkit::redis::Redis, args: &[&str]) -> testkit::Gateway {
+    testkit::Gateway::start(testkit::GatewayOptions::new(redis.url()).args(args))
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// Posts `body` to `path` on its own connection; the status and the body text.
+fn post_text(gw: &testkit::Gateway, path: &str, body: &[u8]) -> (u16, String) {
+    let client = testkit::Client::new(gw.url(""), testkit::ConnectionMode::NewPerRequest);
+    let req =
+        testkit::Request::post(path, body.to_vec()).header("content-type", "application/json");
+    let r = client.send(&req).unwrap_or_else(|e| panic!("{e:#}"));
+    (r.status, r.body)
+}
+
+/// Makes `key` a Redis hash, so that the scripts' `GET` on it fails with a
+/// script error (WRONGTYPE, the script's SHA and line).
+fn make_wrong_type(redis: &testkit::redis::Redis, key: &str) {
+    let mut conn = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let added: i64 = redis::cmd("HSET")
+        .arg(key)
+        .arg("f")
+        .arg("v")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(added, 1, "{key:?}");
+}
+
+#[test]
+fn caller_values_are_escaped_in_the_log_and_503_bodies_are_generic() {
+    use ratelimit_gateway::{keys, protocol, script};
+    let redis = redis();
+    let gw = gateway_process(&redis, &["--redis-timeout-ms", "2000"]);
+    let limits: &[L] = &[(10, HOUR, "token_bucket")];
+    let mut bodies = Vec::new();
+    for sep in ["\n", "\r", "\r\n"] {
+        let domain = format!("x{sep}{FORGED}");
+        let body = request(&domain, 1, &[("k", "t", limits)]);
+        let req = protocol::parse(&serde_json::to_vec(&body).unwrap()).unwrap();
+        make_wrong_type(&redis, &keys::limit_keys("rl:", &req)[0].key);
+        bodies.push(("/v1/check", body));
+        let lease = lease_request(&domain, "lk", "t", limits, 1, 0);
+        let req = protocol::parse_lease(&serde_json::to_vec(&lease).unwrap()).unwrap();
+        make_wrong_type(&redis, &keys::lease_keys("rl:", &req)[0]);
+        bodies.push(("/v1/lease", lease));
+    }
+    for (path, body) in &bodies {
+        let (status, text) = post_text(&gw, path, &serde_json::to_vec(body).unwrap());
+        // The caller learns that the store failed, nothing about the script.
+        assert_eq!(status, 503, "{path}: {text}");
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&text).unwrap(),
+            json!({ "version": 1, "error": "redis: unavailable" }),
+            "{path}"
+        );
+    }
+    let log = gw.log();
+    // No caller value started a line of its own or moved the cursor back.
+    assert!(!log.contains('\r'), "a raw CR in the log:\n{log}");
+    let forged: Vec<&str> = log.lines().filter(|l| l.starts_with(FORGED)).collect();
+    assert_eq!(forged, Vec::<&str>::new(), "forged lines in:\n{log}");
+    // The domain is in the log, escaped; the detail the caller did not get too.
+    for (sep, what) in [
+        ("\\n", "check failed"),
+        ("\\r", "check failed"),
+        ("\\r\\n", "check failed"),
+        ("\\n", "lease failed"),
+        ("\\r", "lease failed"),
+        ("\\r\\n", "lease failed"),
+    ] {
+        let domain = format!("domain=\"x{sep}{FORGED}\"");
+        let line = log
+            .lines()
+            .find(|l| l.contains(what) && l.contains(&domain))
+            .unwrap_or_else(|| panic!("no {what:?} line with {domain} in:\n{log}"));
+        let sha = if what == "check failed" {
+            &script::check().sha
+        } else {
+            &script::lease().sha
+        };
+        assert!(
+            line.contains("WRONGTYPE") && line.contains(sha.as_str()),
+            "{line}"
+        );
+    }
+}
+
+/// `(lines, suppressed)` of the log's warnings with `message`: how many
+/// lines there are and the sum of their `suppressed=K` fields (how many
+/// similar warnings were left out before each).
+fn warnings(log: &str, message: &str) -> (u64, u64) {
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" WARN ") && l.contains(message))
+        .collect();
+    let suppressed = lines
+        .iter()
+        .filter_map(|l| {
+            let rest = &l[l.find("suppressed=")? + "suppressed=".len()..];
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    (lines.len() as u64, suppressed)
+}
+
+#[test]
+fn warnings_caused_by_callers_are_rate_limited_with_a_suppressed_count() {
+    use ratelimit_gateway::logging::{WARNINGS_PER_SECOND, WARNING_WINDOW};
+    let redis = redis();
+    let gw = gateway_process(&redis, &[]);
+    let client = testkit::Client::new(gw.url(""), testkit::ConnectionMode::KeepAlive);
+    let send = |body: Vec<u8>| {
+        let req =
+            testkit::Request::post("/v1/check", body).header("content-type", "application/json");
+        let r = client.send(&req).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(r.status, 400, "{}", r.body);
+    };
+    let mut bad = request("demo", 1, &[("k", "t", &[(10, HOUR, "token_bucket")])]);
+    // The first one, logged for sure, names a field with a forged line in it.
+    bad["buckets"][0][format!("color\n{FORGED}")] = json!(1);
+    let started = std::time::Instant::now();
+    send(serde_json::to_vec(&bad).unwrap());
+    bad["version"] = json!(2);
+    let bad = serde_json::to_vec(&bad).unwrap();
+    for _ in 1..1000 {
+        send(bad.clone());
+    }
+    let elapsed = started.elapsed();
+    let (lines, suppressed) = warnings(&gw.log(), "bad request");
+    // At most WARNINGS_PER_SECOND in each window the burst touched.
+    let windows = elapsed.as_nanos() / WARNING_WINDOW.as_nanos() + 2;
+    let bound = WARNINGS_PER_SECOND * windows as u64;
+    assert!(
+        (1..=bound).contains(&lines),
+        "{lines} warning lines for 1000 bad requests in {elapsed:?} (bound {bound})"
+    );
+    assert!(lines < 100, "{lines}");
+    // Every bad request is either a line or counted as suppressed: the next
+    // warning after the window says how many were left out.
+    std::thread::sleep(WARNING_WINDOW + Duration::from_millis(100));
+    send(bad.clone());
+    let log = gw.log();
+    let (after, suppressed_after) = warnings(&log, "bad request");
+    assert_eq!(after, lines + 1, "{log}");
+    assert_eq!(
+        suppressed, 0,
+        "nothing is reported suppressed before the window ends: {log}"
+    );
+    assert_eq!(after + suppressed_after, 1001, "{log}");
+    let metric = gw
+        .metric("ratelimit_gateway_log_suppressed_total{kind=\"bad_request\"}")
+        .unwrap();
+    assert_eq!(metric, Some(suppressed_after as f64));
+    // Escaped: the forged text is inside the first warning, not a line.
+    assert!(!log.lines().any(|l| l.starts_with(FORGED)), "{log}");
+    assert!(log.contains(&format!("color\\n{FORGED}")), "{log}");
+}
+
+#[test]
+fn sigterm_finishes_the_requests_in_flight_then_exits() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    const IN_FLIGHT: usize = 6;
+    let redis = redis();
+    let mut gw = gateway_process(&redis, &["--redis-timeout-ms", "10000"]);
+    let body = serde_json::to_vec(&request(
+        "drain",
+        1,
+        &[("k", "t", &[(10, HOUR, "token_bucket")])],
+    ))
+    .unwrap();
+    // Redis holds every command for 3 s: the checks wait in the gateway.
+    assert_eq!(
+        redis.cli(&["client", "pause", "3000", "all"]).unwrap(),
+        "OK"
+    );
+    let answered = Arc::new(AtomicUsize::new(0));
+    let senders: Vec<_> = (0..IN_FLIGHT)
+        .map(|_| {
+            let (url, body, answered) = (gw.url(""), body.clone(), Arc::clone(&answered));
+            std::thread::spawn(move || {
+                let client = testkit::Client::new(url, testkit::ConnectionMode::NewPerRequest);
+                let req = testkit::Request::post("/v1/check", body)
+                    .header("content-type", "application/json");
+                let r = client.send(&req);
+                answered.fetch_add(1, Ordering::SeqCst);
+                r
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(answered.load(Ordering::SeqCst), 0, "Redis is paused");
+    let pid = gw.pid().unwrap().to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    // It stops accepting at once, but lives while the requests are in flight.
+    std::thread::sleep(Duration::from_millis(300));
+    let port = gw.port();
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "still accepting after SIGTERM"
+    );
+    assert!(gw.is_running(), "exited with requests in flight");
+    assert_eq!(answered.load(Ordering::SeqCst), 0);
+    // Each in-flight request gets its real answer: 6 of a bucket of 10.
+    let mut remaining: Vec<u64> = senders
+        .into_iter()
+        .map(|h| {
+            let r = h.join().unwrap().unwrap_or_else(|e| panic!("{e:#}"));
+            assert_eq!(r.status, 200, "{}", r.body);
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(v["allowed"], true, "{v}");
+            limit(&v, 0, 0)["remaining"].as_u64().unwrap()
+        })
+        .collect();
+    remaining.sort_unstable();
+    assert_eq!(remaining, vec![4, 5, 6, 7, 8, 9]);
+    // Then it exits by itself, successfully (well before stop()'s SIGKILL).
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let status = loop {
+        if let Some(s) = gw.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running:\n{}",
+            gw.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}\n{}", gw.log());
+    let log = gw.log();
+    assert!(log.contains("SIGTERM: shutting down"), "{log}");
+    assert!(log.contains("ratelimit-gateway stopped"), "{log}");
+}
