@@ -591,3 +591,69 @@ async fn cluster_two_tags_lease_their_own_buckets() {
     assert!(metric(&client, &gw.url(), "ratelimit_gateway_script_reloads_total").await >= 1.0);
     gw.stop().await.unwrap();
 }
+
+/// README, *Lease mode*: "Tokens held by a proxy that died are not given
+/// back; they are part of the token bucket's use, so they come back through
+/// its refill within `fraction × per` at most." A proxy leases and dies (it
+/// never sends its `return`); the gateway keeps no state per caller, so the
+/// bucket alone must give the tokens back, exactly on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_of_a_dead_lease_holder_come_back_through_refill() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+
+    // The whole bucket (fraction 1): 10 per minute leased at T0, never returned.
+    let whole = lease_request("dead", "rule/c=a", "c=a", TEN_PER_MINUTE, 10, 0);
+    assert_eq!(
+        grant(&lease_at(&gw, &whole, T0).await),
+        (10, vec![(0, MINUTE, 0)])
+    );
+    let check1 = request("dead", 1, &[("rule/c=a", "c=a", TEN_PER_MINUTE)]);
+    let check10 = request("dead", 10, &[("rule/c=a", "c=a", TEN_PER_MINUTE)]);
+    assert_eq!(check_at(&gw, &check1, T0).await["allowed"], false);
+    // 1 ms before `per` has passed, 9 tokens are back, not 10.
+    let resp = check_at(&gw, &check10, T0 + MINUTE - 1).await;
+    assert_eq!(resp["allowed"], false, "{resp}");
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 9, "{resp}");
+    // After `per`: the full capacity, exactly, to anyone.
+    for left in (0..10).rev() {
+        let resp = check_at(&gw, &check1, T0 + MINUTE).await;
+        assert_eq!(resp["allowed"], true, "{resp}");
+        assert_eq!(limit(&resp, 0, 0)["remaining"], left, "{resp}");
+    }
+    assert_eq!(check_at(&gw, &check1, T0 + MINUTE).await["allowed"], false);
+
+    // A batch of fraction 0.3 (3 of 10) from a full bucket: full again after
+    // 0.3 × per = 18 s, not 1 ms before.
+    let batch = lease_request("dead", "rule/c=b", "c=b", TEN_PER_MINUTE, 3, 0);
+    assert_eq!(
+        grant(&lease_at(&gw, &batch, T0).await),
+        (3, vec![(7, 18_000, 0)])
+    );
+    let check10 = request("dead", 10, &[("rule/c=b", "c=b", TEN_PER_MINUTE)]);
+    let resp = check_at(&gw, &check10, T0 + 17_999).await;
+    assert_eq!(resp["allowed"], false, "{resp}");
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 9, "{resp}");
+    let resp = check_at(&gw, &check10, T0 + 18_000).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 0, "{resp}");
+
+    // With Redis time over HTTP: the key of a dead holder's lease expires
+    // when the bucket is full again, and then the whole capacity passes.
+    let client = reqwest::Client::new();
+    let two_s: &[L] = &[(10, 2000, "token_bucket")];
+    let whole = lease_request("real", "rule/c=a", "c=a", two_s, 10, 0);
+    let (status, resp) = lease(&client, &gw.url(), &whole).await;
+    assert_eq!((status, &resp["granted"]), (200, &json!(10)), "{resp}");
+    let check10 = request("real", 10, &[("rule/c=a", "c=a", two_s)]);
+    let (_, resp) = check(&client, &gw.url(), &check10).await;
+    assert_eq!(resp["allowed"], false, "{resp}");
+    let key = key_of(&whole, 0);
+    assert!(get_key(&gw, &key).await.is_some());
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    assert_eq!(get_key(&gw, &key).await, None, "expired when full again");
+    let (_, resp) = check(&client, &gw.url(), &check10).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    assert_eq!(limit(&resp, 0, 0)["remaining"], 0, "{resp}");
+    gw.stop().await.unwrap();
+}
