@@ -6,8 +6,12 @@
 //! - `budget FILE... --provider-limit N/1m --headroom 10%`: whether the
 //!   service-wide global limits of several services sharing one paid upstream
 //!   fit under the provider's limit.
+//! - `check-envoy FILE...`: warnings, exit 1, when an Envoy bootstrap's
+//!   listeners that run the filter let a client choose its `ip` (trusting
+//!   `X-Forwarded-For`) or do not normalise paths; fit for CI.
 
 mod budget;
+mod check_envoy;
 mod explain;
 
 use clap::{Parser, Subcommand};
@@ -18,7 +22,7 @@ use std::process::ExitCode;
 #[command(
     name = "ratelimit",
     version,
-    about = "Validate, explain and budget ratelimit-wasm configurations"
+    about = "Validate, explain and budget ratelimit-wasm configurations, and check the Envoy configs that run it"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -49,6 +53,13 @@ enum Command {
         /// Share of the provider's limit kept free, e.g. `10%`.
         #[arg(long, default_value = "10%")]
         headroom: String,
+    },
+    /// Check Envoy bootstraps: the listeners running the filter must not trust
+    /// X-Forwarded-For and must normalise paths; exit 1 on any warning.
+    CheckEnvoy {
+        /// Envoy bootstrap files (YAML or JSON).
+        #[arg(required = true)]
+        files: Vec<String>,
     },
 }
 
@@ -84,6 +95,7 @@ fn main() -> ExitCode {
             provider_limit,
             headroom,
         } => budget::run(&files, &provider_limit, &headroom),
+        Command::CheckEnvoy { files } => check_envoy::run(&files),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

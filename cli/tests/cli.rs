@@ -189,3 +189,120 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
         local_only.stderr
     );
 }
+
+/// `envoy/envoy.yaml` rendered by testkit as every test renders it, with the
+/// four edge settings the test removes taken out, written to `name`.
+fn rendered_envoy(name: &str, remove: &[&str]) -> String {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let vars = testkit::TemplateVars {
+        ports: testkit::Ports::DEMO,
+        gateway_port: 8081,
+        wasm_path: PathBuf::from("/opt/filters/ratelimit_wasm.wasm"),
+        plugin_config: std::fs::read_to_string(root.join("envoy/ratelimit.json")).unwrap(),
+        jwks: testkit::config::demo_jwks().unwrap(),
+    };
+    let template = std::fs::read_to_string(root.join("envoy/envoy.yaml")).unwrap();
+    let mut text = testkit::render_template(&template, &vars).unwrap();
+    for line in remove {
+        let line = format!("          {line}\n");
+        assert_eq!(text.matches(&line).count(), 1, "{line:?} in the template");
+        text = text.replace(&line, "");
+    }
+    file(name, &text)
+}
+
+/// The four settings of the shipped edge listener (envoy/envoy.yaml).
+const EDGE_SETTINGS: [&str; 4] = [
+    "use_remote_address: true",
+    "normalize_path: true",
+    "merge_slashes: true",
+    "path_with_escaped_slashes_action: UNESCAPE_AND_REDIRECT",
+];
+
+#[test]
+fn check_envoy_passes_the_shipped_envoy_configs() {
+    let template = rendered_envoy("rendered-envoy.yaml", &[]);
+    let compose = format!(
+        "{}/../deploy/compose/envoy.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let r = run(&["check-envoy", &template, &compose]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.stderr, "");
+    assert_eq!(
+        r.stdout,
+        format!(
+            "{template}: ok (listener \"ingress\" runs the filter)\n\
+             {compose}: ok (listener \"ingress\" runs the filter)\n"
+        )
+    );
+}
+
+#[test]
+fn check_envoy_warns_on_the_old_unsafe_template_in_yaml_and_json() {
+    // The template as it was before issue 11: none of the four settings.
+    let old = rendered_envoy("old-envoy.yaml", &EDGE_SETTINGS);
+    let l = "listener \"ingress\"";
+    let want = |f: &str| {
+        format!(
+            "{f}: warning: {l}: use_remote_address is not true, so Envoy takes source.address (the filter's `ip`) from X-Forwarded-For (its last entry), which a client that reaches this listener directly writes itself; set use_remote_address: true (behind N trusted proxies, with xff_num_trusted_hops: N)\n\
+             {f}: warning: {l}: normalize_path is not true, so `/a/../upload` and `/%75pload` reach the filter as written and pass a path_prefix \"/upload\" rule; set normalize_path: true\n\
+             {f}: warning: {l}: merge_slashes is not true, so `//upload` passes a path_prefix \"/upload\" rule; set merge_slashes: true\n\
+             {f}: warning: {l}: path_with_escaped_slashes_action is unset, so `/api%2Fupload` passes a path_prefix \"/api/upload\" rule and reaches an upstream that may decode it; set UNESCAPE_AND_REDIRECT (or REJECT_REQUEST, UNESCAPE_AND_FORWARD)\n"
+        )
+    };
+    let r = run(&["check-envoy", &old]);
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert_eq!(r.stdout, "");
+    assert_eq!(r.stderr, want(&old));
+
+    // The same bootstrap as JSON.
+    let yaml: serde_json::Value =
+        serde_norway::from_str(&std::fs::read_to_string(&old).unwrap()).unwrap();
+    let json = file(
+        "old-envoy.json",
+        &serde_json::to_string_pretty(&yaml).unwrap(),
+    );
+    let r = run(&["check-envoy", &json]);
+    assert_eq!(r.code, 1, "{}", r.stdout);
+    assert_eq!(r.stderr, want(&json));
+
+    // Only the remote address missing: one warning; trusted hops with it
+    // are explained.
+    let one = rendered_envoy("ura-only.yaml", &EDGE_SETTINGS[..1]);
+    let text = std::fs::read_to_string(&one).unwrap().replace(
+        "stat_prefix: ingress_http\n",
+        "stat_prefix: ingress_http\n          xff_num_trusted_hops: 1\n",
+    );
+    let hops = file("ura-hops.yaml", &text);
+    let r = run(&["check-envoy", &hops]);
+    assert_eq!(r.code, 1);
+    assert_eq!(
+        r.stderr,
+        format!("{hops}: warning: {l}: use_remote_address is not true, so Envoy takes source.address (the filter's `ip`) from X-Forwarded-For (entry 2 from the right, as xff_num_trusted_hops is 1), which a client that reaches this listener directly writes itself; set use_remote_address: true (behind N trusted proxies, with xff_num_trusted_hops: N)\n")
+    );
+}
+
+#[test]
+fn check_envoy_refuses_files_without_the_filter_or_unreadable() {
+    let none = file(
+        "no-filter.yaml",
+        "static_resources:\n  listeners:\n  - name: plain\n    filter_chains: []\n",
+    );
+    let garbage = file("garbage.yaml", "a: [unclosed\n");
+    let r = run(&["check-envoy", &none, &garbage]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains(&format!(
+            "{none}: no listener runs the ratelimit-wasm filter (an envoy.filters.http.wasm entry with root_id \"ratelimit\" or code file ratelimit_wasm.wasm in static_resources.listeners)"
+        )),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains(&format!("{garbage}: not valid YAML")),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(run(&["check-envoy"]).code, 2, "no file is a usage error");
+}

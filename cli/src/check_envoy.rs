@@ -1,0 +1,314 @@
+//! The `check-envoy` check: an Envoy bootstrap (YAML or JSON) whose listeners
+//! run this filter must not let the client choose what the filter keys and
+//! matches on.
+//!
+//! For every HTTP connection manager (in `static_resources.listeners[]`,
+//! `filter_chains[]` and `default_filter_chain`) whose `http_filters` hold the
+//! ratelimit-wasm filter, it warns when:
+//!
+//! * `use_remote_address` is not `true` and no `original_ip_detection_extensions`
+//!   are set: Envoy then takes the downstream address (`source.address`, the
+//!   filter's `ip`) from `X-Forwarded-For`, which a client that reaches the
+//!   listener directly writes itself (tests/envoy_xff.rs: 20 of 20 forged
+//!   requests admitted by a 5/min `ip` rule);
+//! * `normalize_path` or `merge_slashes` is not `true`, or
+//!   `path_with_escaped_slashes_action` is unset, `KEEP_UNCHANGED` or
+//!   `IMPLEMENTATION_SPECIFIC_DEFAULT`: `//upload`, `/%75pload` or
+//!   `/a/../upload` then pass a `path_prefix: /upload` rule.
+//!
+//! Settings that are deliberate but depend on the network (trusted hops,
+//! detection extensions) are printed as notes, which do not fail the check.
+
+use serde_json::Value;
+
+/// The filter's `root_id` in the shipped configs (`envoy/envoy.yaml`, README).
+const ROOT_ID: &str = "ratelimit";
+/// The file name of the built filter (`make build`, the OCI image's is `plugin.wasm`).
+const WASM_FILE: &str = "ratelimit_wasm.wasm";
+
+/// What the check found in one bootstrap.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Names of the listeners whose connection manager runs the filter.
+    pub listeners: Vec<String>,
+    /// Settings that let a client choose its key or dodge a path rule.
+    pub warnings: Vec<String>,
+    /// Settings that are safe only in some networks; they do not fail the check.
+    pub notes: Vec<String>,
+}
+
+/// Reads `file` (JSON when it starts with `{`, else YAML) and checks it.
+pub fn check_file(file: &str) -> Result<Report, String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: cannot read: {e}"))?;
+    let doc: Value = if text.trim_start().starts_with('{') {
+        serde_json::from_str(&text).map_err(|e| format!("{file}: not valid JSON: {e}"))?
+    } else {
+        serde_norway::from_str(&text).map_err(|e| format!("{file}: not valid YAML: {e}"))?
+    };
+    let report = check(&doc);
+    if report.listeners.is_empty() {
+        return Err(format!(
+            "{file}: no listener runs the ratelimit-wasm filter (an envoy.filters.http.wasm \
+             entry with root_id \"{ROOT_ID}\" or code file {WASM_FILE} in \
+             static_resources.listeners)"
+        ));
+    }
+    Ok(report)
+}
+
+/// Checks every listener of a parsed bootstrap.
+pub fn check(doc: &Value) -> Report {
+    let mut report = Report::default();
+    let listeners = doc
+        .pointer("/static_resources/listeners")
+        .and_then(Value::as_array);
+    for (i, listener) in listeners.into_iter().flatten().enumerate() {
+        let name = listener
+            .get("name")
+            .and_then(Value::as_str)
+            .map(|n| format!("listener \"{n}\""))
+            .unwrap_or_else(|| format!("listener #{i}"));
+        let chains = listener
+            .get("filter_chains")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .chain(listener.get("default_filter_chain"));
+        let mut runs = false;
+        for chain in chains {
+            let filters = chain.get("filters").and_then(Value::as_array);
+            for hcm in filters.into_iter().flatten().filter_map(hcm_config) {
+                if runs_the_filter(hcm) {
+                    runs = true;
+                    check_hcm(&name, hcm, &mut report);
+                }
+            }
+        }
+        if runs {
+            report.listeners.push(name);
+        }
+    }
+    report
+}
+
+/// The `typed_config` of a network filter that is an HTTP connection manager.
+fn hcm_config(filter: &Value) -> Option<&Value> {
+    let typed = filter.get("typed_config")?;
+    let is_hcm = type_url(typed)
+        .is_some_and(|t| t.ends_with(".http_connection_manager.v3.HttpConnectionManager"))
+        || filter.get("name").and_then(Value::as_str)
+            == Some("envoy.filters.network.http_connection_manager");
+    is_hcm.then_some(typed)
+}
+
+fn type_url(typed: &Value) -> Option<&str> {
+    typed.get("@type").and_then(Value::as_str)
+}
+
+/// Whether the connection manager's `http_filters` hold this filter: a wasm
+/// filter with our root id, or loading a file named like our build output.
+fn runs_the_filter(hcm: &Value) -> bool {
+    let filters = hcm.get("http_filters").and_then(Value::as_array);
+    filters.into_iter().flatten().any(|f| {
+        let Some(typed) = f.get("typed_config") else {
+            return false;
+        };
+        let is_wasm = type_url(typed).is_some_and(|t| t.ends_with(".filters.http.wasm.v3.Wasm"))
+            || f.get("name").and_then(Value::as_str) == Some("envoy.filters.http.wasm");
+        let config = typed.get("config");
+        let root_id = config
+            .and_then(|c| c.get("root_id"))
+            .and_then(Value::as_str);
+        let file = config
+            .and_then(|c| c.pointer("/vm_config/code/local/filename"))
+            .and_then(Value::as_str);
+        is_wasm
+            && (root_id == Some(ROOT_ID)
+                || file.is_some_and(|f| f.rsplit('/').next() == Some(WASM_FILE)))
+    })
+}
+
+fn is_true(hcm: &Value, field: &str) -> bool {
+    hcm.get(field).and_then(Value::as_bool) == Some(true)
+}
+
+fn check_hcm(listener: &str, hcm: &Value, report: &mut Report) {
+    let hops = hcm
+        .get("xff_num_trusted_hops")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let extensions: Vec<&str> = hcm
+        .get("original_ip_detection_extensions")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|e| e.get("name").and_then(Value::as_str).unwrap_or("(unnamed)"))
+        .collect();
+    if !extensions.is_empty() {
+        report.notes.push(format!(
+            "{listener}: original_ip_detection_extensions ({}) decide source.address (the \
+             filter's `ip`) from the request; this check cannot tell whether a client can \
+             forge what they read",
+            extensions.join(", ")
+        ));
+    } else if !is_true(hcm, "use_remote_address") {
+        let entry = if hops == 0 {
+            "its last entry".to_string()
+        } else {
+            format!(
+                "entry {} from the right, as xff_num_trusted_hops is {hops}",
+                hops + 1
+            )
+        };
+        report.warnings.push(format!(
+            "{listener}: use_remote_address is not true, so Envoy takes source.address (the \
+             filter's `ip`) from X-Forwarded-For ({entry}), which a client that reaches this \
+             listener directly writes itself; set use_remote_address: true (behind N trusted \
+             proxies, with xff_num_trusted_hops: N)"
+        ));
+    } else if hops > 0 {
+        report.notes.push(format!(
+            "{listener}: xff_num_trusted_hops is {hops}, so source.address (the filter's `ip`) \
+             is X-Forwarded-For entry {hops} from the right: right only if nothing but your \
+             {hops} trusted proxies can reach this listener"
+        ));
+    }
+    if !is_true(hcm, "normalize_path") {
+        report.warnings.push(format!(
+            "{listener}: normalize_path is not true, so `/a/../upload` and `/%75pload` reach \
+             the filter as written and pass a path_prefix \"/upload\" rule; set \
+             normalize_path: true"
+        ));
+    }
+    if !is_true(hcm, "merge_slashes") {
+        report.warnings.push(format!(
+            "{listener}: merge_slashes is not true, so `//upload` passes a path_prefix \
+             \"/upload\" rule; set merge_slashes: true"
+        ));
+    }
+    let action = hcm
+        .get("path_with_escaped_slashes_action")
+        .and_then(Value::as_str);
+    if matches!(
+        action,
+        None | Some("KEEP_UNCHANGED") | Some("IMPLEMENTATION_SPECIFIC_DEFAULT")
+    ) {
+        report.warnings.push(format!(
+            "{listener}: path_with_escaped_slashes_action is {}, so `/api%2Fupload` passes a \
+             path_prefix \"/api/upload\" rule and reaches an upstream that may decode it; set \
+             UNESCAPE_AND_REDIRECT (or REJECT_REQUEST, UNESCAPE_AND_FORWARD)",
+            action.unwrap_or("unset")
+        ));
+    }
+}
+
+/// Runs the check on every file: one line per file, warnings on stderr.
+/// Fails when any file has a warning or cannot be checked.
+pub fn run(files: &[String]) -> Result<(), String> {
+    let mut failed = false;
+    for file in files {
+        match check_file(file) {
+            Ok(r) => {
+                for n in &r.notes {
+                    println!("{file}: note: {n}");
+                }
+                for w in &r.warnings {
+                    eprintln!("{file}: warning: {w}");
+                }
+                if r.warnings.is_empty() {
+                    println!("{file}: ok ({} runs the filter)", r.listeners.join(", "));
+                } else {
+                    failed = true;
+                }
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        Err(String::new())
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn bootstrap(hcm_extra: Value, root_id: &str) -> Value {
+        let mut hcm = json!({
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "http_filters": [
+                { "name": "envoy.filters.http.wasm", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                    "config": { "root_id": root_id,
+                                "vm_config": { "code": { "local": { "filename": "/x/other.wasm" } } } } } },
+                { "name": "envoy.filters.http.router" }
+            ]
+        });
+        if let (Some(h), Some(extra)) = (hcm.as_object_mut(), hcm_extra.as_object()) {
+            h.extend(extra.clone());
+        }
+        json!({ "static_resources": { "listeners": [
+            { "name": "edge", "filter_chains": [ { "filters": [
+                { "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm } ] } ] }
+        ] } })
+    }
+
+    fn safe() -> Value {
+        json!({ "use_remote_address": true, "normalize_path": true, "merge_slashes": true,
+                "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT" })
+    }
+
+    #[test]
+    fn a_safe_listener_has_no_warning() {
+        let r = check(&bootstrap(safe(), ROOT_ID));
+        assert_eq!(r.listeners, vec!["listener \"edge\""]);
+        assert_eq!(r.warnings, Vec::<String>::new());
+        assert_eq!(r.notes, Vec::<String>::new());
+    }
+
+    #[test]
+    fn another_wasm_filter_is_not_checked() {
+        let r = check(&bootstrap(json!({}), "someone-else"));
+        assert_eq!(r, Report::default());
+    }
+
+    #[test]
+    fn trusted_hops_and_extensions_are_notes_not_warnings() {
+        let mut hops = safe();
+        hops["xff_num_trusted_hops"] = json!(2);
+        let r = check(&bootstrap(hops, ROOT_ID));
+        assert!(r.warnings.is_empty(), "{r:?}");
+        assert_eq!(r.notes.len(), 1);
+        assert!(
+            r.notes[0].contains("X-Forwarded-For entry 2 from the right"),
+            "{r:?}"
+        );
+
+        let mut ext = safe();
+        ext["use_remote_address"] = json!(false);
+        ext["original_ip_detection_extensions"] =
+            json!([{ "name": "envoy.extensions.http.original_ip_detection.custom_header" }]);
+        let r = check(&bootstrap(ext, ROOT_ID));
+        assert!(r.warnings.is_empty(), "{r:?}");
+        assert!(r.notes[0].contains("(envoy.extensions.http.original_ip_detection.custom_header)"));
+    }
+
+    #[test]
+    fn use_remote_address_false_names_the_entry_envoy_trusts() {
+        let mut v = safe();
+        v["use_remote_address"] = json!(false);
+        v["xff_num_trusted_hops"] = json!(1);
+        let r = check(&bootstrap(v, ROOT_ID));
+        assert_eq!(r.warnings.len(), 1, "{r:?}");
+        assert!(
+            r.warnings[0].contains("(entry 2 from the right, as xff_num_trusted_hops is 1)"),
+            "{r:?}"
+        );
+    }
+}
