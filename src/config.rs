@@ -118,7 +118,8 @@ pub enum FailureMode {
     Open,
     /// Answer 503 with a problem body and `Retry-After`.
     Closed,
-    /// Decide in this proxy's shared data at `1/instances` of the limit.
+    /// Decide in this proxy's shared data at its share of the limit,
+    /// `requests / (instances × per)`, with a bucket of at least one request.
     #[default]
     Local,
 }
@@ -499,7 +500,8 @@ pub struct Response {
     /// `type` of the 403 body when a quota is spent.
     #[serde(default = "default_quota_problem_type")]
     pub quota_problem_type: String,
-    /// Random spread of `Retry-After` values and block releases, as a share (±).
+    /// Random spread of `Retry-After` values and block releases, as a share,
+    /// upwards only: no client is told to come back before it would pass.
     #[serde(default = "default_jitter")]
     pub retry_jitter: f64,
 }
@@ -587,6 +589,66 @@ fn is_plain_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
 }
 
+/// Longest URL, URI or path accepted where it reaches a header.
+pub const MAX_URI_LEN: usize = 2048;
+
+/// True when `s` holds RFC 3986 characters only (unreserved, gen-delims,
+/// sub-delims), each `%` starting a two-hex-digit escape, at most one `#`, and
+/// at most [`MAX_URI_LEN`] bytes: no space, quote, angle bracket, CR, LF, other
+/// control or non-ASCII character can break out of a header or a `Link` `<…>`.
+fn is_uri_text(s: &str) -> bool {
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        let ok = match b {
+            b'%' => matches!((bytes.next(), bytes.next()),
+                (Some(h), Some(l)) if h.is_ascii_hexdigit() && l.is_ascii_hexdigit()),
+            _ => b.is_ascii_alphanumeric() || b"-._~:/?#[]@!$&'()*+,;=".contains(&b),
+        };
+        if !ok {
+            return false;
+        }
+    }
+    s.len() <= MAX_URI_LEN && s.bytes().filter(|&b| b == b'#').count() <= 1
+}
+
+/// The scheme of `s` (RFC 3986: a letter, then letters, digits, `+ - .`) and the rest.
+fn split_scheme(s: &str) -> Option<(&str, &str)> {
+    let (scheme, rest) = s.split_once(':')?;
+    let mut b = scheme.bytes();
+    let first = b.next()?;
+    (first.is_ascii_alphabetic() && b.all(|c| c.is_ascii_alphanumeric() || b"+-.".contains(&c)))
+        .then_some((scheme, rest))
+}
+
+/// True for an absolute URI such as `https://…`, `urn:…`, `tag:…` or `about:blank`
+/// (problem types: RFC 9457 asks for an absolute URI).
+fn is_absolute_uri(s: &str) -> bool {
+    is_uri_text(s) && split_scheme(s).is_some_and(|(_, rest)| !rest.is_empty())
+}
+
+/// True for an absolute `http` or `https` URL with a host: a link a client can follow.
+fn is_http_url(s: &str) -> bool {
+    let Some((scheme, rest)) = split_scheme(s) else {
+        return false;
+    };
+    let web = scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https");
+    let host = rest
+        .strip_prefix("//")
+        .and_then(|r| r.split(['/', '?', '#']).next())
+        .unwrap_or("");
+    web && !host.is_empty() && is_uri_text(s)
+}
+
+/// True for an `:authority` value: a host (name, IPv4 or `[IPv6]`) and an optional port.
+fn is_authority(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 255 && is_uri_text(s) && !s.contains(['/', '?', '#', '@'])
+}
+
+/// True for a `:path` value: absolute, RFC 3986 characters, no fragment.
+fn is_absolute_path(s: &str) -> bool {
+    s.starts_with('/') && is_uri_text(s) && !s.contains('#')
+}
+
 /// Known key parts, besides `header:<name>`.
 pub const KEY_PARTS: [&str; 4] = ["client", "ip", "method", "path"];
 
@@ -650,7 +712,7 @@ impl Config {
             validate_key(&format!("{at}.key"), &rule.key)?;
             let covered =
                 !self.tiers.is_empty() && self.tiers.keys().all(|t| rule.tiers.contains_key(t));
-            validate_limits(&format!("{at}.limits"), &rule.limits, covered)?;
+            validate_limits(&format!("{at}.limits"), &rule.limits, rule, covered)?;
             for (tier, limits) in &rule.tiers {
                 if !self.tiers.contains_key(tier) {
                     return Err(ConfigError::field(
@@ -658,7 +720,7 @@ impl Config {
                         format!("{tier:?} is not a tier declared in tiers"),
                     ));
                 }
-                validate_limits(&format!("{at}.tiers.{tier}"), limits, false)?;
+                validate_limits(&format!("{at}.tiers.{tier}"), limits, rule, false)?;
             }
             if let Some(cost) = rule.cost {
                 check_cost(&format!("{at}.cost"), cost)?;
@@ -686,11 +748,16 @@ impl Config {
                 "must be between 0 and 0.5",
             ));
         }
-        if self.response.problem_type.is_empty() {
-            return Err(ConfigError::field(
-                "response.problem_type",
-                "must not be empty",
-            ));
+        for (field, value) in [
+            ("problem_type", &self.response.problem_type),
+            ("quota_problem_type", &self.response.quota_problem_type),
+        ] {
+            if !is_absolute_uri(value) {
+                return Err(ConfigError::field(
+                    format!("response.{field}"),
+                    format!("{value:?} is not an absolute URI of RFC 3986 characters"),
+                ));
+            }
         }
         if !(MIN_BUCKETS..=MAX_BUCKETS).contains(&self.max_buckets) {
             return Err(ConfigError::field(
@@ -722,11 +789,25 @@ fn validate_key(at: &str, key: &[String]) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn validate_limits(at: &str, limits: &[LimitSpec], may_be_empty: bool) -> Result<(), ConfigError> {
+/// Checks one set of limits of `rule`, wherever it is written: the rule's own
+/// `limits`, a tier's, or a client's override. Every set of a rule takes the
+/// same path to the buckets and the gateway, so every check lives here once.
+fn validate_limits(
+    at: &str,
+    limits: &[LimitSpec],
+    rule: &Rule,
+    may_be_empty: bool,
+) -> Result<(), ConfigError> {
     if (limits.is_empty() && !may_be_empty) || limits.len() > MAX_LIMITS_PER_RULE {
         return Err(ConfigError::field(
             at,
             format!("must hold 1 to {MAX_LIMITS_PER_RULE} limits"),
+        ));
+    }
+    if rule.graduated.is_some() && limits.len() > 1 {
+        return Err(ConfigError::field(
+            at,
+            "needs exactly one limit: the rule is graduated, its stages are shares of it",
         ));
     }
     for (l, limit) in limits.iter().enumerate() {
@@ -734,6 +815,15 @@ fn validate_limits(at: &str, limits: &[LimitSpec], may_be_empty: bool) -> Result
             return Err(ConfigError::field(
                 format!("{at}[{l}].requests"),
                 format!("must be between 1 and {MAX_REQUESTS}"),
+            ));
+        }
+        let product = limit
+            .requests
+            .saturating_mul(limit.per.0.saturating_mul(1000));
+        if rule.scope == Scope::Global && product > MAX_GLOBAL_PRODUCT {
+            return Err(ConfigError::field(
+                format!("{at}[{l}].per"),
+                "requests × per must stay under 2^53 milliseconds for a global rule",
             ));
         }
     }
@@ -762,13 +852,6 @@ fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), Config
     }
     if rule.scope != Scope::Local {
         return Err(ConfigError::field(at, "is supported for local rules only"));
-    }
-    let single = |l: &[LimitSpec]| l.len() <= 1;
-    if !single(&rule.limits) || !rule.tiers.values().all(|l| single(l)) {
-        return Err(ConfigError::field(
-            at,
-            "needs exactly one limit per tier: the stages are shares of it",
-        ));
     }
     let share = |name: &str, v: f64, min: f64| -> Result<(), ConfigError> {
         if !v.is_finite() || v < min || v > MAX_SHARE {
@@ -919,13 +1002,7 @@ impl Config {
                         format!("{rule:?} is not a rule name"),
                     ));
                 };
-                if r.graduated.is_some() && limits.len() != 1 {
-                    return Err(ConfigError::field(
-                        format!("{at}.limits.{rule}"),
-                        "needs exactly one limit: the rule is graduated",
-                    ));
-                }
-                validate_limits(&format!("{at}.limits.{rule}"), limits, false)?;
+                validate_limits(&format!("{at}.limits.{rule}"), limits, r, false)?;
             }
             for (quota, amount) in &spec.quotas {
                 if !self.quotas.iter().any(|q| q.name == *quota) {
@@ -968,10 +1045,13 @@ impl Config {
                 m.validate(&format!("{at}.match"))?;
             }
             validate_key(&format!("{at}.key"), &q.key)?;
-            if q.upgrade_url.is_empty() || q.upgrade_url.contains(['<', '>', '"', ' ']) {
+            if !is_http_url(&q.upgrade_url) {
                 return Err(ConfigError::field(
                     format!("{at}.upgrade_url"),
-                    "must be a URL",
+                    format!(
+                        "{:?} is not an absolute http(s) URL of RFC 3986 characters",
+                        q.upgrade_url
+                    ),
                 ));
             }
             for (tier, amount) in &q.tiers {
@@ -1015,21 +1095,23 @@ impl Config {
                 None => Ok(()),
             };
         };
-        if g.cluster.is_empty() {
+        // Istio's cluster names hold `|`, so any visible ASCII; never a control character.
+        if g.cluster.is_empty() || !g.cluster.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::field(
                 "global.cluster",
-                "must name an Envoy cluster",
+                format!(
+                    "{:?} must name an Envoy cluster in visible ASCII",
+                    g.cluster
+                ),
             ));
         }
-        if g.authority.is_empty() {
-            return Err(ConfigError::field("global.authority", "must not be empty"));
-        }
-        if !g.path.starts_with('/') {
+        if !is_authority(&g.authority) {
             return Err(ConfigError::field(
-                "global.path",
-                format!("{:?} must start with /", g.path),
+                "global.authority",
+                format!("{:?} is not a host with an optional port", g.authority),
             ));
         }
+        check_path("global.path", &g.path)?;
         if !(1..=60_000).contains(&g.timeout_ms) {
             return Err(ConfigError::field(
                 "global.timeout_ms",
@@ -1057,23 +1139,19 @@ impl Config {
         if let Some(l) = &g.lease {
             validate_lease(l)?;
         }
-        for (i, rule) in self
-            .rules
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.scope == Scope::Global)
-        {
-            for (l, limit) in rule.limits.iter().enumerate() {
-                if limit.requests.saturating_mul(limit.per.0 * 1000) > MAX_GLOBAL_PRODUCT {
-                    return Err(ConfigError::field(
-                        format!("rules[{i}].limits[{l}]"),
-                        "requests × per must stay under 2^53 milliseconds for a global rule",
-                    ));
-                }
-            }
-        }
         Ok(())
     }
+}
+
+/// A callout's `:path`.
+fn check_path(at: &str, path: &str) -> Result<(), ConfigError> {
+    if !is_absolute_path(path) {
+        return Err(ConfigError::field(
+            at,
+            format!("{path:?} is not an absolute path of RFC 3986 characters"),
+        ));
+    }
+    Ok(())
 }
 
 fn validate_lease(l: &Lease) -> Result<(), ConfigError> {
@@ -1095,12 +1173,7 @@ fn validate_lease(l: &Lease) -> Result<(), ConfigError> {
             "must be between 10 and 3600000",
         ));
     }
-    if !l.path.starts_with('/') {
-        return Err(ConfigError::field(
-            "global.lease.path",
-            format!("{:?} must start with /", l.path),
-        ));
-    }
+    check_path("global.lease.path", &l.path)?;
     if !(1..=1 << 20).contains(&l.max_leases) {
         return Err(ConfigError::field(
             "global.lease.max_leases",
@@ -1337,7 +1410,7 @@ mod tests {
         v["rules"][0]["graduated"] = json!({"warn_at": 0.5});
         assert_eq!(
             err(v),
-            "rules[0].graduated: needs exactly one limit per tier: the stages are shares of it"
+            "rules[0].limits: needs exactly one limit: the rule is graduated, its stages are shares of it"
         );
         let mut v = base();
         v["rules"][0]["algorithm"] = json!("sliding_window");
@@ -1378,7 +1451,7 @@ mod tests {
                 "global.lease.max_wait_ms: must be between 1 and 60000 (Envoy treats 0 as no timeout)",
             ),
             (json!({"fraction": 0.1, "ttl_ms": 5}), "global.lease.ttl_ms: must be between 10 and 3600000"),
-            (json!({"fraction": 0.1, "path": "x"}), r#"global.lease.path: "x" must start with /"#),
+            (json!({"fraction": 0.1, "path": "x"}), r#"global.lease.path: "x" is not an absolute path of RFC 3986 characters"#),
             (json!({"fraction": 0.1, "max_leases": 0}), "global.lease.max_leases: must be between 1 and 1048576"),
             (json!({"fraction": 0.1, "size": 3}), "global.lease.size: unknown field `size`, expected one of `fraction`, `max_wait_ms`, `ttl_ms`, `path`, `max_leases`"),
         ];
@@ -1406,6 +1479,129 @@ mod tests {
         v["rules"][0]["tiers"] = json!({"free": [{"requests": 1, "per": 1}]});
         assert_eq!(err(v.clone()), "rules[0].limits: must hold 1 to 8 limits");
         v["rules"][0]["tiers"]["pro"] = json!([{"requests": 5, "per": 1}]);
+        assert!(parse(v.to_string().as_bytes()).is_ok());
+    }
+
+    /// 10^6 per 366 d is 3.2 × 10^16 ms, past 2^53: the gateway would answer
+    /// 400 to every request and each would take the failure mode.
+    fn year() -> serde_json::Value {
+        json!([{"requests": 1_000_000, "per": "366d"}])
+    }
+
+    fn two_global_rules() -> serde_json::Value {
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw"});
+        v["rules"] = json!([
+            {"name": "l", "limits": [{"requests": 1, "per": 1}]},
+            {"name": "g", "scope": "global", "key": ["client"], "limits": [{"requests": 5, "per": "1m"}]}
+        ]);
+        v
+    }
+
+    #[test]
+    fn the_global_exactness_bound_holds_in_every_limit_set() {
+        let reason = "requests × per must stay under 2^53 milliseconds for a global rule";
+        let mut own = two_global_rules();
+        own["rules"][1]["limits"] = year();
+        assert_eq!(err(own), format!("rules[1].limits[0].per: {reason}"));
+        let mut tier = two_global_rules();
+        tier["tiers"] = json!({"free": {}, "gold": {}});
+        tier["identity"] = json!({"default_tier": "free"});
+        tier["rules"][1]["tiers"] = json!({"gold": year()});
+        assert_eq!(err(tier), format!("rules[1].tiers.gold[0].per: {reason}"));
+        let mut client = two_global_rules();
+        client["identity"] = json!({"clients": {"acme": {"limits": {"g": year()}}}});
+        assert_eq!(
+            err(client),
+            format!("identity.clients.acme.limits.g[0].per: {reason}")
+        );
+        // A local rule never reaches the gateway: the same figure is fine there.
+        let mut local = two_global_rules();
+        local["identity"] = json!({"clients": {"acme": {"limits": {"l": year()}}}});
+        local["rules"][0]["limits"] = year();
+        assert!(parse(local.to_string().as_bytes()).is_ok());
+        // Each limit set is held to the same count and range checks.
+        let mut zero = two_global_rules();
+        zero["identity"] =
+            json!({"clients": {"acme": {"limits": {"g": [{"requests": 0, "per": 1}]}}}});
+        assert_eq!(
+            err(zero),
+            "identity.clients.acme.limits.g[0].requests: must be between 1 and 1000000000"
+        );
+    }
+
+    #[test]
+    fn strings_that_reach_a_header_or_a_body_are_checked_as_what_they_are() {
+        let quota = |url: &str| {
+            let mut v = base();
+            v["global"] = json!({"cluster": "gw"});
+            v["quotas"] = json!([{"name": "q", "period": "month", "limit": 5, "upgrade_url": url}]);
+            v
+        };
+        let url_reason = "is not an absolute http(s) URL of RFC 3986 characters";
+        for bad in [
+            "https://x/\r\nSet-Cookie:session=evil\r\nX-A:\u{1}",
+            "https://x/a b",
+            "https://x/<a>",
+            "javascript:alert(1)",
+            "/upgrade",
+            "https://",
+            "https://x/%zz",
+            "https://x/\u{e9}",
+        ] {
+            assert_eq!(
+                err(quota(bad)),
+                format!("quotas[0].upgrade_url: {bad:?} {url_reason}")
+            );
+        }
+        for good in [
+            "https://example.com/upgrade",
+            "HTTP://e.com:8080/up?plan=pro&from=a%20b#top",
+            "https://[::1]/x",
+        ] {
+            assert!(parse(quota(good).to_string().as_bytes()).is_ok(), "{good}");
+        }
+        let uri_reason = "is not an absolute URI of RFC 3986 characters";
+        for (field, bad) in [
+            ("problem_type", "https://e.com/p\n"),
+            ("problem_type", "no-scheme"),
+            ("problem_type", "1x:y"),
+            ("quota_problem_type", "tag:a b"),
+            ("quota_problem_type", ""),
+        ] {
+            let mut v = base();
+            v["response"] = json!({ field: bad });
+            assert_eq!(err(v), format!("response.{field}: {bad:?} {uri_reason}"));
+        }
+        let mut v = base();
+        v["response"] =
+            json!({"problem_type": "about:blank", "quota_problem_type": "urn:example:quota"});
+        assert!(parse(v.to_string().as_bytes()).is_ok());
+        // The callout's :authority and :path headers.
+        let global = |g: serde_json::Value| {
+            let mut v = base();
+            v["global"] = g;
+            err(v)
+        };
+        assert_eq!(
+            global(json!({"cluster": "gw", "authority": "gw\r\nx-a: 1"})),
+            r#"global.authority: "gw\r\nx-a: 1" is not a host with an optional port"#
+        );
+        assert_eq!(
+            global(json!({"cluster": "gw", "path": "/v1/check\n"})),
+            r#"global.path: "/v1/check\n" is not an absolute path of RFC 3986 characters"#
+        );
+        assert_eq!(
+            global(json!({"cluster": "gw", "lease": {"fraction": 0.1, "path": "/v1/lease x"}})),
+            r#"global.lease.path: "/v1/lease x" is not an absolute path of RFC 3986 characters"#
+        );
+        assert_eq!(
+            global(json!({"cluster": "gw\n"})),
+            r#"global.cluster: "gw\n" must name an Envoy cluster in visible ASCII"#
+        );
+        let mut v = base();
+        v["global"] = json!({"cluster": "outbound|8080||gw.ns.svc.cluster.local",
+            "authority": "gw.ns.svc.cluster.local:8080", "path": "/v1/check?x=1"});
         assert!(parse(v.to_string().as_bytes()).is_ok());
     }
 }

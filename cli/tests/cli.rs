@@ -190,6 +190,54 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
     );
 }
 
+/// Issue 11 item 4: limit sets other than `rules[].limits` and strings that
+/// reach a header used to validate ok.
+#[test]
+fn validate_refuses_inexact_global_limits_anywhere_and_header_injection() {
+    let global = r#""global":{"cluster":"gw"},"tiers":{"free":{},"gold":{}},"#;
+    let year = r#"[{"requests":1000000,"per":"366d"}]"#;
+    let cases = [
+        (
+            "tier.json",
+            format!(
+                r#"{{"domain":"d",{global}"identity":{{"default_tier":"free"}},
+                    "rules":[{{"name":"g","scope":"global","limits":[{{"requests":5,"per":"1m"}}],"tiers":{{"gold":{year}}}}}]}}"#
+            ),
+            "tier.json: rules[0].tiers.gold[0].per: requests × per must stay under 2^53 milliseconds",
+        ),
+        (
+            "client.json",
+            format!(
+                r#"{{"domain":"d",{global}"identity":{{"default_tier":"free","clients":{{"acme":{{"limits":{{"g":{year}}}}}}}}},
+                    "rules":[{{"name":"g","scope":"global","limits":[{{"requests":5,"per":"1m"}}]}}]}}"#
+            ),
+            "client.json: identity.clients.acme.limits.g[0].per: requests × per must stay under 2^53 milliseconds",
+        ),
+        (
+            "link.json",
+            format!(
+                r#"{{"domain":"d",{global}"identity":{{"default_tier":"free"}},
+                    "rules":[{{"name":"g","limits":[{{"requests":5,"per":"1m"}}]}}],
+                    "quotas":[{{"name":"q","period":"month","limit":5,
+                               "upgrade_url":"https://x/\r\nSet-Cookie:session=evil\r\nX-A:\u0001"}}]}}"#
+            ),
+            r#"link.json: quotas[0].upgrade_url: "https://x/\r\nSet-Cookie:session=evil\r\nX-A:\u{1}" is not an absolute http(s) URL"#,
+        ),
+        (
+            "type.json",
+            r#"{"domain":"d","response":{"problem_type":"https://e.com/p\n"},
+                "rules":[{"name":"g","limits":[{"requests":5,"per":"1m"}]}]}"#
+                .to_string(),
+            r#"type.json: response.problem_type: "https://e.com/p\n" is not an absolute URI"#,
+        ),
+    ];
+    for (name, body, want) in cases {
+        let r = run(&["validate", &file(name, &body)]);
+        assert_eq!(r.code, 1, "{name}: {}{}", r.stdout, r.stderr);
+        assert!(r.stderr.contains(want), "{name}: {}", r.stderr);
+    }
+}
+
 /// `envoy/envoy.yaml` rendered by testkit as every test renders it, with the
 /// four edge settings the test removes taken out, written to `name`.
 fn rendered_envoy(name: &str, remove: &[&str]) -> String {
