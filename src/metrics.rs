@@ -26,7 +26,7 @@ pub enum Metric {
     FailOpen,
     /// Requests answered 503 because the gateway failed (`failure_mode: closed`).
     FailClosed,
-    /// Global rules decided locally at `1/instances` of the limit (`failure_mode: local`).
+    /// Global rules decided locally at a proxy's share of the limit (`failure_mode: local`).
     FallbackLocal,
     /// Times the circuit breaker opened.
     CircuitOpened,

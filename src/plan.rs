@@ -61,8 +61,9 @@ pub struct RulePlan {
     pub graduated: Option<GraduatedPlan>,
     /// Limit sets: 0 is the rule's own `limits`, then tiers' and clients'.
     pub variants: Vec<Variant>,
-    /// For a global rule: the index of its local stand-in (limits divided by
-    /// `instances`, same variants), used when the gateway fails in `failure_mode: local`.
+    /// For a global rule: the index of its local stand-in (each limit a
+    /// proxy's exact share, `requests / (instances × per)`, same variants),
+    /// used when the gateway fails in `failure_mode: local`.
     pub fallback: Option<usize>,
     /// True for the local stand-in of a global rule.
     pub stand_in: bool,
@@ -240,7 +241,7 @@ pub struct Plan {
     pub problem_type: String,
     /// `type` of quota 403 problem bodies.
     pub quota_problem_type: String,
-    /// ± share of random spread on `Retry-After` and block releases.
+    /// Share of random spread on `Retry-After` and block releases, upwards only.
     pub retry_jitter: f64,
     /// What to do when shared data fails.
     pub on_error: OnError,
@@ -296,6 +297,22 @@ impl Headers {
     }
 }
 
+/// One proxy's share of `l` among `instances`: a bucket of
+/// `max(requests / instances, 1)` refilled at exactly `requests / (instances ×
+/// per)`, its period rounded up to a whole nanosecond (never above the share).
+/// With more proxies than requests, a bucket of 1 refills slower than `per`, so
+/// the proxies together still admit `requests` per `per` plus one bucket each.
+fn share(l: &LimitSpec, instances: u64) -> (u64, u64) {
+    let per_ns = u128::from(l.per.0) * 1_000_000_000;
+    let instances = instances.max(1);
+    let capacity = (l.requests / instances).max(1);
+    let requests = u128::from(l.requests.max(1));
+    let period = (u128::from(capacity) * u128::from(instances) * per_ns).div_ceil(requests);
+    // Only 1 request per 366 d over thousands of proxies passes u64 (584 years):
+    // the longest period then, which admits less, never more.
+    (capacity, u64::try_from(period).unwrap_or(u64::MAX))
+}
+
 struct VariantMaker<'a> {
     config: &'a Config,
     rule: &'a Rule,
@@ -303,20 +320,21 @@ struct VariantMaker<'a> {
 }
 
 impl VariantMaker<'_> {
-    fn make(&self, specs: &[LimitSpec], divide_by: u64) -> Variant {
+    /// The limits of one set; `instances` above 1 makes a proxy's stand-in share.
+    fn make(&self, specs: &[LimitSpec], instances: u64) -> Variant {
         let reject_at = self.rule.graduated.as_ref().map_or(1.0, |g| g.reject_at);
         let limits: Vec<(Limit, u64)> = specs
             .iter()
             .map(|l| {
-                let capacity = (l.requests / divide_by).max(1);
+                let (capacity, period_ns) = share(l, instances);
                 // A graduated rule admits up to `reject_at` of the limit; the stages above 100% delay.
                 let burst = ((capacity as f64) * reject_at).floor() as u64;
                 let limit = Limit {
                     capacity,
-                    period_ns: l.per.0 * 1_000_000_000,
+                    period_ns,
                     burst: burst.max(capacity),
                 };
-                (limit, l.per.0)
+                (limit, period_ns.div_ceil(1_000_000_000))
             })
             .collect();
         let mut hasher = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
@@ -1101,5 +1119,62 @@ mod tests {
             "1.1.1.1:1",
         ));
         assert_eq!(big.quotas[0].limit, 5);
+    }
+
+    /// The stand-in limit of a global rule with `requests` per `per` seconds
+    /// shared by `instances` proxies.
+    fn stand_in(requests: u64, per: u64, instances: u64, algorithm: &str) -> (Limit, u64) {
+        let p = plan(&format!(
+            r#"{{"domain":"d","global":{{"cluster":"gw","instances":{instances}}},
+                "rules":[{{"name":"g","scope":"global","algorithm":"{algorithm}",
+                           "limits":[{{"requests":{requests},"per":{per}}}]}}]}}"#
+        ));
+        let f = p.rules[0].fallback.unwrap();
+        assert!(p.rules[f].stand_in);
+        p.rules[f].limits(0)[0]
+    }
+
+    /// Admissions of one proxy that retries the moment its stand-in allows,
+    /// from a full bucket at 0 until `horizon_ns` included: the most it can admit.
+    fn greedy_admissions(limit: &Limit, horizon_ns: u64) -> u64 {
+        let (mut tat, mut now, mut admitted) = (None, 0, 0);
+        while now <= horizon_ns {
+            let c = limit.check(tat, now, 1);
+            if c.allowed {
+                tat = Some(c.new_state);
+                admitted += 1;
+            } else {
+                now += c.retry_after_ns.max(1);
+            }
+        }
+        admitted
+    }
+
+    #[test]
+    fn the_failure_mode_local_stand_in_keeps_the_exact_share_with_more_proxies_than_requests() {
+        const SEC: u64 = 1_000_000_000;
+        // 3/s over 10 proxies: one token per 10/3 s each, a bucket of one.
+        let (limit, window_secs) = stand_in(3, 1, 10, "token_bucket");
+        assert_eq!(
+            (limit.capacity, limit.period_ns, limit.burst),
+            (1, 3_333_333_334, 1)
+        );
+        assert_eq!(window_secs, 4, "RateLimit-Policy w: the period rounded up");
+        // Over 10 s (and 1 µs for the period's rounding to a whole ns): the
+        // bucket of 1 plus 3 per 10 s. The fleet: 10 × 4 = 40 = 3 × 10 + 10 × 1.
+        assert_eq!(greedy_admissions(&limit, 10 * SEC + 1_000), 4);
+        assert_eq!(greedy_admissions(&limit, 100 * SEC + 1_000), 31);
+        // Where the share divides evenly, the period is the rule's own.
+        let (limit, window_secs) = stand_in(4, 60, 2, "token_bucket");
+        assert_eq!(
+            (limit.capacity, limit.period_ns, window_secs),
+            (2, 60 * SEC, 60)
+        );
+        // 7/s over 2 proxies: 3 per 6/7 s each, rounded up to the ns (never above the share).
+        let (limit, _) = stand_in(7, 1, 2, "sliding_window");
+        assert_eq!((limit.capacity, limit.period_ns), (3, 857_142_858));
+        // The longest period the validation allows still fits: 1 per 366 d over 10^4 proxies.
+        let (limit, _) = stand_in(1, 366 * 86_400, 10_000, "token_bucket");
+        assert_eq!((limit.capacity, limit.period_ns), (1, u64::MAX));
     }
 }
