@@ -26,7 +26,8 @@
 --
 -- All or nothing: if any limit denies, nothing is charged (the quotas report
 -- their uncharged state); else if any quota would be exceeded, nothing is
--- charged; else every limit and every quota is charged.
+-- charged; else every limit and every quota is charged. A denied token bucket
+-- read as more than empty (Redis time went backwards) still stores that bound.
 --
 -- clock, divmod, ceildiv, fmt and period_bounds come from common.lua, which
 -- script.rs puts in front (with why the arithmetic is exact).
@@ -36,18 +37,23 @@ local now, override = clock(ARGV[2])
 
 -- Token bucket (GCRA). State "tat_ms:rem": TAT = tat_ms + rem/C ms, 0 <= rem < C.
 -- The bucket holds TAT - now = d + r/C ms of use (0 when the TAT is past), i.e.
--- used = d*C + r in units of 1/C ms, below tol = W*C <= 2^53 whenever the
--- request can pass. Only when Redis time went backwards can d exceed W; then
--- the request is denied and reset / retry are computed from d and r directly,
--- so they stay exact too.
+-- used = d*C + r in units of 1/C ms, at most tol = W*C <= 2^53. A TAT more
+-- than a full bucket ahead only comes from Redis time that went backwards: it
+-- reads as an empty bucket (d = W, r = 0), never emptier, as the filter's
+-- token_bucket.rs; a denial then stores that bound (returned as its state), so
+-- the bucket refills from the step on instead of after it.
 local function token_bucket(state, c, w, cost)
   local d, r = 0, 0
+  local bounded = false
   if state then
     local t, rr = string.match(state, '^(%d+):(%d+)$')
     t, rr = tonumber(t), tonumber(rr)
     if t and rr and (t > now or (t == now and rr > 0)) then
       d, r = t - now, rr
     end
+  end
+  if d > w or (d == w and r > 0) then
+    d, r, bounded = w, 0, true
   end
   local tol = w * c
   local free = 0
@@ -72,36 +78,46 @@ local function token_bucket(state, c, w, cost)
       if r1 <= c - r then retry = retry + 1 else retry = retry + 2 end
     end
   end
+  if bounded then
+    return false, fmt(now + w) .. ':0', remaining, reset, retry, reset
+  end
   return false, nil, remaining, reset, retry, 0
 end
 
--- Sliding-window counter. State "k:cur:prev", k = floor(now / W).
+-- Sliding-window counter. State "k:cur:prev", k = floor(now / W). A clock
+-- behind the stored window (Redis time went backwards) counts as that
+-- window's start, as the filter's sliding_window.rs: the counts are kept, and
+-- reset and retry include the wait for the clock to catch up (`behind`).
 local function sliding_window(state, n, w, cost)
-  local k, elapsed = divmod(now, w)
-  local cur, prev = 0, 0
+  local sk, sc, sp
   if state then
-    local sk, sc, sp = string.match(state, '^(%d+):(%d+):(%d+)$')
+    sk, sc, sp = string.match(state, '^(%d+):(%d+):(%d+)$')
     sk, sc, sp = tonumber(sk), tonumber(sc), tonumber(sp)
-    if sk and sc and sp then
-      if sk == k then
-        cur, prev = sc, sp
-      elseif sk + 1 == k then
-        cur, prev = 0, sc
-      end
+  end
+  local t = now
+  if sk and sk * w > now then t = sk * w end
+  local behind = t - now
+  local k, elapsed = divmod(t, w)
+  local cur, prev = 0, 0
+  if sk and sc and sp then
+    if sk == k then
+      cur, prev = sc, sp
+    elseif sk + 1 == k then
+      cur, prev = 0, sc
     end
   end
   -- Everything is multiplied by W to stay in integers.
   local room = n * w - (prev * (w - elapsed) + cur * w)
   local window_end = w - elapsed
   if cost <= n and cost * w <= room then
-    local reset = window_end + w
+    local reset = window_end + w + behind
     return true, fmt(k) .. ':' .. fmt(cur + cost) .. ':' .. fmt(prev),
       divmod(room - cost * w, w), reset, 0, reset
   end
   local remaining = 0
   if room > 0 then remaining = divmod(room, w) end
   local reset = 0
-  if cur > 0 then reset = window_end + w elseif prev > 0 then reset = window_end end
+  if cur > 0 then reset = window_end + w + behind elseif prev > 0 then reset = window_end + behind end
   local retry = w
   if cost <= n then
     -- The elapsed time in a window from which fading * (W - e) <= spare * W.
@@ -118,12 +134,13 @@ local function sliding_window(state, n, w, cost)
     end
     if not retry then retry = window_end + from(cur, n - cost) end
   end
-  return false, nil, remaining, reset, retry, 0
+  return false, nil, remaining, reset, retry + behind, 0
 end
 
 local out = { 1, now }
 local pending = {} -- state written by an earlier limit of this call (same key twice)
 local writes = {}
+local bounds = {} -- token-bucket bounds of denied limits (time went backwards)
 local all = true
 local n_limits = tonumber(ARGV[3])
 for i = 1, n_limits do
@@ -148,6 +165,7 @@ for i = 1, n_limits do
     out[#out + 1] = 1
   else
     all = false
+    if new_state then bounds[#bounds + 1] = { key, new_state, ttl } end
     out[#out + 1] = 0
   end
   out[#out + 1] = remaining
@@ -187,17 +205,23 @@ for _, q in ipairs(quotas) do
   out[#out + 1] = q[5]
 end
 
-if not all then
-  out[1] = 0
-elseif commit then
-  -- A later write to the same key carries every earlier charge of this call.
-  for _, wr in ipairs(writes) do
+-- A denial writes only the bounds; a pass every charge. A later write to the
+-- same key carries every earlier charge of this call.
+local function set_all(list)
+  for _, wr in ipairs(list) do
     if override then
       redis.call('SET', wr[1], wr[2])
     else
       redis.call('SET', wr[1], wr[2], 'PX', fmt(wr[3]))
     end
   end
+end
+
+if not all then
+  out[1] = 0
+  if commit then set_all(bounds) end
+elseif commit then
+  set_all(writes)
   for _, q in ipairs(quotas) do
     redis.call('INCRBY', q[1], fmt(q[4]))
     if not override then

@@ -22,7 +22,9 @@
 --    charge g in every limit as check.lua charges a cost of g. When g is 0
 --    nothing is charged, but what step 1 gave back is still written.
 -- 3. Every write sets PX to the time until the limit is full again (reset_ms),
---    as check.lua does; a limit full again is deleted.
+--    as check.lua does; a limit full again is deleted. A TAT more than a full
+--    bucket ahead (Redis time went backwards) reads, after step 1, as an
+--    empty bucket, and that bound is written, as check.lua.
 --
 -- State "tat_ms:rem" and arithmetic exactly as check.lua: every quantity is
 -- an integer of at most 2^53 (the gateway rejects requests * window_ms > 2^53,
@@ -71,8 +73,13 @@ for i = 1, #KEYS do
   local w = tonumber(ARGV[2 * i + 3])
   local d0, r0 = read(redis.call('GET', KEYS[i]))
   local d, r = give_back(d0, r0, c, w, give)
-  -- Free use in units of 1/C ms, as check.lua: d*C + r < W*C only when d < W
-  -- (d >= W only when Redis time went backwards).
+  -- More than a full bucket of use only comes from Redis time that went
+  -- backwards: it reads as an empty bucket and that bound is stored, as in
+  -- check.lua (bounded after the give-back, as the filter's refund then check).
+  if d > w or (d == w and r > 0) then
+    d, r = w, 0
+  end
+  -- Free use in units of 1/C ms, as check.lua.
   local free = 0
   if d < w then free = w * c - (d * c + r) end
   local whole = 0

@@ -11,10 +11,15 @@
 -- ARGV[4L+2j+2..4L+2j+3]
 --                  per quota j (j = 1..Q): period, amount charged
 --
--- Token bucket: the TAT goes back by cost * W / C ms, floored at now (a
--- bucket that is full again is deleted, which means the same).
+-- Token bucket: the TAT goes back by cost * W / C ms (a TAT in the past reads
+-- as a full bucket; it is kept, not floored at now, so that a later step back
+-- of Redis time reads it as the filter's token_bucket.rs does).
 -- Sliding window: cur -= cost (floored at 0) in the window that was charged;
--- if a later write moved that window into "prev", prev -= cost instead.
+-- if a later write moved that window into "prev", prev -= cost instead; older:
+-- nothing. A charge that a step back of Redis time counted in a later window
+-- is so given back from prev or not at all: stricter, never more than taken.
+-- The window is kept even at 0:0, since check.lua reads a clock behind it as
+-- its start (as the filter's sliding_window.rs refund).
 -- Quota: the key of the period that holds ARGV[1] gets DECRBY amount,
 -- floored at 0 (deleted at 0), only while now is still in that period.
 -- The expiry is kept: it can only be later than needed, never earlier.
@@ -45,8 +50,8 @@ for i = 1, n_limits do
       if r < 0 then
         t, r = t - 1, r + n
       end
-      if t < now or (t == now and r == 0) then
-        redis.call('DEL', key) -- full again: same as a TAT floored at now
+      if t < 0 then
+        redis.call('DEL', key) -- only a key that lost its charge (expired, rewritten)
       else
         redis.call('SET', key, fmt(t) .. ':' .. fmt(r), 'KEEPTTL')
       end
@@ -62,11 +67,7 @@ for i = 1, n_limits do
       else
         sp = math.max(sp - cost, 0)
       end
-      if sc == 0 and sp == 0 then
-        redis.call('DEL', key)
-      else
-        redis.call('SET', key, fmt(sk) .. ':' .. fmt(sc) .. ':' .. fmt(sp), 'KEEPTTL')
-      end
+      redis.call('SET', key, fmt(sk) .. ':' .. fmt(sc) .. ':' .. fmt(sp), 'KEEPTTL')
       changed = changed + 1
     end
   end

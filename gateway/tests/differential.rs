@@ -1,7 +1,8 @@
-//! Differential test: the Lua script (`check.lua`, run by a real Redis) and
-//! the filter's Rust buckets (`ratelimit_wasm::token_bucket` and
-//! `ratelimit_wasm::sliding_window`) must give the same decisions — allowed,
-//! remaining, reset and retry-after — on the same generated sequences.
+//! Differential test: the Lua scripts (`check.lua`, `refund.lua` and
+//! `lease.lua`, run by a real Redis) and the filter's Rust buckets
+//! (`ratelimit_wasm::token_bucket` and `ratelimit_wasm::sliding_window`, with
+//! their refunds) must give the same decisions — allowed, remaining, reset and
+//! retry-after — on the same generated sequences, clock steps back included.
 //!
 //! The script normally takes its time from Redis `TIME`; here every call goes
 //! through [`Limiter::check_at`] with the **test-only** time override (ARGV[2]
@@ -17,9 +18,10 @@ use common::Rng;
 
 use std::time::Duration;
 
+use ratelimit_gateway::keys::{self, Group};
 use ratelimit_gateway::limiter::Limiter;
-use ratelimit_gateway::protocol::{Algorithm, BucketSpec, CheckRequest, LimitSpec};
-use ratelimit_gateway::Config;
+use ratelimit_gateway::protocol::{Algorithm, BucketSpec, CheckRequest, LeaseRequest, LimitSpec};
+use ratelimit_gateway::{script, Config};
 use ratelimit_wasm::token_bucket::{Check, Limit};
 
 const MS: u64 = 1_000_000;
@@ -179,11 +181,248 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
                     ));
                 }
             }
-            if all {
-                for (s, r) in states.iter_mut().zip(&rust) {
-                    *s = Some(r.new_state);
+            store_rust(&specs, &mut states, &rust);
+        }
+    }
+    tally
+}
+
+/// The states the filter's limiter stores after a check: every new state when
+/// all passed; else only a token bucket's bound (a TAT more than a full bucket
+/// ahead, from a clock that stepped back), as `check.lua` writes it.
+fn store_rust(specs: &[LimitSpec], states: &mut [Option<u128>], rust: &[Check]) {
+    let all = rust.iter().all(|c| c.allowed);
+    for ((s, r), spec) in states.iter_mut().zip(rust).zip(specs) {
+        let bounded = spec.algorithm == Algorithm::TokenBucket
+            && !r.allowed
+            && s.is_some_and(|t| t > r.new_state);
+        if all || bounded {
+            *s = Some(r.new_state);
+        }
+    }
+}
+
+/// The filter's refund of `cost` charged at `charged_at_ms` in one limit.
+fn rust_refund(alg: Algorithm, limit: &Limit, state: u128, cost: u64, charged_at_ms: u64) -> u128 {
+    let alg = match alg {
+        Algorithm::TokenBucket => ratelimit_wasm::algorithm::Algorithm::TokenBucket,
+        Algorithm::SlidingWindow => ratelimit_wasm::algorithm::Algorithm::SlidingWindow,
+    };
+    alg.refund(limit, state, cost, charged_at_ms * MS)
+}
+
+/// `lease.lua` over the Rust token bucket: give back `returned` (the filter's
+/// refund), grant the whole tokens every limit has (a check of cost 0 reads
+/// them), charge them as a check of that cost. With nothing granted, a limit
+/// whose use the give-back or the bound changed is stored as read at now (the
+/// script writes `now + use`, or deletes a full one).
+/// Returns (granted, per limit (remaining, reset_ms, retry_ms)).
+fn rust_lease(
+    limits: &[Limit],
+    states: &mut [Option<u128>],
+    now_ms: u64,
+    want: u64,
+    returned: u64,
+) -> (u64, Vec<(u64, u64, u64)>) {
+    let now = now_ms * MS;
+    let given: Vec<Option<u128>> = limits
+        .iter()
+        .zip(states.iter())
+        .map(|(l, s)| s.map(|t| t.saturating_sub(l.increment(returned))))
+        .collect();
+    let free: Vec<Check> = limits
+        .iter()
+        .zip(&given)
+        .map(|(l, s)| l.check(*s, now, 0))
+        .collect();
+    let granted = limits
+        .iter()
+        .zip(&free)
+        .map(|(l, c)| l.capacity.min(c.remaining))
+        .fold(want, u64::min);
+    let mut out = Vec::with_capacity(limits.len());
+    for (i, l) in limits.iter().enumerate() {
+        if granted > 0 {
+            let c = l.check(given[i], now, granted);
+            assert!(c.allowed, "a grant within the free tokens passes");
+            states[i] = Some(c.new_state);
+            out.push((c.remaining, c.reset_ns.div_ceil(MS), 0));
+            continue;
+        }
+        let c0 = &free[i];
+        let now_scaled = l.check(None, now, 0).new_state;
+        let read_before = states[i].map_or(now_scaled, |t| t.max(now_scaled));
+        if c0.new_state != read_before {
+            states[i] = (c0.new_state != now_scaled).then_some(c0.new_state);
+        }
+        let retry = if c0.remaining < 1 {
+            l.check(given[i], now, 1).retry_after_ns.div_ceil(MS)
+        } else {
+            0
+        };
+        out.push((c0.remaining, c0.reset_ns.div_ceil(MS), retry));
+    }
+    (granted, out)
+}
+
+/// Checks, refunds of earlier charges and (token buckets only) leases on one
+/// bucket, with the clock stepping forward and back across window
+/// boundaries: after each step the Lua answers must equal the Rust ones.
+async fn run_refunds_and_leases(
+    algorithms: &[Algorithm],
+    leases: bool,
+    seed: u64,
+    cases: u64,
+) -> Tally {
+    let redis = common::redis();
+    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url());
+    config.redis_timeout = Duration::from_secs(5);
+    let prefix = config.key_prefix.clone();
+    let app = ratelimit_gateway::build(&config).unwrap();
+    let limiter: &Limiter = &app.limiter;
+    assert!(
+        limiter
+            .store()
+            .wait_connected(Duration::from_secs(15))
+            .await
+    );
+    let mut rng = Rng(seed);
+    let mut tally = Tally::default();
+    for case in 0..cases {
+        let n_limits = rng.range(1, 3) as usize;
+        let specs: Vec<LimitSpec> = (0..n_limits)
+            .map(|_| {
+                let alg = rng.pick(algorithms);
+                let (requests, window_ms) = (rng.range(1, 12), rng.range(1, 2000));
+                LimitSpec {
+                    requests,
+                    window_ms,
+                    algorithm: alg,
+                }
+            })
+            .collect();
+        let limits: Vec<Limit> = specs
+            .iter()
+            .map(|s| Limit::new(s.requests, s.window_ms * MS))
+            .collect();
+        let max_w = specs.iter().map(|s| s.window_ms).max().unwrap_or(1);
+        let domain = format!("refund-{seed}-{case}");
+        let req = |cost: u64| CheckRequest {
+            version: 1,
+            domain: domain.clone(),
+            cost,
+            buckets: vec![BucketSpec {
+                key: "k".to_string(),
+                tag: "t".to_string(),
+                cost: None,
+                limits: specs.clone(),
+            }],
+            quotas: vec![],
+        };
+        let mut now_ms: u64 = 1_700_000_000_000 + rng.range(0, 10_000_000);
+        let mut states: Vec<Option<u128>> = vec![None; n_limits];
+        // Charges not yet refunded: (charged at, cost).
+        let mut charges: Vec<(u64, u64)> = Vec::new();
+        let mut lease_held = 0u64;
+        for step in 0..rng.range(1, 80) {
+            now_ms = match rng.range(0, 9) {
+                0..=1 => now_ms,
+                2..=6 => now_ms + rng.range(0, max_w / 2 + 1),
+                7 => now_ms + rng.range(0, 3 * max_w),
+                // Back, often across a window boundary.
+                _ => now_ms - rng.range(1, 2 * max_w),
+            };
+            let what = rng.range(0, 9);
+            if what <= 2 && !charges.is_empty() {
+                let (at, cost) =
+                    charges.swap_remove(rng.range(0, charges.len() as u64 - 1) as usize);
+                let group = Group {
+                    limits: keys::limit_keys(&prefix, &req(cost)),
+                    quotas: vec![],
+                };
+                let (k, args) = script::refund_args(&group, at, Some(now_ms));
+                let _: i64 = limiter
+                    .store()
+                    .eval(script::refund(), &k, &args, "refund")
+                    .await
+                    .unwrap();
+                for ((s, l), spec) in states.iter_mut().zip(&limits).zip(&specs) {
+                    *s = s.map(|t| rust_refund(spec.algorithm, l, t, cost, at));
+                }
+                continue;
+            }
+            if leases && what >= 7 {
+                let want = rng.range(1, 6);
+                let returned = if rng.range(0, 1) == 1 {
+                    lease_held.min(rng.range(0, 4))
+                } else {
+                    0
+                };
+                let lreq = LeaseRequest {
+                    version: 1,
+                    domain: domain.clone(),
+                    key: "k".to_string(),
+                    tag: "t".to_string(),
+                    limits: specs.clone(),
+                    want,
+                    returned,
+                };
+                let lua = limiter.lease_at(&lreq, Some(now_ms)).await.unwrap();
+                let (granted, rust) = rust_lease(&limits, &mut states, now_ms, want, returned);
+                lease_held = granted;
+                tally.calls += 1;
+                let got: Vec<(u64, u64, u64)> = lua
+                    .limits
+                    .iter()
+                    .map(|l| (l.remaining, l.reset_ms, l.retry_after_ms))
+                    .collect();
+                if (lua.granted, &got) != (granted, &rust) {
+                    tally.mismatches.push(format!(
+                        "case {case} step {step} lease want {want} return {returned}: rust {:?}, lua {:?}; specs {specs:?}, now {now_ms}",
+                        (granted, &rust),
+                        (lua.granted, &got)
+                    ));
+                }
+                if granted > 0 {
+                    tally.allowed += 1;
+                } else {
+                    tally.denied += 1;
+                }
+                continue;
+            }
+            let cost = rng.range(1, 4);
+            let lua = limiter.check_at(&req(cost), Some(now_ms)).await.unwrap();
+            let rust: Vec<Check> = specs
+                .iter()
+                .zip(&limits)
+                .zip(&states)
+                .map(|((spec, l), s)| rust_check(spec.algorithm, l, *s, now_ms * MS, cost))
+                .collect();
+            tally.calls += 1;
+            for (i, (r, l)) in rust.iter().zip(&lua.buckets[0].limits).enumerate() {
+                tally.limits += 1;
+                let want = (
+                    r.allowed,
+                    r.remaining,
+                    r.reset_ns.div_ceil(MS),
+                    r.retry_after_ns.div_ceil(MS),
+                );
+                let got = (l.allowed, l.remaining, l.reset_ms, l.retry_after_ms);
+                if want != got {
+                    tally.mismatches.push(format!(
+                        "case {case} step {step} limit {i} {:?}: rust {want:?}, lua {got:?}; state {:?}, now_ms {now_ms}, cost {cost}",
+                        specs[i], states[i]
+                    ));
                 }
             }
+            let all = rust.iter().all(|c| c.allowed);
+            if all {
+                tally.allowed += 1;
+                charges.push((now_ms, cost));
+            } else {
+                tally.denied += 1;
+            }
+            store_rust(&specs, &mut states, &rust);
         }
     }
     tally
@@ -238,4 +477,26 @@ async fn lua_mixed_limits_all_or_nothing_match_rust() {
     )
     .await;
     report("mixed", seed, &t);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lua_refunds_match_rust_across_clock_steps() {
+    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0004);
+    let cases = env_u64("RLGW_DIFF_CASES", 200);
+    let t = run_refunds_and_leases(
+        &[Algorithm::TokenBucket, Algorithm::SlidingWindow],
+        false,
+        seed,
+        cases,
+    )
+    .await;
+    report("refunds", seed, &t);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lua_leases_match_rust_token_bucket_across_clock_steps() {
+    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0005);
+    let cases = env_u64("RLGW_DIFF_CASES", 200);
+    let t = run_refunds_and_leases(&[Algorithm::TokenBucket], true, seed, cases).await;
+    report("leases", seed, &t);
 }
