@@ -1709,3 +1709,43 @@ fn client_docs_show_the_quota_403_as_built() {
     );
     assert!(section.contains(r#"Link: <https://example.com/upgrade>; rel="payment""#));
 }
+
+/// deploy/istio/README.md: "its pods carry the `prometheus.io/*` annotations"
+/// that point a scraper at the gateway's `/metrics` on its `http` port.
+#[test]
+fn gateway_pods_are_annotated_for_prometheus() {
+    let gw = yaml_file(GATEWAY_YAML);
+    let deploy = object(&gw, "Deployment", "ratelimit-gateway");
+    let template = &deploy["spec"]["template"];
+    let annotations = &template["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/scrape"], "true", "{annotations}");
+    assert_eq!(
+        annotations["prometheus.io/path"], "/metrics",
+        "{annotations}"
+    );
+    let http_port = template["spec"]["containers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|c| c["ports"].as_array().into_iter().flatten())
+        .find(|p| p["name"] == "http")
+        .and_then(|p| p["containerPort"].as_u64())
+        .expect("the gateway container has an http port");
+    assert_eq!(
+        annotations["prometheus.io/port"],
+        http_port.to_string(),
+        "{annotations}"
+    );
+}
+
+/// deploy/istio/README.md: the module fits a ConfigMap (1 MiB) with room.
+#[test]
+fn the_filter_fits_a_configmap() {
+    let wasm = testkit::wasm_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let size = std::fs::metadata(&wasm).expect("the built filter").len();
+    assert!(
+        size < 768 * 1024,
+        "{} is {size} bytes; deploy/istio/README.md says about 0.6 MB, under 1 MiB",
+        wasm.display()
+    );
+}

@@ -1,0 +1,136 @@
+//! What `gateway/README.md` says, held against the gateway: the flag table is
+//! the parser's flags, a body over 1 MiB gets 413, and a gateway started
+//! before its Redis answers 503 (and `/healthz` says down) until Redis is up.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use clap::CommandFactory;
+use ratelimit_gateway::{Args, Config, Target};
+
+use common::*;
+
+fn readme() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
+}
+
+/// The flag table's rows: (flag, env, default), backticks removed.
+fn documented_flags() -> Vec<(String, String, String)> {
+    let text = readme();
+    let table = text
+        .split("| flag | env | default |")
+        .nth(1)
+        .expect("gateway/README.md has a flag table");
+    table
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cells: Vec<String> = l
+                .trim_matches('|')
+                .split('|')
+                .map(|c| {
+                    // `20` (≥ 1) → 20: the first code span, else the cell.
+                    let c = c.trim();
+                    c.split('`').nth(1).unwrap_or(c).to_string()
+                })
+                .collect();
+            let cell = |i: usize| cells.get(i).cloned().unwrap_or_default();
+            (cell(0), cell(1), cell(2))
+        })
+        .collect()
+}
+
+#[test]
+fn the_flag_table_is_the_parsers_flags() {
+    let command = Args::command();
+    let mut parsed: Vec<(String, String, String)> = command
+        .get_arguments()
+        .filter_map(|a| {
+            let long = a.get_long()?;
+            if long == "help" || long == "version" {
+                return None;
+            }
+            let env = a
+                .get_env()
+                .map(|e| e.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let default = a
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(",");
+            Some((format!("--{long}"), env, default))
+        })
+        .collect();
+    let mut documented = documented_flags();
+    parsed.sort();
+    documented.sort();
+    assert_eq!(documented, parsed, "gateway/README.md flag table vs clap");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_one_mebibyte_gets_413_and_is_counted() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let client = reqwest::Client::new();
+    let resp = client
+        .post(format!("{}/v1/check", gw.url()))
+        .header("content-type", "application/json")
+        .body(vec![b' '; 1024 * 1024 + 1])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 413);
+    assert_eq!(
+        metric(
+            &client,
+            &gw.url(),
+            "ratelimit_gateway_errors_total{kind=\"bad_request\"}"
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(redis.cli(&["DBSIZE"]).unwrap().trim(), "0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_redis_exists_checks_answer_503_then_recover_when_it_starts() {
+    // Take a free port from a Redis that is then stopped, so it can come back there.
+    let mut redis = redis();
+    redis.kill();
+    let config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url());
+    let gw = ratelimit_gateway::start(config, Duration::ZERO)
+        .await
+        .unwrap();
+    let client = reqwest::Client::new();
+    let body = request("d", 1, &[("k", "t", &[(5, 60_000, "token_bucket")])]);
+
+    let (status, _) = check(&client, &gw.url(), &body).await;
+    assert_eq!(status, 503);
+    let (status, health) = get(&client, &gw.url(), "/healthz").await;
+    assert_eq!(status, 503);
+    let health: serde_json::Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(health["status"], "unavailable", "{health}");
+    assert_eq!(health["redis"], "down", "{health}");
+
+    redis.restart().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let (status, answer) = check(&client, &gw.url(), &body).await;
+        if status == 200 {
+            assert_eq!(answer["allowed"], true, "{answer}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {status} 3 s after Redis came up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _) = get(&client, &gw.url(), "/healthz").await;
+    assert_eq!(status, 200);
+}
