@@ -43,7 +43,13 @@ pub fn check_file(file: &str) -> Result<Report, String> {
     let doc: Value = if text.trim_start().starts_with('{') {
         serde_json::from_str(&text).map_err(|e| format!("{file}: not valid JSON: {e}"))?
     } else {
-        serde_norway::from_str(&text).map_err(|e| format!("{file}: not valid YAML: {e}"))?
+        match serde_norway::from_str(&text) {
+            Ok(doc) => doc,
+            // The project's template (envoy/envoy.yaml) has bare `${NAME}`
+            // placeholders inside flow mappings; read them as strings.
+            Err(e) => serde_norway::from_str(&quote_placeholders(&text))
+                .map_err(|_| format!("{file}: not valid YAML: {e}"))?,
+        }
     };
     let report = check(&doc);
     if report.listeners.is_empty() {
@@ -54,6 +60,32 @@ pub fn check_file(file: &str) -> Result<Report, String> {
         ));
     }
     Ok(report)
+}
+
+/// `text` with every `${NAME}` placeholder (NAME of `A-Z`, `0-9`, `_`)
+/// double-quoted, so that a template parses as YAML with string values there.
+fn quote_placeholders(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 64);
+    let mut rest = text;
+    while let Some(start) = rest.find("${") {
+        let (before, at) = rest.split_at(start);
+        out.push_str(before);
+        let name_len = at[2..]
+            .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(at.len() - 2);
+        if name_len > 0 && at[2 + name_len..].starts_with('}') {
+            let placeholder = &at[..name_len + 3];
+            out.push('"');
+            out.push_str(placeholder);
+            out.push('"');
+            rest = &at[placeholder.len()..];
+        } else {
+            out.push_str("${");
+            rest = &at[2..];
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Checks every listener of a parsed bootstrap.
@@ -262,6 +294,14 @@ mod tests {
     fn safe() -> Value {
         json!({ "use_remote_address": true, "normalize_path": true, "merge_slashes": true,
                 "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT" })
+    }
+
+    #[test]
+    fn placeholders_are_quoted_and_nothing_else() {
+        assert_eq!(
+            quote_placeholders("a: { p: ${LISTEN_PORT} }\nb: ${x} $ ${A_1}"),
+            "a: { p: \"${LISTEN_PORT}\" }\nb: ${x} $ \"${A_1}\""
+        );
     }
 
     #[test]

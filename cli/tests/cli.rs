@@ -274,14 +274,17 @@ fn check_envoy_passes_the_shipped_envoy_configs() {
         "{}/../deploy/compose/envoy.yaml",
         env!("CARGO_MANIFEST_DIR")
     );
-    let r = run(&["check-envoy", &template, &compose]);
+    // The template itself too: its `${NAME}` placeholders are read as strings.
+    let raw = shipped("envoy.yaml");
+    let r = run(&["check-envoy", &template, &compose, &raw]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.stderr, "");
     assert_eq!(
         r.stdout,
         format!(
             "{template}: ok (listener \"ingress\" runs the filter)\n\
-             {compose}: ok (listener \"ingress\" runs the filter)\n"
+             {compose}: ok (listener \"ingress\" runs the filter)\n\
+             {raw}: ok (listener \"ingress\" runs the filter)\n"
         )
     );
 }
