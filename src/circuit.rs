@@ -2,12 +2,21 @@
 //! shared data: after `failures` consecutive failures (or slow answers) it
 //! opens for `cooldown_ms`, then lets one probe through (half-open) and closes
 //! again when the probe succeeds.
+//!
+//! Its deadlines are bounded by their own spans from now (open: the cooldown;
+//! a probe: the longest callout timeout plus its margin), and a bounded state
+//! is written back. On a clock that never steps back (the filter's monotonic
+//! time) the bound never binds; if the clock did step back, an open breaker
+//! probes at most one cooldown after the step, instead of the step plus the
+//! cooldown.
 
 use crate::config::Circuit;
 use crate::store::{SharedStore, CREATE_ONLY};
 
 const MS: u64 = 1_000_000;
 const ATTEMPTS: usize = 8;
+/// How long past its callout's timeout a probe keeps the half-open slot.
+const PROBE_MARGIN_NS: u64 = 100 * MS;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct State {
@@ -18,6 +27,17 @@ struct State {
 }
 
 impl State {
+    /// The state with its deadlines no further from `now_ns` than their spans.
+    fn bounded(self, now_ns: u64, cooldown_ns: u64, probe_ns: u64) -> State {
+        State {
+            open_until_ns: self
+                .open_until_ns
+                .min(now_ns.saturating_add(cooldown_ns).max(1)),
+            probe_until_ns: self.probe_until_ns.min(now_ns.saturating_add(probe_ns)),
+            ..self
+        }
+    }
+
     fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(24);
         out.extend_from_slice(&self.failures.to_le_bytes());
@@ -91,14 +111,35 @@ fn read(store: &impl SharedStore, key: &str) -> Option<(State, u32)> {
     }
 }
 
-/// Decides whether this request may call the gateway.
-pub fn gate(store: &impl SharedStore, key: &str, timeout_ms: u64, now_ns: u64) -> Gate {
+/// Decides whether this request may call the gateway. A probe it claims
+/// holds the half-open slot for `timeout_ms` plus a margin; `longest_timeout_ms`
+/// is the longest any caller claims it for (it bounds a stored claim).
+pub fn gate(
+    store: &impl SharedStore,
+    key: &str,
+    cfg: &Circuit,
+    timeout_ms: u64,
+    longest_timeout_ms: u64,
+    now_ns: u64,
+) -> Gate {
+    let probe_ns = longest_timeout_ms
+        .max(timeout_ms)
+        .saturating_mul(MS)
+        .saturating_add(PROBE_MARGIN_NS);
     for _ in 0..ATTEMPTS {
         let Some((state, cas)) = read(store, key) else {
             return Gate::Call;
         };
         if state.open_until_ns == 0 {
             return Gate::Call;
+        }
+        let bounded = state.bounded(now_ns, cfg.cooldown_ms.saturating_mul(MS), probe_ns);
+        if bounded != state {
+            // Stored, so that the bound counts from the step and does not slide with now.
+            match store.compare_and_set(key, &bounded.encode(), cas) {
+                Ok(_) => continue,
+                Err(_) => return Gate::Call,
+            }
         }
         if now_ns < state.open_until_ns || now_ns < state.probe_until_ns {
             return Gate::Open;
@@ -107,7 +148,7 @@ pub fn gate(store: &impl SharedStore, key: &str, timeout_ms: u64, now_ns: u64) -
         let claimed = State {
             probe_until_ns: now_ns
                 .saturating_add(timeout_ms.saturating_mul(MS))
-                .saturating_add(100 * MS),
+                .saturating_add(PROBE_MARGIN_NS),
             ..state
         };
         match store.compare_and_set(key, &claimed.encode(), cas) {
@@ -205,7 +246,7 @@ mod tests {
         let c = cfg();
         let t = 1_000 * 1_000 * MS;
         for i in 0..2 {
-            assert_eq!(gate(&s, K, 50, t), Gate::Call);
+            assert_eq!(gate(&s, K, &c, 50, 50, t), Gate::Call);
             assert_eq!(
                 record(&s, K, &c, t + i, CallResult::Failed, false),
                 Transition::None
@@ -216,15 +257,15 @@ mod tests {
         for _ in 0..2 {
             record(&s, K, &c, t, CallResult::Failed, false);
         }
-        assert_eq!(gate(&s, K, 50, t), Gate::Call);
+        assert_eq!(gate(&s, K, &c, 50, 50, t), Gate::Call);
         assert_eq!(
             record(&s, K, &c, t, CallResult::Failed, false),
             Transition::Opened
         );
-        assert_eq!(gate(&s, K, 50, t + 1999 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, t + 1999 * MS), Gate::Open);
         // After the cooldown exactly one probe goes through.
-        assert_eq!(gate(&s, K, 50, t + 2000 * MS), Gate::Probe);
-        assert_eq!(gate(&s, K, 50, t + 2001 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, t + 2000 * MS), Gate::Probe);
+        assert_eq!(gate(&s, K, &c, 50, 50, t + 2001 * MS), Gate::Open);
         assert_eq!(
             record(
                 &s,
@@ -236,7 +277,7 @@ mod tests {
             ),
             Transition::Closed
         );
-        assert_eq!(gate(&s, K, 50, t + 2011 * MS), Gate::Call);
+        assert_eq!(gate(&s, K, &c, 50, 50, t + 2011 * MS), Gate::Call);
     }
 
     #[test]
@@ -254,18 +295,40 @@ mod tests {
                 false,
             );
         }
-        assert_eq!(gate(&s, K, 50, t), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, t), Gate::Open);
         let later = t + 2000 * MS;
-        assert_eq!(gate(&s, K, 50, later), Gate::Probe);
+        assert_eq!(gate(&s, K, &c, 50, 50, later), Gate::Probe);
         assert_eq!(
             record(&s, K, &c, later, CallResult::Failed, true),
             Transition::Opened
         );
-        assert_eq!(gate(&s, K, 50, later + 1999 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, later + 1999 * MS), Gate::Open);
         // A probe lost without an answer frees the slot after its timeout.
-        assert_eq!(gate(&s, K, 50, later + 2000 * MS), Gate::Probe);
-        assert_eq!(gate(&s, K, 50, later + 2100 * MS), Gate::Open);
-        assert_eq!(gate(&s, K, 50, later + 2151 * MS), Gate::Probe);
+        assert_eq!(gate(&s, K, &c, 50, 50, later + 2000 * MS), Gate::Probe);
+        assert_eq!(gate(&s, K, &c, 50, 50, later + 2100 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, later + 2151 * MS), Gate::Probe);
+    }
+
+    #[test]
+    fn a_clock_step_back_holds_the_breaker_open_one_cooldown_at_most() {
+        let s = MemoryStore::default();
+        let c = cfg();
+        let t = 9_000 * 1_000 * MS;
+        let hour = 3_600_000 * MS;
+        for _ in 0..3 {
+            record(&s, K, &c, t, CallResult::Failed, false);
+        }
+        // Opened at t, then the clock reads an hour earlier: one cooldown, not an hour more.
+        let back = t - hour;
+        assert_eq!(gate(&s, K, &c, 50, 50, back), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, back + 1999 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 50, back + 2000 * MS), Gate::Probe);
+        // The probe is lost and the clock steps back again: another probe one cooldown
+        // after the step (the lost probe's claim is bounded too).
+        let back2 = back - hour;
+        assert_eq!(gate(&s, K, &c, 50, 80, back2), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 80, back2 + 1999 * MS), Gate::Open);
+        assert_eq!(gate(&s, K, &c, 50, 80, back2 + 2000 * MS), Gate::Probe);
     }
 
     #[test]
@@ -287,7 +350,7 @@ mod tests {
                 false,
             );
         }
-        assert_eq!(gate(&s, K, 50, 2), Gate::Call);
+        assert_eq!(gate(&s, K, &c, 50, 50, 2), Gate::Call);
         assert_eq!(s.len(), 0, "healthy calls write nothing");
     }
 }

@@ -15,7 +15,7 @@ use crate::key::BadInput;
 use crate::lease::{self, Claim, Lease, Take};
 use crate::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::metrics::Metric;
-use crate::plan::{Bucket, Evaluation, Plan};
+use crate::plan::{Bucket, Evaluation, GlobalPlan, Plan};
 use crate::problem;
 use crate::request::RequestInfo;
 use crate::store::SharedStore;
@@ -382,6 +382,13 @@ fn reject(status: u32, mut lines: HeaderLines, retry_after: Option<u64>, body: S
     }
 }
 
+/// The longest timeout of a callout that may claim the circuit's probe.
+fn longest_timeout_ms(g: &GlobalPlan) -> u64 {
+    g.lease
+        .as_ref()
+        .map_or(g.timeout_ms, |lp| lp.max_wait_ms.max(g.timeout_ms))
+}
+
 /// Decides `req` at `now_ns` as far as possible without the gateway.
 /// `random` feeds the jitter of `Retry-After` and of block releases.
 pub fn start(
@@ -451,7 +458,17 @@ pub fn start(
     }
     let needs_gateway = (!eval.global.is_empty() && leased.is_none()) || !eval.quotas.is_empty();
     let global = plan.global.as_ref().filter(|_| needs_gateway);
-    let gate = global.map(|g| circuit::gate(store, &g.circuit_key, g.timeout_ms, now_ns));
+    let gate = global.map(|g| {
+        let longest = longest_timeout_ms(g);
+        circuit::gate(
+            store,
+            &g.circuit_key,
+            &g.circuit,
+            g.timeout_ms,
+            longest,
+            now_ns,
+        )
+    });
     let mut charge = std::mem::take(&mut eval.buckets);
     let mut watch_fallback = false;
     if let (Some(g), Some(Gate::Open)) = (global, gate) {
@@ -771,7 +788,15 @@ pub fn refresh_start(
     let g = plan.global.as_ref()?;
     let lp = g.lease.as_ref()?;
     let claim = lease::claim(store, l, lp, now_ns, true).ok()??;
-    let probe = match circuit::gate(store, &g.circuit_key, lp.max_wait_ms, now_ns) {
+    let longest = longest_timeout_ms(g);
+    let probe = match circuit::gate(
+        store,
+        &g.circuit_key,
+        &g.circuit,
+        lp.max_wait_ms,
+        longest,
+        now_ns,
+    ) {
         Gate::Call => false,
         Gate::Probe => true,
         Gate::Open => {

@@ -82,12 +82,159 @@ impl SharedStore for HostStore {
     }
 }
 
-fn now_ns() -> u64 {
+/// Shared-data key of the clock's epoch offset, shared by every worker of the proxy.
+const CLOCK_KEY: &str = "ratelimit-wasm/clock";
+
+/// The raw imports behind the SDK's wrappers, which panic on any status but Ok
+/// (a trap kills the worker's VM); these hand the status back instead.
+mod raw {
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        pub fn proxy_send_local_response(
+            status_code: u32,
+            details_data: *const u8,
+            details_size: usize,
+            body_data: *const u8,
+            body_size: usize,
+            headers_data: *const u8,
+            headers_size: usize,
+            grpc_status: i32,
+        ) -> u32;
+        pub fn proxy_continue_stream(stream_type: u32) -> u32;
+        pub fn proxy_close_stream(stream_type: u32) -> u32;
+    }
+
+    #[link(wasm_import_module = "wasi_snapshot_preview1")]
+    extern "C" {
+        pub fn clock_time_get(id: u32, precision: u64, time: *mut u64) -> i32;
+    }
+}
+
+/// `proxy_wasm::types::StreamType::HttpRequest`.
+const STREAM_HTTP_REQUEST: u32 = 0;
+
+/// Sends a local response; `Err(status)` when the host refused it.
+fn send_local_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), u32> {
+    // The proxy-wasm map encoding: count, then each name and value length, then
+    // the NUL-terminated names and values.
+    let mut map = Vec::new();
+    map.extend_from_slice(&(headers.len() as u32).to_le_bytes());
+    for (name, value) in headers {
+        map.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        map.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    }
+    for (name, value) in headers {
+        map.extend_from_slice(name.as_bytes());
+        map.push(0);
+        map.extend_from_slice(value.as_bytes());
+        map.push(0);
+    }
+    // SAFETY: every pointer comes with the length of a live buffer.
+    let rc = unsafe {
+        raw::proxy_send_local_response(
+            status,
+            std::ptr::null(),
+            0,
+            body.as_ptr(),
+            body.len(),
+            map.as_ptr(),
+            map.len(),
+            -1,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc)
+    }
+}
+
+/// Resumes the paused request of the current context.
+fn resume_request() -> Result<(), u32> {
+    // SAFETY: no pointers.
+    match unsafe { raw::proxy_continue_stream(STREAM_HTTP_REQUEST) } {
+        0 => Ok(()),
+        rc => Err(rc),
+    }
+}
+
+/// Resets the request of the current context.
+fn reset_request() -> Result<(), u32> {
+    // SAFETY: no pointers.
+    match unsafe { raw::proxy_close_stream(STREAM_HTTP_REQUEST) } {
+        0 => Ok(()),
+        rc => Err(rc),
+    }
+}
+
+/// Lets a paused request go on, or resets it if the host will not resume it:
+/// a request left paused would hang until Envoy's stream timeout.
+fn resume_or_reset(what: &str) {
+    if let Err(rc) = resume_request() {
+        log::warn!("ratelimit-wasm: could not resume {what} (status {rc}); resetting it");
+        if let Err(rc) = reset_request() {
+            log::error!("ratelimit-wasm: could not reset {what} either (status {rc})");
+        }
+    }
+}
+
+/// The host's wall clock (`proxy_get_current_time_nanoseconds`), in ns since the epoch.
+fn wall_ns() -> u64 {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .and_then(|d| u64::try_from(d.as_nanos()).ok())
         .unwrap_or(0)
+}
+
+/// The host's monotonic clock (WASI `clock_time_get`, id 1: Envoy's steady
+/// clock, one for the whole process), `None` on a host without one.
+fn monotonic_ns() -> Option<u64> {
+    let mut t = 0u64;
+    // SAFETY: `t` is a live u64 the host writes to.
+    let rc = unsafe { raw::clock_time_get(1, 1, &mut t) };
+    (rc == 0 && t > 0).then_some(t)
+}
+
+thread_local! {
+    /// `now_ns() − monotonic_ns()`, once `on_configure` read it; `None`: the wall clock.
+    static EPOCH_OFFSET: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// The filter's time, in ns: the monotonic clock plus one offset that every
+/// worker shares, so it reads as the epoch time at which the first worker
+/// started and never follows a step of the wall clock (NTP, an operator).
+/// Every deadline and bucket is kept in it. On a host with no monotonic clock
+/// it is the wall clock, and the stored deadlines are clamped to their spans
+/// instead (`circuit.rs`, `lease.rs`, `token_bucket.rs`, the delays below).
+fn now_ns() -> u64 {
+    match (EPOCH_OFFSET.with(Cell::get), monotonic_ns()) {
+        (Some(offset), Some(mono)) => mono.saturating_add(offset),
+        _ => wall_ns(),
+    }
+}
+
+/// Reads (or creates, race-free as the seed) the shared offset of the
+/// monotonic clock from the epoch; `None` when the host has no monotonic clock.
+fn shared_epoch_offset(store: &impl SharedStore) -> Result<Option<u64>, String> {
+    let Some(mono) = monotonic_ns() else {
+        return Ok(None);
+    };
+    for _ in 0..4 {
+        let found = store.get(CLOCK_KEY).map_err(|e| e.to_string())?;
+        let (stored, cas) = match found {
+            Some((bytes, cas)) => (<[u8; 8]>::try_from(bytes.as_slice()).ok(), cas.max(1)),
+            None => (None, CREATE_ONLY),
+        };
+        if let Some(offset) = stored {
+            return Ok(Some(u64::from_le_bytes(offset)));
+        }
+        let offset = wall_ns().saturating_sub(mono);
+        store
+            .compare_and_set(CLOCK_KEY, &offset.to_le_bytes(), cas)
+            .map_err(|e| e.to_string())?;
+    }
+    Err(format!("could not settle the shared key {CLOCK_KEY}"))
 }
 
 /// Counter ids from `define_metric`, `None` where the host refused one.
@@ -142,9 +289,9 @@ fn random_seed() -> Result<[u8; 16], String> {
     Ok(seed)
 }
 
-/// Requests held by a graduated rule's delay: (context id, resume at ns).
-/// One per worker; the root context's timer resumes them.
-type Delays = Rc<RefCell<Vec<(u32, u64)>>>;
+/// Requests held by a graduated rule's delay: (context id, resume at ns, the
+/// delay in ns). One per worker; the root context's timer resumes them.
+type Delays = Rc<RefCell<Vec<(u32, u64, u64)>>>;
 
 /// How often the root context looks for delayed requests to resume.
 const TICK: Duration = Duration::from_millis(5);
@@ -251,6 +398,20 @@ impl RootContext for Root {
                 return false;
             }
         };
+        match shared_epoch_offset(&HostStore) {
+            Ok(Some(offset)) => {
+                EPOCH_OFFSET.with(|o| o.set(Some(offset)));
+                log::info!("ratelimit-wasm: timing on the host's monotonic clock");
+            }
+            Ok(None) => log::warn!(
+                "ratelimit-wasm: the host has no monotonic clock: timing follows the wall clock, \
+                 and a step of it is clamped to each deadline's span"
+            ),
+            Err(e) => {
+                log::error!("ratelimit-wasm: {e}");
+                return false;
+            }
+        }
         let plan = Plan::compile(&config, seed);
         log::info!(
             "ratelimit-wasm: configured domain {:?}: {} rules, {} bucket sets under {KEY_PREFIX}",
@@ -282,20 +443,23 @@ impl RootContext for Root {
         }
         let due: Vec<u32> = {
             let mut delays = self.delays.borrow_mut();
+            for (_, at, delay) in delays.iter_mut() {
+                // A release further off than the delay itself means the clock
+                // stepped back (wall clock only): hold no longer than the delay.
+                *at = (*at).min(now.saturating_add(*delay));
+            }
             let due = delays
                 .iter()
-                .filter(|(_, at)| *at <= now)
-                .map(|(id, _)| *id)
+                .filter(|(_, at, _)| *at <= now)
+                .map(|(id, _, _)| *id)
                 .collect();
-            delays.retain(|(_, at)| *at > now);
+            delays.retain(|(_, at, _)| *at > now);
             due
         };
         for id in due {
             // A stream that went away is gone from the host: nothing to resume.
             if hostcalls::set_effective_context(id).is_ok() {
-                if let Err(e) = hostcalls::resume_http_request() {
-                    log::warn!("ratelimit-wasm: could not resume delayed request {id}: {e:?}");
-                }
+                resume_or_reset("a delayed request");
             }
         }
     }
@@ -490,16 +654,15 @@ impl Http {
         match verdict {
             Verdict::Delay { ms, headers } => {
                 self.response_headers = headers;
-                let at = now_ns().saturating_add(ms.saturating_mul(1_000_000));
-                self.delays.borrow_mut().push((self.id, at));
+                let delay = ms.saturating_mul(1_000_000);
+                let at = now_ns().saturating_add(delay);
+                self.delays.borrow_mut().push((self.id, at, delay));
                 Action::Pause
             }
             Verdict::Pass(lines) => {
                 self.response_headers = lines;
                 if paused {
-                    if let Err(e) = hostcalls::resume_http_request() {
-                        log::warn!("ratelimit-wasm: could not resume the request: {e:?}");
-                    }
+                    resume_or_reset("the request");
                 }
                 Action::Continue
             }
@@ -511,10 +674,18 @@ impl Http {
                 self.answered = true;
                 let lines: Vec<(&str, &str)> =
                     headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-                if let Err(e) = hostcalls::send_http_response(status, lines, Some(body.as_bytes()))
-                {
-                    log::error!("ratelimit-wasm: could not send the {status} response: {e:?}");
-                    return Action::Continue;
+                if let Err(rc) = send_local_response(status, &lines, body.as_bytes()) {
+                    // Fail closed: a denial whose answer cannot be sent resets the
+                    // stream; resuming would admit it, and leaving it paused would
+                    // hold it until Envoy's stream timeout.
+                    log::error!(
+                        "ratelimit-wasm: could not send the {status} response (status {rc}); resetting the request"
+                    );
+                    if let Err(rc) = reset_request() {
+                        log::error!(
+                            "ratelimit-wasm: could not reset the request either (status {rc})"
+                        );
+                    }
                 }
                 Action::Pause
             }
@@ -595,7 +766,7 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         // The stream is done (or was cancelled while held): never resume it.
         let id = self.id;
-        self.delays.borrow_mut().retain(|(d, _)| *d != id);
+        self.delays.borrow_mut().retain(|(d, _, _)| *d != id);
         // Cancelled while waiting for the gateway: give the local charge back.
         if let (Some(plan), Some((_, pending, _))) = (self.plan.clone(), self.pending.take()) {
             let counts = decide::abandon(&plan, *pending, &HostStore);

@@ -10,6 +10,13 @@
 //! Slots are direct-mapped (`max_leases` keys): a bucket whose slot another
 //! bucket holds with a live lease is checked per request instead, so the state
 //! stays bounded whatever the number of clients.
+//!
+//! A slot's deadlines are read bounded by their spans from now (the batch: its
+//! ttl; a callout: its timeout; the empty pool and the limits' resets: the
+//! gateway's clamp of twice the longest period), and a bounded slot is written
+//! back. With the filter's monotonic time the bound never binds; if the clock
+//! stepped back, an empty pool is refused for at most what the gateway said,
+//! counted from the step, not for the step on top.
 
 use crate::algorithm::Algorithm;
 use crate::config;
@@ -68,6 +75,20 @@ pub struct Lease {
     pub size: u64,
     /// The bucket, for the callout body and the reports.
     pub bucket: GlobalBucket,
+    /// How far from now each of the slot's deadlines can be.
+    pub spans: Spans,
+}
+
+/// The longest a slot's deadlines reach past the moment they are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spans {
+    /// A batch's life (`ttl_ms`).
+    pub ttl_ns: u64,
+    /// A lease callout's timeout (`max_wait_ms`).
+    pub wait_ns: u64,
+    /// An empty pool's wait and a limit's reset: twice the longest period, as
+    /// the gateway's answer is clamped (`callout.rs`).
+    pub gateway_ns: u64,
 }
 
 /// A slot's content: one bucket's unspent batch and what the gateway last said.
@@ -141,6 +162,18 @@ impl Slot {
         Some(slot)
     }
 
+    /// The slot with no deadline further from `now_ns` than its span.
+    fn bounded(mut self, now_ns: u64, spans: &Spans) -> Slot {
+        let bound = |t: &mut u64, span: u64| *t = (*t).min(now_ns.saturating_add(span));
+        bound(&mut self.expires_ns, spans.ttl_ns);
+        bound(&mut self.fetching_until_ns, spans.wait_ns);
+        bound(&mut self.empty_until_ns, spans.gateway_ns);
+        for (_, reset_at) in &mut self.limits {
+            bound(reset_at, spans.gateway_ns);
+        }
+        self
+    }
+
     fn live(&self, now_ns: u64) -> bool {
         self.expires_ns > now_ns
     }
@@ -157,11 +190,9 @@ pub fn locate(plan: &Plan, g: &GlobalBucket) -> Option<Lease> {
     if rule.algorithm != Algorithm::TokenBucket {
         return None;
     }
-    let smallest = rule
-        .limits(g.variant)
-        .iter()
-        .map(|(l, _)| l.capacity)
-        .min()?;
+    let limits = rule.limits(g.variant);
+    let smallest = limits.iter().map(|(l, _)| l.capacity).min()?;
+    let longest = limits.iter().map(|(l, _)| l.period_ns).max()?;
     let size = ((smallest as f64 * lp.fraction).floor() as u64).clamp(1, smallest.max(1));
     let mut h = lp.hasher;
     h.write(g.key.as_bytes());
@@ -173,6 +204,11 @@ pub fn locate(plan: &Plan, g: &GlobalBucket) -> Option<Lease> {
         fingerprint: hash | 1,
         size,
         bucket: g.clone(),
+        spans: Spans {
+            ttl_ns: lp.ttl_ns,
+            wait_ns: lp.max_wait_ms.saturating_mul(1_000_000),
+            gateway_ns: longest.saturating_mul(2),
+        },
     })
 }
 
@@ -207,16 +243,28 @@ fn read(store: &impl SharedStore, key: &str) -> Result<(Slot, u32), LimitError> 
 }
 
 /// Read-modify-write of a slot with CAS; `change` returns the new slot and a
-/// result, or only a result to leave the slot as it is.
+/// result, or only a result to leave the slot as it is. With `now_ns`,
+/// `change` sees the slot bounded at that time, and a slot the bound changed
+/// is written back even when `change` leaves it, so that the bound counts from
+/// the clock step instead of sliding with the clock.
 fn update<T>(
     store: &impl SharedStore,
-    key: &str,
+    lease: &Lease,
+    now_ns: Option<u64>,
     mut change: impl FnMut(Slot) -> (Option<Slot>, T),
 ) -> Result<T, LimitError> {
+    let key = &lease.slot_key;
     for _ in 0..MAX_ATTEMPTS {
-        let (slot, cas) = read(store, key)?;
-        let (new, out) = change(slot);
-        let Some(new) = new else { return Ok(out) };
+        let (stored, cas) = read(store, key)?;
+        let slot = match now_ns {
+            Some(now) => stored.clone().bounded(now, &lease.spans),
+            None => stored.clone(),
+        };
+        let bounded = slot != stored;
+        let (new, out) = change(slot.clone());
+        let Some(new) = new.or_else(|| bounded.then_some(slot)) else {
+            return Ok(out);
+        };
         if store.compare_and_set(key, &new.encode(), cas)? {
             return Ok(out);
         }
@@ -227,7 +275,7 @@ fn update<T>(
 /// Spends `lease.bucket.cost` tokens from the lease.
 pub fn take(store: &impl SharedStore, lease: &Lease, now_ns: u64) -> Result<Take, LimitError> {
     let cost = lease.bucket.cost;
-    update(store, &lease.slot_key, |mut s| {
+    update(store, lease, Some(now_ns), |mut s| {
         let ours = s.fingerprint == lease.fingerprint;
         if ours && s.live(now_ns) && s.tokens >= cost {
             s.tokens -= cost;
@@ -249,7 +297,7 @@ pub fn take(store: &impl SharedStore, lease: &Lease, now_ns: u64) -> Result<Take
 
 /// Gives `tokens` back to the lease (a request it served was denied elsewhere).
 pub fn give_back(store: &impl SharedStore, lease: &Lease, tokens: u64) -> Result<(), LimitError> {
-    update(store, &lease.slot_key, |mut s| {
+    update(store, lease, None, |mut s| {
         if s.fingerprint != lease.fingerprint {
             return (None, ());
         }
@@ -270,7 +318,7 @@ pub fn claim(
     refresh: bool,
 ) -> Result<Option<Claim>, LimitError> {
     let until = now_ns.saturating_add(lp.max_wait_ms.saturating_mul(1_000_000));
-    update(store, &lease.slot_key, |mut s| {
+    update(store, lease, Some(now_ns), |mut s| {
         let ours = s.fingerprint == lease.fingerprint;
         if s.fetching(now_ns) || (!ours && s.live(now_ns)) {
             return (None, None);
@@ -327,7 +375,7 @@ pub fn store_grant(
     empty_ns: u64,
     now_ns: u64,
 ) -> Result<Slot, LimitError> {
-    update(store, &lease.slot_key, |mut s| {
+    update(store, lease, Some(now_ns), |mut s| {
         if s.fingerprint != lease.fingerprint {
             // Another bucket took the slot meanwhile: the rest is lost, which errs on the strict side.
             return (None, s);
@@ -348,7 +396,7 @@ pub fn store_grant(
 
 /// Ends a failed callout: the slot may be claimed again at once.
 pub fn release(store: &impl SharedStore, lease: &Lease) -> Result<(), LimitError> {
-    update(store, &lease.slot_key, |mut s| {
+    update(store, lease, None, |mut s| {
         if s.fingerprint != lease.fingerprint || s.fetching_until_ns == 0 {
             return (None, ());
         }
@@ -600,6 +648,31 @@ mod tests {
         );
         assert_eq!(claim(&s, &l, lp(&p), T0 + 100 * MS, true).unwrap(), None);
         assert_eq!(take(&s, &l, T0 + 300 * MS).unwrap(), Take::Short);
+    }
+
+    #[test]
+    fn a_clock_step_back_refuses_an_empty_pool_two_periods_at_most_counted_from_the_step() {
+        let p = plan(0.05);
+        let s = MemoryStore::default();
+        let l = lease(&p, "a", 1);
+        claim(&s, &l, lp(&p), T0, false).unwrap().unwrap();
+        store_grant(&s, &l, lp(&p), 0, 0, &[(0, 36_000)], 300_000 * MS, T0).unwrap();
+        // The limit is 100/min: the gateway's waits are clamped to 2 min, so is the pool's.
+        let back = T0 - 3_600_000 * MS;
+        assert_eq!(
+            take(&s, &l, back).unwrap(),
+            Take::Empty {
+                wait_ns: 120_000 * MS
+            }
+        );
+        // Stored: the bound counts from the step, it does not slide with the clock.
+        assert_eq!(
+            take(&s, &l, back + 60_000 * MS).unwrap(),
+            Take::Empty {
+                wait_ns: 60_000 * MS
+            }
+        );
+        assert_eq!(take(&s, &l, back + 120_000 * MS).unwrap(), Take::Short);
     }
 
     #[test]

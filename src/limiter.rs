@@ -7,6 +7,7 @@
 //! conflict can cost a retry or (briefly) a too-strict answer, never an extra
 //! admission.
 
+use crate::algorithm::Algorithm;
 use crate::plan::{Bucket, Plan};
 use crate::store::{SharedStore, StoreError, CREATE_ONLY};
 use crate::table::{Placement, Set};
@@ -163,11 +164,28 @@ pub fn check_and_consume(
             let state = |i: usize| entry.tats.get(i).copied().filter(|_| !fresh);
             let limits = rule.limits(b.variant);
             if let Some(g) = &rule.graduated {
-                let blocked_until =
+                let stored_until =
                     state(limits.len() + 1).map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
+                // A block longer than its longest span (block_for plus the most jitter)
+                // only comes from a clock that stepped back: bounded and stored, it ends
+                // at most that span after the step.
+                let longest = g
+                    .block_for_ns
+                    .saturating_add((g.block_for_ns as f64 * plan.retry_jitter.max(0.0)) as u64);
+                let blocked_until = stored_until.min(now_ns.saturating_add(longest));
                 if blocked_until > now_ns {
                     denied = true;
                     reports.push(blocked_report(b, blocked_until - now_ns));
+                    if blocked_until < stored_until {
+                        writes.push(Write {
+                            set: w,
+                            entry: e,
+                            state: limits.len() + 1,
+                            value: u128::from(blocked_until),
+                            full_at_ns: blocked_until,
+                            always: true,
+                        });
+                    }
                     continue;
                 }
                 // Demand counts every request, denied ones included, against `block_at` of the first limit.
@@ -237,13 +255,18 @@ pub fn check_and_consume(
                     cost: b.cost,
                 });
                 let full_at_ns = rule.algorithm.full_at_ns(limit, check.new_state);
+                // A denial whose TAT the check bounded (the clock stepped back) stores
+                // the bound, so that the bucket refills from the step on.
+                let bounded = rule.algorithm == Algorithm::TokenBucket
+                    && !check.allowed
+                    && state(l).is_some_and(|t| t > check.new_state);
                 writes.push(Write {
                     set: w,
                     entry: e,
                     state: l,
                     value: check.new_state,
                     full_at_ns,
-                    always: false,
+                    always: bounded,
                 });
             }
         }

@@ -77,10 +77,12 @@ impl Limit {
     /// TAT is `tat` (`None` for a bucket never used, which is full).
     pub fn check(&self, tat: Option<u128>, now_ns: u64, cost: u64) -> Check {
         let now = self.scaled(now_ns);
-        let tat = tat.map_or(now, |t| t.max(now));
+        let tolerance = self.tolerance();
+        // A TAT more than a full bucket ahead only comes from a clock that stepped
+        // back: it reads as an empty bucket, never as emptier than empty.
+        let tat = tat.map_or(now, |t| t.clamp(now, now.saturating_add(tolerance)));
         let used = tat - now;
         let need = used + self.increment(cost);
-        let tolerance = self.tolerance();
         if need <= tolerance {
             Check {
                 allowed: true,
@@ -174,6 +176,22 @@ mod tests {
             }
         }
         admitted
+    }
+
+    #[test]
+    fn a_tat_beyond_a_full_bucket_reads_as_empty_after_a_clock_step_back() {
+        let l = lim(10, 60);
+        let now = 10_000 * SEC;
+        let mut tat = None;
+        for _ in 0..4 {
+            tat = Some(l.check(tat, now, 1).new_state);
+        }
+        // The clock steps back an hour: empty (one token in 6 s), not an hour emptier.
+        let c = l.check(tat, now - 3600 * SEC, 1);
+        assert!(!c.allowed);
+        assert_eq!(c.retry_after_ns, 6 * SEC);
+        assert_eq!(c.reset_ns, 60 * SEC);
+        assert_eq!(c.new_state, l.scaled(now - 3600 * SEC) + l.increment(10));
     }
 
     #[test]

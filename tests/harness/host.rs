@@ -516,7 +516,7 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
      -> Result<
         i32,
     > {
-        let now = c.data().inner().clock.get();
+        let now = c.data().inner().wall_now_ns();
         write_u64(&mut c, ret, now)?;
         Ok(i(OK))
     });
@@ -875,6 +875,21 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
             details,
             grpc_status: grpc,
         };
+        let fault = c
+            .data()
+            .inner()
+            .local_response_faults
+            .borrow_mut()
+            .pop_front();
+        if let Some(status) = fault {
+            let h = c.data_mut();
+            let ctx = h.active_ctx();
+            h.note(format!(
+                "proxy_send_local_response({}) on context {ctx} failed with status {status} (injected)",
+                lr.status
+            ));
+            return Ok(i(status));
+        }
         let h = c.data_mut();
         let ctx = h.active_ctx();
         match h.active_stream_mut() {
@@ -1118,6 +1133,7 @@ fn define_wasi(d: &mut Defs<'_>) -> Result<()> {
     const ERRNO_SUCCESS: i32 = 0;
     const ERRNO_BADF: i32 = 8;
     const ERRNO_INVAL: i32 = 28;
+    const ERRNO_NOTSUP: i32 = 58;
 
     def!(d, WASI, "fd_write", |mut c: C<'_>,
                                fd: i32,
@@ -1166,11 +1182,19 @@ fn define_wasi(d: &mut Defs<'_>) -> Result<()> {
                                      _precision: i64,
                                      ret: i32|
      -> Result<i32> {
-        // 0 realtime, 1 monotonic, 2/3 cpu time: all read the fake clock.
+        // 0 realtime reads the wall clock; 1 monotonic, 2/3 cpu time the fake clock.
         if !(0..=3).contains(&id) {
             return Ok(ERRNO_INVAL);
         }
-        let now = c.data().inner().clock.get();
+        let inner = c.data().inner();
+        if id == 1 && !inner.opts.monotonic_clock {
+            return Ok(ERRNO_NOTSUP);
+        }
+        let now = if id == 0 {
+            inner.wall_now_ns()
+        } else {
+            inner.clock.get()
+        };
         write_u64(&mut c, ret, now)?;
         Ok(ERRNO_SUCCESS)
     });

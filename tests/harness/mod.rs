@@ -30,7 +30,7 @@ pub use shared::{status, SharedData, SharedStats};
 
 use host::{AfterAction, HostState, StreamState};
 use std::cell::{Cell, OnceCell, Ref, RefCell, RefMut};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::path::{Path, PathBuf};
@@ -715,6 +715,9 @@ pub struct Options {
     pub clusters: Option<Vec<String>>,
     /// Properties visible from every context (e.g. `plugin_name`).
     pub root_properties: Vec<(Vec<String>, Vec<u8>)>,
+    /// WASI `clock_time_get` answers the monotonic clock (id 1), as Envoy does. False: it
+    /// answers ENOTSUP, as a host without one would, and the filter runs on the wall clock.
+    pub monotonic_clock: bool,
 }
 
 impl Options {
@@ -730,6 +733,7 @@ impl Options {
             local_reply_through_filter: true,
             clusters: None,
             root_properties: vec![(vec!["plugin_name".into()], b"ratelimit-wasm".to_vec())],
+            monotonic_clock: true,
         }
     }
     pub fn wasm_path(mut self, path: impl Into<PathBuf>) -> Self {
@@ -748,6 +752,11 @@ impl Options {
         self.clusters = Some(clusters.iter().map(|s| s.to_string()).collect());
         self
     }
+    /// A host without a monotonic clock (see `monotonic_clock`).
+    pub fn no_monotonic_clock(mut self) -> Self {
+        self.monotonic_clock = false;
+        self
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -763,7 +772,12 @@ pub(crate) struct Worker {
 pub(crate) struct Inner {
     pub(crate) opts: Options,
     workers: OnceCell<Vec<RefCell<Worker>>>,
+    /// The monotonic clock; timers and callout timeouts run on it.
     pub(crate) clock: Cell<u64>,
+    /// What the wall clock reads minus `clock` (stepped by `step_wall_clock`).
+    pub(crate) wall_offset_ns: Cell<i64>,
+    /// Statuses the next `proxy_send_local_response` calls fail with, without sending.
+    pub(crate) local_response_faults: RefCell<VecDeque<u32>>,
     pub(crate) shared: RefCell<SharedData>,
     hooks: RefCell<Hooks>,
     pub(crate) metrics: RefCell<BTreeMap<String, Metric>>,
@@ -772,6 +786,12 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    pub(crate) fn wall_now_ns(&self) -> u64 {
+        self.clock
+            .get()
+            .saturating_add_signed(self.wall_offset_ns.get())
+    }
+
     pub(crate) fn take_set_hook(&self, worker: usize, key: &str) -> Option<SetHookFn> {
         let mut hooks = self.hooks.borrow_mut();
         let pos = hooks
@@ -821,6 +841,19 @@ pub struct Harness {
 }
 
 impl Harness {
+    /// A harness whose workers all accepted `opts`' configuration (panics with the logs
+    /// otherwise).
+    pub fn running(opts: Options) -> Harness {
+        let config = String::from_utf8_lossy(&opts.plugin_config).into_owned();
+        let h = Harness::with_options(opts).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            h.configure_results().iter().all(|c| *c),
+            "the filter refused the configuration {config}:\n{}",
+            h.log_text()
+        );
+        h
+    }
+
     /// `workers` VMs of the default filter, configured with `plugin_config`.
     /// A trap during start-up is an `Err`; a configuration the filter rejects is not (see
     /// `configured`).
@@ -836,6 +869,8 @@ impl Harness {
             .finish();
         let inner = Rc::new(Inner {
             clock: Cell::new(opts.start_time_ns),
+            wall_offset_ns: Cell::new(0),
+            local_response_faults: RefCell::default(),
             opts,
             workers: OnceCell::new(),
             shared: RefCell::new(SharedData::new()),
@@ -1506,8 +1541,32 @@ impl Harness {
     }
 
     /// Sets the clock without firing timers (it may go backwards: tests of clock skew).
+    /// Moves the monotonic and the wall clock together.
     pub fn set_time_ns(&self, ns: u64) {
         self.inner.clock.set(ns);
+    }
+
+    /// What the wall clock (`proxy_get_current_time_nanoseconds`, WASI realtime) reads now.
+    pub fn wall_now_ns(&self) -> u64 {
+        self.inner.wall_now_ns()
+    }
+
+    /// Steps the wall clock alone by `delta_ns` (negative: back), as NTP or an operator
+    /// does; the monotonic clock, timers and callout timeouts go on undisturbed.
+    pub fn step_wall_clock(&self, delta_ns: i64) {
+        let offset = &self.inner.wall_offset_ns;
+        offset.set(offset.get().saturating_add(delta_ns));
+    }
+
+    // ----- host failures -------------------------------------------------------------------
+
+    /// The next `proxy_send_local_response` call fails with `status` (e.g. BAD_ARGUMENT, as
+    /// Envoy answers a second local reply) and sends nothing.
+    pub fn fail_next_local_response(&self, status: u32) {
+        self.inner
+            .local_response_faults
+            .borrow_mut()
+            .push_back(status);
     }
 
     /// Advances the clock by `d`, firing on the way, in time order, every worker's `on_tick`
