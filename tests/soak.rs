@@ -41,10 +41,17 @@
 //!   `panic`, `critical`, `RuntimeError` or `Uncaught`; Envoy never reloaded or recreated a VM
 //!   (`wasm.ratelimit.vm_reload_*`, `wasm.envoy.wasm.runtime.v8.created`);
 //!   `ratelimit_wasm_errors` stays 0.
-//! * **Recovery**: after every fault the gateway decides again: within the
-//!   circuit's cooldown + 3 s when the gateway was restarted, within 10 s
-//!   when it lived through a Redis outage (its Redis client's reconnect
-//!   backoff; RELIABILITY.md).
+//! * **Recovery**: after every fault, the last one included (the run goes on
+//!   long enough to see it), the gateway decides again: within the circuit's
+//!   cooldown + 3 s when the gateway was restarted, within the cooldown +
+//!   3.5 s = 4.5 s when it lived through a Redis outage (its Redis client's
+//!   reconnect backoff, capped at 500 ms; RELIABILITY.md).
+//! * **Coverage**: at least one healthy (client, window) pair, and at least
+//!   one fault of each kind. A run shorter than 120 s (the 28 s variant)
+//!   plans for both: its first epoch-aligned 10 s window that starts 2 s or
+//!   more into the load is left without faults, and the three kinds follow
+//!   it in a seeded order; so it lasts 28 s or up to about 8 s more, by
+//!   where the clock's 10 s windows fall.
 //!
 //! Nothing is skipped: without Envoy, the wasm file, the gateway binary or
 //! `redis-server` the test fails and says what to build or install.
@@ -85,6 +92,13 @@ const RECOVERED_WITHIN: Duration = Duration::from_millis(COOLDOWN_MS + 3000);
 /// attempts back off exponentially, capped at 500 ms between two attempts
 /// (gateway/src/store.rs), so it may wait that long more after Redis returns.
 const RECOVERED_WITHIN_REDIS_ONLY: Duration = Duration::from_millis(COOLDOWN_MS + 3500);
+
+/// A short run leaves the first epoch-aligned window that starts this long
+/// into the load without faults (the healthy window it must have).
+const HEALTHY_LEAD: Duration = Duration::from_secs(2);
+/// Room the run keeps after a fault ends, so that the recovery check sees
+/// every fault, the last one included.
+const RECOVERY_ROOM: Duration = Duration::from_millis(COOLDOWN_MS + 3500 + 500);
 
 /// Memory: allowed growth from the first to the last third of the samples.
 const RSS_FACTOR: f64 = 1.2;
@@ -529,6 +543,19 @@ struct Settings {
     /// Healthy gaps between faults, and fault lengths.
     gap: (Duration, Duration),
     fault: (Duration, Duration),
+    /// Short runs: the first fault waits for the end of a planned healthy
+    /// window ([`first_fault_after`]) instead of the warm-up and a gap.
+    plan_healthy_window: bool,
+}
+
+/// When the first fault of a short run may start, from the start of the
+/// load at `start_ns` (epoch ns): 200 ms after the end of the first
+/// epoch-aligned window that starts [`HEALTHY_LEAD`] or more into the load,
+/// so that window is healthy. Between 12.2 and 22.2 s.
+fn first_fault_after(start_ns: u64) -> Duration {
+    let lead = HEALTHY_LEAD.as_nanos() as u64;
+    let window_start = (start_ns + lead).div_ceil(WINDOW_NS) * WINDOW_NS;
+    Duration::from_nanos(window_start + WINDOW_NS - start_ns) + Duration::from_millis(200)
 }
 
 impl Settings {
@@ -545,6 +572,7 @@ impl Settings {
                 warm_up: ms(30_000),
                 gap: (ms(4000), ms(12_000)),
                 fault: (ms(1000), ms(5000)),
+                plan_healthy_window: false,
             }
         } else {
             Settings {
@@ -552,8 +580,9 @@ impl Settings {
                 rate,
                 seed,
                 warm_up: ms(6000),
-                gap: (ms(1500), ms(3500)),
-                fault: (ms(1000), ms(2500)),
+                gap: (ms(1000), ms(1500)),
+                fault: (ms(1000), ms(1500)),
+                plan_healthy_window: true,
             }
         }
     }
@@ -567,7 +596,6 @@ struct Run {
     faults: Vec<Fault>,
     lives: RedisLives,
     start_ns: u64,
-    end_ns: u64,
     elapsed: Duration,
     /// Envoy counters at the start and at the end, per proxy.
     first_counters: Vec<BTreeMap<&'static str, u64>>,
@@ -629,7 +657,14 @@ fn run(s: &Settings) -> Run {
         // Chaos and sampling, in this thread: it started the gateway, which
         // gets SIGTERM when the thread that spawned it ends.
         let mut next_sample = start;
-        let mut next_fault = start + s.warm_up + rng.between(s.gap.0, s.gap.1);
+        let mut next_fault = if s.plan_healthy_window {
+            start + first_fault_after(start_ns)
+        } else {
+            start + s.warm_up + rng.between(s.gap.0, s.gap.1)
+        };
+        // The run lasts `duration`, and longer if needed: until every fault
+        // is over and the recovery check has had its room after the last.
+        let mut end = start + duration;
         let mut active: Option<(Kind, u64, Instant)> = None;
         // The first three faults are the three kinds, in a random order;
         // then Redis alone half the time (the gateway lives on through it),
@@ -640,13 +675,14 @@ fn run(s: &Settings) -> Run {
         for i in (1..first_kinds.len()).rev() {
             first_kinds.swap(i, (rng.next() % (i as u64 + 1)) as usize);
         }
-        let last_fault_start = duration.saturating_sub(s.fault.1 + Duration::from_secs(3));
+        // No new fault after this, except the planned kinds of a short run.
+        let last_fault_start = duration.saturating_sub(s.fault.1 + RECOVERY_ROOM);
         let gateway_kills_until = if s.seconds >= 120 {
             duration / 2
         } else {
             duration
         };
-        while start.elapsed() < duration {
+        while Instant::now() < end || active.is_some() {
             let now = Instant::now();
             if now >= next_sample {
                 let pid = gateway.pid();
@@ -666,7 +702,10 @@ fn run(s: &Settings) -> Run {
                 next_sample += Duration::from_secs(1);
             }
             match active {
-                None if now >= next_fault && now - start <= last_fault_start => {
+                None if now >= next_fault
+                    && (now - start <= last_fault_start
+                        || (s.plan_healthy_window && !first_kinds.is_empty())) =>
+                {
                     let kind = first_kinds.pop().unwrap_or_else(|| {
                         if now - start >= gateway_kills_until {
                             return Kind::Redis;
@@ -704,6 +743,7 @@ fn run(s: &Settings) -> Run {
                         restore: t.elapsed(),
                     });
                     active = None;
+                    end = end.max(Instant::now() + RECOVERY_ROOM);
                     next_fault = Instant::now() + rng.between(s.gap.0, s.gap.1);
                 }
                 _ => {}
@@ -717,8 +757,7 @@ fn run(s: &Settings) -> Run {
         }
         all
     });
-    let end_ns = now_ns();
-    lives.0.push((redis_born, end_ns));
+    lives.0.push((redis_born, now_ns()));
     Run {
         specs,
         recs,
@@ -726,7 +765,6 @@ fn run(s: &Settings) -> Run {
         faults,
         lives,
         start_ns,
-        end_ns,
         elapsed: start.elapsed(),
         first_counters,
         last_counters: read_counters(),
@@ -787,14 +825,14 @@ impl Checks {
                 f.restore,
                 after.map_or("–".to_string(), |a| format!("{a:.2?}"))
             );
-            let room = run.end_ns.saturating_sub(f.end_ns);
             let within = match f.kind {
                 Kind::Redis => RECOVERED_WITHIN_REDIS_ONLY,
                 Kind::Gateway | Kind::Both => RECOVERED_WITHIN,
             };
+            // No fault is let off, the last one included: the run went on
+            // for RECOVERY_ROOM after each.
             match after {
                 Some(a) if a <= within => {}
-                _ if room < within.as_nanos() as u64 => {}
                 other => failures.push(format!(
                     "fault {} ({}): the gateway did not decide again within {within:?} \
                      (after: {other:?})",
@@ -803,8 +841,10 @@ impl Checks {
                 )),
             }
         }
-        if run.faults.is_empty() {
-            failures.push("no fault was injected".to_string());
+        for kind in [Kind::Redis, Kind::Gateway, Kind::Both] {
+            if !run.faults.iter().any(|f| f.kind == kind) {
+                failures.push(format!("no fault of the kind {:?}", kind.name()));
+            }
         }
         self.failures.extend(failures);
     }
@@ -1016,6 +1056,13 @@ impl Checks {
                 class.max_total_upper = class.max_total_upper.max(u.admitted() as f64 / a_priori);
             }
         }
+        // The healthy bound (admitted ≤ LIMIT) must have been put to the test.
+        if classes.get("healthy").is_none_or(|c| c.windows == 0) {
+            self.failures.push(
+                "no healthy (client, window) pair: the bound admitted ≤ LIMIT was never checked"
+                    .to_string(),
+            );
+        }
         let r = &mut self.report;
         let _ = writeln!(
             r,
@@ -1197,6 +1244,27 @@ impl Checks {
             self.report,
             "\nBoth Envoy logs and the gateway's searched for {needles:?} (case-insensitive): {}.",
             if found == 0 { "none" } else { "found" }
+        );
+    }
+}
+
+/// The planned healthy window of a short run, for every phase of the clock
+/// against the 10 s windows: it starts at least `HEALTHY_LEAD` into the load,
+/// is whole, and ends before the first fault, which comes 12.2–22.2 s in.
+#[test]
+fn a_short_run_plans_one_whole_healthy_window_before_its_faults() {
+    let lead = HEALTHY_LEAD.as_nanos() as u64;
+    for phase_ms in (0..10_000).step_by(7) {
+        let start_ns = 1_767_225_600 * 1_000_000_000 + phase_ms * 1_000_000 + 123;
+        let first = first_fault_after(start_ns);
+        let fault_ns = start_ns + first.as_nanos() as u64;
+        // The last whole window before the fault.
+        let window_start = (fault_ns / WINDOW_NS - 1) * WINDOW_NS;
+        assert!(window_start >= start_ns + lead, "phase {phase_ms} ms");
+        assert_eq!(fault_ns - (window_start + WINDOW_NS), 200_000_000);
+        assert!(
+            (Duration::from_millis(12_200)..Duration::from_millis(22_200)).contains(&first),
+            "phase {phase_ms} ms: {first:?}"
         );
     }
 }
