@@ -12,11 +12,13 @@
 //! - token bucket: a client's admissions (verdict pass or delay, no store error) never
 //!   exceed `N + N × (latest time − client's first request time) / 1 h`: exactly N at a
 //!   constant time, and nothing extra from a clock going backwards;
-//! - sliding window, while the clock never steps back into an earlier window: at most N
-//!   per fixed window the requests span.
+//! - sliding window, clock steps back included: at most N per fixed window of the
+//!   limiter's clock, on which a charge falls in its own window or, when the clock stepped
+//!   back behind the window last charged, in that one (refunded charges not counted).
 //!
 //! The bound is not checked after an eviction or a corrupted set (both reset buckets by
-//! design).
+//! design), nor for a sliding window after a store failure (which charges it leaves is
+//! then unknown).
 
 use crate::input::Input;
 use crate::request_gen;
@@ -335,20 +337,27 @@ fn check_outcome(o: &Outcome) {
 struct Bound {
     /// fingerprint → (admitted, time of the client's first request)
     clients: HashMap<u64, (u64, u64)>,
+    /// fingerprint → the window last charged (sliding window)
+    charged: HashMap<u64, u64>,
+    /// (fingerprint, window) → admitted in that window of the limiter's clock
+    per_window: HashMap<(u64, u64), u64>,
     latest: u64,
-    first_window: Option<u64>,
-    stepped_back: bool,
     tainted: bool,
+    store_failed: bool,
 }
 
 impl Bound {
     fn saw_time(&mut self, now: u64) {
-        if now / HOUR < self.latest / HOUR {
-            self.stepped_back = true;
-        }
         self.latest = self.latest.max(now);
-        let w = now / HOUR;
-        self.first_window = Some(self.first_window.map_or(w, |f| f.min(w)));
+    }
+
+    /// The bounded rule charged `req` at `now`: the window of the limiter's clock it
+    /// falls in (never before the window last charged).
+    fn charge(&mut self, plan: &Plan, req: &RequestInfo, now: u64) -> Option<u64> {
+        let fp = Self::fingerprint(plan, req)?;
+        let w = self.charged.entry(fp).or_insert(0);
+        *w = (*w).max(now / HOUR);
+        Some(*w)
     }
 
     fn fingerprint(plan: &Plan, req: &RequestInfo) -> Option<u64> {
@@ -367,11 +376,19 @@ impl Bound {
         }
     }
 
-    fn outcome(&mut self, sc: &Scenario, plan: &Plan, req: &RequestInfo, o: &Outcome) {
+    fn outcome(
+        &mut self,
+        sc: &Scenario,
+        plan: &Plan,
+        req: &RequestInfo,
+        o: &Outcome,
+        window: Option<u64>,
+    ) {
         check_outcome(o);
         if o.counts.get(Metric::Evictions) > 0 || o.counts.get(Metric::CorruptState) > 0 {
             self.tainted = true;
         }
+        self.store_failed |= o.error.is_some();
         let admitted = matches!(o.verdict, Verdict::Pass(_) | Verdict::Delay { .. });
         let Some(n) = sc.bounded else { return };
         let Some(fp) = Self::fingerprint(plan, req) else {
@@ -385,15 +402,18 @@ impl Bound {
         if self.tainted {
             return;
         }
-        let bound = if sc.sliding {
-            if self.stepped_back {
-                return;
-            }
-            let windows = self.latest / HOUR - self.first_window.unwrap_or(0) + 1;
-            n * windows
-        } else {
-            n + (u128::from(n) * u128::from(self.latest - *first) / u128::from(HOUR)) as u64
-        };
+        if sc.sliding {
+            let Some(w) = window else { return };
+            let in_window = self.per_window.entry((fp, w)).or_insert(0);
+            *in_window += 1;
+            assert!(
+                self.store_failed || *in_window <= n,
+                "admitted {in_window} > N={n} in window {w} of the limiter's clock"
+            );
+            return;
+        }
+        let bound =
+            n + (u128::from(n) * u128::from(self.latest - *first) / u128::from(HOUR)) as u64;
         assert!(
             *count <= bound,
             "admitted {count} > bound {bound} (N={n}, first {}, latest {})",
@@ -411,7 +431,7 @@ pub fn run(data: &[u8]) {
     let plan = Plan::compile(&cfg, [5; 16]);
     let store = FlakyStore::default();
     let mut now = T0;
-    let mut pending: Vec<(RequestInfo, Box<Pending>, u64)> = Vec::new();
+    let mut pending: Vec<(RequestInfo, Box<Pending>, u64, Option<u64>)> = Vec::new();
     let mut bound = Bound::default();
     for _ in 0..MAX_OPS {
         if inp.is_empty() {
@@ -422,15 +442,25 @@ pub fn run(data: &[u8]) {
                 let req = request(&plan, &mut inp);
                 bound.started(&plan, &req, now);
                 match decide::start(&plan, &req, &store, now, inp.u64()) {
-                    Step::Done(o) => bound.outcome(&sc, &plan, &req, &o),
+                    Step::Done(o) => {
+                        let passed = matches!(o.verdict, Verdict::Pass(_) | Verdict::Delay { .. });
+                        let window = if passed {
+                            bound.charge(&plan, &req, now)
+                        } else {
+                            None
+                        };
+                        bound.outcome(&sc, &plan, &req, &o, window);
+                    }
                     Step::Call(p) => {
                         assert!(!p.body.is_empty());
-                        pending.push((req, p, now));
+                        // The local rules were charged before the call.
+                        let window = bound.charge(&plan, &req, now);
+                        pending.push((req, p, now, window));
                     }
                 }
             }
             4 | 5 if !pending.is_empty() => {
-                let (req, p, sent) = pending.remove(inp.below(pending.len()));
+                let (req, p, sent, window) = pending.remove(inp.below(pending.len()));
                 let (status, body) = answer(&plan, &req, &mut inp);
                 bound.saw_time(now);
                 let o = decide::finish(
@@ -442,7 +472,7 @@ pub fn run(data: &[u8]) {
                     &store,
                     now,
                 );
-                bound.outcome(&sc, &plan, &req, &o);
+                bound.outcome(&sc, &plan, &req, &o, window);
             }
             6 => now = now.saturating_add(u64::from(inp.u16()) * 1_000_000),
             7 => now = now.saturating_add(u64::from(inp.u8()) * 60 * SEC),
@@ -454,6 +484,10 @@ pub fn run(data: &[u8]) {
                 } else {
                     store.conflicts.set(u32::from(inp.u8() % 48));
                 }
+                // A failure, or more conflicts than a CAS loop retries, can leave a charge
+                // the outcome does not show.
+                let limit = ratelimit_wasm::limiter::MAX_ATTEMPTS;
+                bound.store_failed |= store.failures.get() > 0 || store.conflicts.get() >= limit;
             }
             _ => {
                 // Someone else's bytes in one of our keys.
@@ -468,8 +502,8 @@ pub fn run(data: &[u8]) {
         }
     }
     // Callouts still in flight end without an answer.
-    for (req, p, sent) in pending {
+    for (req, p, sent, window) in pending {
         let o = decide::finish(&plan, *p, None, b"", now.saturating_sub(sent), &store, now);
-        bound.outcome(&sc, &plan, &req, &o);
+        bound.outcome(&sc, &plan, &req, &o, window);
     }
 }
