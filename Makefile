@@ -83,7 +83,7 @@ clean:
 # steady load while Redis and the gateway are killed and restarted at random
 # points; memory, admitted-vs-limit per window, statuses, logs. Several
 # minutes: SOAK_SECONDS (default 300); SOAK_SEED=<n> replays a fault schedule,
-# SOAK_RATE the total req/s (default 250). `make test` runs a 28 s variant.
+# SOAK_RATE the total req/s (default 250). `make test` runs a 28–36 s variant.
 .PHONY: soak
 SOAK_SECONDS ?= 300
 soak: deps build

@@ -1278,6 +1278,40 @@ fn an_exhausted_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
     assert!(o.http_calls.is_empty(), "{o:?}");
 }
 
+/// README *Quotas*: when the gateway fails, quotas are not enforced in
+/// `failure_mode` `open` and `local` (they cannot be decided locally), and the
+/// request gets 503 in `closed`.
+#[test]
+fn a_failed_gateway_skips_quotas_in_open_and_local_and_is_a_503_in_closed() {
+    for mode in ["open", "local", "closed"] {
+        // A breaker that stays closed, so every failure is a callout's.
+        let config = quota_config(false)
+            .replace(
+                r#""failure_mode":"closed""#,
+                &format!(r#""failure_mode":"{mode}""#),
+            )
+            .replace(r#""failures":3"#, r#""failures":100"#);
+        assert!(
+            config.contains(&format!(r#""failure_mode":"{mode}""#))
+                && config.contains(r#""failures":100"#),
+            "{config}"
+        );
+        let h = gateway_harness(2, &config);
+        for how in FAILURES {
+            let (id, call) = paused_for_callout(&h, 0, client("fay"));
+            fail(&h, &call, how);
+            let o = h.outcome(id);
+            if mode == "closed" {
+                assert_eq!(o.status, 503, "{mode} {how:?}: {o:?}");
+                assert!(o.upstream_request.is_none(), "{mode} {how:?}: {o:?}");
+            } else {
+                assert_allowed(&o);
+            }
+        }
+        assert_eq!(h.metric("ratelimit_wasm_quota_exhausted"), 0, "{mode}");
+    }
+}
+
 #[test]
 fn a_rate_limit_denial_beats_an_exhausted_quota_in_the_same_answer() {
     let h = gateway_harness(2, &quota_config(true));
