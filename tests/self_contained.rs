@@ -1,7 +1,7 @@
 //! The project reads nothing outside its own tree.
 //!
 //! A user's clone has no sibling folders, so no tracked file other than
-//! Markdown may refer to one (`../shared` held reference material for the
+//! Markdown may refer to one (the developers' `shared` folder held reference material for the
 //! developers; what the project needs from it is vendored, see `NOTICE`).
 //! The file list comes from `git ls-files` when the tree is a git checkout,
 //! else from a walk of the tree without build and tool outputs.
