@@ -23,6 +23,7 @@ pub mod limiter;
 pub mod logging;
 pub mod metrics;
 pub mod protocol;
+pub mod reload;
 pub mod script;
 pub mod server;
 pub mod store;

@@ -27,6 +27,8 @@ pub const OPS: [&str; 6] = ["check", "peek", "refund", "lease", "ping", "load"];
 pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
 /// Quota periods, as the `period` label.
 pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
+/// What a reload reads (`crate::reload`), as the `what` label.
+pub const RELOADED: [&str; 2] = ["policy", "auth_tokens"];
 
 /// Every metric the gateway exports.
 #[derive(Clone)]
@@ -49,6 +51,11 @@ pub struct Metrics {
     /// `ratelimit_gateway_log_suppressed_total{kind}`: caller-caused warnings
     /// left out of the log by its rate limit.
     pub log_suppressed: IntCounterVec,
+    /// `ratelimit_gateway_reloads_total{what}`: files reloaded and put in force.
+    pub reloads: IntCounterVec,
+    /// `ratelimit_gateway_reload_failures_total{what}`: reloads that failed
+    /// (the previous value stayed in force).
+    pub reload_failures: IntCounterVec,
 }
 
 impl Metrics {
@@ -106,6 +113,26 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_reloads_total",
+                "Reloads put in force (SIGHUP or a changed file), by what was read.",
+            ),
+            &["what"],
+        )?;
+        let reload_failures = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_reload_failures_total",
+                "Reloads that failed to read or validate; the previous value stays in force.",
+            ),
+            &["what"],
+        )?;
+        registry.register(Box::new(reloads.clone()))?;
+        registry.register(Box::new(reload_failures.clone()))?;
+        for w in RELOADED {
+            reloads.with_label_values(&[w]);
+            reload_failures.with_label_values(&[w]);
+        }
         registry.register(Box::new(checks.clone()))?;
         registry.register(Box::new(denials.clone()))?;
         registry.register(Box::new(quota_denials.clone()))?;
@@ -142,6 +169,8 @@ impl Metrics {
             script_reloads,
             refunds,
             log_suppressed,
+            reloads,
+            reload_failures,
         })
     }
 
