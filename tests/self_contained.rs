@@ -90,6 +90,34 @@ fn vendored_schemas_record_their_origin_and_license() {
     assert!(crd.contains("b8f8791d9653b2edc77a071d48887e582cfe84bf"));
     let notice = std::fs::read_to_string(root().join("NOTICE")).expect("NOTICE");
     assert!(notice.contains("deploy/istio/crd/wasmplugin-crd.yaml"));
+    // The security.istio.io schemas: each names its origin, the commit it was
+    // read at, and appears in NOTICE and the folder's README.
+    let readme = std::fs::read_to_string(root().join("deploy/istio/crd/README.md"))
+        .expect("deploy/istio/crd/README.md");
+    for name in [
+        "authorizationpolicy-crd.yaml",
+        "peerauthentication-crd.yaml",
+        "requestauthentication-crd.yaml",
+    ] {
+        let text = std::fs::read_to_string(root().join("deploy/istio/crd").join(name))
+            .unwrap_or_else(|e| panic!("the vendored {name}: {e}"));
+        assert!(
+            text.starts_with("# Vendored from istio/api (Apache-2.0)"),
+            "{name} does not say where it comes from"
+        );
+        assert!(
+            text.contains("00017fa37746a08c4799b58636c59399b66c63dd"),
+            "{name}"
+        );
+        assert!(
+            notice.contains(&format!("deploy/istio/crd/{name}")),
+            "NOTICE: {name}"
+        );
+        assert!(
+            readme.contains(&format!("`{name}`")),
+            "crd/README.md: {name}"
+        );
+    }
     let license = std::fs::read_to_string(root().join("third_party/licenses/Apache-2.0.txt"))
         .expect("the Apache-2.0 text");
     assert!(license.contains("Apache License"));
