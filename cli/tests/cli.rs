@@ -357,3 +357,236 @@ fn check_envoy_refuses_files_without_the_filter_or_unreadable() {
     );
     assert_eq!(run(&["check-envoy"]).code, 2, "no file is a usage error");
 }
+
+/// The workspace root (the shipped `deploy/` lives there).
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `ratelimit ARGS` run from the workspace root, so that paths in the
+/// generated headers are the relative ones a user types there.
+fn run_in_workspace(args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimit"))
+        .args(args)
+        .current_dir(workspace())
+        .output()
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn yaml(path: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A fresh empty output directory under the temp dir.
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ratelimit-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+const RENDER_CONFIG: &str = r#"{
+  "domain": "shop:eu",
+  "global": { "cluster": "gw", "failure_mode": "closed" },
+  "rules": [
+    { "name": "api", "scope": "global", "key": ["client"],
+      "limits": [ { "requests": 30, "per": "1m" } ] }
+  ]
+}
+"#;
+
+#[test]
+fn render_istio_writes_one_configuration_for_the_plugins_and_the_gateway() {
+    let src = file("render.json", RENDER_CONFIG);
+    let out = out_dir("istio");
+    let out_s = out.to_str().unwrap();
+    let r = run(&[
+        "render",
+        &src,
+        "--out",
+        out_s,
+        "--namespace",
+        "shop",
+        "--selector",
+        "app=web",
+        "--selector",
+        "tier=edge",
+        "--policy-namespace",
+        "gw",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let written: Vec<String> = [
+        "wasmplugin.yaml",
+        "wasmplugin-file.yaml",
+        "gateway-policy.yaml",
+    ]
+    .iter()
+    .map(|n| out.join(n).display().to_string())
+    .collect();
+    assert_eq!(r.stdout, format!("{}\n", written.join("\n")));
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "gateway-policy.yaml",
+            "wasmplugin-file.yaml",
+            "wasmplugin.yaml"
+        ]
+    );
+
+    let source: serde_json::Value = serde_json::from_str(RENDER_CONFIG).unwrap();
+    let oci = yaml(&out.join("wasmplugin.yaml"));
+    let from_file = yaml(&out.join("wasmplugin-file.yaml"));
+    for p in [&oci, &from_file] {
+        assert_eq!(p["kind"], "WasmPlugin");
+        assert_eq!(p["metadata"]["namespace"], "shop");
+        assert_eq!(
+            p["spec"]["selector"]["matchLabels"],
+            serde_json::json!({ "app": "web", "tier": "edge" })
+        );
+        assert_eq!(p["spec"]["pluginConfig"], source);
+        assert_eq!(p["spec"]["phase"], "AUTHZ");
+        // No token_env in this configuration: no VM environment.
+        assert!(p["spec"].get("vmConfig").is_none(), "{}", p["spec"]);
+    }
+    assert_eq!(
+        oci["spec"]["url"],
+        "oci://ghcr.io/example/ratelimit-wasm:0.1.0"
+    );
+    assert_eq!(oci["spec"]["sha256"], "0".repeat(64));
+    assert_eq!(
+        from_file["spec"]["url"],
+        "file:///opt/filters/ratelimit_wasm.wasm"
+    );
+    assert!(from_file["spec"].get("sha256").is_none());
+
+    // The gateway's policy: the same text, under a key a ConfigMap allows
+    // (`:` is not one), in the gateway's namespace.
+    let cm = yaml(&out.join("gateway-policy.yaml"));
+    assert_eq!(cm["kind"], "ConfigMap");
+    assert_eq!(cm["metadata"]["name"], "ratelimit-policy");
+    assert_eq!(cm["metadata"]["namespace"], "gw");
+    let data = cm["data"].as_object().unwrap();
+    assert_eq!(data.keys().collect::<Vec<_>>(), ["shop_eu.json"]);
+    assert_eq!(data["shop_eu.json"], RENDER_CONFIG);
+}
+
+#[test]
+fn render_envoy_writes_the_filter_entry_and_the_policy_file() {
+    let src = file("render-envoy.json", RENDER_CONFIG);
+    let out = out_dir("envoy");
+    let r = run(&[
+        "render",
+        &src,
+        "--out",
+        out.to_str().unwrap(),
+        "--target",
+        "envoy",
+        "--file-url",
+        "/etc/envoy/rl.wasm",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.stdout.lines().count(), 2, "{}", r.stdout);
+    let filter = yaml(&out.join("envoy-wasm-filter.yaml"));
+    assert_eq!(filter["name"], "envoy.filters.http.wasm");
+    let config = &filter["typed_config"]["config"];
+    assert_eq!(config["root_id"], "ratelimit");
+    assert_eq!(config["failure_policy"], "FAIL_RELOAD");
+    assert_eq!(
+        config["vm_config"]["code"]["local"]["filename"],
+        "/etc/envoy/rl.wasm"
+    );
+    assert!(config["vm_config"].get("environment_variables").is_none());
+    assert_eq!(config["configuration"]["value"], RENDER_CONFIG);
+    assert_eq!(
+        std::fs::read_to_string(out.join("shop_eu.json")).unwrap(),
+        RENDER_CONFIG
+    );
+}
+
+#[test]
+fn render_refuses_bad_input_and_writes_nothing() {
+    let out = out_dir("refused");
+    let out_s = out.to_str().unwrap();
+    let bad = file(
+        "render-bad.json",
+        r#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":5,"per":"10x"}]}]}"#,
+    );
+    let r = run(&["render", &bad, "--out", out_s]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .contains(r#"render-bad.json: rules[0].limits[0].per: "10x" is not a duration"#),
+        "{}",
+        r.stderr
+    );
+    assert!(!out.exists(), "a refused configuration wrote {}", out_s);
+
+    let good = file("render-good.json", RENDER_CONFIG);
+    let r = run(&["render", &good, "--out", out_s, "--target", "helm"]);
+    assert_eq!(r.code, 1);
+    assert_eq!(r.stderr, "--target \"helm\": expected istio or envoy\n");
+    let r = run(&["render", &good, "--out", out_s, "--selector", "app"]);
+    assert_eq!(r.code, 1);
+    assert_eq!(r.stderr, "--selector \"app\": expected key=value\n");
+    assert!(!out.exists());
+    assert_eq!(run(&["render", &good]).code, 2, "--out is required");
+}
+
+/// The shipped `deploy/istio/` WasmPlugins and policy ConfigMap are the
+/// output of `ratelimit render deploy/istio/ratelimit.json` with the default
+/// options. `UPDATE_ISTIO_MANIFESTS=1 cargo test -p ratelimit-cli --test cli`
+/// rewrites them.
+#[test]
+fn shipped_istio_manifests_are_rendered_from_one_configuration() {
+    let out = out_dir("shipped");
+    let r = run_in_workspace(&[
+        "render",
+        "deploy/istio/ratelimit.json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let names = [
+        "wasmplugin.yaml",
+        "wasmplugin-file.yaml",
+        "gateway-policy.yaml",
+    ];
+    let update = std::env::var_os("UPDATE_ISTIO_MANIFESTS").is_some();
+    let mut stale = Vec::new();
+    for name in names {
+        let want = std::fs::read_to_string(out.join(name)).unwrap();
+        let shipped = workspace().join("deploy/istio").join(name);
+        if update {
+            std::fs::write(&shipped, &want).unwrap();
+            eprintln!("wrote {}", shipped.display());
+            continue;
+        }
+        let have = std::fs::read_to_string(&shipped).unwrap_or_default();
+        if have != want {
+            let line = have
+                .lines()
+                .zip(want.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(have.lines().count().min(want.lines().count()));
+            stale.push(format!(
+                "deploy/istio/{name} (first difference at line {})",
+                line + 1
+            ));
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "stale: {}; regenerate with\n  UPDATE_ISTIO_MANIFESTS=1 cargo test -p ratelimit-cli --test cli",
+        stale.join(", ")
+    );
+}

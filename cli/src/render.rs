@@ -1,0 +1,368 @@
+//! `ratelimit render FILE --out DIR`: from one plugin configuration, the
+//! deployment files of both sides, so that the limits a proxy applies and the
+//! limits the gateway enforces cannot drift apart.
+//!
+//! The configuration is validated with the filter's own code
+//! (`ratelimit_wasm::config::parse`, which the gateway's `--policy` runs too)
+//! and then embedded **verbatim** (the same bytes, re-indented) in every file
+//! written, so what a reviewer reads in the source file is what both sides run.
+//! Every output is parsed back and compared with the source before it is
+//! written.
+//!
+//! * `--target istio` (default): `wasmplugin.yaml` (the filter from an OCI
+//!   image), `wasmplugin-file.yaml` (the same plugin from a file inside the
+//!   proxy) and `gateway-policy.yaml` (a ConfigMap holding the policy for
+//!   `ratelimit-gateway --policy`). When the configuration names
+//!   `global.token_env`, the WasmPlugins pass that variable from the proxy's
+//!   environment into the VM (`vmConfig.env`, `valueFrom: HOST`).
+//! * `--target envoy`: `envoy-wasm-filter.yaml` (the `http_filters` entry, with
+//!   `vm_config.environment_variables.host_env_keys` for `global.token_env`)
+//!   and `<domain>.json` (the policy file for `--policy`).
+
+use serde_json::Value;
+use std::path::Path;
+
+/// Where the rendered files go and what they name; every field has the
+/// default the shipped `deploy/istio/` manifests are rendered with.
+pub struct Options {
+    /// `istio` or `envoy`.
+    pub target: String,
+    /// `metadata.name` of the WasmPlugin.
+    pub name: String,
+    /// `metadata.namespace` of the WasmPlugin (where the selected proxies run).
+    pub namespace: String,
+    /// `spec.selector.matchLabels` of the WasmPlugin, as `key=value`.
+    pub selector: Vec<String>,
+    /// `spec.url` of the OCI variant.
+    pub image: String,
+    /// `spec.sha256` of the OCI variant (the image manifest's digest).
+    pub sha256: String,
+    /// `spec.url` of the file variant (Istio), or the module's path (Envoy).
+    pub file_url: String,
+    /// Name of the policy ConfigMap.
+    pub policy_name: String,
+    /// Namespace of the policy ConfigMap (the gateway's).
+    pub policy_namespace: String,
+}
+
+/// The checksum placeholder: 64 zeros, which makes Istio's fetch fail (so an
+/// unedited file never runs an unverified module).
+pub const SHA256_PLACEHOLDER: &str =
+    "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// Renders `file` into `out` and returns the names of the files written.
+pub fn run(file: &str, out: &str, opts: &Options) -> Result<Vec<String>, String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: cannot read: {e}"))?;
+    let parsed =
+        ratelimit_wasm::config::parse(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
+    let source: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{file}: not valid JSON: {e}"))?;
+    let token_env = source
+        .pointer("/global/token_env")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    if source.pointer("/global/token").is_some() {
+        eprintln!(
+            "{file}: warning: global.token is inline, so whoever can read the rendered files \
+             (WasmPlugins, Envoy configs) reads the token; prefer global.token_env"
+        );
+    }
+    let files = match opts.target.as_str() {
+        "istio" => istio(
+            file,
+            &text,
+            &source,
+            &parsed.domain,
+            token_env.as_deref(),
+            opts,
+        )?,
+        "envoy" => envoy(
+            file,
+            &text,
+            &source,
+            &parsed.domain,
+            token_env.as_deref(),
+            opts,
+        )?,
+        other => return Err(format!("--target {other:?}: expected istio or envoy")),
+    };
+    std::fs::create_dir_all(out).map_err(|e| format!("{out}: cannot create: {e}"))?;
+    let mut names = Vec::new();
+    for (name, body) in files {
+        let path = Path::new(out).join(&name);
+        std::fs::write(&path, body)
+            .map_err(|e| format!("{}: cannot write: {e}", path.display()))?;
+        names.push(name);
+    }
+    Ok(names)
+}
+
+/// `text` with every line prefixed by `indent` spaces (empty lines stay empty).
+fn indented(text: &str, indent: usize) -> String {
+    let pad = " ".repeat(indent);
+    text.trim_end()
+        .lines()
+        .map(|l| {
+            if l.trim().is_empty() {
+                String::new()
+            } else {
+                format!("{pad}{l}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A YAML double-quoted scalar (JSON's string syntax is YAML's).
+fn q(s: &str) -> String {
+    Value::String(s.to_string()).to_string()
+}
+
+/// The ConfigMap key (and file name) of a domain's policy: ConfigMap keys
+/// allow `[-._a-zA-Z0-9]`, domains also `:`.
+pub fn policy_key(domain: &str) -> String {
+    format!("{}.json", domain.replace(':', "_"))
+}
+
+/// Parses a rendered YAML text back and checks that the JSON at `pointer`
+/// (or, with `as_string`, the JSON text held there) is the source's.
+fn check_roundtrip(
+    file: &str,
+    name: &str,
+    body: &str,
+    pointer: &str,
+    as_string: bool,
+    source: &Value,
+) -> Result<(), String> {
+    let doc: Value = serde_norway::from_str(body).map_err(|e| {
+        format!("{file}: rendered {name} is not valid YAML ({e}); indent the JSON with spaces")
+    })?;
+    let found = doc.pointer(pointer).cloned().unwrap_or(Value::Null);
+    let found = if as_string {
+        found
+            .as_str()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or(Value::Null)
+    } else {
+        found
+    };
+    if &found != source {
+        return Err(format!(
+            "{file}: the configuration does not survive embedding in {name}; indent the JSON with spaces"
+        ));
+    }
+    Ok(())
+}
+
+fn istio(
+    file: &str,
+    text: &str,
+    source: &Value,
+    domain: &str,
+    token_env: Option<&str>,
+    o: &Options,
+) -> Result<Vec<(String, String)>, String> {
+    let mut labels = String::new();
+    for kv in &o.selector {
+        let (k, v) = kv
+            .split_once('=')
+            .filter(|(k, _)| !k.is_empty())
+            .ok_or_else(|| format!("--selector {kv:?}: expected key=value"))?;
+        labels.push_str(&format!("      {k}: {}\n", q(v)));
+    }
+    if labels.is_empty() {
+        return Err("--selector: at least one key=value is required".into());
+    }
+    let vm_env = match token_env {
+        Some(var) => format!(
+            "  # The gateway token: global.token_env names a variable of the VM, and this
+  # copies it from the proxy's own environment (valueFrom HOST), where a
+  # Kubernetes Secret puts it (deploy/istio/README.md, \"The gateway token\").
+  # A proxy without it sends no token, and the gateway refuses its callouts.
+  vmConfig:
+    env:
+    - name: {}
+      valueFrom: HOST
+",
+            q(var)
+        ),
+        None => String::new(),
+    };
+    let header = |what: &str| {
+        format!(
+            "\
+# GENERATED by `ratelimit render {file}`: do not edit;
+# edit that file and render again.
+# {what}
+# The pluginConfig below is that file verbatim, validated by the filter's own
+# code; the gateway's policy (gateway-policy.yaml) holds the same text.
+"
+        )
+    };
+    let spec_common = format!(
+        "  # AUTHZ: after Istio's authentication filters, so the client id the filter
+  # reads from jwt_authn's metadata (identity.client_id_metadata) is there,
+  # and before Istio's authorization filters, so a flood is cut early.
+  phase: AUTHZ
+  # Order among WasmPlugins in the same phase, highest first.
+  priority: 100
+  # A trap at run time: that request gets a 5xx and Envoy starts a fresh VM
+  # (the buckets live in shared data and survive). A module that cannot be
+  # loaded: requests to the selected proxies are refused, never passed
+  # unlimited (Istio 1.24+). Mirrors envoy/envoy.yaml's failure_policy.
+  failStrategy: FAIL_RELOAD
+{vm_env}  pluginName: ratelimit
+  pluginConfig:
+{}
+",
+        indented(text, 4)
+    );
+    let metadata = format!(
+        "\
+apiVersion: extensions.istio.io/v1alpha1
+kind: WasmPlugin
+metadata:
+  name: {}
+  namespace: {}
+  labels:
+    app.kubernetes.io/name: ratelimit-wasm
+spec:
+  # Which proxies load the plugin. For sidecars, select the workload's labels
+  # and add `match: [ {{ mode: SERVER }} ]` to limit inbound requests only.
+  selector:
+    matchLabels:
+{labels}",
+        q(&o.name),
+        q(&o.namespace)
+    );
+    let oci = format!(
+        "{}{metadata}  # Pin the tag (never `latest`); Istio then pulls once per proxy.
+  url: {}
+  imagePullPolicy: IfNotPresent
+  # The digest of the pushed image's MANIFEST, without `sha256:` (docker
+  # inspect / crane digest). 64 zeros is a placeholder that makes the fetch
+  # fail: replace it before applying.
+  sha256: {}
+{spec_common}",
+        header("The filter pulled from an OCI image."),
+        q(&o.image),
+        q(&o.sha256)
+    );
+    let from_file = format!(
+        "{}{metadata}  # A file inside the proxy container; Istio reads no sha256 for file://.
+  url: {}
+{spec_common}",
+        header("The filter loaded from a file inside the proxy (apply this or wasmplugin.yaml)."),
+        q(&o.file_url)
+    );
+    let key = policy_key(domain);
+    let policy = format!(
+        "\
+# GENERATED by `ratelimit render {file}`: do not edit;
+# edit that file and render again. The gateway's policy: mount this ConfigMap as a directory and
+# point `ratelimit-gateway --policy` at it. The data below is that file
+# verbatim, the same text as the WasmPlugins' pluginConfig, so the limits the
+# gateway enforces are the ones the proxies were given.
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {}
+  namespace: {}
+  labels:
+    app.kubernetes.io/name: ratelimit-gateway
+data:
+  {}: |
+{}
+",
+        q(&o.policy_name),
+        q(&o.policy_namespace),
+        q(&key),
+        indented(text, 4)
+    );
+    check_roundtrip(
+        file,
+        "wasmplugin.yaml",
+        &oci,
+        "/spec/pluginConfig",
+        false,
+        source,
+    )?;
+    check_roundtrip(
+        file,
+        "wasmplugin-file.yaml",
+        &from_file,
+        "/spec/pluginConfig",
+        false,
+        source,
+    )?;
+    let pointer = format!("/data/{}", key.replace('~', "~0").replace('/', "~1"));
+    check_roundtrip(file, "gateway-policy.yaml", &policy, &pointer, true, source)?;
+    Ok(vec![
+        ("wasmplugin.yaml".into(), oci),
+        ("wasmplugin-file.yaml".into(), from_file),
+        ("gateway-policy.yaml".into(), policy),
+    ])
+}
+
+fn envoy(
+    file: &str,
+    text: &str,
+    source: &Value,
+    domain: &str,
+    token_env: Option<&str>,
+    o: &Options,
+) -> Result<Vec<(String, String)>, String> {
+    let module = o.file_url.strip_prefix("file://").unwrap_or(&o.file_url);
+    let env = match token_env {
+        Some(var) => format!(
+            "      # global.token_env: Envoy copies this variable of its own process
+      # environment into the VM.
+      environment_variables:
+        host_env_keys: [{}]
+",
+            q(var)
+        ),
+        None => String::new(),
+    };
+    let filter = format!(
+        "\
+# GENERATED by `ratelimit render {file} --target envoy`: do not edit;
+# edit that file and render again. One entry of an HTTP connection manager's
+# http_filters, before envoy.filters.http.router. The configuration below is
+# that file verbatim; the gateway's policy ({}) is the same text.
+name: envoy.filters.http.wasm
+typed_config:
+  \"@type\": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+  config:
+    name: ratelimit
+    root_id: ratelimit
+    failure_policy: FAIL_RELOAD
+    vm_config:
+      vm_id: ratelimit
+      runtime: envoy.wasm.runtime.v8
+      code:
+        local:
+          filename: {}
+{env}    configuration:
+      \"@type\": type.googleapis.com/google.protobuf.StringValue
+      value: |
+{}
+",
+        policy_key(domain),
+        q(module),
+        indented(text, 8)
+    );
+    check_roundtrip(
+        file,
+        "envoy-wasm-filter.yaml",
+        &filter,
+        "/typed_config/config/configuration/value",
+        true,
+        source,
+    )?;
+    let policy = format!("{}\n", text.trim_end());
+    Ok(vec![
+        ("envoy-wasm-filter.yaml".into(), filter),
+        (policy_key(domain), policy),
+    ])
+}
