@@ -10,6 +10,12 @@
 //!   `jsonschema` crate, made as strict as the API server (see
 //!   [`structural`]); their `pluginConfig` passes the filter's own
 //!   validation (`ratelimit_wasm::config::parse`);
+//! * the `security.istio.io` objects (PeerAuthentication, AuthorizationPolicy,
+//!   RequestAuthentication) validate against their vendored CRDs the same way;
+//!   only the service accounts of the proxies the WasmPlugins select may call
+//!   the gateway's API, the plugin keys clients on the verified JWT's subject,
+//!   and the gateway's policy ConfigMap holds the plugins' configuration
+//!   (`ratelimit render` writes both; `cli/tests/cli.rs` checks they are fresh);
 //! * the Kubernetes objects agree with each other (selectors, ports, the Envoy
 //!   cluster name of the gateway, Redis address) and with the gateway's flags;
 //! * `deploy/compose/envoy.yaml` is exactly what the one Envoy template
@@ -128,6 +134,10 @@ fn every_yaml_and_json_file_parses() {
         "deploy/istio/wasmplugin-file.yaml",
         "deploy/istio/gateway.yaml",
         "deploy/istio/redis.yaml",
+        "deploy/istio/gateway-security.yaml",
+        "deploy/istio/request-authentication.yaml",
+        "deploy/istio/gateway-policy.yaml",
+        "deploy/istio/ratelimit.json",
         "deploy/compose/envoy.yaml",
         "deploy/compose/ratelimit.json",
         "deploy/observability/prometheus.yml",
@@ -180,14 +190,19 @@ const WASMPLUGINS: [&str; 2] = [
 
 /// The CRD, and the `openAPIV3Schema` of its version v1alpha1.
 fn crd_schema() -> (Value, Value) {
-    let crd = yaml_file(CRD).remove(0);
+    crd_schema_at(CRD, "v1alpha1")
+}
+
+/// The CRD vendored in `file`, and the `openAPIV3Schema` of its `version`.
+fn crd_schema_at(file: &str, version: &str) -> (Value, Value) {
+    let crd = yaml_file(file).remove(0);
     let versions = crd["spec"]["versions"].as_array().expect("CRD versions");
-    let v1alpha1 = versions
+    let found = versions
         .iter()
-        .find(|v| v["name"] == "v1alpha1")
-        .expect("CRD version v1alpha1");
-    let schema = v1alpha1["schema"]["openAPIV3Schema"].clone();
-    assert!(schema.is_object(), "CRD without openAPIV3Schema");
+        .find(|v| v["name"] == version)
+        .unwrap_or_else(|| panic!("{file}: no CRD version {version}"));
+    let schema = found["schema"]["openAPIV3Schema"].clone();
+    assert!(schema.is_object(), "{file}: CRD without openAPIV3Schema");
     (crd, schema)
 }
 
@@ -280,7 +295,12 @@ fn structural(schema: &Value, is_root: bool) -> Value {
 }
 
 fn crd_validator() -> (Value, jsonschema::Validator) {
-    let (crd, schema) = crd_schema();
+    crd_validator_at(CRD, "v1alpha1")
+}
+
+/// [`crd_validator`] for the CRD vendored in `file`, at `version`.
+fn crd_validator_at(file: &str, version: &str) -> (Value, jsonschema::Validator) {
+    let (crd, schema) = crd_schema_at(file, version);
     let schema = structural(&schema, true);
     let validator = jsonschema::draft4::new(&schema)
         .unwrap_or_else(|e| panic!("the CRD's schema does not compile: {e}"));
@@ -1748,4 +1768,462 @@ fn the_filter_fits_a_configmap() {
         "{} is {size} bytes; deploy/istio/README.md says about 0.6 MB, under 1 MiB",
         wasm.display()
     );
+}
+
+// ---------------------------------------------------------------------------
+// Who can call the gateway: the security.istio.io objects
+// ---------------------------------------------------------------------------
+
+/// The PeerAuthentication and AuthorizationPolicy in front of the gateway.
+const GATEWAY_SECURITY_YAML: &str = "deploy/istio/gateway-security.yaml";
+/// The RequestAuthentication beside the WasmPlugin.
+const REQUEST_AUTHN_YAML: &str = "deploy/istio/request-authentication.yaml";
+/// The gateway's policy ConfigMap, rendered by `ratelimit render`.
+const GATEWAY_POLICY_YAML: &str = "deploy/istio/gateway-policy.yaml";
+/// The plugin configuration every rendered Istio manifest comes from.
+const ISTIO_PLUGIN_CONFIG: &str = "deploy/istio/ratelimit.json";
+
+/// The vendored CRD file of each `security.istio.io` kind (see
+/// `deploy/istio/crd/README.md`); the shipped objects use version `v1`.
+const SECURITY_CRDS: [(&str, &str); 3] = [
+    (
+        "AuthorizationPolicy",
+        "deploy/istio/crd/authorizationpolicy-crd.yaml",
+    ),
+    (
+        "PeerAuthentication",
+        "deploy/istio/crd/peerauthentication-crd.yaml",
+    ),
+    (
+        "RequestAuthentication",
+        "deploy/istio/crd/requestauthentication-crd.yaml",
+    ),
+];
+
+/// Every `security.istio.io` object shipped in `deploy/istio/`, with its file.
+fn security_objects() -> Vec<(&'static str, Value)> {
+    let mut out = Vec::new();
+    for f in [GATEWAY_SECURITY_YAML, REQUEST_AUTHN_YAML] {
+        for doc in yaml_file(f) {
+            out.push((f, doc));
+        }
+    }
+    out
+}
+
+fn security_crd_file(kind: &str) -> &'static str {
+    SECURITY_CRDS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|(_, f)| *f)
+        .unwrap_or_else(|| panic!("no vendored CRD for {kind}"))
+}
+
+/// The CEL rules of the security CRDs that concern these objects, restated
+/// (a JSON Schema validator cannot run CEL).
+/// `security_cel_rules_are_the_ones_restated` fails when a CRD gains a rule.
+fn check_security_cel_rules(name: &str, kind: &str, spec: &Value) {
+    // "wildcard not allowed in label key/value match", "key must not be empty".
+    if let Some(labels) = spec
+        .pointer("/selector/matchLabels")
+        .and_then(Value::as_object)
+    {
+        for (k, v) in labels {
+            assert!(!k.is_empty() && !k.contains('*'), "{name}: label key {k:?}");
+            assert!(
+                !v.as_str().unwrap_or("").contains('*'),
+                "{name}: wildcard in label value {v}"
+            );
+        }
+    }
+    // "only one of targetRefs or selector can be set"; targetRef(s) in the
+    // same namespace ("cross namespace referencing is not currently supported").
+    let set = ["selector", "targetRef", "targetRefs"]
+        .iter()
+        .filter(|k| spec.get(**k).is_some())
+        .count();
+    assert!(set <= 1, "{name}: more than one of selector, targetRef(s)");
+    for r in spec
+        .get("targetRefs")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .chain(spec.get("targetRef"))
+    {
+        assert!(
+            r["namespace"].as_str().unwrap_or("").is_empty(),
+            "{name}: cross-namespace targetRef"
+        );
+    }
+    match kind {
+        "PeerAuthentication" => {
+            // "portLevelMtls requires selector"; "port must be between 1-65535".
+            if let Some(ports) = spec.get("portLevelMtls").and_then(Value::as_object) {
+                assert!(
+                    spec.pointer("/selector/matchLabels")
+                        .and_then(Value::as_object)
+                        .is_some_and(|m| !m.is_empty()),
+                    "{name}: portLevelMtls requires selector"
+                );
+                for p in ports.keys() {
+                    let n: u32 = p.parse().unwrap_or(0);
+                    assert!((1..=65535).contains(&n), "{name}: port {p}");
+                }
+            }
+        }
+        "AuthorizationPolicy" => {
+            // "Cannot set serviceAccounts with namespaces or principals".
+            for rule in spec["rules"].as_array().into_iter().flatten() {
+                for from in rule["from"].as_array().into_iter().flatten() {
+                    let src = &from["source"];
+                    let sa = src.get("serviceAccounts").is_some()
+                        || src.get("notServiceAccounts").is_some();
+                    let other = ["principals", "notPrincipals", "namespaces", "notNamespaces"]
+                        .iter()
+                        .any(|k| src.get(*k).is_some());
+                    assert!(
+                        !(sa && other),
+                        "{name}: serviceAccounts with namespaces or principals"
+                    );
+                }
+            }
+        }
+        "RequestAuthentication" => {
+            for rule in spec["jwtRules"].as_array().into_iter().flatten() {
+                // "only one of jwks or jwksUri can be set".
+                let keys = ["jwks", "jwksUri", "jwks_uri"]
+                    .iter()
+                    .filter(|k| rule.get(**k).is_some())
+                    .count();
+                assert!(keys <= 1, "{name}: more than one of jwks, jwksUri");
+                // "url must have scheme http:// or https://".
+                for k in ["jwksUri", "jwks_uri"] {
+                    if let Some(u) = rule.get(k).and_then(Value::as_str) {
+                        assert!(
+                            u.starts_with("https://") || u.starts_with("http://"),
+                            "{name}: {k} {u}"
+                        );
+                    }
+                }
+                // "must be a valid duration greater than 1ms".
+                if let Some(t) = rule.get("timeout").and_then(Value::as_str) {
+                    assert!(
+                        t.ends_with('s') && t.trim_end_matches('s').parse::<f64>().is_ok(),
+                        "{name}: timeout {t}"
+                    );
+                }
+            }
+        }
+        other => panic!("{name}: unexpected kind {other}"),
+    }
+}
+
+#[test]
+fn security_cel_rules_are_the_ones_restated() {
+    let mut messages = BTreeSet::new();
+    for (_, file) in SECURITY_CRDS {
+        let (_, schema) = crd_schema_at(file, "v1");
+        cel_rules(&schema, "", &mut messages);
+    }
+    let restated: BTreeSet<String> = [
+        "wildcard not allowed in label value match",
+        "wildcard not allowed in label key match",
+        "key must not be empty",
+        "only one of targetRefs or selector can be set",
+        "cross namespace referencing is not currently supported",
+        "portLevelMtls requires selector",
+        "port must be between 1-65535",
+        "Cannot set serviceAccounts with namespaces or principals",
+        "only one of jwks or jwksUri can be set",
+        "url must have scheme http:// or https://",
+        "must be a valid duration greater than 1ms",
+    ]
+    .into_iter()
+    .map(str::to_string)
+    .collect();
+    assert_eq!(
+        messages, restated,
+        "the security CRDs' CEL rules changed; restate the new ones in check_security_cel_rules"
+    );
+}
+
+#[test]
+fn security_objects_validate_against_their_istio_crds() {
+    let objects = security_objects();
+    let kinds: Vec<&str> = objects
+        .iter()
+        .map(|(_, d)| d["kind"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "PeerAuthentication",
+            "AuthorizationPolicy",
+            "RequestAuthentication"
+        ]
+    );
+    for (file, doc) in &objects {
+        let kind = str_at(doc, "/kind");
+        let name = format!("{file}: {kind} {}", str_at(doc, "/metadata/name"));
+        let (crd, validator) = crd_validator_at(security_crd_file(kind), "v1");
+        assert_eq!(str_at(&crd, "/spec/names/kind"), kind);
+        assert_eq!(
+            doc["apiVersion"],
+            format!("{}/v1", str_at(&crd, "/spec/group")),
+            "{name}"
+        );
+        assert!(doc.pointer("/metadata/namespace").is_some(), "{name}");
+        let errors = schema_errors(&validator, doc);
+        assert!(
+            errors.is_empty(),
+            "{name} does not validate:\n{}",
+            errors.join("\n")
+        );
+        check_security_cel_rules(&name, kind, &doc["spec"]);
+    }
+}
+
+#[test]
+fn the_security_crd_validators_refuse_what_the_api_server_refuses() {
+    let objects = security_objects();
+    let find = |kind: &str| {
+        objects
+            .iter()
+            .find(|(_, d)| d["kind"] == kind)
+            .map(|(_, d)| d.clone())
+            .unwrap_or_else(|| panic!("no {kind}"))
+    };
+    let refused = |kind: &str, edit: &dyn Fn(&mut Value), why: &str| {
+        let (_, validator) = crd_validator_at(security_crd_file(kind), "v1");
+        let mut doc = find(kind);
+        assert!(
+            schema_errors(&validator, &doc).is_empty(),
+            "{kind} as shipped"
+        );
+        edit(&mut doc);
+        assert!(
+            !schema_errors(&validator, &doc).is_empty(),
+            "the {kind} schema accepted {why}"
+        );
+    };
+    refused(
+        "PeerAuthentication",
+        &|d| d["spec"]["mtls"]["mode"] = json!("REQUIRED"),
+        "an unknown mTLS mode",
+    );
+    refused(
+        "PeerAuthentication",
+        &|d| d["spec"]["mtls"]["mod"] = json!("STRICT"),
+        "a misspelt field",
+    );
+    refused(
+        "AuthorizationPolicy",
+        &|d| d["spec"]["action"] = json!("PERMIT"),
+        "an unknown action",
+    );
+    refused(
+        "AuthorizationPolicy",
+        &|d| d["spec"]["rules"][0]["from"][0]["source"]["principals"] = json!("a/b"),
+        "principals as a string",
+    );
+    refused(
+        "AuthorizationPolicy",
+        &|d| d["spec"]["rules"][0]["to"][0]["operation"]["path"] = json!(["/v1/*"]),
+        "`path` for `paths`",
+    );
+    refused(
+        "RequestAuthentication",
+        &|d| d["spec"]["jwtRules"][0]["issuer"] = json!(""),
+        "an empty issuer",
+    );
+    refused(
+        "RequestAuthentication",
+        &|d| {
+            d["spec"]["jwtRules"][0]["outputClaimToHeaders"] =
+                json!([{ "header": "x client", "claim": "sub" }])
+        },
+        "a header name with a space",
+    );
+}
+
+/// The service account Istio's default ingress gateway runs as (istioctl's
+/// profiles), in the namespace of the WasmPlugin that selects it.
+const INGRESS_GATEWAY_SA: &str = "istio-ingressgateway-service-account";
+
+/// `cluster.local/ns/NS/sa/SA` of the proxies each shipped WasmPlugin selects:
+/// the ingress gateway when it selects `istio: ingressgateway`.
+fn filter_proxy_principals() -> BTreeSet<String> {
+    wasmplugins()
+        .iter()
+        .map(|(name, doc)| {
+            let ns = str_at(doc, "/metadata/namespace");
+            assert_eq!(
+                doc.pointer("/spec/selector/matchLabels"),
+                Some(&json!({ "istio": "ingressgateway" })),
+                "{name}: a selector this test does not know the service account of"
+            );
+            format!("cluster.local/ns/{ns}/sa/{INGRESS_GATEWAY_SA}")
+        })
+        .collect()
+}
+
+/// Istio's path match: exact, `prefix*`, `*suffix` or `*`.
+fn istio_path_matches(pattern: &str, path: &str) -> bool {
+    if pattern == "*" {
+        true
+    } else if let Some(prefix) = pattern.strip_suffix('*') {
+        path.starts_with(prefix)
+    } else if let Some(suffix) = pattern.strip_prefix('*') {
+        path.ends_with(suffix)
+    } else {
+        pattern == path
+    }
+}
+
+#[test]
+fn only_the_filters_proxies_may_call_the_gateway() {
+    let gw = yaml_file(GATEWAY_YAML);
+    let deploy = object(&gw, "Deployment", "ratelimit-gateway");
+    let ns = str_at(deploy, "/metadata/namespace");
+    let pod_labels = &deploy["spec"]["template"]["metadata"]["labels"];
+    let [container] = containers(deploy).as_slice() else {
+        panic!("one gateway container");
+    };
+    let port = named_port(container, "http").to_string();
+    let sec = yaml_file(GATEWAY_SECURITY_YAML);
+
+    // mTLS STRICT on exactly the gateway's pods, no port let off.
+    let pa = object(&sec, "PeerAuthentication", "ratelimit-gateway");
+    assert_eq!(str_at(pa, "/metadata/namespace"), ns);
+    assert!(labels_select(
+        &pa["spec"]["selector"]["matchLabels"],
+        pod_labels
+    ));
+    assert_eq!(str_at(pa, "/spec/mtls/mode"), "STRICT");
+    assert!(pa["spec"].get("portLevelMtls").is_none(), "{}", pa["spec"]);
+
+    // An ALLOW policy on the gateway's pods: whatever no rule matches is refused.
+    let ap = object(&sec, "AuthorizationPolicy", "ratelimit-gateway");
+    assert_eq!(str_at(ap, "/metadata/namespace"), ns);
+    assert!(labels_select(
+        &ap["spec"]["selector"]["matchLabels"],
+        pod_labels
+    ));
+    assert_eq!(str_at(ap, "/spec/action"), "ALLOW");
+    let rules = ap["spec"]["rules"].as_array().expect("rules");
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .unwrap_or_else(|| panic!("a list: {v}"))
+            .iter()
+            .map(|x| x.as_str().expect("string").to_string())
+            .collect()
+    };
+    let api_paths: Vec<String> = wasmplugins()
+        .iter()
+        .map(|(_, d)| str_at(d, "/spec/pluginConfig/global/path").to_string())
+        .collect();
+    let mut api_principals = BTreeSet::new();
+    for rule in rules {
+        // Every rule names its callers by mTLS identity, and nothing else.
+        let from = rule["from"]
+            .as_array()
+            .expect("a rule without `from` allows anyone");
+        assert_eq!(from.len(), 1, "{rule}");
+        let source = from[0]["source"].as_object().expect("source");
+        assert_eq!(source.keys().collect::<Vec<_>>(), ["principals"], "{rule}");
+        let principals = strings(&from[0]["source"]["principals"]);
+        for p in &principals {
+            assert!(!p.contains('*'), "wildcard principal {p}");
+            let parts: Vec<&str> = p.split('/').collect();
+            assert!(
+                matches!(parts.as_slice(), [_, "ns", n, "sa", s] if !n.is_empty() && !s.is_empty()),
+                "principal {p} is not <trust domain>/ns/<ns>/sa/<sa>"
+            );
+        }
+        let [to] = rule["to"].as_array().expect("to").as_slice() else {
+            panic!("one operation per rule: {rule}");
+        };
+        let op = &to["operation"];
+        assert_eq!(strings(&op["ports"]), std::slice::from_ref(&port), "{rule}");
+        let methods = strings(&op["methods"]);
+        let paths = strings(&op["paths"]);
+        if paths.iter().any(|p| istio_path_matches(p, "/v1/check")) {
+            // The API: POST under /v1/, covering the path the filter calls.
+            assert_eq!(methods, ["POST"], "{rule}");
+            assert_eq!(paths, ["/v1/*"], "{rule}");
+            for path in &api_paths {
+                assert!(istio_path_matches(&paths[0], path), "{path} not allowed");
+            }
+            api_principals.extend(principals);
+        } else {
+            // Anything else is a read of the metrics, never of the API.
+            assert_eq!(methods, ["GET"], "{rule}");
+            assert_eq!(paths, ["/metrics"], "{rule}");
+        }
+    }
+    // The API's callers are exactly the proxies the WasmPlugins select.
+    assert_eq!(api_principals, filter_proxy_principals());
+
+    // The pods keep Istio's probe rewrite, which STRICT mTLS needs.
+    assert_eq!(
+        deploy["spec"]["template"]["metadata"]["annotations"]
+            ["sidecar.istio.io/rewriteAppHTTPProbers"],
+        "true"
+    );
+}
+
+#[test]
+fn the_plugin_keys_clients_on_the_verified_jwt_subject() {
+    let ra_docs = yaml_file(REQUEST_AUTHN_YAML);
+    let [ra] = ra_docs.as_slice() else {
+        panic!("{REQUEST_AUTHN_YAML}: one RequestAuthentication");
+    };
+    assert_eq!(ra["kind"], "RequestAuthentication");
+    let rules = ra["spec"]["jwtRules"].as_array().expect("jwtRules");
+    assert_eq!(rules.len(), 1);
+    assert!(rules[0]["issuer"].is_string() && rules[0]["jwksUri"].is_string());
+    for (name, doc) in wasmplugins() {
+        // The same proxies: same namespace, same selector.
+        assert_eq!(
+            ra["metadata"]["namespace"], doc["metadata"]["namespace"],
+            "{name}"
+        );
+        assert_eq!(ra["spec"]["selector"], doc["spec"]["selector"], "{name}");
+        // The client id is what jwt_authn verified (Istio 1.21+: under
+        // `payload`), never a header the client writes.
+        let identity = &doc["spec"]["pluginConfig"]["identity"];
+        assert_eq!(
+            identity["client_id_metadata"],
+            json!(["envoy.filters.http.jwt_authn", "payload", "sub"]),
+            "{name}"
+        );
+        assert!(identity.get("client_id_header").is_none(), "{name}");
+        // After jwt_authn: the metadata is written in the AUTHN phase.
+        assert_eq!(doc["spec"]["phase"], "AUTHZ", "{name}");
+    }
+}
+
+#[test]
+fn the_gateway_policy_is_the_plugins_configuration() {
+    let source: Value = serde_json::from_str(&read(ISTIO_PLUGIN_CONFIG)).expect("JSON");
+    if let Err(e) = ratelimit_wasm::config::parse(read(ISTIO_PLUGIN_CONFIG).as_bytes()) {
+        panic!("{ISTIO_PLUGIN_CONFIG}: {e}");
+    }
+    for (name, doc) in wasmplugins() {
+        assert_eq!(doc["spec"]["pluginConfig"], source, "{name}");
+    }
+    let cm_docs = yaml_file(GATEWAY_POLICY_YAML);
+    let [cm] = cm_docs.as_slice() else {
+        panic!("{GATEWAY_POLICY_YAML}: one ConfigMap");
+    };
+    assert_eq!(cm["kind"], "ConfigMap");
+    let gw = yaml_file(GATEWAY_YAML);
+    let deploy = object(&gw, "Deployment", "ratelimit-gateway");
+    assert_eq!(cm["metadata"]["namespace"], deploy["metadata"]["namespace"]);
+    let data = cm["data"].as_object().expect("data");
+    let key = format!("{}.json", str_at(&source, "/domain"));
+    assert_eq!(data.keys().collect::<Vec<_>>(), [&key]);
+    let policy: Value = serde_json::from_str(str_at(cm, &format!("/data/{key}"))).expect("JSON");
+    assert_eq!(policy, source);
 }
