@@ -349,31 +349,9 @@ fn default_reject_at() -> f64 {
     1.0
 }
 
-/// Calendar period of a quota, in UTC.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Period {
-    /// A clock minute (for tests and trials).
-    Minute,
-    /// A clock hour.
-    Hour,
-    /// A UTC day.
-    Day,
-    /// A UTC calendar month.
-    Month,
-}
-
-impl Period {
-    /// The name on the wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            Period::Minute => "minute",
-            Period::Hour => "hour",
-            Period::Day => "day",
-            Period::Month => "month",
-        }
-    }
-}
+/// Calendar period of a quota, in UTC: the protocol crate's vocabulary,
+/// written once for the filter and the gateway.
+pub use ratelimit_protocol::Period;
 
 /// What a quota counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]

@@ -7,7 +7,7 @@
 //! conflict can cost a retry or (briefly) a too-strict answer, never an extra
 //! admission.
 
-use crate::algorithm::Algorithm;
+use crate::algorithm::{Algorithm, Counting};
 use crate::plan::{Bucket, Plan};
 use crate::store::{SharedStore, StoreError, CREATE_ONLY};
 use crate::table::{Placement, Set};

@@ -1,0 +1,707 @@
+//! The wire protocol between the `ratelimit-wasm` filter and
+//! `ratelimit-gateway` (version 2), written once for both: the filter
+//! (wasm32) writes requests and reads answers with these types, the gateway
+//! reads requests and writes answers with them.
+//!
+//! A request names only identifiers: the domain, and per bucket the rule, the
+//! key, the limits variant and the cost; per quota the quota, the key, the
+//! variant and the amount. Limits, windows, algorithms, quota amounts and
+//! periods are the gateway's: it resolves them from its policy (the same
+//! plugin configuration the filters load) and says in the answer which limits
+//! it enforced.
+//!
+//! `POST /v1/check` takes a [`CheckRequest`] and answers 200 with a
+//! [`CheckResponse`]; `POST /v1/lease` takes a [`LeaseRequest`] and answers
+//! 200 with a [`LeaseResponse`]. Both answer 400 with an [`ErrorBody`]
+//! naming the field at fault, and 503 when Redis fails.
+//!
+//! The answers are generic over their figures: the gateway writes `u64`; the
+//! filter reads `f64`, so that a negative or huge figure is clamped and
+//! counted instead of failing the whole answer.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+#![warn(missing_docs)]
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The protocol version; a request of another version gets 400 naming `version`.
+pub const VERSION: u32 = 2;
+/// Most buckets in one request (the policy may allow fewer: one per global
+/// rule of the domain).
+pub const MAX_BUCKETS: usize = 64;
+/// Most limits in one bucket.
+pub const MAX_LIMITS: usize = 8;
+/// Most quotas in one request (the policy may allow fewer: one per quota).
+pub const MAX_QUOTAS: usize = 64;
+/// Largest quota amount per period.
+pub const MAX_QUOTA_LIMIT: u64 = 1 << 50;
+/// Longest `domain`, `rule`, `quota`, `key`, `tag` or variant, in bytes.
+pub const MAX_NAME_BYTES: usize = 512;
+/// Largest `requests × window_ms`, cost, amount, `want` and `return`: the Lua
+/// scripts' doubles stay exact integers up to 2^53.
+pub const MAX_EXACT: u64 = 1 << 53;
+
+/// How a limit counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// GCRA token bucket: bursts up to `requests`, refilled continuously over the window.
+    #[default]
+    TokenBucket,
+    /// Sliding-window counter: about `requests` in any window.
+    SlidingWindow,
+}
+
+impl Algorithm {
+    /// The name in configuration, on the wire, in Redis keys and in the Lua scripts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::SlidingWindow => "sliding_window",
+        }
+    }
+}
+
+/// A calendar period of a quota, in UTC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Period {
+    /// A clock minute (for tests and trials).
+    Minute,
+    /// A clock hour.
+    Hour,
+    /// A UTC day.
+    Day,
+    /// A UTC calendar month.
+    Month,
+}
+
+impl Period {
+    /// The name in configuration, on the wire, in Redis keys and in the Lua scripts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Period::Minute => "minute",
+            Period::Hour => "hour",
+            Period::Day => "day",
+            Period::Month => "month",
+        }
+    }
+}
+
+/// Which set of limits (or which quota amount) applies to a client: the
+/// rule's own, its tier's, or the client's override. On the wire a string:
+/// `default`, `tier:<tier name>` or `client:<client id>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// The rule's `limits` (the quota's `limit`).
+    Default,
+    /// `rules[].tiers.<name>` (the quota's `tiers.<name>`).
+    Tier(String),
+    /// `identity.clients.<id>.limits.<rule>` (`.quotas.<quota>`).
+    Client(String),
+}
+
+impl Variant {
+    /// The wire form.
+    pub fn encode(&self) -> String {
+        match self {
+            Variant::Default => "default".to_string(),
+            Variant::Tier(t) => format!("tier:{t}"),
+            Variant::Client(c) => format!("client:{c}"),
+        }
+    }
+
+    /// Reads the wire form.
+    pub fn decode(s: &str) -> Result<Variant, String> {
+        if s == "default" {
+            return Ok(Variant::Default);
+        }
+        let named = |rest: &str, make: fn(String) -> Variant| {
+            if rest.is_empty() {
+                Err(format!("`{s}` names no tier or client"))
+            } else {
+                Ok(make(rest.to_string()))
+            }
+        };
+        if let Some(rest) = s.strip_prefix("tier:") {
+            return named(rest, Variant::Tier);
+        }
+        if let Some(rest) = s.strip_prefix("client:") {
+            return named(rest, Variant::Client);
+        }
+        Err(format!(
+            "unknown variant `{s}`, expected `default`, `tier:<name>` or `client:<id>`"
+        ))
+    }
+}
+
+impl Serialize for Variant {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.encode())
+    }
+}
+
+impl<'de> Deserialize<'de> for Variant {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Variant, D::Error> {
+        let s = String::deserialize(d)?;
+        Variant::decode(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// One bucket of a check: which rule, whose key, which limits, what cost.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketRef {
+    /// A global rule of the domain's policy.
+    pub rule: String,
+    /// The bucket's identity within the domain (`<rule>/<key parts>`).
+    pub key: String,
+    /// The cluster hash tag: every key with the same domain and tag lands in one slot.
+    pub tag: String,
+    /// Which limits of the rule apply.
+    pub variant: Variant,
+    /// Tokens this request spends in the bucket's limits (at most what the
+    /// policy's `costs` and the rule's `cost` can give).
+    pub cost: u64,
+}
+
+/// One quota of a check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaRef {
+    /// A quota of the domain's policy.
+    pub quota: String,
+    /// The counter's identity within the domain (`<quota>/<key parts>`).
+    pub key: String,
+    /// The cluster hash tag, as for buckets.
+    pub tag: String,
+    /// Which amount per period applies.
+    pub variant: Variant,
+    /// What this request counts: 1, or its cost for `count: cost`.
+    pub amount: u64,
+}
+
+/// `POST /v1/check` request body: every bucket and quota charged together, all or nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckRequest {
+    /// Must be [`VERSION`].
+    pub version: u32,
+    /// The policy's `domain`.
+    pub domain: String,
+    /// The buckets (each rule at most once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketRef>,
+    /// The quotas (each quota at most once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaRef>,
+}
+
+/// `POST /v1/lease` request body: reserve up to `want` tokens of one token
+/// bucket (the bucket a [`BucketRef`] with the same rule, key, tag and
+/// variant names), after giving back `return` unspent tokens this caller holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRequest {
+    /// Must be [`VERSION`].
+    pub version: u32,
+    /// The policy's `domain`.
+    pub domain: String,
+    /// A global token-bucket rule of the domain.
+    pub rule: String,
+    /// The bucket's identity, as [`BucketRef::key`].
+    pub key: String,
+    /// The cluster hash tag, as [`BucketRef::tag`].
+    pub tag: String,
+    /// Which limits of the rule apply.
+    pub variant: Variant,
+    /// Tokens asked for (1..=2^53); the gateway grants at most the policy's
+    /// `lease.fraction` of the smallest limit.
+    pub want: u64,
+    /// Unspent tokens of this caller's previous lease on this bucket
+    /// (0..=2^53); the gateway takes back at most what the caller holds.
+    #[serde(default, rename = "return")]
+    pub returned: u64,
+}
+
+/// One limit as the gateway's policy defines it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limit {
+    /// Requests allowed per window (bucket capacity for the token bucket).
+    pub requests: u64,
+    /// Window length (time to refill an empty token bucket), in ms.
+    pub window_ms: u64,
+    /// How to count.
+    pub algorithm: Algorithm,
+}
+
+/// One limit's answer, with the limit the gateway enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LimitResult<N = u64> {
+    /// The enforced limit's `requests`.
+    pub requests: N,
+    /// The enforced limit's window, in ms.
+    pub window_ms: N,
+    /// The enforced limit's algorithm.
+    pub algorithm: Algorithm,
+    /// Whether this limit alone lets the cost through.
+    pub allowed: bool,
+    /// Whole tokens left after the request (before it, when this limit denies).
+    pub remaining: N,
+    /// Ms until the limit no longer holds anything back.
+    pub reset_ms: N,
+    /// Ms until the cost would pass this limit; 0 when allowed.
+    pub retry_after_ms: N,
+}
+
+/// One quota's answer, with the amount and period the gateway enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct QuotaResult<N = u64> {
+    /// The enforced amount per period.
+    pub limit: N,
+    /// The enforced period.
+    pub period: Period,
+    /// Whether this quota alone lets the amount through (`count + amount ≤ limit`).
+    pub allowed: bool,
+    /// `limit − count` after the request when the whole check is allowed,
+    /// before it otherwise; never negative.
+    pub remaining: N,
+    /// Ms until the period ends.
+    pub reset_ms: N,
+}
+
+/// One bucket's answers, in the order of the policy's limits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketResult<N = u64> {
+    /// One per limit the gateway enforced.
+    pub limits: Vec<LimitResult<N>>,
+}
+
+/// `POST /v1/check` 200 answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckResponse<N = u64> {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// True only when every limit of every bucket and every quota passed;
+    /// then all were charged.
+    pub allowed: bool,
+    /// One per bucket of the request, in order.
+    #[serde(default)]
+    pub buckets: Vec<BucketResult<N>>,
+    /// One per quota of the request, in order (absent when it had none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaResult<N>>,
+}
+
+/// One limit's answer to a lease, with the limit the gateway enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LeaseLimitResult<N = u64> {
+    /// The enforced limit's `requests` (a lease's limits are token buckets).
+    pub requests: N,
+    /// The enforced limit's window, in ms.
+    pub window_ms: N,
+    /// Whole tokens left in this limit after the grant.
+    pub remaining: N,
+    /// Ms until this limit is full again.
+    pub reset_ms: N,
+    /// 0 when something was granted; else ms until 1 token is free in this
+    /// limit (0 when one already is and another limit held the grant back).
+    pub retry_after_ms: N,
+}
+
+/// `POST /v1/lease` 200 answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseResponse<N = u64> {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// Tokens granted, charged in every limit; 0 when some limit has no
+    /// whole token free (then nothing is charged).
+    pub granted: N,
+    /// One per limit the gateway enforced, in order.
+    pub limits: Vec<LeaseLimitResult<N>>,
+}
+
+/// 400 and 503 answer body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// For 400: `<field path>: <reason>`; for 503: what failed, in general terms.
+    pub error: String,
+}
+
+impl ErrorBody {
+    /// An error body of this version.
+    pub fn new(error: impl Into<String>) -> Self {
+        ErrorBody {
+            version: VERSION,
+            error: error.into(),
+        }
+    }
+}
+
+/// Parses and validates a `POST /v1/check` body; the error is `<field path>: <reason>`.
+pub fn parse_check(body: &[u8]) -> Result<CheckRequest, String> {
+    check_version(body)?;
+    let req: CheckRequest = decode(body)?;
+    validate_check(&req)?;
+    Ok(req)
+}
+
+/// Parses and validates a `POST /v1/lease` body; the error is `<field path>: <reason>`.
+pub fn parse_lease(body: &[u8]) -> Result<LeaseRequest, String> {
+    check_version(body)?;
+    let req: LeaseRequest = decode(body)?;
+    validate_lease(&req)?;
+    Ok(req)
+}
+
+/// The version first, so that a request of another version is told so
+/// rather than about the first field it does not know.
+fn check_version(body: &[u8]) -> Result<(), String> {
+    #[derive(Deserialize)]
+    struct Versioned {
+        version: Option<serde_json::Value>,
+    }
+    if let Ok(Versioned { version: Some(v) }) = serde_json::from_slice::<Versioned>(body) {
+        if v.as_u64() != Some(u64::from(VERSION)) {
+            return Err(format!(
+                "version: unsupported version {v}, expected {VERSION}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Deserializes a body, naming the field at fault in the error.
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let reason = strip_position(&inner);
+        if path == "." || path == "?" || path.is_empty() {
+            format!("body: {reason}")
+        } else {
+            format!("{path}: {reason}")
+        }
+    })
+}
+
+/// serde_json's message without its " at line L column C" suffix.
+fn strip_position(e: &serde_json::Error) -> String {
+    let full = e.to_string();
+    match full.rfind(" at line ") {
+        Some(i) if e.line() > 0 => full.get(..i).unwrap_or(&full).to_string(),
+        _ => full,
+    }
+}
+
+/// Checks the bounds of a check request that serde cannot express (the
+/// policy's own bounds are the gateway's).
+pub fn validate_check(req: &CheckRequest) -> Result<(), String> {
+    version(req.version)?;
+    name("domain", &req.domain, false)?;
+    // A request may carry only quotas; then it needs no bucket.
+    let min_buckets = usize::from(req.quotas.is_empty());
+    if req.buckets.len() < min_buckets || req.buckets.len() > MAX_BUCKETS {
+        return Err(format!(
+            "buckets: must hold {min_buckets} to {MAX_BUCKETS} buckets, got {}",
+            req.buckets.len()
+        ));
+    }
+    for (b, bucket) in req.buckets.iter().enumerate() {
+        name(&format!("buckets[{b}].rule"), &bucket.rule, false)?;
+        name(&format!("buckets[{b}].key"), &bucket.key, false)?;
+        name(&format!("buckets[{b}].tag"), &bucket.tag, true)?;
+        variant(&format!("buckets[{b}].variant"), &bucket.variant)?;
+        exact(&format!("buckets[{b}].cost"), bucket.cost, 1)?;
+    }
+    if req.quotas.len() > MAX_QUOTAS {
+        return Err(format!(
+            "quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+            req.quotas.len()
+        ));
+    }
+    for (q, quota) in req.quotas.iter().enumerate() {
+        name(&format!("quotas[{q}].quota"), &quota.quota, false)?;
+        name(&format!("quotas[{q}].key"), &quota.key, false)?;
+        name(&format!("quotas[{q}].tag"), &quota.tag, true)?;
+        variant(&format!("quotas[{q}].variant"), &quota.variant)?;
+        exact(&format!("quotas[{q}].amount"), quota.amount, 1)?;
+    }
+    Ok(())
+}
+
+/// Checks the bounds of a lease request that serde cannot express.
+pub fn validate_lease(req: &LeaseRequest) -> Result<(), String> {
+    version(req.version)?;
+    name("domain", &req.domain, false)?;
+    name("rule", &req.rule, false)?;
+    name("key", &req.key, false)?;
+    name("tag", &req.tag, true)?;
+    variant("variant", &req.variant)?;
+    exact("want", req.want, 1)?;
+    exact("return", req.returned, 0)
+}
+
+fn version(v: u32) -> Result<(), String> {
+    if v != VERSION {
+        return Err(format!(
+            "version: unsupported version {v}, expected {VERSION}"
+        ));
+    }
+    Ok(())
+}
+
+fn exact(path: &str, v: u64, min: u64) -> Result<(), String> {
+    if !(min..=MAX_EXACT).contains(&v) {
+        return Err(format!("{path}: must be between {min} and 2^53, got {v}"));
+    }
+    Ok(())
+}
+
+fn variant(path: &str, v: &Variant) -> Result<(), String> {
+    match v {
+        Variant::Default => Ok(()),
+        Variant::Tier(n) | Variant::Client(n) => name(path, n, false),
+    }
+}
+
+fn name(path: &str, value: &str, may_be_empty: bool) -> Result<(), String> {
+    if value.is_empty() && !may_be_empty {
+        return Err(format!("{path}: must not be empty"));
+    }
+    if value.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "{path}: must be at most {MAX_NAME_BYTES} bytes, got {}",
+            value.len()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(v: serde_json::Value) -> Vec<u8> {
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    fn good() -> serde_json::Value {
+        json!({
+            "version": 2, "domain": "demo",
+            "buckets": [ { "rule": "per-client", "key": "per-client/c=alice", "tag": "c=alice",
+                           "variant": "default", "cost": 1 } ],
+            "quotas": [ { "quota": "monthly", "key": "monthly/c=alice", "tag": "c=alice",
+                          "variant": "tier:gold", "amount": 1 } ]
+        })
+    }
+
+    fn good_lease() -> serde_json::Value {
+        json!({ "version": 2, "domain": "d", "rule": "rule", "key": "rule/client=abc",
+                "tag": "client=abc", "variant": "client:abc", "want": 5, "return": 0 })
+    }
+
+    #[test]
+    fn the_examples_parse_and_round_trip() {
+        let r = parse_check(&body(good())).unwrap();
+        assert_eq!(r.buckets[0].variant, Variant::Default);
+        assert_eq!(r.quotas[0].variant, Variant::Tier("gold".into()));
+        assert_eq!(serde_json::to_value(&r).unwrap(), good());
+        let l = parse_lease(&body(good_lease())).unwrap();
+        assert_eq!(l.variant, Variant::Client("abc".into()));
+        assert_eq!(serde_json::to_value(&l).unwrap(), good_lease());
+        // Quotas alone need no bucket; `return` defaults to 0.
+        let mut v = good();
+        v.as_object_mut().unwrap().remove("buckets");
+        assert!(parse_check(&body(v)).unwrap().buckets.is_empty());
+        let mut v = good_lease();
+        v.as_object_mut().unwrap().remove("return");
+        assert_eq!(parse_lease(&body(v)).unwrap().returned, 0);
+        // A client id may hold colons.
+        assert_eq!(
+            Variant::decode("client:a:b"),
+            Ok(Variant::Client("a:b".into()))
+        );
+    }
+
+    type Change = Box<dyn Fn(&mut serde_json::Value)>;
+
+    #[test]
+    fn a_request_cannot_name_limits_windows_or_quota_amounts() {
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|v| {
+                    v["buckets"][0]["limits"] =
+                        json!([{"requests": 1, "window_ms": 1, "algorithm": "token_bucket"}])
+                }),
+                "buckets[0].limits: unknown field `limits`",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["window_ms"] = json!(1u64 << 53)),
+                "buckets[0].window_ms: unknown field `window_ms`",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["limit"] = json!(1_000_000_000_000u64)),
+                "quotas[0].limit: unknown field `limit`",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["period"] = "month".into()),
+                "quotas[0].period: unknown field `period`",
+            ),
+            (
+                Box::new(|v| v["cost"] = 1.into()),
+                "cost: unknown field `cost`",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut v = good();
+            change(&mut v);
+            let err = parse_check(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|v| v["version"] = 1.into()),
+                "version: unsupported version 1, expected 2",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["variant"] = "gold".into()),
+                "buckets[0].variant: unknown variant `gold`, expected `default`, `tier:<name>` or `client:<id>`",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["variant"] = "tier:".into()),
+                "buckets[0].variant: `tier:` names no tier or client",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["cost"] = 0.into()),
+                "buckets[0].cost: must be between 1 and 2^53, got 0",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["rule"] = "".into()),
+                "buckets[0].rule: must not be empty",
+            ),
+            (
+                Box::new(|v| v["buckets"][0]["key"] = "k".repeat(513).into()),
+                "buckets[0].key: must be at most 512 bytes, got 513",
+            ),
+            (
+                Box::new(|v| {
+                    v["buckets"][0].as_object_mut().unwrap().remove("tag");
+                }),
+                "buckets[0]: missing field `tag`",
+            ),
+            (
+                Box::new(|v| v["buckets"] = json!(vec![v["buckets"][0].clone(); 65])),
+                "buckets: must hold 0 to 64 buckets, got 65",
+            ),
+            (
+                Box::new(|v| v["quotas"] = json!(vec![v["quotas"][0].clone(); 65])),
+                "quotas: must hold at most 64 quotas, got 65",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["amount"] = ((1u64 << 53) + 1).into()),
+                "quotas[0].amount: must be between 1 and 2^53, got 9007199254740993",
+            ),
+            (
+                Box::new(|v| v["quotas"][0]["quota"] = "".into()),
+                "quotas[0].quota: must not be empty",
+            ),
+            (
+                Box::new(|v| {
+                    v.as_object_mut().unwrap().remove("quotas");
+                    v["buckets"] = json!([]);
+                }),
+                "buckets: must hold 1 to 64 buckets, got 0",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut v = good();
+            change(&mut v);
+            let err = parse_check(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+        let lease_cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|v| v["version"] = 1.into()),
+                "version: unsupported version 1, expected 2",
+            ),
+            (
+                Box::new(|v| v["want"] = 0.into()),
+                "want: must be between 1 and 2^53, got 0",
+            ),
+            (
+                Box::new(|v| v["return"] = ((1u64 << 53) + 1).into()),
+                "return: must be between 0 and 2^53, got 9007199254740993",
+            ),
+            (
+                Box::new(|v| v["return"] = (-1).into()),
+                "return: invalid value: integer `-1`",
+            ),
+            (
+                Box::new(|v| v["limits"] = json!([])),
+                "limits: unknown field `limits`",
+            ),
+            (Box::new(|v| v["key"] = "".into()), "key: must not be empty"),
+        ];
+        for (change, want) in lease_cases {
+            let mut v = good_lease();
+            change(&mut v);
+            let err = parse_lease(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+        // A version-1 body is told about its version, whatever else it holds.
+        let v1 = json!({"version": 1, "domain": "d", "cost": 1, "buckets": [{"key": "k", "tag": "",
+            "limits": [{"requests": 1, "window_ms": 1, "algorithm": "token_bucket"}]}]});
+        assert_eq!(
+            parse_check(&body(v1)).unwrap_err(),
+            "version: unsupported version 1, expected 2"
+        );
+        let err = parse_check(b"{\"version\":2,").unwrap_err();
+        assert!(err.starts_with("body: EOF"), "{err}");
+    }
+
+    #[test]
+    fn answers_read_as_floats_for_clamping() {
+        let answer = CheckResponse {
+            version: VERSION,
+            allowed: true,
+            buckets: vec![BucketResult {
+                limits: vec![LimitResult {
+                    requests: 30,
+                    window_ms: 60_000,
+                    algorithm: Algorithm::TokenBucket,
+                    allowed: true,
+                    remaining: 29,
+                    reset_ms: 2000,
+                    retry_after_ms: 0,
+                }],
+            }],
+            quotas: vec![],
+        };
+        let text = serde_json::to_string(&answer).unwrap();
+        assert_eq!(
+            text,
+            r#"{"version":2,"allowed":true,"buckets":[{"limits":[{"requests":30,"window_ms":60000,"algorithm":"token_bucket","allowed":true,"remaining":29,"reset_ms":2000,"retry_after_ms":0}]}]}"#
+        );
+        let read: CheckResponse<f64> =
+            serde_json::from_str(&text.replace("\"remaining\":29", "\"remaining\":-3")).unwrap();
+        assert_eq!(read.buckets[0].limits[0].remaining, -3.0);
+    }
+}
