@@ -2210,8 +2210,17 @@ fn the_gateway_policy_is_the_plugins_configuration() {
     if let Err(e) = ratelimit_wasm::config::parse(read(ISTIO_PLUGIN_CONFIG).as_bytes()) {
         panic!("{ISTIO_PLUGIN_CONFIG}: {e}");
     }
+    // The gateway token: named by global.token_env, copied from the proxy's
+    // environment (where a Secret puts it) into the VM, never inline.
+    let token_env = str_at(&source, "/global/token_env");
+    assert!(source.pointer("/global/token").is_none());
     for (name, doc) in wasmplugins() {
         assert_eq!(doc["spec"]["pluginConfig"], source, "{name}");
+        assert_eq!(
+            doc["spec"]["vmConfig"]["env"],
+            json!([{ "name": token_env, "valueFrom": "HOST" }]),
+            "{name}"
+        );
     }
     let cm_docs = yaml_file(GATEWAY_POLICY_YAML);
     let [cm] = cm_docs.as_slice() else {

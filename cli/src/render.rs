@@ -178,7 +178,8 @@ fn istio(
             "  # The gateway token: global.token_env names a variable of the VM, and this
   # copies it from the proxy's own environment (valueFrom HOST), where a
   # Kubernetes Secret puts it (deploy/istio/README.md, \"The gateway token\").
-  # A proxy without it sends no token, and the gateway refuses its callouts.
+  # A proxy without the variable fails to configure the plugin (logged as
+  # global.token_env); it never calls the gateway without its token.
   vmConfig:
     env:
     - name: {}

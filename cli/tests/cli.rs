@@ -590,3 +590,54 @@ fn shipped_istio_manifests_are_rendered_from_one_configuration() {
         stale.join(", ")
     );
 }
+
+#[test]
+fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
+    let config = RENDER_CONFIG.replace(
+        r#""failure_mode": "closed" }"#,
+        r#""failure_mode": "closed", "token_env": "RL_TOKEN" }"#,
+    );
+    assert_ne!(config, RENDER_CONFIG);
+    let src = file("render-token.json", &config);
+    let out = out_dir("token");
+    let r = run(&["render", &src, "--out", out.to_str().unwrap()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.stderr, "");
+    for name in ["wasmplugin.yaml", "wasmplugin-file.yaml"] {
+        let p = yaml(&out.join(name));
+        assert_eq!(
+            p["spec"]["vmConfig"],
+            serde_json::json!({ "env": [ { "name": "RL_TOKEN", "valueFrom": "HOST" } ] }),
+            "{name}"
+        );
+    }
+    let r = run(&[
+        "render",
+        &src,
+        "--out",
+        out.to_str().unwrap(),
+        "--target",
+        "envoy",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let filter = yaml(&out.join("envoy-wasm-filter.yaml"));
+    assert_eq!(
+        filter["typed_config"]["config"]["vm_config"]["environment_variables"],
+        serde_json::json!({ "host_env_keys": ["RL_TOKEN"] })
+    );
+    // An inline token is rendered, with a warning that it is readable.
+    let inline = file(
+        "render-inline.json",
+        &RENDER_CONFIG.replace(
+            r#""failure_mode": "closed" }"#,
+            r#""failure_mode": "closed", "token": "abc123" }"#,
+        ),
+    );
+    let r = run(&["render", &inline, "--out", out.to_str().unwrap()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("warning: global.token is inline"),
+        "{}",
+        r.stderr
+    );
+}
