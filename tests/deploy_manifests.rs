@@ -2236,3 +2236,49 @@ fn the_gateway_policy_is_the_plugins_configuration() {
     let policy: Value = serde_json::from_str(str_at(cm, &format!("/data/{key}"))).expect("JSON");
     assert_eq!(policy, source);
 }
+
+/// deploy/istio/README.md ("The gateway token"): the gateway reads its
+/// callers' tokens from the Secret `ratelimit-gateway-auth-tokens`, mounted
+/// read-only, at the path `RLGW_AUTH_TOKENS_FILE` names.
+#[test]
+fn the_gateway_reads_caller_tokens_from_a_secret() {
+    let gw = yaml_file(GATEWAY_YAML);
+    let deploy = object(&gw, "Deployment", "ratelimit-gateway");
+    let [container] = containers(deploy).as_slice() else {
+        panic!("one gateway container");
+    };
+    let env = env_of(container);
+    let path = env
+        .get("RLGW_AUTH_TOKENS_FILE")
+        .expect("RLGW_AUTH_TOKENS_FILE is set");
+    assert!(
+        !env.contains_key("RLGW_INSECURE_NO_AUTH"),
+        "the shipped gateway must not run without authentication"
+    );
+    let mount = container["volumeMounts"]
+        .as_array()
+        .expect("volumeMounts")
+        .iter()
+        .find(|m| path.starts_with(&format!("{}/", str_at(m, "/mountPath"))))
+        .unwrap_or_else(|| panic!("no volume mounted where {path} is"));
+    assert_eq!(mount["readOnly"], true);
+    let volume = deploy["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .expect("the mounted volume");
+    assert_eq!(
+        str_at(volume, "/secret/secretName"),
+        "ratelimit-gateway-auth-tokens"
+    );
+    let file = path.rsplit('/').next().unwrap_or_default();
+    assert_eq!(
+        volume["secret"]["items"],
+        json!([{ "key": "tokens", "path": file }])
+    );
+    // 0444: the non-root user reads it without an fsGroup.
+    assert_eq!(u64_at(volume, "/secret/defaultMode"), 0o444);
+    let readme = read("deploy/istio/README.md");
+    assert!(readme.contains("ratelimit-gateway-auth-tokens"));
+}
