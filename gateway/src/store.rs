@@ -1,30 +1,100 @@
-//! The Redis connection: one multiplexed connection (single server, through a
-//! `ConnectionManager` that reconnects by itself) or one cluster connection,
-//! shared by every request. Every round trip is bounded by the configured
+//! The Redis connection, shared by every request: one multiplexed
+//! connection (a single server, or the master the Sentinels name) or one
+//! cluster connection. Every round trip is bounded by the configured
 //! timeout; scripts run by `EVALSHA` and are loaded again on `NOSCRIPT`.
+//!
+//! A supervisor task makes the connection and makes it again when it stops
+//! being the master's: a request that gets `READONLY` (the server became a
+//! replica), a dropped or refused connection, or `MOVED`/`ASK`/`CLUSTERDOWN`
+//! (cluster) wakes it; with Sentinels it also re-resolves on every
+//! `+switch-master` and polls them every [`SENTINEL_POLL`]. Requests never
+//! wait for it: during the switch they fail fast (503) on the old connection.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
-use tokio::sync::OnceCell;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
+use crate::redis_url::{self, Redacted, RedisOptions};
 use crate::script::LuaScript;
+use crate::sentinel::Sentinels;
 
-/// Longest wait between two reconnect attempts to a single Redis.
+/// Longest wait between two attempts to connect (or reconnect).
 const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
+/// Shortest time between two reconnections on request errors, so an error
+/// storm makes at most 10 new connections a second.
+const RECONNECT_MIN_INTERVAL: Duration = Duration::from_millis(100);
+/// How often the Sentinels are asked for the master besides `+switch-master`.
+pub const SENTINEL_POLL: Duration = Duration::from_secs(1);
+/// Lifetime of the health check's key.
+pub const HEALTH_TTL_MS: u64 = 5000;
 
-/// Where Redis is.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Every command the gateway sends, directly or from its scripts (Redis
+/// checks a script's calls against the user's ACL too): what a least-privilege
+/// ACL user needs, e.g. `ACL SETUSER ratelimit on >PASSWORD resetkeys ~rl:*
+/// resetchannels -@all +evalsha +script|load …` (gateway/README.md,
+/// "Operating Redis"). `role` is for Sentinel setups and `cluster|slots`
+/// for a Cluster.
+pub const ACL_COMMANDS: &[&str] = &[
+    "evalsha",
+    "script|load",
+    "set",
+    "ping",
+    "role",
+    "cluster|slots",
+    // Inside the scripts.
+    "time",
+    "get",
+    "del",
+    "incrby",
+    "decrby",
+    "pexpireat",
+];
+
+/// Where Redis is. `Debug` and `Display` show the addresses redacted.
+#[derive(Clone, PartialEq, Eq)]
 pub enum Target {
-    /// One server, e.g. `redis://127.0.0.1:6379`.
+    /// One server, e.g. `redis://127.0.0.1:6379` or `rediss://user:pw@host:6380`.
     Single(String),
     /// Seed nodes of a Redis Cluster.
     Cluster(Vec<String>),
+    /// The master that these Sentinels (`host:port`) name `master`.
+    Sentinel {
+        /// Sentinel addresses.
+        sentinels: Vec<String>,
+        /// The master's name.
+        master: String,
+    },
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |v: &[String]| {
+            v.iter()
+                .map(|u| Redacted(u).to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match self {
+            Target::Single(u) => write!(f, "{}", Redacted(u)),
+            Target::Cluster(seeds) => write!(f, "cluster {}", list(seeds)),
+            Target::Sentinel { sentinels, master } => {
+                write!(f, "sentinel {} master {master:?}", list(sentinels))
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Target({self})")
+    }
 }
 
 /// Why a Redis round trip failed.
@@ -47,10 +117,20 @@ impl StoreError {
             StoreError::NotConnected => "not_connected",
             StoreError::Timeout(_) => "timeout",
             StoreError::Redis(e) if e.is_timeout() => "timeout",
+            StoreError::Redis(e) if is_oom(e) => "oom",
+            StoreError::Redis(e) if e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) => {
+                "readonly"
+            }
             StoreError::Redis(_) => "redis",
             StoreError::Reply(_) => "reply",
         }
     }
+}
+
+/// `-OOM command not allowed when used memory > 'maxmemory'` (under
+/// `noeviction`), whether from a command or from inside a script.
+fn is_oom(e: &RedisError) -> bool {
+    e.code() == Some("OOM") || e.to_string().contains("OOM command not allowed")
 }
 
 impl std::fmt::Display for StoreError {
@@ -68,78 +148,183 @@ impl std::error::Error for StoreError {}
 
 #[derive(Clone)]
 enum Conn {
-    Single(ConnectionManager),
+    /// A single server: reconnects by itself after a dropped connection.
+    Managed(ConnectionManager),
+    /// The master named by the Sentinels: replaced by the supervisor.
+    Plain(MultiplexedConnection),
     Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
+        match self.clone() {
+            Conn::Managed(mut c) => cmd.query_async::<T>(&mut c).await,
+            Conn::Plain(mut c) => cmd.query_async::<T>(&mut c).await,
+            Conn::Cluster(mut c) => cmd.query_async::<T>(&mut c).await,
+        }
+    }
+}
+
+/// Whether an error says the connection no longer reaches the master.
+fn calls_for_reconnect(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::ReadOnly
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+        )
+    ) || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+}
+
+/// What requests and the supervisor share.
+struct Shared {
+    /// The connection in use and its generation (1, 2, …; 0 = none yet).
+    conn: RwLock<Option<(u64, Conn)>>,
+    /// The generation a request found broken (see [`calls_for_reconnect`]).
+    suspect: AtomicU64,
+    /// Wakes the supervisor after `suspect` was set.
+    wake: Notify,
+    /// The last failure to connect, redacted (cleared once connected).
+    last_error: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn current(&self) -> Option<(u64, Conn)> {
+        self.conn.read().ok().and_then(|c| c.clone())
+    }
+}
+
+/// How the supervisor makes a connection.
+enum Plan {
+    Single(redis::Client, redis::aio::ConnectionManagerConfig),
+    Cluster(redis::cluster::ClusterClient),
+    Sentinel(Arc<Sentinels>, RedisOptions),
 }
 
 /// The shared Redis connection.
 pub struct Store {
-    conn: Arc<OnceCell<Conn>>,
+    shared: Arc<Shared>,
     timeout: Duration,
     metrics: Metrics,
-    connector: JoinHandle<()>,
+    tasks: Vec<JoinHandle<()>>,
     cluster: bool,
+    health_key: String,
 }
 
 impl Drop for Store {
     fn drop(&mut self) {
-        self.connector.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }
 
 /// How long one attempt to connect may take (the request timeout is often
-/// too short for a TCP handshake plus `CLUSTER SLOTS` to a remote node).
+/// too short for a TCP and TLS handshake plus `CLUSTER SLOTS` to a remote node).
 fn connect_timeout(timeout: Duration) -> Duration {
     timeout.max(Duration::from_secs(2))
 }
 
 impl Store {
-    /// Validates the target and starts connecting in the background; must be
-    /// called inside a Tokio runtime. Requests fail with
-    /// [`StoreError::NotConnected`] until the first connection is made; after
-    /// that the connection reconnects by itself.
-    pub fn new(target: Target, timeout: Duration, metrics: Metrics) -> Result<Store, RedisError> {
-        let conn: Arc<OnceCell<Conn>> = Arc::new(OnceCell::new());
-        let cell = Arc::clone(&conn);
+    /// Validates the target and options (reading the TLS files) and starts
+    /// connecting in the background; must be called inside a Tokio runtime.
+    /// Requests fail with [`StoreError::NotConnected`] until the first
+    /// connection is made. Errors name addresses redacted.
+    pub fn new(
+        target: Target,
+        key_prefix: &str,
+        opts: &RedisOptions,
+        timeout: Duration,
+        metrics: Metrics,
+    ) -> Result<Store, String> {
+        redis_url::install_crypto_provider();
+        if opts.tls.insecure {
+            tracing::warn!(
+                "--redis-tls-insecure: the Redis server's certificate is NOT checked; \
+                 anyone on the path can read and change every check (trials only)"
+            );
+        }
         let cluster = matches!(target, Target::Cluster(_));
-        let connector = match target {
+        let plan = match &target {
             Target::Single(url) => {
-                let client = redis::Client::open(url.as_str())?;
+                let client = redis_url::client(url, opts, false)?;
                 // Reconnect attempts back off exponentially; capped so that a
                 // connection is never still asleep long after Redis is back.
                 let config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout(timeout)))
                     .set_response_timeout(Some(timeout))
                     .set_max_delay(RECONNECT_MAX_DELAY);
-                tokio::spawn(async move {
-                    connect_loop(cell, &url, || async {
-                        ConnectionManager::new_with_config(client.clone(), config.clone())
-                            .await
-                            .map(Conn::Single)
-                    })
-                    .await;
-                })
+                Plan::Single(client, config)
             }
             Target::Cluster(seeds) => {
-                let client = redis::cluster::ClusterClientBuilder::new(seeds.clone())
-                    .connection_timeout(connect_timeout(timeout))
-                    .response_timeout(timeout)
-                    .build()?;
-                let name = seeds.join(",");
-                tokio::spawn(async move {
-                    connect_loop(cell, &name, || async {
-                        client.get_async_connection().await.map(Conn::Cluster)
+                let infos = seeds
+                    .iter()
+                    .map(|s| {
+                        redis_url::client(s, opts, false).map(|c| c.get_connection_info().clone())
                     })
-                    .await;
-                })
+                    .collect::<Result<Vec<_>, String>>()?;
+                let mut builder = redis::cluster::ClusterClientBuilder::new(infos)
+                    .connection_timeout(connect_timeout(timeout))
+                    .response_timeout(timeout);
+                if let Some(first) = seeds.first() {
+                    let c = redis_url::client(first, opts, false)?;
+                    let s = c.get_connection_info().redis_settings();
+                    if let Some(u) = s.username() {
+                        builder = builder.username(u);
+                    }
+                    if let Some(p) = s.password() {
+                        builder = builder.password(p);
+                    }
+                }
+                if let Some(certs) = opts.tls.certificates()? {
+                    builder = builder.certs(certs);
+                }
+                if opts.tls.insecure {
+                    builder = builder.tls(redis::TlsMode::Insecure);
+                }
+                Plan::Cluster(
+                    builder
+                        .build()
+                        .map_err(|e| format!("Redis Cluster {target}: {e}"))?,
+                )
             }
+            Target::Sentinel { sentinels, master } => Plan::Sentinel(
+                Arc::new(Sentinels::new(sentinels, master, opts)?),
+                opts.clone(),
+            ),
         };
+        let shared = Arc::new(Shared {
+            conn: RwLock::new(None),
+            suspect: AtomicU64::new(0),
+            wake: Notify::new(),
+            last_error: Mutex::new(None),
+        });
+        let mut tasks = Vec::new();
+        let switched = Arc::new(Notify::new());
+        if let Plan::Sentinel(s, _) = &plan {
+            tasks.push(tokio::spawn(
+                Arc::clone(s).watch(Arc::clone(&switched), connect_timeout(timeout)),
+            ));
+        }
+        tasks.push(tokio::spawn(supervise(
+            Arc::clone(&shared),
+            plan,
+            target.to_string(),
+            timeout,
+            switched,
+        )));
         Ok(Store {
-            conn,
+            shared,
             timeout,
             metrics,
-            connector,
+            tasks,
             cluster,
+            health_key: format!("{key_prefix}health:{}", instance()),
         })
     }
 
@@ -152,34 +337,44 @@ impl Store {
     pub async fn wait_connected(&self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
-            if self.conn.initialized() {
+            if self.is_connected() {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        self.conn.initialized()
+        self.is_connected()
+    }
+
+    /// Whether a connection exists (it may still fail).
+    pub fn is_connected(&self) -> bool {
+        self.shared.current().is_some()
+    }
+
+    /// The last failure to connect (redacted), while not connected since.
+    pub fn last_error(&self) -> Option<String> {
+        self.shared.last_error.lock().ok().and_then(|e| e.clone())
     }
 
     /// Runs one command within the timeout, timing it as `op`.
     pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd, op: &str) -> Result<T, StoreError> {
-        let Some(conn) = self.conn.get() else {
+        let Some((generation, conn)) = self.shared.current() else {
             return Err(StoreError::NotConnected);
         };
         let started = Instant::now();
-        let result = tokio::time::timeout(self.timeout, async {
-            match conn.clone() {
-                Conn::Single(mut c) => cmd.query_async::<T>(&mut c).await,
-                Conn::Cluster(mut c) => cmd.query_async::<T>(&mut c).await,
-            }
-        })
-        .await;
+        let result = tokio::time::timeout(self.timeout, conn.query::<T>(cmd)).await;
         self.metrics
             .redis_latency
             .with_label_values(&[op])
             .observe(started.elapsed().as_secs_f64());
         match result {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
-            Ok(Err(e)) => Err(StoreError::Redis(e)),
+            Ok(Err(e)) => {
+                if calls_for_reconnect(&e) {
+                    self.shared.suspect.store(generation, Ordering::SeqCst);
+                    self.shared.wake.notify_one();
+                }
+                Err(StoreError::Redis(e))
+            }
             Ok(Ok(v)) => Ok(v),
         }
     }
@@ -191,6 +386,28 @@ impl Store {
             Ok(())
         } else {
             Err(StoreError::Reply(pong))
+        }
+    }
+
+    /// The health check's key, `<prefix>health:<host>-<pid>`.
+    pub fn health_key(&self) -> &str {
+        &self.health_key
+    }
+
+    /// Proves a write goes through: `SET <prefix>health:<instance> 1 PX 5000`
+    /// on the connection the checks use (a replica answers `READONLY`, a
+    /// full Redis under `noeviction` answers `OOM`).
+    pub async fn probe_write(&self) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&self.health_key)
+            .arg(1)
+            .arg("PX")
+            .arg(HEALTH_TTL_MS);
+        let ok: String = self.query(&cmd, "health").await?;
+        if ok == "OK" {
+            Ok(())
+        } else {
+            Err(StoreError::Reply(ok))
         }
     }
 
@@ -232,28 +449,150 @@ impl Store {
     }
 }
 
-async fn connect_loop<F, Fut>(cell: Arc<OnceCell<Conn>>, name: &str, connect: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = Result<Conn, RedisError>>,
-{
-    let mut delay = Duration::from_millis(50);
-    loop {
-        match connect().await {
-            Ok(conn) => {
-                tracing::info!(redis = name, "connected to Redis");
-                preload(&conn).await;
-                // Only this task sets the cell.
-                let _ = cell.set(conn);
-                return;
+impl Plan {
+    /// One attempt: the connection and the name of what it reaches (redacted).
+    async fn connect(&self, timeout: Duration) -> Result<(Conn, String), String> {
+        let limit = connect_timeout(timeout);
+        let attempt = async {
+            match self {
+                Plan::Single(client, config) => {
+                    ConnectionManager::new_with_config(client.clone(), config.clone())
+                        .await
+                        .map(|c| (Conn::Managed(c), String::new()))
+                        .map_err(|e| redis_url::explain(&e.to_string()))
+                }
+                Plan::Cluster(client) => client
+                    .get_async_connection()
+                    .await
+                    .map(|c| (Conn::Cluster(c), String::new()))
+                    .map_err(|e| redis_url::explain(&e.to_string())),
+                Plan::Sentinel(sentinels, opts) => {
+                    let url = sentinels.master_url(limit).await?;
+                    let client = redis_url::client(&url, opts, false)?;
+                    let config = redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(limit))
+                        .set_response_timeout(Some(timeout));
+                    let mut c = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                        .map_err(|e| {
+                            format!("master {url}: {}", redis_url::explain(&e.to_string()))
+                        })?;
+                    // Right after a failover a Sentinel may still name the
+                    // old master, now a replica: only a master will do.
+                    let role: Vec<redis::Value> = redis::cmd("ROLE")
+                        .query_async(&mut c)
+                        .await
+                        .map_err(|e| format!("master {url}: ROLE: {e}"))?;
+                    match role.first() {
+                        Some(redis::Value::BulkString(r)) if r.as_slice() == b"master" => {
+                            Ok((Conn::Plain(c), url))
+                        }
+                        _ => Err(format!(
+                            "{url}, named by the Sentinels, is not a master (yet)"
+                        )),
+                    }
+                }
             }
-            Err(e) => {
-                tracing::warn!(redis = name, error = %e, "cannot connect to Redis; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
+        };
+        match tokio::time::timeout(limit + timeout, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("no connection within {:?}", limit + timeout)),
         }
     }
+}
+
+/// Connects, then reconnects whenever the connection stops reaching the
+/// master: forever (aborted when the [`Store`] is dropped).
+async fn supervise(
+    shared: Arc<Shared>,
+    plan: Plan,
+    name: String,
+    timeout: Duration,
+    switched: Arc<Notify>,
+) {
+    let sentinel = matches!(plan, Plan::Sentinel(..));
+    let mut generation = 0u64;
+    loop {
+        let mut delay = Duration::from_millis(50);
+        let mut last_logged = String::new();
+        let (conn, reached) = loop {
+            match plan.connect(timeout).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    // Each new reason once at WARN; repeats at DEBUG.
+                    if e != last_logged {
+                        tracing::warn!(redis = %name, error = %e, "cannot connect to Redis; retrying");
+                        last_logged = e.clone();
+                    } else {
+                        tracing::debug!(redis = %name, error = %e, "cannot connect to Redis; retrying");
+                    }
+                    if let Ok(mut l) = shared.last_error.lock() {
+                        *l = Some(e);
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(RECONNECT_MAX_DELAY);
+                }
+            }
+        };
+        preload(&conn).await;
+        generation += 1;
+        if let Ok(mut c) = shared.conn.write() {
+            *c = Some((generation, conn));
+        }
+        if let Ok(mut l) = shared.last_error.lock() {
+            *l = None;
+        }
+        let connected_at = Instant::now();
+        if reached.is_empty() {
+            tracing::info!(redis = %name, "connected to Redis");
+        } else {
+            tracing::info!(redis = %name, master = %Redacted(&reached), "connected to Redis");
+        }
+        // Wait for a reason to connect again.
+        loop {
+            tokio::select! {
+                _ = shared.wake.notified() => {
+                    if shared.suspect.load(Ordering::SeqCst) == generation {
+                        tracing::info!(redis = %name, "the connection no longer reaches the master; reconnecting");
+                        break;
+                    }
+                }
+                _ = switched.notified(), if sentinel => {
+                    tracing::info!(redis = %name, "the Sentinels switched the master; reconnecting");
+                    break;
+                }
+                _ = tokio::time::sleep(SENTINEL_POLL), if sentinel => {
+                    if let Plan::Sentinel(s, _) = &plan {
+                        match s.master_url(connect_timeout(timeout)).await {
+                            Ok(url) if url != reached => {
+                                tracing::info!(redis = %name, master = %Redacted(&url), "the Sentinels name another master; reconnecting");
+                                break;
+                            }
+                            Ok(_) => {}
+                            Err(e) => tracing::debug!(redis = %name, error = %e, "cannot ask the Sentinels"),
+                        }
+                    }
+                }
+            }
+        }
+        let since = connected_at.elapsed();
+        if since < RECONNECT_MIN_INTERVAL {
+            tokio::time::sleep(RECONNECT_MIN_INTERVAL - since).await;
+        }
+    }
+}
+
+/// This process among the gateway's replicas: `<host name>-<pid>` (the
+/// pod's name in Kubernetes).
+fn instance() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "gateway".to_string());
+    format!("{host}-{}", std::process::id())
 }
 
 /// Loads every script once on a new connection (on every master, in a
@@ -266,11 +605,7 @@ async fn preload(conn: &Conn) {
     ] {
         let mut cmd = redis::cmd("SCRIPT");
         cmd.arg("LOAD").arg(script.source);
-        let result: Result<String, RedisError> = match conn.clone() {
-            Conn::Single(mut c) => cmd.query_async(&mut c).await,
-            Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
-        };
-        match result {
+        match conn.query::<String>(&cmd).await {
             Ok(sha) if sha == script.sha => {}
             Ok(sha) => {
                 tracing::warn!(script = script.name, %sha, "SCRIPT LOAD gave an unexpected SHA1")
@@ -279,5 +614,50 @@ async fn preload(conn: &Conn) {
                 tracing::warn!(script = script.name, error = %e, "SCRIPT LOAD failed; will load on NOSCRIPT")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `redis.call('X'` of every script is in [`ACL_COMMANDS`], so the
+    /// README's ACL user can run them.
+    #[test]
+    fn the_acl_list_covers_every_script_call() {
+        for script in [
+            crate::script::check(),
+            crate::script::refund(),
+            crate::script::lease(),
+        ] {
+            for call in script.source.split("redis.call(").skip(1) {
+                let name: String = call
+                    .trim_start_matches(['\'', '"'])
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphabetic())
+                    .collect();
+                assert!(
+                    ACL_COMMANDS.contains(&name.to_ascii_lowercase().as_str()),
+                    "{}: redis.call('{name}') is not in ACL_COMMANDS",
+                    script.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn targets_show_no_password() {
+        let t = Target::Sentinel {
+            sentinels: vec!["rediss://:pw@s1:26379".into(), "s2:26379".into()],
+            master: "m".into(),
+        };
+        assert_eq!(
+            format!("{t:?}"),
+            "Target(sentinel rediss://:***@s1:26379,s2:26379 master \"m\")"
+        );
+        assert_eq!(
+            Target::Single("redis://u:pw@h".into()).to_string(),
+            "redis://u:***@h"
+        );
     }
 }

@@ -23,6 +23,8 @@ pub mod envoy;
 pub mod gateway;
 pub mod http;
 pub mod paths;
+/// Test certificates (a CA, server and client certificates) made with rcgen.
+pub mod pki;
 pub mod ports;
 pub mod stub;
 

@@ -76,6 +76,10 @@ pub struct Redis {
     child: Option<Child>,
     dir: tempfile::TempDir,
     extra: Vec<String>,
+    /// The content of a config file given before the flags (Sentinels need one).
+    conf: Option<String>,
+    /// The TLS port, when started with [`Redis::start_tls`].
+    tls_port: Option<u16>,
 }
 
 impl Redis {
@@ -90,7 +94,7 @@ impl Redis {
         let mut last_err = None;
         for _ in 0..5 {
             let port = free_port()?;
-            match Self::spawn(&bin, port, extra) {
+            match Self::spawn(&bin, port, extra, None) {
                 Ok(r) => return Ok(r),
                 Err(e) => last_err = Some(e),
             }
@@ -98,12 +102,76 @@ impl Redis {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("redis-server did not start")))
     }
 
-    fn spawn(bin: &Path, port: u16, extra: &[&str]) -> Result<Redis> {
+    /// Starts a server that also serves TLS (`--tls-port`) with the given
+    /// PEM files; client certificates are checked when sent, not required
+    /// (`--tls-auth-clients optional`). The plain port stays open for
+    /// readiness and [`Redis::cli`].
+    pub fn start_tls(cert: &Path, key: &Path, ca: &Path) -> Result<Redis> {
+        let tls_port = free_port()?;
+        let (tls, cert, key, ca) = (
+            tls_port.to_string(),
+            cert.display().to_string(),
+            key.display().to_string(),
+            ca.display().to_string(),
+        );
+        let mut redis = Self::start_with(&[
+            "--tls-port",
+            &tls,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "optional",
+        ])?;
+        redis.tls_port = Some(tls_port);
+        Ok(redis)
+    }
+
+    /// Starts a Sentinel (`redis-server <conf> --sentinel`) watching the
+    /// master at 127.0.0.1:`master_port` as `name`, quorum 2, with the given
+    /// `down-after-milliseconds` and `failover-timeout`.
+    pub fn start_sentinel(
+        master_port: u16,
+        name: &str,
+        down_after_ms: u64,
+        failover_timeout_ms: u64,
+    ) -> Result<Redis> {
+        let bin = redis_server_bin()?;
+        let conf = format!(
+            "sentinel monitor {name} 127.0.0.1 {master_port} 2\n\
+             sentinel down-after-milliseconds {name} {down_after_ms}\n\
+             sentinel failover-timeout {name} {failover_timeout_ms}\n"
+        );
+        let mut last_err = None;
+        for _ in 0..5 {
+            match Self::spawn(&bin, free_port()?, &["--sentinel"], Some(&conf)) {
+                Ok(r) => return Ok(r),
+                Err(e) => last_err = Some(e),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("redis-server --sentinel did not start")))
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT`, when started with [`Redis::start_tls`].
+    pub fn tls_url(&self) -> Option<String> {
+        self.tls_port.map(|p| format!("rediss://127.0.0.1:{p}"))
+    }
+
+    fn spawn(bin: &Path, port: u16, extra: &[&str], conf: Option<&str>) -> Result<Redis> {
         let dir = tempfile::Builder::new()
             .prefix("testkit-redis-")
             .tempdir()?;
         let log = dir.path().join("redis.log");
         let mut cmd = Command::new(bin);
+        if let Some(conf) = conf {
+            // A config file must come first; a Sentinel rewrites it.
+            let path = dir.path().join("redis.conf");
+            std::fs::write(&path, conf).with_context(|| format!("writing {}", path.display()))?;
+            cmd.arg(path);
+        }
         cmd.arg("--port")
             .arg(port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
@@ -125,11 +193,14 @@ impl Redis {
             child: Some(child),
             dir,
             extra: extra.iter().map(|a| a.to_string()).collect(),
+            conf: conf.map(str::to_string),
+            tls_port: None,
         };
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Ok(reply) = raw_command(port, "PING", Duration::from_millis(500)) {
-                if reply.starts_with("+PONG") {
+                // -NOAUTH: up, with a password (`--requirepass`).
+                if reply.starts_with("+PONG") || reply.starts_with("-NOAUTH") {
                     return Ok(redis);
                 }
             }
@@ -170,6 +241,31 @@ impl Redis {
         cli(self.port, false, args)
     }
 
+    /// Every key with its type, value and absolute expiry (`PEXPIRETIME`,
+    /// which unlike `PTTL` does not change while time passes), one line per
+    /// key, sorted: two dumps are equal exactly when nothing was written in
+    /// between. For "a refused request writes nothing" checks.
+    pub fn dump(&self) -> Result<String> {
+        let keys = self.cli(&["--raw", "KEYS", "*"])?;
+        let mut keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        keys.sort_unstable();
+        let mut out = String::new();
+        for key in keys {
+            let kind = self.cli(&["TYPE", key])?;
+            let value = match kind.as_str() {
+                "string" => self.cli(&["--raw", "GET", key])?,
+                "hash" => self.cli(&["--raw", "HGETALL", key])?,
+                "zset" => self.cli(&["--raw", "ZRANGE", key, "0", "-1", "WITHSCORES"])?,
+                "set" => self.cli(&["--raw", "SMEMBERS", key])?,
+                "list" => self.cli(&["--raw", "LRANGE", key, "0", "-1"])?,
+                other => other.to_string(),
+            };
+            let expiry = self.cli(&["PEXPIRETIME", key])?;
+            out.push_str(&format!("{key} {kind} {value:?} expires {expiry}\n"));
+        }
+        Ok(out)
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         match self.child.as_mut() {
@@ -193,7 +289,9 @@ impl Redis {
         self.kill();
         let bin = redis_server_bin()?;
         let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        *self = Self::spawn(&bin, self.port, &extra)?;
+        let tls_port = self.tls_port;
+        *self = Self::spawn(&bin, self.port, &extra, self.conf.as_deref())?;
+        self.tls_port = tls_port;
         Ok(())
     }
 
@@ -231,7 +329,105 @@ fn cli(port: u16, cluster: bool, args: &[&str]) -> Result<String> {
     Ok(stdout)
 }
 
-/// Three `redis-server` masters joined into one Redis Cluster; killed on drop.
+/// A master, one replica and three Sentinels watching them (quorum 2);
+/// killed on drop.
+#[derive(Debug)]
+pub struct RedisSentinels {
+    /// The master at start.
+    pub master: Redis,
+    /// Its replica at start.
+    pub replica: Redis,
+    /// Three Sentinels.
+    pub sentinels: Vec<Redis>,
+    name: String,
+}
+
+impl RedisSentinels {
+    /// Starts the master, its replica (`--replicaof`), waits for the link,
+    /// then three Sentinels watching `name`, and waits until every Sentinel
+    /// knows the replica and the two other Sentinels (so that a failover
+    /// can be voted).
+    pub fn start(name: &str, down_after_ms: u64, failover_timeout_ms: u64) -> Result<Self> {
+        let master = Redis::start()?;
+        let mport = master.port().to_string();
+        let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &mport])?;
+        wait_until("the replica's link to its master", || {
+            Ok(replica
+                .cli(&["INFO", "replication"])?
+                .contains("master_link_status:up"))
+        })?;
+        let sentinels = (0..3)
+            .map(|_| Redis::start_sentinel(master.port(), name, down_after_ms, failover_timeout_ms))
+            .collect::<Result<Vec<_>>>()?;
+        let set = RedisSentinels {
+            master,
+            replica,
+            sentinels,
+            name: name.to_string(),
+        };
+        wait_until(
+            "every Sentinel knowing the replica and two other Sentinels",
+            || {
+                for s in &set.sentinels {
+                    let fields = s.cli(&["SENTINEL", "master", &set.name])?;
+                    let lines: Vec<&str> = fields.lines().collect();
+                    let value = |k: &str| {
+                        lines
+                            .iter()
+                            .position(|l| *l == k)
+                            .and_then(|i| lines.get(i + 1).copied())
+                    };
+                    if value("num-slaves") != Some("1") || value("num-other-sentinels") != Some("2")
+                    {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            },
+        )?;
+        Ok(set)
+    }
+
+    /// `127.0.0.1:PORT` of each Sentinel (the gateway's `--redis-sentinel`).
+    pub fn addrs(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect()
+    }
+
+    /// The master's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The master's port as the first Sentinel names it.
+    pub fn master_port(&self) -> Result<u16> {
+        let s = self.sentinels.first().context("no Sentinel")?;
+        let out = s.cli(&["SENTINEL", "get-master-addr-by-name", &self.name])?;
+        out.lines()
+            .nth(1)
+            .and_then(|p| p.trim().parse().ok())
+            .with_context(|| format!("SENTINEL get-master-addr-by-name answered {out:?}"))
+    }
+}
+
+/// Polls `ready` every 50 ms until true, for at most [`READY_TIMEOUT`].
+fn wait_until(what: &str, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if ready().unwrap_or(false) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {READY_TIMEOUT:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `redis-server` nodes joined into one Redis Cluster of three masters
+/// (and their replicas); killed on drop.
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<Redis>,
@@ -243,8 +439,14 @@ impl RedisCluster {
     /// with `redis-cli --cluster create … --cluster-replicas 0 --cluster-yes`
     /// and waits until every node says `cluster_state:ok`.
     pub fn start() -> Result<RedisCluster> {
+        Self::start_with_replicas(0)
+    }
+
+    /// As [`RedisCluster::start`], with `replicas` replicas per master
+    /// (`--cluster-replicas`): 3 × (1 + `replicas`) nodes.
+    pub fn start_with_replicas(replicas: usize) -> Result<RedisCluster> {
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + replicas) {
             let bus = free_port()?;
             let bus = bus.to_string();
             nodes.push(Redis::start_with(&[
@@ -265,24 +467,25 @@ impl RedisCluster {
         let first = nodes.first().map(Redis::port).context("no cluster node")?;
         let mut args = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
-        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let replicas = replicas.to_string();
+        args.extend(["--cluster-replicas", &replicas, "--cluster-yes"]);
         cli(first, false, &args).context("redis-cli --cluster create")?;
         let cluster = RedisCluster { nodes };
         cluster.wait_ok()?;
         Ok(cluster)
     }
 
-    fn wait_ok(&self) -> Result<()> {
+    /// Waits until every node says `cluster_state:ok`, knows every node and
+    /// has all 16384 slots served.
+    pub fn wait_ok(&self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
+        let known = format!("cluster_known_nodes:{}", self.nodes.len());
         loop {
             let mut all_ok = true;
             for n in &self.nodes {
                 let info = n.cli(&["cluster", "info"]).unwrap_or_default();
                 let slots_ok = info.contains("cluster_slots_ok:16384");
-                if !info.contains("cluster_state:ok")
-                    || !slots_ok
-                    || !info.contains("cluster_known_nodes:3")
-                {
+                if !info.contains("cluster_state:ok") || !slots_ok || !info.contains(&known) {
                     all_ok = false;
                 }
             }
@@ -299,6 +502,71 @@ impl RedisCluster {
     /// The nodes.
     pub fn nodes(&self) -> &[Redis] {
         &self.nodes
+    }
+
+    /// The node on `port`.
+    pub fn node(&self, port: u16) -> Result<&Redis> {
+        self.nodes
+            .iter()
+            .find(|n| n.port() == port)
+            .with_context(|| format!("no cluster node on port {port}"))
+    }
+
+    /// `(port, role, master port)` per node, from `CLUSTER NODES` as `asked`
+    /// (a node's port) sees it: role `master` or `slave`, master port of a
+    /// replica (0 for a master).
+    pub fn roles(&self, asked: u16) -> Result<Vec<(u16, String, u16)>> {
+        let text = self.node(asked)?.cli(&["CLUSTER", "NODES"])?;
+        let port_of = |addr: &str| -> Option<u16> {
+            addr.split(['@', ','])
+                .next()?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()
+        };
+        let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
+        let id_port: Vec<(&str, u16)> = lines
+            .iter()
+            .filter_map(|f| Some((*f.first()?, port_of(f.get(1)?)?)))
+            .collect();
+        lines
+            .iter()
+            .map(|f| {
+                let port = f
+                    .get(1)
+                    .and_then(|a| port_of(a))
+                    .context("CLUSTER NODES: no address")?;
+                let flags = f.get(2).copied().unwrap_or_default();
+                let role = if flags.contains("master") {
+                    "master"
+                } else {
+                    "slave"
+                };
+                let master = f.get(3).copied().unwrap_or("-");
+                let master_port = id_port
+                    .iter()
+                    .find(|(id, _)| *id == master)
+                    .map_or(0, |(_, p)| *p);
+                Ok((port, role.to_string(), master_port))
+            })
+            .collect()
+    }
+
+    /// The port of the master serving `key` (no spaces): a `GET` to the
+    /// first node answers, or redirects with `-MOVED <slot> <ip>:<port>`.
+    pub fn master_for_key(&self, key: &str) -> Result<u16> {
+        let first = self.nodes.first().context("no cluster node")?;
+        let reply = raw_command(first.port(), &format!("GET {key}"), Duration::from_secs(2))?;
+        match reply.strip_prefix("-MOVED ") {
+            Some(rest) => rest
+                .split_whitespace()
+                .nth(1)
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+                .with_context(|| format!("GET {key}: {reply:?}")),
+            None => Ok(first.port()),
+        }
     }
 
     /// Seed URLs `redis://127.0.0.1:PORT`, one per node.
