@@ -945,3 +945,249 @@ fn slow_answers_open_the_circuit_too() {
     };
     fault_suite(Mode::Closed, settings, vec![phase]);
 }
+
+// ---------------------------------------------------------------------------
+// Authenticated callers (issue 12 item 3): the gateway with --auth-tokens.
+// ---------------------------------------------------------------------------
+
+/// A fresh directory for one test's files (token file, policy, TLS), under
+/// the system's temporary directory.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("envoy-global-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A gateway in front of `redis` whose callers are `tokens` (the text of an
+/// `--auth-tokens` file) and whose policy is `policy` (the proxies' plugin
+/// configuration), plus `args`.
+fn gateway_with_tokens(
+    redis: &Redis,
+    dir: &std::path::Path,
+    tokens: &str,
+    policy: &str,
+    args: &[&str],
+) -> Gateway {
+    let token_file = dir.join("tokens");
+    std::fs::write(&token_file, tokens).unwrap();
+    let token_file = token_file.display().to_string();
+    let mut all = vec!["--redis-timeout-ms", "100", "--auth-tokens", &token_file];
+    all.extend_from_slice(args);
+    ok(
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(policy)
+                .args(&all)
+                .work_dir(dir.join("gateway")),
+        ),
+        "starting ratelimit-gateway",
+    )
+}
+
+fn auth_failures(gateway: &Gateway, reason: &str) -> f64 {
+    let sample = format!("ratelimit_gateway_auth_failures_total{{reason=\"{reason}\"}}");
+    ok(gateway.metric(&sample), "reading the gateway's /metrics")
+        .unwrap_or_else(|| panic!("no {sample} in the gateway's /metrics"))
+}
+
+/// Every Redis key but the gateway's health-check key, with value and expiry.
+fn data_keys(redis: &Redis) -> String {
+    ok(redis.dump(), "dumping Redis")
+        .lines()
+        .filter(|l| !l.starts_with("rl:health:"))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// Two proxies with tokens of their domain, one inline (`global.token`), one
+/// from a VM environment variable (`global.token_env`, set through Envoy's
+/// `vm_config.environment_variables`): one limit of 60 holds exactly
+/// across both, and the gateway refused nobody.
+#[test]
+fn two_proxies_with_tokens_share_one_global_limit_exactly() {
+    const LIMIT: u64 = 60;
+    let dir = scratch("tokens");
+    let redis = ok(Redis::start(), "starting redis-server");
+    let global = json!({ "timeout_ms": 200, "instances": 2, "failure_mode": "closed" });
+    let policy = global_config("two-proxies-auth", "shared", LIMIT, global.clone());
+    let tokens = "two-proxies-auth proxy-a-token\ntwo-proxies-auth proxy-b-token\n";
+    let gateway = gateway_with_tokens(&redis, &dir, tokens, &policy, &[]);
+    let mut inline = global.clone();
+    inline["token"] = json!("proxy-a-token");
+    let mut from_env = global;
+    from_env["token_env"] = json!("RATELIMIT_GATEWAY_TOKEN");
+    let envoys = ok(
+        Envoy::start_all(&[
+            EnvoyOptions::new(global_config("two-proxies-auth", "shared", LIMIT, inline))
+                .gateway_port(gateway.port()),
+            EnvoyOptions::new(global_config("two-proxies-auth", "shared", LIMIT, from_env))
+                .gateway_port(gateway.port())
+                .vm_env("RATELIMIT_GATEWAY_TOKEN", "proxy-b-token"),
+        ]),
+        "starting two Envoys",
+    );
+    assert!(
+        !envoys[1].log().contains("proxy-b-token"),
+        "Envoy's log shows the token"
+    );
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("")).collect();
+    let req = Request::get("/").header("x-client-id", "everywhere");
+    let responses = spread(&urls, &req, 150, 16);
+    let mut per_proxy = [[0u64; 2]; 2];
+    let mut remaining = Vec::new();
+    for (i, (proxy, r)) in responses.iter().enumerate() {
+        match r.status {
+            200 => {
+                per_proxy[*proxy][0] += 1;
+                remaining.push(int_header(r, "x-ratelimit-remaining"));
+            }
+            429 => per_proxy[*proxy][1] += 1,
+            other => panic!("request {i} via proxy {proxy}: status {other}: {r:#?}"),
+        }
+    }
+    println!("two proxies with tokens: {per_proxy:?} ([200, 429] per proxy)");
+    let allowed: u64 = per_proxy.iter().map(|p| p[0]).sum();
+    assert_eq!((allowed, 150 - allowed), (60, 90));
+    assert!(
+        per_proxy.iter().all(|p| p[0] > 0),
+        "a proxy got nothing: {per_proxy:?}"
+    );
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..LIMIT).collect::<Vec<_>>());
+    for reason in ["missing", "malformed", "unknown", "wrong_domain"] {
+        assert_eq!(auth_failures(&gateway, reason), 0.0, "{reason}");
+    }
+    for (p, envoy) in envoys.iter().enumerate() {
+        let m = counters(envoy);
+        assert_eq!(m["ratelimit_wasm_global_failures"], 0, "proxy {p}: {m:?}");
+        assert_eq!(m["ratelimit_wasm_global_calls"], 75, "proxy {p}: {m:?}");
+    }
+}
+
+/// A proxy without a token, and one with a token of another domain, get no
+/// admission from the gateway (401, 403): each request takes the proxy's
+/// failure mode (closed: 503; open: 200, counted), every request calls the
+/// gateway (a 4xx does not open the circuit), and Redis holds nothing.
+#[test]
+fn a_proxy_without_a_token_of_its_domain_gets_no_admission_its_failure_mode_decides() {
+    const REQUESTS: usize = 20;
+    let dir = scratch("no-token");
+    let redis = ok(Redis::start(), "starting redis-server");
+    let closed = json!({ "timeout_ms": 200, "failure_mode": "closed" });
+    let mut open = json!({ "timeout_ms": 200, "failure_mode": "open" });
+    open["token"] = json!("other-domain-token");
+    let policy = global_config("no-token", "shared", 5, closed.clone());
+    let tokens = "no-token the-right-token\nsomewhere-else other-domain-token\n";
+    let gateway = gateway_with_tokens(&redis, &dir, tokens, &policy, &[]);
+    let envoys = ok(
+        Envoy::start_all(&[
+            EnvoyOptions::new(global_config("no-token", "shared", 5, closed))
+                .gateway_port(gateway.port()),
+            EnvoyOptions::new(global_config("no-token", "shared", 5, open))
+                .gateway_port(gateway.port()),
+        ]),
+        "starting two Envoys",
+    );
+    let mut statuses = Vec::new();
+    for envoy in &envoys {
+        let req = Request::get("/").header("x-client-id", "mallory");
+        let rs = spread(&[envoy.url("")], &req, REQUESTS, 4);
+        let mut by_status = BTreeMap::new();
+        for (_, r) in &rs {
+            *by_status.entry(r.status).or_insert(0usize) += 1;
+        }
+        statuses.push(by_status);
+    }
+    println!("no token (closed), other domain's token (open): {statuses:?}");
+    assert_eq!(statuses[0], BTreeMap::from([(503, REQUESTS)]));
+    assert_eq!(statuses[1], BTreeMap::from([(200, REQUESTS)]));
+    let closed_m = counters(&envoys[0]);
+    let open_m = counters(&envoys[1]);
+    let n = REQUESTS as u64;
+    assert_eq!(
+        (
+            closed_m["ratelimit_wasm_global_calls"],
+            closed_m["ratelimit_wasm_failure_mode_closed"]
+        ),
+        (n, n),
+        "{closed_m:?}"
+    );
+    assert_eq!(
+        (
+            open_m["ratelimit_wasm_global_calls"],
+            open_m["ratelimit_wasm_failure_mode_open"]
+        ),
+        (n, n),
+        "{open_m:?}"
+    );
+    assert_eq!(auth_failures(&gateway, "missing"), n as f64);
+    assert_eq!(auth_failures(&gateway, "wrong_domain"), n as f64);
+    assert_eq!(
+        data_keys(&redis),
+        "",
+        "a refused proxy's requests wrote to Redis"
+    );
+}
+
+/// The gateway over mutual TLS: an Envoy whose gateway cluster carries an
+/// `UpstreamTlsContext` with a client certificate of the gateway's
+/// `--client-ca` is decided exactly (5 of 8 pass a limit of 5); one without
+/// a client certificate never gets past the handshake (closed: 503), and
+/// the gateway sees no request from it.
+#[test]
+fn an_envoy_with_a_client_certificate_reaches_the_gateway_over_mutual_tls() {
+    let dir = scratch("mtls");
+    let redis = ok(Redis::start(), "starting redis-server");
+    let pki = ok(
+        testkit::pki::TestPki::new(&["localhost", "127.0.0.1"]),
+        "making certificates",
+    );
+    let (cert, key, ca) = (
+        pki.server_cert().display().to_string(),
+        pki.server_key().display().to_string(),
+        pki.ca().display().to_string(),
+    );
+    let mut global = json!({ "timeout_ms": 500, "failure_mode": "closed" });
+    global["token"] = json!("tls-proxy-token");
+    let config = global_config("mtls", "shared", 5, global);
+    let gateway = gateway_with_tokens(
+        &redis,
+        &dir,
+        "mtls tls-proxy-token\n",
+        &config,
+        &["--tls-cert", &cert, "--tls-key", &key, "--client-ca", &ca],
+    );
+    let tls = |client_cert| testkit::GatewayTls {
+        ca: pki.ca(),
+        server_name: "localhost".to_string(),
+        client_cert,
+    };
+    let envoys = ok(
+        Envoy::start_all(&[
+            EnvoyOptions::new(config.clone())
+                .gateway_port(gateway.port())
+                .gateway_tls(tls(Some((pki.client_cert(), pki.client_key())))),
+            EnvoyOptions::new(config)
+                .gateway_port(gateway.port())
+                .gateway_tls(tls(None)),
+        ]),
+        "starting two Envoys",
+    );
+    let c = envoys[0].client(ConnectionMode::NewPerRequest);
+    let statuses: Vec<u16> = (0..8).map(|_| get(&c, "alice").status).collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429, 429]);
+    let c = envoys[1].client(ConnectionMode::NewPerRequest);
+    let statuses: Vec<u16> = (0..3).map(|_| get(&c, "bob").status).collect();
+    assert_eq!(statuses, [503, 503, 503]);
+    // testkit reads /metrics over plain HTTP: the listener is TLS only.
+    assert!(
+        gateway.metric("ratelimit_gateway_checks_total").is_err(),
+        "plain HTTP reached a TLS listener"
+    );
+    let m = counters(&envoys[1]);
+    assert_eq!(m["ratelimit_wasm_failure_mode_closed"], 3, "{m:?}");
+    let keys = data_keys(&redis);
+    assert_eq!(keys.lines().count(), 1, "only alice's bucket: {keys}");
+    assert!(keys.contains("alice"), "{keys}");
+}

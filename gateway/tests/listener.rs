@@ -65,10 +65,30 @@ impl Drop for Killed {
     }
 }
 
+/// The policy of every gateway here: domain `api`, one global rule `rule`
+/// of 20 a minute per client.
+const POLICY: &str = r#"{"domain": "api", "global": {"cluster": "gw"},
+  "rules": [{"name": "rule", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 20, "per": "1m"}]}]}"#;
+
+fn options(redis: &Redis) -> GatewayOptions {
+    GatewayOptions::new(redis.url()).policy(POLICY)
+}
+
 fn write(dir: &Path, name: &str, text: &str) -> String {
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
     path.display().to_string()
+}
+
+/// Every key but the health check's (`<prefix>health:<instance>`, written
+/// by `/healthz`), with value and expiry.
+fn dump(redis: &Redis) -> String {
+    let all = ok(redis.dump(), "dumping Redis");
+    all.lines()
+        .filter(|l| !l.starts_with("rl:health:"))
+        .map(|l| format!("{l}\n"))
+        .collect()
 }
 
 fn metric(gw: &Gateway, sample: &str) -> f64 {
@@ -97,7 +117,7 @@ fn callers_without_a_token_of_the_domain_are_refused_and_write_nothing() {
     let dir = TempDir::new();
     let tokens = write(dir.path(), "tokens", TOKENS);
     let gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&["--auth-tokens", &tokens])),
+        Gateway::start(options(&redis).args(&["--auth-tokens", &tokens])),
         "starting the gateway",
     );
     let limits: &[common::L] = &[(20, 60_000, "token_bucket")];
@@ -106,7 +126,7 @@ fn callers_without_a_token_of_the_domain_are_refused_and_write_nothing() {
     // alice's bucket exists: one real check by the api proxy.
     let r = post(&gw, "/v1/check", &check, Some("api-token-1"));
     assert_eq!(r.status, 200, "{r:#?}");
-    let before = ok(redis.dump(), "dumping Redis");
+    let before = dump(&redis);
     assert!(!before.is_empty());
 
     // Drain and refill attempts, by nobody, by a stranger and by another domain.
@@ -149,11 +169,7 @@ fn callers_without_a_token_of_the_domain_are_refused_and_write_nothing() {
         "posting",
     );
     assert_eq!(r.status, 401);
-    assert_eq!(
-        ok(redis.dump(), "dumping Redis"),
-        before,
-        "a refused call wrote to Redis"
-    );
+    assert_eq!(dump(&redis), before, "a refused call wrote to Redis");
     let failures = |reason: &str| {
         metric(
             &gw,
@@ -187,7 +203,7 @@ fn the_token_file_reloads_and_a_broken_one_keeps_the_old_tokens() {
     let dir = TempDir::new();
     let tokens = write(dir.path(), "tokens", "api old-token\n");
     let gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&["--auth-tokens", &tokens])),
+        Gateway::start(options(&redis).args(&["--auth-tokens", &tokens])),
         "starting the gateway",
     );
     let check = request("api", 1, &[("k", "t", &[(100, 60_000, "token_bucket")])]);
@@ -252,10 +268,7 @@ fn the_binary_refuses_to_start_without_tokens_unless_told_it_is_insecure() {
         "{stderr}"
     );
     let redis = ok(Redis::start(), "starting redis-server");
-    let gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url())),
-        "starting the gateway",
-    );
+    let gw = ok(Gateway::start(options(&redis)), "starting the gateway");
     assert!(
         gw.log()
             .contains("--insecure-no-auth: /v1/* answers anyone"),
@@ -290,10 +303,7 @@ fn time_to_close(s: &mut TcpStream, limit: Duration, got: &mut Vec<u8>) -> Optio
 fn partial_headers_are_closed_within_the_header_timeout() {
     let redis = ok(Redis::start(), "starting redis-server");
     // The default --header-timeout-ms: 5000.
-    let gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url())),
-        "starting the gateway",
-    );
+    let gw = ok(Gateway::start(options(&redis)), "starting the gateway");
     let mut s = TcpStream::connect(("127.0.0.1", gw.port())).unwrap();
     s.write_all(b"POST /v1/check HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n")
         .unwrap();
@@ -318,10 +328,7 @@ fn partial_headers_are_closed_within_the_header_timeout() {
 fn a_trickled_body_is_answered_408_and_closed_within_the_body_timeout() {
     let redis = ok(Redis::start(), "starting redis-server");
     // The default --body-timeout-ms: 5000.
-    let gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url())),
-        "starting the gateway",
-    );
+    let gw = ok(Gateway::start(options(&redis)), "starting the gateway");
     let mut s = TcpStream::connect(("127.0.0.1", gw.port())).unwrap();
     s.write_all(
         b"POST /v1/check HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n",
@@ -361,7 +368,7 @@ fn a_trickled_body_is_answered_408_and_closed_within_the_body_timeout() {
         metric(&gw, "ratelimit_gateway_read_timeouts_total{phase=\"body\"}"),
         1.0
     );
-    assert_eq!(ok(redis.cli(&["DBSIZE"]), "DBSIZE"), "0");
+    assert_eq!(dump(&redis), "", "a refused call wrote to Redis");
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -383,7 +390,7 @@ fn nearly_complete_large_bodies_cannot_grow_memory_past_the_in_flight_bound() {
     const BODY: usize = 1 << 20;
     let redis = ok(Redis::start(), "starting redis-server");
     let gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&["--max-in-flight", "8"])),
+        Gateway::start(options(&redis).args(&["--max-in-flight", "8"])),
         "starting the gateway",
     );
     let pid = gw.pid().unwrap();
@@ -430,7 +437,7 @@ fn nearly_complete_large_bodies_cannot_grow_memory_past_the_in_flight_bound() {
     }
     println!("answers: {statuses:?}");
     assert_eq!(statuses.get("408"), Some(&8), "{statuses:?}");
-    assert_eq!(ok(redis.cli(&["DBSIZE"]), "DBSIZE"), "0");
+    assert_eq!(dump(&redis), "", "a refused call wrote to Redis");
 }
 
 #[test]
@@ -438,7 +445,7 @@ fn sigterm_with_a_half_open_connection_exits_within_the_drain_timeout() {
     let redis = ok(Redis::start(), "starting redis-server");
     // Headers may take a minute here: only the drain deadline can end it.
     let mut gw = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&[
+        Gateway::start(options(&redis).args(&[
             "--drain-timeout",
             "2s",
             "--header-timeout-ms",
@@ -521,6 +528,8 @@ fn mutual_tls_requires_a_client_certificate_of_the_ca() {
         pki.ca().display().to_string(),
     );
     let port = testkit::free_port().expect("a free port");
+    let dir = TempDir::new();
+    let policy = write(dir.path(), "policy.json", POLICY);
     // The testkit helper polls /healthz over plain HTTP: start it by hand.
     let bin = ok(testkit::gateway_bin(), "finding the gateway binary");
     let _child = Killed(
@@ -532,6 +541,8 @@ fn mutual_tls_requires_a_client_certificate_of_the_ca() {
                 &redis.url(),
             ])
             .args([
+                "--policy",
+                &policy,
                 "--insecure-no-auth",
                 "--tls-cert",
                 &cert,

@@ -49,6 +49,22 @@ pub struct EnvoyOptions {
     pub log_level: String,
     /// `--component-log-level`; default `wasm:debug`.
     pub component_log_level: String,
+    /// Environment variables of the wasm VM (`vm_config.environment_variables`),
+    /// e.g. the gateway token that `global.token_env` names.
+    pub vm_env: Vec<(String, String)>,
+    /// TLS (and a client certificate) on the `ratelimit_gateway` cluster.
+    pub gateway_tls: Option<GatewayTls>,
+}
+
+/// An `UpstreamTlsContext` on the `ratelimit_gateway` cluster.
+#[derive(Debug, Clone)]
+pub struct GatewayTls {
+    /// CA certificate (PEM) the gateway's certificate must chain to.
+    pub ca: PathBuf,
+    /// SNI and the name the gateway's certificate must hold.
+    pub server_name: String,
+    /// Client certificate chain and key (PEM), for mutual TLS.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 impl EnvoyOptions {
@@ -66,7 +82,21 @@ impl EnvoyOptions {
             work_dir: None,
             log_level: "info".to_string(),
             component_log_level: "wasm:debug".to_string(),
+            vm_env: Vec::new(),
+            gateway_tls: None,
         }
+    }
+
+    /// Sets an environment variable of the wasm VM.
+    pub fn vm_env(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.vm_env.push((name.into(), value.into()));
+        self
+    }
+
+    /// Calls the gateway over TLS.
+    pub fn gateway_tls(mut self, tls: GatewayTls) -> Self {
+        self.gateway_tls = Some(tls);
+        self
     }
 
     /// Uses fixed ports instead of free ones.
@@ -211,7 +241,10 @@ impl Envoy {
                 None => demo_jwks()?,
             },
         };
-        let rendered = render_file(&template, &vars)?;
+        let mut rendered = render_file(&template, &vars)?;
+        if !opts.vm_env.is_empty() || opts.gateway_tls.is_some() {
+            rendered = customize(&rendered, &opts)?;
+        }
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, rendered)
             .with_context(|| format!("writing {}", config_path.display()))?;
@@ -453,6 +486,85 @@ impl Drop for Envoy {
             }
         }
     }
+}
+
+/// The entry of list `v` named `name`.
+fn named<'a>(v: &'a mut serde_norway::Value, name: &str) -> Result<&'a mut serde_norway::Value> {
+    v.as_sequence_mut()
+        .and_then(|list| {
+            list.iter_mut()
+                .find(|e| e.get("name").and_then(|n| n.as_str()) == Some(name))
+        })
+        .with_context(|| format!("no `{name}` in the rendered template"))
+}
+
+/// Descends `keys` (a number indexes a list) from `v`.
+fn at<'a>(v: &'a mut serde_norway::Value, keys: &[&str]) -> Result<&'a mut serde_norway::Value> {
+    let mut v = v;
+    for k in keys {
+        v = match k.parse::<usize>() {
+            Ok(i) => v.get_mut(i),
+            Err(_) => v.get_mut(*k),
+        }
+        .with_context(|| format!("no `{k}` in the rendered template"))?;
+    }
+    Ok(v)
+}
+
+/// The rendered template with the VM's environment variables and the
+/// gateway cluster's TLS of `opts` (edited as YAML data; the template itself
+/// stays as shipped).
+fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
+    use serde_norway::{Mapping, Value};
+    let mut doc: Value = serde_norway::from_str(rendered).context("parsing the rendered template")?;
+    if !opts.vm_env.is_empty() {
+        let listeners = at(&mut doc, &["static_resources", "listeners"])?;
+        let hcm = at(named(listeners, "ingress")?, &["filter_chains", "0", "filters", "0"])?;
+        let filters = at(hcm, &["typed_config", "http_filters"])?;
+        let wasm = named(filters, "envoy.filters.http.wasm")?;
+        let vm = at(wasm, &["typed_config", "config", "vm_config"])?;
+        let mut vars = Mapping::new();
+        for (k, v) in &opts.vm_env {
+            vars.insert(Value::from(k.as_str()), Value::from(v.as_str()));
+        }
+        let mut env = Mapping::new();
+        env.insert("key_values".into(), Value::Mapping(vars));
+        vm.as_mapping_mut()
+            .context("vm_config is not a mapping")?
+            .insert("environment_variables".into(), Value::Mapping(env));
+    }
+    if let Some(tls) = &opts.gateway_tls {
+        let file = |p: &Path| -> Result<Value> {
+            let p = p.to_str().context("a TLS path is not UTF-8")?;
+            Ok(serde_norway::from_str(&format!("{{ filename: {} }}", serde_json::to_string(p)?))?)
+        };
+        let mut common = Mapping::new();
+        let mut validation = Mapping::new();
+        validation.insert("trusted_ca".into(), file(&tls.ca)?);
+        common.insert("validation_context".into(), Value::Mapping(validation));
+        if let Some((cert, key)) = &tls.client_cert {
+            let mut pair = Mapping::new();
+            pair.insert("certificate_chain".into(), file(cert)?);
+            pair.insert("private_key".into(), file(key)?);
+            common.insert("tls_certificates".into(), Value::Sequence(vec![Value::Mapping(pair)]));
+        }
+        let mut ctx = Mapping::new();
+        ctx.insert(
+            "@type".into(),
+            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext".into(),
+        );
+        ctx.insert("sni".into(), tls.server_name.as_str().into());
+        ctx.insert("common_tls_context".into(), Value::Mapping(common));
+        let mut socket = Mapping::new();
+        socket.insert("name".into(), "envoy.transport_sockets.tls".into());
+        socket.insert("typed_config".into(), Value::Mapping(ctx));
+        let clusters = at(&mut doc, &["static_resources", "clusters"])?;
+        named(clusters, "ratelimit_gateway")?
+            .as_mapping_mut()
+            .context("the gateway cluster is not a mapping")?
+            .insert("transport_socket".into(), Value::Mapping(socket));
+    }
+    serde_norway::to_string(&doc).context("writing the customized template")
 }
 
 /// A `--base-id` no other Envoy of this machine uses right now: derived from

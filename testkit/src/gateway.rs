@@ -32,7 +32,8 @@ pub struct GatewayOptions {
     /// Fixed listen port on 127.0.0.1; `None` picks a free one (and retries
     /// with another if it cannot bind).
     pub port: Option<u16>,
-    /// More flags, e.g. `["--redis-timeout-ms", "50"]`.
+    /// More flags, e.g. `["--redis-timeout-ms", "50"]`. Without
+    /// `--auth-tokens` among them, `--insecure-no-auth` is added.
     pub extra_args: Vec<String>,
     /// How long to wait for `GET /healthz` to answer 200 (Redis reachable).
     pub ready_timeout: Duration,
@@ -153,6 +154,10 @@ impl Gateway {
                 Ok(())
             });
         }
+        // Without tokens asked for, the gateway must be told it serves anyone.
+        if !self.opts.extra_args.iter().any(|a| a == "--auth-tokens") {
+            cmd.arg("--insecure-no-auth");
+        }
         let child = cmd
             .arg("--listen")
             .arg(format!("127.0.0.1:{}", self.port))
@@ -206,6 +211,9 @@ impl Gateway {
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
+        // Over TLS (`--tls-cert`), this plain client cannot ask /healthz:
+        // the port accepting connections and the start logged must do.
+        let tls = self.opts.extra_args.iter().any(|a| a == "--tls-cert");
         }
     }
 
@@ -215,6 +223,12 @@ impl Gateway {
             Some(c) => c.try_wait().context("waiting for ratelimit-gateway"),
             None => Ok(None),
         }
+            if tls
+                && self.log().contains("ratelimit-gateway listening")
+                && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            {
+                return Ok(());
+            }
     }
 
     /// Whether the process runs.

@@ -29,7 +29,7 @@ pub mod ports;
 pub mod stub;
 
 pub use config::{render_template, validate_config, validate_shipped_configs, TemplateVars};
-pub use envoy::{prometheus_value, Envoy, EnvoyOptions};
+pub use envoy::{prometheus_value, Envoy, EnvoyOptions, GatewayTls};
 pub use gateway::{Gateway, GatewayOptions};
 pub use http::{burst, Client, ConnectionMode, Request, Response};
 pub use paths::{envoy_bin, gateway_bin, wasm_path, workspace_root};
