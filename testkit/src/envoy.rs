@@ -516,10 +516,14 @@ fn at<'a>(v: &'a mut serde_norway::Value, keys: &[&str]) -> Result<&'a mut serde
 /// stays as shipped).
 fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
     use serde_norway::{Mapping, Value};
-    let mut doc: Value = serde_norway::from_str(rendered).context("parsing the rendered template")?;
+    let mut doc: Value =
+        serde_norway::from_str(rendered).context("parsing the rendered template")?;
     if !opts.vm_env.is_empty() {
         let listeners = at(&mut doc, &["static_resources", "listeners"])?;
-        let hcm = at(named(listeners, "ingress")?, &["filter_chains", "0", "filters", "0"])?;
+        let hcm = at(
+            named(listeners, "ingress")?,
+            &["filter_chains", "0", "filters", "0"],
+        )?;
         let filters = at(hcm, &["typed_config", "http_filters"])?;
         let wasm = named(filters, "envoy.filters.http.wasm")?;
         let vm = at(wasm, &["typed_config", "config", "vm_config"])?;
@@ -536,7 +540,10 @@ fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
     if let Some(tls) = &opts.gateway_tls {
         let file = |p: &Path| -> Result<Value> {
             let p = p.to_str().context("a TLS path is not UTF-8")?;
-            Ok(serde_norway::from_str(&format!("{{ filename: {} }}", serde_json::to_string(p)?))?)
+            Ok(serde_norway::from_str(&format!(
+                "{{ filename: {} }}",
+                serde_json::to_string(p)?
+            ))?)
         };
         let mut common = Mapping::new();
         let mut validation = Mapping::new();
@@ -546,12 +553,16 @@ fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
             let mut pair = Mapping::new();
             pair.insert("certificate_chain".into(), file(cert)?);
             pair.insert("private_key".into(), file(key)?);
-            common.insert("tls_certificates".into(), Value::Sequence(vec![Value::Mapping(pair)]));
+            common.insert(
+                "tls_certificates".into(),
+                Value::Sequence(vec![Value::Mapping(pair)]),
+            );
         }
         let mut ctx = Mapping::new();
         ctx.insert(
             "@type".into(),
-            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext".into(),
+            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+                .into(),
         );
         ctx.insert("sni".into(), tls.server_name.as_str().into());
         ctx.insert("common_tls_context".into(), Value::Mapping(common));
