@@ -1,6 +1,7 @@
 //! Command-line flags, each also read from an environment variable.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
@@ -28,6 +29,9 @@ pub struct Args {
     /// Prefix of every Redis key (must not contain '{' or '}').
     #[arg(long, env = "RLGW_KEY_PREFIX", default_value = "rl:")]
     pub key_prefix: String,
+    /// The policy: plugin configurations (a file, or a directory of *.json), one domain each; repeatable; reloaded on SIGHUP and change.
+    #[arg(long, env = "RLGW_POLICY", value_delimiter = ',')]
+    pub policy: Vec<PathBuf>,
 }
 
 /// What the server needs to run.
@@ -41,16 +45,24 @@ pub struct Config {
     pub redis_timeout: Duration,
     /// Prefix of every Redis key.
     pub key_prefix: String,
+    /// The policy's files and directories (`crate::policy`).
+    pub policy: Vec<PathBuf>,
 }
 
 impl Config {
-    /// A config for one Redis server with the defaults of the flags.
-    pub fn single(listen: SocketAddr, redis_url: impl Into<String>) -> Config {
+    /// A config for one Redis server with the defaults of the flags;
+    /// `policy` is what `--policy` would give.
+    pub fn single(
+        listen: SocketAddr,
+        redis_url: impl Into<String>,
+        policy: Vec<PathBuf>,
+    ) -> Config {
         Config {
             listen,
             target: Target::Single(redis_url.into()),
             redis_timeout: Duration::from_millis(20),
             key_prefix: "rl:".to_string(),
+            policy,
         }
     }
 }
@@ -76,6 +88,7 @@ impl TryFrom<Args> for Config {
             target,
             redis_timeout: Duration::from_millis(a.redis_timeout_ms),
             key_prefix: a.key_prefix,
+            policy: a.policy,
         })
     }
 }

@@ -17,10 +17,18 @@
 //! limit is not in the name: a client moved to another tier keeps its count.
 //! A quota key never equals a limit key: its fourth part is a period name,
 //! where a limit key has an algorithm name.
+//!
+//! One lease ledger per caller and bucket ([`ledger_key`]): the bucket's
+//! first limit key, then `|held|<caller>`: what the caller was granted and has
+//! not given back, which caps what it may give back. Same hash tag, so the
+//! same slot as the bucket; it has more `|` parts than any limit or quota key.
+//! The limits come from the policy, so a changed policy starts fresh keys
+//! (and ledgers), never keys a request chose.
 
 use redis::cluster_routing::Slot;
 
-use crate::protocol::{CheckRequest, LeaseRequest, LimitSpec, Period};
+use crate::policy::{Resolved, ResolvedLease};
+use crate::protocol::{Limit as LimitSpec, Period};
 
 /// One limit of one bucket, with its Redis key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,7 +133,7 @@ pub fn quota_key(
 }
 
 /// Every quota of the request with its key base, in request order.
-pub fn quota_keys(prefix: &str, req: &CheckRequest) -> Vec<QuotaKey> {
+pub fn quota_keys(prefix: &str, req: &Resolved) -> Vec<QuotaKey> {
     req.quotas
         .iter()
         .enumerate()
@@ -140,7 +148,7 @@ pub fn quota_keys(prefix: &str, req: &CheckRequest) -> Vec<QuotaKey> {
 }
 
 /// Every limit of the request with its key, in request order.
-pub fn limit_keys(prefix: &str, req: &CheckRequest) -> Vec<LimitKey> {
+pub fn limit_keys(prefix: &str, req: &Resolved) -> Vec<LimitKey> {
     let mut out = Vec::new();
     for (b, bucket) in req.buckets.iter().enumerate() {
         for (l, spec) in bucket.limits.iter().enumerate() {
@@ -149,7 +157,7 @@ pub fn limit_keys(prefix: &str, req: &CheckRequest) -> Vec<LimitKey> {
                 limit: l,
                 key: redis_key(prefix, &req.domain, &bucket.tag, &bucket.key, l, spec),
                 spec: *spec,
-                cost: bucket.cost_in(req.cost),
+                cost: bucket.cost,
             });
         }
     }
@@ -159,12 +167,23 @@ pub fn limit_keys(prefix: &str, req: &CheckRequest) -> Vec<LimitKey> {
 /// The Redis keys of a lease's limits, in order: the keys [`limit_keys`]
 /// gives a check bucket with the same domain, tag, key and limits, so that
 /// leases and checks draw from one bucket. One tag, hence one cluster slot.
-pub fn lease_keys(prefix: &str, req: &LeaseRequest) -> Vec<String> {
+pub fn lease_keys(prefix: &str, req: &ResolvedLease) -> Vec<String> {
     req.limits
         .iter()
         .enumerate()
         .map(|(l, spec)| redis_key(prefix, &req.domain, &req.tag, &req.key, l, spec))
         .collect()
+}
+
+/// The ledger of what `caller` holds of a lease's bucket: its first limit
+/// key (`lease_keys`), then `|held|<caller>` (escaped).
+pub fn ledger_key(prefix: &str, req: &ResolvedLease, caller: &str) -> String {
+    let first = req
+        .limits
+        .first()
+        .map(|spec| redis_key(prefix, &req.domain, &req.tag, &req.key, 0, spec))
+        .unwrap_or_default();
+    format!("{first}|held|{}", escape(caller))
 }
 
 /// Splits limits and quotas by cluster slot, groups ordered by first
@@ -251,23 +270,21 @@ mod tests {
                 algorithm: Algorithm::TokenBucket,
             },
         ];
-        let lease = LeaseRequest {
-            version: 1,
+        let lease = ResolvedLease {
             domain: "d|x".to_string(),
             key: "rule/client=abc".to_string(),
             tag: "client=abc}".to_string(),
             limits: limits.clone(),
             want: 3,
             returned: 0,
+            ttl_ms: 2000,
         };
-        let check = CheckRequest {
-            version: 1,
+        let check = Resolved {
             domain: lease.domain.clone(),
-            cost: 1,
-            buckets: vec![crate::protocol::BucketSpec {
+            buckets: vec![crate::policy::ResolvedBucket {
                 key: lease.key.clone(),
                 tag: lease.tag.clone(),
-                cost: None,
+                cost: 1,
                 limits,
             }],
             quotas: vec![],
@@ -284,6 +301,13 @@ mod tests {
                 "rl:{d%7Cx|client=abc%7D}|rule/client=abc|1|token_bucket|5|1000"
             ]
         );
+        // The ledger: same slot, a key no check or quota can name.
+        let ledger = ledger_key("rl:", &lease, "ip:10.0.0.1|x");
+        assert_eq!(
+            ledger,
+            "rl:{d%7Cx|client=abc%7D}|rule/client=abc|0|token_bucket|60|60000|held|ip:10.0.0.1%7Cx"
+        );
+        assert_eq!(Slot::for_key(&ledger), Slot::for_key(&from_check[0]));
     }
 
     #[test]

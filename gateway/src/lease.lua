@@ -4,18 +4,26 @@
 -- KEYS[1..L]        one Redis key per limit: exactly the keys check.lua gets
 --                   for the same bucket (one domain and tag: one cluster slot),
 --                   so leases and checks draw from one bucket
+-- KEYS[L+1]         the caller's ledger of this bucket (same slot): the tokens
+--                   it was granted and has not given back
 -- ARGV[1]           "" in production: time comes from Redis TIME. TEST ONLY: a
 --                   time in ms overrides it, and then keys are written without
 --                   an expiry (as in check.lua). Used only by tests
 --                   (Limiter::lease_at).
 -- ARGV[2]           want (1..2^53): tokens asked for
 -- ARGV[3]           return (0..2^53): unspent tokens of the caller's previous
---                   lease on this bucket
--- ARGV[2i+2..2i+3]  per limit i (i = 1..L): requests (C), window_ms (W); every
+--                   lease on this bucket; at most what its ledger holds is taken
+-- ARGV[4]           the ledger's life in ms (twice the policy's lease.ttl_ms)
+-- ARGV[2i+3..2i+4]  per limit i (i = 1..L): requests (C), window_ms (W); every
 --                   limit is a token bucket
 --
--- Returns { granted, then per limit: remaining, reset_ms, retry_after_ms }.
+-- Returns { granted, taken back, then per limit: remaining, reset_ms,
+-- retry_after_ms }.
 --
+-- 0. The caller gives back at most what its ledger holds: return is capped
+--    there. The ledger then holds held - taken back + granted, for ARGV[4] ms
+--    from this call (deleted at 0): tokens granted and not given back, spent
+--    or not, so a caller can refill a bucket with its own grants only.
 -- 1. Give back: in every limit the TAT goes back by return * W / C ms,
 --    floored at now (as refund.lua gives back a token-bucket charge).
 -- 2. Grant g = min(want, every C, every limit's whole tokens free now), and
@@ -37,6 +45,11 @@
 local now, override = clock(ARGV[1])
 local want = tonumber(ARGV[2])
 local give = tonumber(ARGV[3])
+local ledger_ttl = ARGV[4]
+local L = #KEYS - 1
+local ledger = KEYS[L + 1]
+local held = tonumber(redis.call('GET', ledger) or '0') or 0
+if give > held then give = held end
 
 -- The bucket's use as check.lua reads it: TAT - now = d + r/C ms with
 -- 0 <= r < C, or (0, 0) when the TAT is past (the bucket is full).
@@ -68,9 +81,9 @@ end
 
 local limits = {}
 local granted = want
-for i = 1, #KEYS do
-  local c = tonumber(ARGV[2 * i + 2])
-  local w = tonumber(ARGV[2 * i + 3])
+for i = 1, L do
+  local c = tonumber(ARGV[2 * i + 3])
+  local w = tonumber(ARGV[2 * i + 4])
   local d0, r0 = read(redis.call('GET', KEYS[i]))
   local d, r = give_back(d0, r0, c, w, give)
   -- More than a full bucket of use only comes from Redis time that went
@@ -90,7 +103,7 @@ for i = 1, #KEYS do
                 given = d ~= d0 or r ~= r0 }
 end
 
-local out = { granted }
+local out = { granted, give }
 for i, l in ipairs(limits) do
   local c, w, d, r = l.c, l.w, l.d, l.r
   local state, remaining, reset, retry
@@ -131,5 +144,17 @@ for i, l in ipairs(limits) do
   out[#out + 1] = remaining
   out[#out + 1] = reset
   out[#out + 1] = retry
+end
+-- The ledger is written only when it changes: a call that grants and
+-- takes back nothing writes nothing at all.
+local now_held = held - give + granted
+if now_held > 0 and (give > 0 or granted > 0) then
+  if override then
+    redis.call('SET', ledger, fmt(now_held))
+  else
+    redis.call('SET', ledger, fmt(now_held), 'PX', ledger_ttl)
+  end
+elseif now_held == 0 and held > 0 then
+  redis.call('DEL', ledger)
 end
 return out

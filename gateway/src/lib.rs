@@ -22,6 +22,7 @@ pub mod keys;
 pub mod limiter;
 pub mod logging;
 pub mod metrics;
+pub mod policy;
 pub mod protocol;
 pub mod reload;
 pub mod script;
@@ -49,10 +50,22 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
         .context("invalid Redis address")?;
     let limiter = limiter::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
+    if config.policy.is_empty() {
+        anyhow::bail!("--policy: give the plugin configurations whose limits this gateway enforces");
+    }
+    let policy = reload::Reloadable::load(
+        "policy",
+        config.policy.clone(),
+        Box::new(policy::parse),
+        metrics.clone(),
+    )
+    .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    tracing::info!(domains = ?policy.current().domains(), "policy loaded");
     Ok(Arc::new(App {
         limiter,
         metrics,
         warnings,
+        policy,
     }))
 }
 
@@ -62,6 +75,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let app = build(&config)?;
+    let watch = app.policy.watch(reload::POLL);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
@@ -69,6 +83,7 @@ pub async fn run(
     server::serve(listener, app, shutdown)
         .await
         .context("serving")?;
+    watch.abort();
     tracing::info!("ratelimit-gateway stopped");
     Ok(())
 }
@@ -120,9 +135,15 @@ pub async fn start(config: Config, connect_wait: std::time::Duration) -> Result<
     let addr = listener.local_addr()?;
     app.limiter.store().wait_connected(connect_wait).await;
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server::serve(listener, Arc::clone(&app), async move {
+    let watch = app.policy.watch(reload::POLL);
+    let served = server::serve(listener, Arc::clone(&app), async move {
         let _ = stopped.await;
-    }));
+    });
+    let task = tokio::spawn(async move {
+        let r = served.await;
+        watch.abort();
+        r
+    });
     Ok(Running {
         addr,
         app,

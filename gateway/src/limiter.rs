@@ -9,16 +9,19 @@
 //! limit and quota has an answer), and the answer is "denied".
 //!
 //! One `/v1/lease` is one `EVALSHA` of `lease.lua`: the keys of one bucket
-//! share a hash tag, so they are always one slot.
+//! and the caller's ledger share a hash tag, so they are always one slot.
+//!
+//! Requests come here resolved from the policy ([`crate::policy`]): the
+//! answers carry the limits, amounts and periods enforced.
 
 use crate::keys::{self, Group};
 use crate::logging::Escaped;
 use crate::metrics::Metrics;
+use crate::policy::{Resolved, ResolvedLease};
 use crate::protocol::{
-    BucketResult, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, LimitResult,
-    QuotaResult, VERSION,
+    BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, VERSION,
 };
-use crate::script::{self, CheckReply, Mode};
+use crate::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
 use crate::store::{Store, StoreError};
 
 /// The check logic over a [`Store`].
@@ -43,8 +46,8 @@ impl Limiter {
         &self.store
     }
 
-    /// Checks a validated request, with time from Redis.
-    pub async fn check(&self, req: &CheckRequest) -> Result<CheckResponse, StoreError> {
+    /// Checks a resolved request, with time from Redis.
+    pub async fn check(&self, req: &Resolved) -> Result<CheckResponse, StoreError> {
         self.check_at(req, None).await
     }
 
@@ -55,7 +58,7 @@ impl Limiter {
     /// write keys without an expiry. Nothing reachable over HTTP sets it.
     pub async fn check_at(
         &self,
-        req: &CheckRequest,
+        req: &Resolved,
         now_ms: Option<u64>,
     ) -> Result<CheckResponse, StoreError> {
         let limits = keys::limit_keys(&self.prefix, req);
@@ -72,12 +75,12 @@ impl Limiter {
                 limits: Vec::with_capacity(b.limits.len()),
             })
             .collect();
-        let mut slots: Vec<Vec<Option<LimitResult>>> = req
+        let mut slots: Vec<Vec<Option<LimitVerdict>>> = req
             .buckets
             .iter()
             .map(|b| vec![None; b.limits.len()])
             .collect();
-        let mut quota_slots: Vec<Option<QuotaResult>> = vec![None; req.quotas.len()];
+        let mut quota_slots: Vec<Option<QuotaVerdict>> = vec![None; req.quotas.len()];
 
         let mut charged: Vec<(usize, u64)> = Vec::new();
         let mut denied_at = None;
@@ -116,20 +119,34 @@ impl Limiter {
                 }
             }
         }
-        for (answer, bucket) in answers.iter_mut().zip(slots) {
-            for r in bucket {
+        for ((answer, bucket), spec) in answers.iter_mut().zip(slots).zip(&req.buckets) {
+            for (r, limit) in bucket.into_iter().zip(&spec.limits) {
                 let Some(r) = r else {
                     return Err(StoreError::Reply("a limit got no answer".to_string()));
                 };
-                answer.limits.push(r);
+                answer.limits.push(LimitResult {
+                    requests: limit.requests,
+                    window_ms: limit.window_ms,
+                    algorithm: limit.algorithm,
+                    allowed: r.allowed,
+                    remaining: r.remaining,
+                    reset_ms: r.reset_ms,
+                    retry_after_ms: r.retry_after_ms,
+                });
             }
         }
         let mut quotas = Vec::with_capacity(quota_slots.len());
-        for r in quota_slots {
+        for (r, spec) in quota_slots.into_iter().zip(&req.quotas) {
             let Some(r) = r else {
                 return Err(StoreError::Reply("a quota got no answer".to_string()));
             };
-            quotas.push(r);
+            quotas.push(QuotaResult {
+                limit: spec.limit,
+                period: spec.period,
+                allowed: r.allowed,
+                remaining: r.remaining,
+                reset_ms: r.reset_ms,
+            });
         }
         if !allowed {
             for (r, q) in quotas.iter().zip(&req.quotas) {
@@ -159,9 +176,15 @@ impl Limiter {
         })
     }
 
-    /// Leases tokens for a validated lease request, with time from Redis.
-    pub async fn lease(&self, req: &LeaseRequest) -> Result<LeaseResponse, StoreError> {
-        self.lease_at(req, None).await
+    /// Leases tokens for a resolved lease request made by `caller` (the
+    /// identity its ledger is kept under: `crate::auth::Caller::id`), with
+    /// time from Redis.
+    pub async fn lease(
+        &self,
+        req: &ResolvedLease,
+        caller: &str,
+    ) -> Result<LeaseResponse, StoreError> {
+        self.lease_at(req, caller, None).await
     }
 
     /// Leases tokens for a validated lease request. `now_ms` is the
@@ -170,16 +193,35 @@ impl Limiter {
     /// Nothing reachable over HTTP sets it.
     pub async fn lease_at(
         &self,
-        req: &LeaseRequest,
+        req: &ResolvedLease,
+        caller: &str,
         now_ms: Option<u64>,
     ) -> Result<LeaseResponse, StoreError> {
-        let keys = keys::lease_keys(&self.prefix, req);
+        let mut keys = keys::lease_keys(&self.prefix, req);
+        keys.push(keys::ledger_key(&self.prefix, req, caller));
         let args = script::lease_args(req, now_ms);
         let reply: Vec<i64> = self
             .store
             .eval(script::lease(), &keys, &args, "lease")
             .await?;
-        script::parse_lease_reply(&reply, req.limits.len()).map_err(StoreError::Reply)
+        let reply =
+            script::parse_lease_reply(&reply, req.limits.len()).map_err(StoreError::Reply)?;
+        Ok(LeaseResponse {
+            version: VERSION,
+            granted: reply.granted,
+            limits: reply
+                .limits
+                .iter()
+                .zip(&req.limits)
+                .map(|(r, l)| LeaseLimitResult {
+                    requests: l.requests,
+                    window_ms: l.window_ms,
+                    remaining: r.remaining,
+                    reset_ms: r.reset_ms,
+                    retry_after_ms: r.retry_after_ms,
+                })
+                .collect(),
+        })
     }
 
     async fn run(
@@ -220,8 +262,8 @@ impl Limiter {
 }
 
 fn place(
-    slots: &mut [Vec<Option<LimitResult>>],
-    quota_slots: &mut [Option<QuotaResult>],
+    slots: &mut [Vec<Option<LimitVerdict>>],
+    quota_slots: &mut [Option<QuotaVerdict>],
     group: &Group,
     reply: &CheckReply,
 ) {

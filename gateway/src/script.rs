@@ -8,9 +8,7 @@
 use std::sync::OnceLock;
 
 use crate::keys::{Group, LimitKey, QuotaKey};
-use crate::protocol::{
-    LeaseLimitResult, LeaseRequest, LeaseResponse, LimitResult, QuotaResult, VERSION,
-};
+use crate::policy::ResolvedLease;
 
 /// The check-and-consume script (after the shared helpers of `common.lua`:
 /// Redis scripts cannot include each other).
@@ -111,14 +109,17 @@ pub fn refund_args(
     (keys(&group.limits, &group.quotas), args)
 }
 
-/// Arguments of a `lease.lua` call (its keys are [`crate::keys::lease_keys`]):
-/// the time override, want, return, then per limit requests and window_ms.
-/// `now_ms` is the test-only override, as for [`check_args`].
-pub fn lease_args(req: &LeaseRequest, now_ms: Option<u64>) -> Vec<String> {
-    let mut args = Vec::with_capacity(3 + 2 * req.limits.len());
+/// Arguments of a `lease.lua` call (its keys are [`crate::keys::lease_keys`]
+/// and the caller's [`crate::keys::ledger_key`]): the time override, want,
+/// return, the ledger's life (twice the policy's `lease.ttl_ms`: a batch's
+/// unspent tokens come back after it expired), then per limit requests and
+/// window_ms. `now_ms` is the test-only override, as for [`check_args`].
+pub fn lease_args(req: &ResolvedLease, now_ms: Option<u64>) -> Vec<String> {
+    let mut args = Vec::with_capacity(4 + 2 * req.limits.len());
     args.push(now_ms.map(|n| n.to_string()).unwrap_or_default());
     args.push(req.want.to_string());
     args.push(req.returned.to_string());
+    args.push(req.ttl_ms.saturating_mul(2).max(1).to_string());
     for l in &req.limits {
         args.push(l.requests.to_string());
         args.push(l.window_ms.to_string());
@@ -145,6 +146,30 @@ fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
     }
 }
 
+/// One limit's verdict from `check.lua` (the answer adds the limit itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitVerdict {
+    /// Whether this limit alone lets the cost through.
+    pub allowed: bool,
+    /// Whole tokens left.
+    pub remaining: u64,
+    /// Ms until the limit holds nothing back.
+    pub reset_ms: u64,
+    /// Ms until the cost would pass.
+    pub retry_after_ms: u64,
+}
+
+/// One quota's verdict from `check.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaVerdict {
+    /// Whether this quota alone lets the amount through.
+    pub allowed: bool,
+    /// Amount left in the period.
+    pub remaining: u64,
+    /// Ms until the period ends.
+    pub reset_ms: u64,
+}
+
 /// A decoded `check.lua` reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckReply {
@@ -153,9 +178,9 @@ pub struct CheckReply {
     /// The Redis time the script used, in ms.
     pub now_ms: u64,
     /// One per limit key, in order.
-    pub limits: Vec<LimitResult>,
+    pub limits: Vec<LimitVerdict>,
     /// One per quota, in order.
-    pub quotas: Vec<QuotaResult>,
+    pub quotas: Vec<QuotaVerdict>,
 }
 
 /// Decodes `{all, now, (allowed, remaining, reset, retry)*L, (allowed, remaining, reset)*Q}`.
@@ -187,7 +212,7 @@ pub fn parse_check_reply(
     };
     for chunk in limit_part.chunks_exact(4) {
         if let [a, rem, reset, retry] = chunk {
-            out.limits.push(LimitResult {
+            out.limits.push(LimitVerdict {
                 allowed: *a == 1,
                 remaining: non_negative(*rem)?,
                 reset_ms: non_negative(*reset)?,
@@ -197,7 +222,7 @@ pub fn parse_check_reply(
     }
     for chunk in quota_part.chunks_exact(3) {
         if let [a, rem, reset] = chunk {
-            out.quotas.push(QuotaResult {
+            out.quotas.push(QuotaVerdict {
                 allowed: *a == 1,
                 remaining: non_negative(*rem)?,
                 reset_ms: non_negative(*reset)?,
@@ -207,26 +232,49 @@ pub fn parse_check_reply(
     Ok(out)
 }
 
-/// Decodes `lease.lua`'s `{granted, (remaining, reset, retry)*L}`.
-pub fn parse_lease_reply(reply: &[i64], limits: usize) -> Result<LeaseResponse, String> {
-    if reply.len() != 1 + 3 * limits {
+/// One limit of a decoded `lease.lua` reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseVerdict {
+    /// Whole tokens left after the grant.
+    pub remaining: u64,
+    /// Ms until the limit is full again.
+    pub reset_ms: u64,
+    /// Ms until 1 token is free (0 when something was granted).
+    pub retry_after_ms: u64,
+}
+
+/// A decoded `lease.lua` reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseReply {
+    /// Tokens granted.
+    pub granted: u64,
+    /// Tokens taken back (the return, capped at what the caller held).
+    pub taken_back: u64,
+    /// One per limit, in order.
+    pub limits: Vec<LeaseVerdict>,
+}
+
+/// Decodes `lease.lua`'s `{granted, taken back, (remaining, reset, retry)*L}`.
+pub fn parse_lease_reply(reply: &[i64], limits: usize) -> Result<LeaseReply, String> {
+    if reply.len() != 2 + 3 * limits {
         return Err(format!(
             "lease script answered {} integers for {limits} limits",
             reply.len()
         ));
     }
     let non_negative = |v: i64| u64::try_from(v).map_err(|_| format!("negative value {v}"));
-    let Some((granted, rest)) = reply.split_first() else {
-        return Err("empty reply".to_string());
+    let (head, rest) = reply.split_at(2);
+    let [granted, taken_back] = head else {
+        return Err("short reply".to_string());
     };
-    let mut out = LeaseResponse {
-        version: VERSION,
+    let mut out = LeaseReply {
         granted: non_negative(*granted)?,
+        taken_back: non_negative(*taken_back)?,
         limits: Vec::with_capacity(limits),
     };
     for chunk in rest.chunks_exact(3) {
         if let [remaining, reset, retry] = chunk {
-            out.limits.push(LeaseLimitResult {
+            out.limits.push(LeaseVerdict {
                 remaining: non_negative(*remaining)?,
                 reset_ms: non_negative(*reset)?,
                 retry_after_ms: non_negative(*retry)?,
@@ -239,44 +287,44 @@ pub fn parse_lease_reply(reply: &[i64], limits: usize) -> Result<LeaseResponse, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{Algorithm, LimitSpec};
+    use crate::protocol::{Algorithm, Limit};
 
     #[test]
     fn lease_args_layout() {
-        let tb = |requests, window_ms| LimitSpec {
+        let tb = |requests, window_ms| Limit {
             requests,
             window_ms,
             algorithm: Algorithm::TokenBucket,
         };
-        let req = LeaseRequest {
-            version: 1,
+        let req = ResolvedLease {
             domain: "d".to_string(),
             key: "k".to_string(),
             tag: "t".to_string(),
             limits: vec![tb(10, 60_000), tb(3, 1000)],
             want: 5,
             returned: 2,
+            ttl_ms: 2000,
         };
         assert_eq!(
             lease_args(&req, None),
-            ["", "5", "2", "10", "60000", "3", "1000"]
+            ["", "5", "2", "4000", "10", "60000", "3", "1000"]
         );
         assert_eq!(lease_args(&req, Some(1234))[0], "1234");
     }
 
     #[test]
     fn lease_replies() {
-        let r = parse_lease_reply(&[2, 0, 60_000, 0, 7, 18_000, 0], 2).unwrap();
-        assert_eq!(r.granted, 2);
+        let r = parse_lease_reply(&[2, 1, 0, 60_000, 0, 7, 18_000, 0], 2).unwrap();
+        assert_eq!((r.granted, r.taken_back), (2, 1));
         assert_eq!(
             r.limits,
             [
-                LeaseLimitResult {
+                LeaseVerdict {
                     remaining: 0,
                     reset_ms: 60_000,
                     retry_after_ms: 0
                 },
-                LeaseLimitResult {
+                LeaseVerdict {
                     remaining: 7,
                     reset_ms: 18_000,
                     retry_after_ms: 0
@@ -284,11 +332,11 @@ mod tests {
             ]
         );
         assert_eq!(
-            parse_lease_reply(&[2, 0, 1], 1).unwrap_err(),
-            "lease script answered 3 integers for 1 limits"
+            parse_lease_reply(&[2, 0, 0, 1], 1).unwrap_err(),
+            "lease script answered 4 integers for 1 limits"
         );
         assert_eq!(
-            parse_lease_reply(&[0, 0, -1, 0], 1).unwrap_err(),
+            parse_lease_reply(&[0, 0, 0, -1, 0], 1).unwrap_err(),
             "negative value -1"
         );
     }

@@ -31,6 +31,8 @@ pub struct App {
     pub metrics: Metrics,
     /// The rate limit of the warnings callers cause.
     pub warnings: Warnings,
+    /// The policy in force (`--policy`), reloaded on SIGHUP and file changes.
+    pub policy: Arc<crate::reload::Reloadable<crate::policy::Policy>>,
 }
 
 /// The routes.
@@ -96,12 +98,27 @@ fn read_body<T>(
     parse(&body).map_err(|message| bad(StatusCode::BAD_REQUEST, message))
 }
 
+/// A 400 for what the policy does not have, counted as a bad request.
+fn policy_refusal(app: &App, message: String) -> Response {
+    app.metrics.check("error");
+    app.metrics.error("bad_request");
+    if let Some(suppressed) = app.warnings.allow("bad_request") {
+        tracing::warn!(error = %Escaped(&message), suppressed, "bad request");
+    }
+    error(StatusCode::BAD_REQUEST, message)
+}
+
 async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let req = match read_body(&app, body, protocol::parse) {
+    let req = match read_body(&app, body, protocol::parse_check) {
         Ok(r) => r,
         Err((status, message)) => return error(status, message),
     };
-    match app.limiter.check(&req).await {
+    // Limits, windows and amounts from the policy: 400 for what it lacks.
+    let resolved = match app.policy.current().resolve_check(&req) {
+        Ok(r) => r,
+        Err(message) => return policy_refusal(&app, message),
+    };
+    match app.limiter.check(&resolved).await {
         Ok(answer) => {
             app.metrics
                 .check(if answer.allowed { "allowed" } else { "denied" });
@@ -116,7 +133,12 @@ async fn lease(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>)
         Ok(r) => r,
         Err((status, message)) => return error(status, message),
     };
-    match app.limiter.lease(&req).await {
+    let resolved = match app.policy.current().resolve_lease(&req) {
+        Ok(r) => r,
+        Err(message) => return policy_refusal(&app, message),
+    };
+    // One ledger for every caller until callers are authenticated.
+    match app.limiter.lease(&resolved, "anonymous").await {
         Ok(answer) => {
             app.metrics.check("lease");
             (StatusCode::OK, Json(answer)).into_response()

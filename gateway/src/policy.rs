@@ -1,0 +1,663 @@
+//! The gateway's policy: the plugin configurations the filters load (`--policy`),
+//! parsed and validated by the filter's own code (`ratelimit_wasm::config::parse`),
+//! indexed by `domain`.
+//!
+//! A request names identifiers only ([`ratelimit_protocol`]); [`Policy::resolve_check`]
+//! and [`Policy::resolve_lease`] turn them into the limits, windows, quota
+//! amounts, periods and lease bounds the scripts enforce, or a 400 message
+//! naming the field. What a request can name is bounded here:
+//!
+//! * a domain of the policy, a global rule or a quota of that domain, each at
+//!   most once per request (so at most as many buckets as the domain has
+//!   global rules, and as many quotas as it has quotas);
+//! * a variant the rule or quota has (`default`, `tier:<name>`,
+//!   `client:<id>` with an override);
+//! * a key that starts with the rule's (quota's) name, as the filter writes it;
+//! * a cost up to the largest the policy can give the rule (its `cost`, or
+//!   the largest of `costs[]` and 1), an amount up to what the quota's
+//!   `count` allows (1, or that largest cost);
+//! * a lease only on a token-bucket rule of a domain with `global.lease`,
+//!   granted at most `lease.fraction` of its smallest limit, its ledger kept
+//!   `lease.ttl_ms`.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+
+use ratelimit_protocol::{
+    Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Variant,
+};
+use ratelimit_wasm::config::{self as plugin, QuotaCount, Scope};
+
+use crate::reload::Source;
+
+/// Every domain's policy.
+#[derive(Debug, Default)]
+pub struct Policy {
+    domains: HashMap<String, Domain>,
+}
+
+/// One domain: what one plugin configuration allows.
+#[derive(Debug)]
+struct Domain {
+    rules: HashMap<String, RulePolicy>,
+    quotas: HashMap<String, QuotaPolicy>,
+    lease: Option<LeasePolicy>,
+}
+
+#[derive(Debug)]
+struct RulePolicy {
+    algorithm: Algorithm,
+    limits: Vec<Limit>,
+    tiers: HashMap<String, Vec<Limit>>,
+    clients: HashMap<String, Vec<Limit>>,
+    max_cost: u64,
+}
+
+#[derive(Debug)]
+struct QuotaPolicy {
+    period: Period,
+    limit: Option<u64>,
+    /// Every declared tier with its amount (the quota's `tiers.<name>`, else its `limit`).
+    tiers: HashMap<String, Option<u64>>,
+    clients: HashMap<String, u64>,
+    max_amount: u64,
+}
+
+/// A domain's lease bounds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LeasePolicy {
+    /// Most of the smallest limit granted per lease call.
+    pub fraction: f64,
+    /// Life of a caller's ledger entry, in ms.
+    pub ttl_ms: u64,
+}
+
+/// A check with everything resolved from the policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    /// The domain.
+    pub domain: String,
+    /// One per bucket of the request, in order.
+    pub buckets: Vec<ResolvedBucket>,
+    /// One per quota of the request, in order.
+    pub quotas: Vec<ResolvedQuota>,
+}
+
+/// A bucket with its policy limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedBucket {
+    /// As the request named it.
+    pub key: String,
+    /// As the request named it.
+    pub tag: String,
+    /// The request's cost in this bucket (within the policy's bound).
+    pub cost: u64,
+    /// The limits of the rule's variant, from the policy.
+    pub limits: Vec<Limit>,
+}
+
+/// A quota with its policy amount and period.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedQuota {
+    /// As the request named it.
+    pub key: String,
+    /// As the request named it.
+    pub tag: String,
+    /// Amount per period, from the policy.
+    pub limit: u64,
+    /// The period, from the policy.
+    pub period: Period,
+    /// What this request counts (within what the quota's `count` allows).
+    pub amount: u64,
+}
+
+/// A lease with its policy limits and bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedLease {
+    /// The domain.
+    pub domain: String,
+    /// As the request named it.
+    pub key: String,
+    /// As the request named it.
+    pub tag: String,
+    /// The token-bucket limits of the rule's variant, from the policy.
+    pub limits: Vec<Limit>,
+    /// Tokens asked for, capped at `lease.fraction` of the smallest limit.
+    pub want: u64,
+    /// Tokens given back (the script caps them at what the caller holds).
+    pub returned: u64,
+    /// Life of the caller's ledger entry (`lease.ttl_ms`).
+    pub ttl_ms: u64,
+}
+
+/// Parses every file as a plugin configuration; errors are
+/// `<file>: <field path>: <reason>`. Two files with one domain are refused.
+pub fn parse(sources: &[Source]) -> Result<Policy, String> {
+    let mut policy = Policy::default();
+    let mut from: HashMap<String, PathBuf> = HashMap::new();
+    for s in sources {
+        let config = plugin::parse(&s.bytes).map_err(|e| format!("{}: {e}", s.path.display()))?;
+        if let Some(first) = from.get(&config.domain) {
+            return Err(format!(
+                "{}: domain: `{}` is already defined by {}",
+                s.path.display(),
+                config.domain,
+                first.display()
+            ));
+        }
+        from.insert(config.domain.clone(), s.path.clone());
+        policy
+            .domains
+            .insert(config.domain.clone(), Domain::new(&config));
+    }
+    Ok(policy)
+}
+
+fn limits_of(algorithm: Algorithm, specs: &[plugin::LimitSpec]) -> Vec<Limit> {
+    specs
+        .iter()
+        .map(|l| Limit {
+            requests: l.requests,
+            window_ms: l.per.0.saturating_mul(1000),
+            algorithm,
+        })
+        .collect()
+}
+
+impl Domain {
+    fn new(c: &plugin::Config) -> Domain {
+        // The largest cost `costs` can give a request; 1 when none matches.
+        let max_cost = c.costs.iter().map(|x| x.cost).max().unwrap_or(1).max(1);
+        let rules = c
+            .rules
+            .iter()
+            .filter(|r| r.scope == Scope::Global)
+            .map(|r| {
+                let clients = c
+                    .identity
+                    .clients
+                    .iter()
+                    .filter_map(|(id, spec)| {
+                        let l = spec.limits.get(&r.name)?;
+                        Some((id.clone(), limits_of(r.algorithm, l)))
+                    })
+                    .collect();
+                let policy = RulePolicy {
+                    algorithm: r.algorithm,
+                    limits: limits_of(r.algorithm, &r.limits),
+                    tiers: r
+                        .tiers
+                        .iter()
+                        .map(|(t, l)| (t.clone(), limits_of(r.algorithm, l)))
+                        .collect(),
+                    clients,
+                    max_cost: r.cost.unwrap_or(max_cost),
+                };
+                (r.name.clone(), policy)
+            })
+            .collect();
+        let quotas = c
+            .quotas
+            .iter()
+            .map(|q| {
+                let policy = QuotaPolicy {
+                    period: q.period,
+                    limit: q.limit,
+                    tiers: c
+                        .tiers
+                        .keys()
+                        .map(|t| (t.clone(), q.tiers.get(t).copied().or(q.limit)))
+                        .collect(),
+                    clients: c
+                        .identity
+                        .clients
+                        .iter()
+                        .filter_map(|(id, spec)| Some((id.clone(), *spec.quotas.get(&q.name)?)))
+                        .collect(),
+                    max_amount: match q.count {
+                        QuotaCount::Requests => 1,
+                        QuotaCount::Cost => max_cost,
+                    },
+                };
+                (q.name.clone(), policy)
+            })
+            .collect();
+        let lease = c
+            .global
+            .as_ref()
+            .and_then(|g| g.lease.as_ref())
+            .map(|l| LeasePolicy {
+                fraction: l.fraction,
+                ttl_ms: l.ttl_ms.max(1),
+            });
+        Domain {
+            rules,
+            quotas,
+            lease,
+        }
+    }
+
+    fn rule(&self, at: &str, domain: &str, name: &str) -> Result<&RulePolicy, String> {
+        self.rules.get(name).ok_or_else(|| {
+            format!("{at}: unknown rule `{name}`: not a global rule of domain `{domain}`")
+        })
+    }
+}
+
+impl Policy {
+    /// The domains, sorted (for the log).
+    pub fn domains(&self) -> Vec<&str> {
+        let mut d: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        d.sort_unstable();
+        d
+    }
+
+    fn domain(&self, name: &str) -> Result<&Domain, String> {
+        self.domains
+            .get(name)
+            .ok_or_else(|| format!("domain: unknown domain `{name}`: not in the gateway's policy"))
+    }
+
+    /// Resolves a validated check request, or the 400 message.
+    pub fn resolve_check(&self, req: &CheckRequest) -> Result<Resolved, String> {
+        let d = self.domain(&req.domain)?;
+        if req.buckets.len() > d.rules.len() {
+            return Err(format!(
+                "buckets: domain `{}` has {} global rules, so at most {} buckets, got {}",
+                req.domain,
+                d.rules.len(),
+                d.rules.len(),
+                req.buckets.len()
+            ));
+        }
+        if req.quotas.len() > d.quotas.len() {
+            return Err(format!(
+                "quotas: domain `{}` has {} quotas, got {}",
+                req.domain,
+                d.quotas.len(),
+                req.quotas.len()
+            ));
+        }
+        let mut seen = HashSet::new();
+        let mut buckets = Vec::with_capacity(req.buckets.len());
+        for (b, bucket) in req.buckets.iter().enumerate() {
+            let at = format!("buckets[{b}]");
+            if !seen.insert(bucket.rule.as_str()) {
+                return Err(format!(
+                    "{at}.rule: rule `{}` named twice in one request",
+                    bucket.rule
+                ));
+            }
+            buckets.push(resolve_bucket(&at, &req.domain, d, bucket)?);
+        }
+        let mut seen = HashSet::new();
+        let mut quotas = Vec::with_capacity(req.quotas.len());
+        for (q, quota) in req.quotas.iter().enumerate() {
+            let at = format!("quotas[{q}]");
+            if !seen.insert(quota.quota.as_str()) {
+                return Err(format!(
+                    "{at}.quota: quota `{}` named twice in one request",
+                    quota.quota
+                ));
+            }
+            quotas.push(resolve_quota(&at, &req.domain, d, quota)?);
+        }
+        Ok(Resolved {
+            domain: req.domain.clone(),
+            buckets,
+            quotas,
+        })
+    }
+
+    /// Resolves a validated lease request, or the 400 message.
+    pub fn resolve_lease(&self, req: &LeaseRequest) -> Result<ResolvedLease, String> {
+        let d = self.domain(&req.domain)?;
+        let Some(lease) = d.lease else {
+            return Err(format!(
+                "domain: domain `{}` has no global.lease in the gateway's policy",
+                req.domain
+            ));
+        };
+        let rule = d.rule("rule", &req.domain, &req.rule)?;
+        if rule.algorithm != Algorithm::TokenBucket {
+            return Err(format!(
+                "rule: rule `{}` is a {}; leases need token_bucket",
+                req.rule,
+                rule.algorithm.name()
+            ));
+        }
+        check_key("key", &req.rule, &req.key)?;
+        let limits = variant_limits("variant", &req.rule, rule, &req.variant)?;
+        let smallest = limits.iter().map(|l| l.requests).min().unwrap_or(1);
+        // As the filter sizes a batch: at least one token, at most the smallest limit.
+        let cap = ((smallest as f64 * lease.fraction).floor() as u64).clamp(1, smallest.max(1));
+        Ok(ResolvedLease {
+            domain: req.domain.clone(),
+            key: req.key.clone(),
+            tag: req.tag.clone(),
+            limits: limits.to_vec(),
+            want: req.want.min(cap),
+            returned: req.returned,
+            ttl_ms: lease.ttl_ms,
+        })
+    }
+}
+
+fn resolve_bucket(
+    at: &str,
+    domain: &str,
+    d: &Domain,
+    bucket: &BucketRef,
+) -> Result<ResolvedBucket, String> {
+    let rule = d.rule(&format!("{at}.rule"), domain, &bucket.rule)?;
+    check_key(&format!("{at}.key"), &bucket.rule, &bucket.key)?;
+    let limits = variant_limits(
+        &format!("{at}.variant"),
+        &bucket.rule,
+        rule,
+        &bucket.variant,
+    )?;
+    if bucket.cost > rule.max_cost {
+        return Err(format!(
+            "{at}.cost: {} is above {}, the largest cost the policy gives rule `{}`",
+            bucket.cost, rule.max_cost, bucket.rule
+        ));
+    }
+    Ok(ResolvedBucket {
+        key: bucket.key.clone(),
+        tag: bucket.tag.clone(),
+        cost: bucket.cost,
+        limits: limits.to_vec(),
+    })
+}
+
+fn resolve_quota(
+    at: &str,
+    domain: &str,
+    d: &Domain,
+    quota: &QuotaRef,
+) -> Result<ResolvedQuota, String> {
+    let Some(q) = d.quotas.get(&quota.quota) else {
+        return Err(format!(
+            "{at}.quota: unknown quota `{}` in domain `{domain}`",
+            quota.quota
+        ));
+    };
+    check_key(&format!("{at}.key"), &quota.quota, &quota.key)?;
+    let limit = match &quota.variant {
+        Variant::Default => q.limit,
+        Variant::Tier(t) => match q.tiers.get(t) {
+            Some(amount) => *amount,
+            None => {
+                return Err(format!(
+                    "{at}.variant: unknown tier `{t}` in domain `{domain}`"
+                ))
+            }
+        },
+        Variant::Client(c) => match q.clients.get(c) {
+            Some(amount) => Some(*amount),
+            None => {
+                return Err(format!(
+                    "{at}.variant: client `{c}` has no override of quota `{}`",
+                    quota.quota
+                ))
+            }
+        },
+    };
+    let Some(limit) = limit else {
+        return Err(format!(
+            "{at}.variant: quota `{}` has no amount for `{}`",
+            quota.quota,
+            quota.variant.encode()
+        ));
+    };
+    if quota.amount > q.max_amount {
+        return Err(format!(
+            "{at}.amount: {} is above {}, the most quota `{}` counts for one request",
+            quota.amount, q.max_amount, quota.quota
+        ));
+    }
+    Ok(ResolvedQuota {
+        key: quota.key.clone(),
+        tag: quota.tag.clone(),
+        limit,
+        period: q.period,
+        amount: quota.amount,
+    })
+}
+
+/// The filter writes a key as `<name>/<parts>` (or `<name>#<hash>` when
+/// long): a key of another rule or quota is refused.
+fn check_key(at: &str, name: &str, key: &str) -> Result<(), String> {
+    let ok = key
+        .strip_prefix(name)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/') || rest.starts_with('#'));
+    if !ok {
+        return Err(format!("{at}: must start with `{name}/`"));
+    }
+    Ok(())
+}
+
+fn variant_limits<'a>(
+    at: &str,
+    name: &str,
+    rule: &'a RulePolicy,
+    variant: &Variant,
+) -> Result<&'a [Limit], String> {
+    match variant {
+        Variant::Default => Ok(&rule.limits),
+        Variant::Tier(t) => rule
+            .tiers
+            .get(t)
+            .map(Vec::as_slice)
+            .ok_or_else(|| format!("{at}: rule `{name}` has no limits for tier `{t}`")),
+        Variant::Client(c) => rule
+            .clients
+            .get(c)
+            .map(Vec::as_slice)
+            .ok_or_else(|| format!("{at}: client `{c}` has no override of rule `{name}`")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratelimit_protocol::{parse_check, parse_lease};
+    use serde_json::json;
+
+    const API: &str = r#"{"domain":"api",
+        "global":{"cluster":"gw","lease":{"fraction":0.5,"ttl_ms":3000}},
+        "costs":[{"match":{"path_prefix":"/big"},"cost":5}],
+        "tiers":{"gold":{},"free":{}},
+        "identity":{"default_tier":"free","clients":{"vip":{"limits":{"per-client":[{"requests":100,"per":"1m"}]},"quotas":{"monthly":7}}}},
+        "rules":[
+          {"name":"per-client","scope":"global","key":["client"],"limits":[{"requests":20,"per":"1m"},{"requests":5,"per":"1s"}],
+           "tiers":{"gold":[{"requests":40,"per":"1m"}]}},
+          {"name":"search","scope":"global","key":["client"],"cost":3,"algorithm":"sliding_window","limits":[{"requests":10,"per":"1m"}]},
+          {"name":"local","key":["client"],"limits":[{"requests":1,"per":"1s"}]}],
+        "quotas":[
+          {"name":"monthly","key":["client"],"period":"month","limit":1000,"tiers":{"gold":5000},"upgrade_url":"https://example.com/up"},
+          {"name":"spend","key":["client"],"period":"day","count":"cost","tiers":{"gold":50},"upgrade_url":"https://example.com/up"}]}"#;
+
+    fn policy() -> Policy {
+        parse(&[Source {
+            path: "api.json".into(),
+            bytes: API.as_bytes().to_vec(),
+        }])
+        .unwrap()
+    }
+
+    fn check(v: serde_json::Value) -> Result<Resolved, String> {
+        policy().resolve_check(&parse_check(&serde_json::to_vec(&v).unwrap())?)
+    }
+
+    fn bucket(rule: &str, variant: &str, cost: u64) -> serde_json::Value {
+        json!({"rule": rule, "key": format!("{rule}/c=alice"), "tag": "c=alice", "variant": variant, "cost": cost})
+    }
+
+    fn quota(name: &str, variant: &str, amount: u64) -> serde_json::Value {
+        json!({"quota": name, "key": format!("{name}/c=alice"), "tag": "c=alice", "variant": variant, "amount": amount})
+    }
+
+    #[test]
+    fn limits_and_amounts_come_from_the_policy() {
+        let r = check(json!({"version": 2, "domain": "api",
+            "buckets": [bucket("per-client", "default", 5), bucket("search", "default", 3)],
+            "quotas": [quota("monthly", "tier:gold", 1), quota("spend", "tier:gold", 5)]}))
+        .unwrap();
+        let tb = |requests, window_ms| Limit {
+            requests,
+            window_ms,
+            algorithm: Algorithm::TokenBucket,
+        };
+        assert_eq!(r.buckets[0].limits, [tb(20, 60_000), tb(5, 1000)]);
+        assert_eq!(
+            r.buckets[1].limits,
+            [Limit {
+                requests: 10,
+                window_ms: 60_000,
+                algorithm: Algorithm::SlidingWindow
+            }]
+        );
+        assert_eq!(
+            (r.quotas[0].limit, r.quotas[0].period),
+            (5000, Period::Month)
+        );
+        assert_eq!((r.quotas[1].limit, r.quotas[1].amount), (50, 5));
+        let r = check(json!({"version": 2, "domain": "api",
+            "buckets": [bucket("per-client", "tier:gold", 1)],
+            "quotas": [quota("monthly", "client:vip", 1), quota("spend", "tier:free", 1)]}));
+        // `free` is declared but `spend` has neither `tiers.free` nor `limit`.
+        assert_eq!(
+            r.unwrap_err(),
+            "quotas[1].variant: quota `spend` has no amount for `tier:free`"
+        );
+        let r = check(json!({"version": 2, "domain": "api",
+            "buckets": [bucket("per-client", "client:vip", 1)],
+            "quotas": [quota("monthly", "client:vip", 1)]}))
+        .unwrap();
+        assert_eq!(r.buckets[0].limits, [tb(100, 60_000)]);
+        assert_eq!(r.quotas[0].limit, 7);
+    }
+
+    #[test]
+    fn what_the_policy_does_not_have_is_refused_by_field() {
+        let cases = [
+            (
+                json!({"version": 2, "domain": "other", "buckets": [bucket("per-client", "default", 1)]}),
+                "domain: unknown domain `other`: not in the gateway's policy",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("nope", "default", 1)]}),
+                "buckets[0].rule: unknown rule `nope`: not a global rule of domain `api`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("local", "default", 1)]}),
+                "buckets[0].rule: unknown rule `local`: not a global rule of domain `api`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("per-client", "tier:free", 1)]}),
+                "buckets[0].variant: rule `per-client` has no limits for tier `free`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("per-client", "client:bob", 1)]}),
+                "buckets[0].variant: client `bob` has no override of rule `per-client`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("per-client", "default", 6)]}),
+                "buckets[0].cost: 6 is above 5, the largest cost the policy gives rule `per-client`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("search", "default", 4)]}),
+                "buckets[0].cost: 4 is above 3, the largest cost the policy gives rule `search`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("per-client", "default", 1), bucket("per-client", "default", 1)]}),
+                "buckets[1].rule: rule `per-client` named twice in one request",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [bucket("search", "default", 1), bucket("per-client", "default", 1), bucket("per-client", "default", 1)]}),
+                "buckets: domain `api` has 2 global rules, so at most 2 buckets, got 3",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "buckets": [{"rule": "search", "key": "per-client/c=alice", "tag": "", "variant": "default", "cost": 1}]}),
+                "buckets[0].key: must start with `search/`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "quotas": [quota("nope", "default", 1)]}),
+                "quotas[0].quota: unknown quota `nope` in domain `api`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "quotas": [quota("monthly", "default", 2)]}),
+                "quotas[0].amount: 2 is above 1, the most quota `monthly` counts for one request",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "quotas": [quota("spend", "tier:gold", 6)]}),
+                "quotas[0].amount: 6 is above 5, the most quota `spend` counts for one request",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "quotas": [quota("monthly", "tier:silver", 1)]}),
+                "quotas[0].variant: unknown tier `silver` in domain `api`",
+            ),
+            (
+                json!({"version": 2, "domain": "api", "quotas": [quota("monthly", "client:bob", 1)]}),
+                "quotas[0].variant: client `bob` has no override of quota `monthly`",
+            ),
+        ];
+        for (body, want) in cases {
+            assert_eq!(check(body).unwrap_err(), want);
+        }
+    }
+
+    #[test]
+    fn leases_are_bounded_by_the_policy() {
+        let lease = |v: serde_json::Value| {
+            policy().resolve_lease(&parse_lease(&serde_json::to_vec(&v).unwrap()).unwrap())
+        };
+        let base = json!({"version": 2, "domain": "api", "rule": "per-client", "key": "per-client/c=alice",
+            "tag": "c=alice", "variant": "default", "want": 20, "return": 1000000});
+        let r = lease(base.clone()).unwrap();
+        // Half of the smallest limit (5 per second): 2 tokens at most.
+        assert_eq!((r.want, r.returned, r.ttl_ms), (2, 1_000_000, 3000));
+        let mut v = base.clone();
+        v["rule"] = "search".into();
+        v["key"] = "search/c=alice".into();
+        assert_eq!(
+            lease(v).unwrap_err(),
+            "rule: rule `search` is a sliding_window; leases need token_bucket"
+        );
+        let other = parse(&[Source {
+            path: "a.json".into(),
+            bytes: br#"{"domain":"nolease","global":{"cluster":"gw"},"rules":[{"name":"r","scope":"global","limits":[{"requests":1,"per":"1s"}]}]}"#.to_vec(),
+        }])
+        .unwrap();
+        let mut v = base;
+        v["domain"] = "nolease".into();
+        v["rule"] = "r".into();
+        v["key"] = "r".into();
+        let req = parse_lease(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(
+            other.resolve_lease(&req).unwrap_err(),
+            "domain: domain `nolease` has no global.lease in the gateway's policy"
+        );
+    }
+
+    #[test]
+    fn files_are_validated_by_the_filter_and_a_domain_is_defined_once() {
+        let src = |path: &str, bytes: &str| Source {
+            path: path.into(),
+            bytes: bytes.as_bytes().to_vec(),
+        };
+        let e = parse(&[src(
+            "bad.json",
+            r#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":0,"per":"1s"}]}]}"#,
+        )])
+        .unwrap_err();
+        assert!(
+            e.starts_with("bad.json: rules[0].limits[0].requests: "),
+            "{e}"
+        );
+        let e = parse(&[src("a.json", API), src("b.json", API)]).unwrap_err();
+        assert_eq!(e, "b.json: domain: `api` is already defined by a.json");
+    }
+}
