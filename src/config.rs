@@ -151,6 +151,93 @@ pub struct Global {
     /// Lease mode: spend batches of a global bucket's tokens locally; absent, one callout per request.
     #[serde(default)]
     pub lease: Option<Lease>,
+    /// Bearer token sent to the gateway (`authorization: Bearer <token>`);
+    /// prefer `token_env`, which keeps it out of the configuration.
+    #[serde(default)]
+    pub token: Option<Token>,
+    /// Name of an environment variable of the VM holding the token (Envoy
+    /// `vm_config.environment_variables`, Istio `WasmPlugin.spec.vmConfig.env`),
+    /// read when the plugin is configured.
+    #[serde(default)]
+    pub token_env: Option<String>,
+}
+
+/// A bearer token: never printed (`Debug` shows `***`).
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Token(pub String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(***)")
+    }
+}
+
+/// Longest bearer token accepted (the gateway's bound too).
+pub const MAX_TOKEN_LEN: usize = 4096;
+
+/// True for an RFC 6750 `b64token` of at most [`MAX_TOKEN_LEN`] bytes:
+/// `1*( ALPHA / DIGIT / "-" / "." / "_" / "~" / "+" / "/" ) *"="`. Nothing
+/// else can reach the `authorization` header (no space, CR, LF).
+pub fn is_b64token(s: &str) -> bool {
+    let body = s.trim_end_matches('=');
+    s.len() <= MAX_TOKEN_LEN
+        && !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~+/".contains(&b))
+}
+
+/// True for a POSIX-style environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, ≤ 256 bytes.
+fn is_env_name(s: &str) -> bool {
+    s.len() <= 256
+        && s.bytes().next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+impl Global {
+    /// The `authorization` header value of the callouts (`Bearer <token>`),
+    /// from `token` or from the environment variable `token_env` looked up
+    /// with `env` (`std::env::var` in the filter: Envoy hands the VM's
+    /// `environment_variables` to the module as its WASI environment).
+    /// `None` when neither is set. The error never holds the token.
+    pub fn bearer(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, ConfigError> {
+        let token = match (&self.token, &self.token_env) {
+            (Some(t), None) => t.0.clone(),
+            (None, Some(name)) => {
+                let value = env(name).ok_or_else(|| {
+                    ConfigError::field(
+                        "global.token_env",
+                        format!(
+                            "the VM has no environment variable {name:?} (Envoy: \
+                             vm_config.environment_variables; Istio: WasmPlugin vmConfig.env)"
+                        ),
+                    )
+                })?;
+                if !is_b64token(&value) {
+                    return Err(ConfigError::field(
+                        "global.token_env",
+                        format!(
+                            "the value of {name:?} is not an RFC 6750 b64token of at most \
+                             {MAX_TOKEN_LEN} bytes"
+                        ),
+                    ));
+                }
+                value
+            }
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::field(
+                    "global.token",
+                    "give token or token_env, not both",
+                ))
+            }
+        };
+        Ok(Some(format!("Bearer {token}")))
+    }
 }
 
 /// Lease mode of global token-bucket rules.
@@ -1117,6 +1204,26 @@ impl Config {
         if let Some(l) = &g.lease {
             validate_lease(l)?;
         }
+        if g.token.is_some() && g.token_env.is_some() {
+            return Err(ConfigError::field(
+                "global.token",
+                "give token or token_env, not both",
+            ));
+        }
+        if g.token.as_ref().is_some_and(|t| !is_b64token(&t.0)) {
+            return Err(ConfigError::field(
+                "global.token",
+                format!("not an RFC 6750 b64token of at most {MAX_TOKEN_LEN} bytes"),
+            ));
+        }
+        if let Some(name) = &g.token_env {
+            if !is_env_name(name) {
+                return Err(ConfigError::field(
+                    "global.token_env",
+                    format!("{name:?} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -1581,5 +1688,50 @@ mod tests {
         v["global"] = json!({"cluster": "outbound|8080||gw.ns.svc.cluster.local",
             "authority": "gw.ns.svc.cluster.local:8080", "path": "/v1/check?x=1"});
         assert!(parse(v.to_string().as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn the_gateway_token_is_a_b64token_from_the_config_or_the_environment() {
+        let global = |g: serde_json::Value| {
+            let mut v = base();
+            v["global"] = g;
+            parse(v.to_string().as_bytes())
+        };
+        let err = |g| global(g).unwrap_err().to_string();
+        assert_eq!(
+            err(json!({"cluster": "gw", "token": "a b"})),
+            "global.token: not an RFC 6750 b64token of at most 4096 bytes"
+        );
+        assert_eq!(
+            err(json!({"cluster": "gw", "token": "x\r\nevil: 1"})),
+            "global.token: not an RFC 6750 b64token of at most 4096 bytes"
+        );
+        assert_eq!(
+            err(json!({"cluster": "gw", "token": "abc", "token_env": "T"})),
+            "global.token: give token or token_env, not both"
+        );
+        assert_eq!(
+            err(json!({"cluster": "gw", "token_env": "1T"})),
+            r#"global.token_env: "1T" is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"#
+        );
+        let inline = global(json!({"cluster": "gw", "token": "s3cr3t.A/b+c=="})).unwrap();
+        let g = inline.global.unwrap();
+        assert_eq!(g.bearer(|_| None).unwrap().as_deref(), Some("Bearer s3cr3t.A/b+c=="));
+        assert!(!format!("{g:?}").contains("s3cr3t"), "Debug shows the token");
+        let from_env = global(json!({"cluster": "gw", "token_env": "RL_TOKEN"})).unwrap();
+        let g = from_env.global.unwrap();
+        let env = |v: &'static str| move |n: &str| (n == "RL_TOKEN").then(|| v.to_string());
+        assert_eq!(g.bearer(env("tok-1")).unwrap().as_deref(), Some("Bearer tok-1"));
+        let bad = g.bearer(env("tok 1")).unwrap_err().to_string();
+        assert_eq!(
+            bad,
+            r#"global.token_env: the value of "RL_TOKEN" is not an RFC 6750 b64token of at most 4096 bytes"#
+        );
+        assert_eq!(
+            g.bearer(|_| None).unwrap_err().to_string(),
+            r#"global.token_env: the VM has no environment variable "RL_TOKEN" (Envoy: vm_config.environment_variables; Istio: WasmPlugin vmConfig.env)"#
+        );
+        let none = global(json!({"cluster": "gw"})).unwrap().global.unwrap();
+        assert_eq!(none.bearer(|_| Some("x".into())).unwrap(), None);
     }
 }

@@ -207,6 +207,9 @@ pub struct GlobalPlan {
 
 /// Where identity comes from.
 #[derive(Debug, Clone)]
+    /// `authorization` of the callouts (`Bearer <token>`): the inline
+    /// `global.token` here; the filter's `on_configure` resolves `token_env`.
+    pub authorization: Option<crate::config::Token>,
 struct IdentityPlan {
     client_header: HeaderId,
     tier_header: Option<HeaderId>,
@@ -545,6 +548,7 @@ impl Plan {
             Some(_) => req.client_metadata.as_deref(),
             None => req.header(self.identity.client_header),
         }
+                authorization: g.bearer(|_| None).ok().flatten().map(crate::config::Token),
         .filter(|v| !v.is_empty())
     }
 

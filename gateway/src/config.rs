@@ -6,23 +6,67 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 
+use crate::redis_url::{RedisOptions, RedisTls, Secret};
 use crate::store::Target;
+use crate::tls::TlsFiles;
 
 /// ratelimit-gateway: a stateless HTTP service between the ratelimit-wasm
 /// filter and Redis.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "ratelimit-gateway", version, about)]
-#[command(group(ArgGroup::new("backend").required(true).args(["redis", "redis_cluster"])))]
+#[command(group(ArgGroup::new("backend").required(true).args(["redis", "redis_cluster", "redis_sentinel"])))]
 pub struct Args {
     /// Address to listen on.
     #[arg(long, env = "RLGW_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
-    /// A single Redis server, e.g. redis://127.0.0.1:6379.
-    #[arg(long, env = "RLGW_REDIS")]
+    /// A single Redis server, e.g. redis://127.0.0.1:6379 or rediss://user:pw@host:6380 (TLS); never printed with its password.
+    #[arg(long, env = "RLGW_REDIS", hide_env_values = true)]
     pub redis: Option<String>,
     /// Redis Cluster seed nodes, comma-separated, e.g. redis://10.0.0.1:6379,redis://10.0.0.2:6379.
-    #[arg(long, env = "RLGW_REDIS_CLUSTER", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "RLGW_REDIS_CLUSTER",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub redis_cluster: Vec<String>,
+    /// Redis Sentinels, comma-separated host:port (rediss://host:port for TLS); with --redis-master.
+    #[arg(
+        long,
+        env = "RLGW_REDIS_SENTINEL",
+        value_delimiter = ',',
+        requires = "redis_master",
+        hide_env_values = true
+    )]
+    pub redis_sentinel: Vec<String>,
+    /// The master's name in the Sentinels (`sentinel monitor <name> ...`).
+    #[arg(long, env = "RLGW_REDIS_MASTER", requires = "redis_sentinel")]
+    pub redis_master: Option<String>,
+    /// Redis ACL user name (overrides the URL's).
+    #[arg(long, env = "RLGW_REDIS_USERNAME")]
+    pub redis_username: Option<String>,
+    /// File holding the Redis password (a mounted Secret; one trailing newline ignored); overrides the URL's.
+    #[arg(long, env = "RLGW_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
+    /// File holding the Sentinels' password (their requirepass).
+    #[arg(
+        long,
+        env = "RLGW_REDIS_SENTINEL_PASSWORD_FILE",
+        requires = "redis_sentinel"
+    )]
+    pub redis_sentinel_password_file: Option<PathBuf>,
+    /// CA certificates (PEM) the Redis server's certificate must chain to; default the system roots.
+    #[arg(long, env = "RLGW_REDIS_TLS_CA")]
+    pub redis_tls_ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) for mutual TLS with Redis; with --redis-tls-key.
+    #[arg(long, env = "RLGW_REDIS_TLS_CERT", requires = "redis_tls_key")]
+    pub redis_tls_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS with Redis; with --redis-tls-cert.
+    #[arg(long, env = "RLGW_REDIS_TLS_KEY", requires = "redis_tls_cert")]
+    pub redis_tls_key: Option<PathBuf>,
+    /// Do not check the Redis server's certificate (trials only; logged as a warning).
+    #[arg(long, env = "RLGW_REDIS_TLS_INSECURE")]
+    pub redis_tls_insecure: bool,
     /// Timeout of each Redis round trip, in ms.
     #[arg(long, env = "RLGW_REDIS_TIMEOUT_MS", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub redis_timeout_ms: u64,
@@ -32,6 +76,77 @@ pub struct Args {
     /// The policy: plugin configurations (a file, or a directory of *.json), one domain each; repeatable; reloaded on SIGHUP and change.
     #[arg(long, env = "RLGW_POLICY", value_delimiter = ',')]
     pub policy: Vec<PathBuf>,
+    /// Callers allowed on /v1/*: one `<domain> <token>` per line; reloaded on SIGHUP and change.
+    #[arg(long, env = "RLGW_AUTH_TOKENS_FILE")]
+    pub auth_tokens: Option<PathBuf>,
+    /// Serve /v1/* to anyone (no --auth-tokens): for trials only, logged as a warning.
+    #[arg(long, env = "RLGW_INSECURE_NO_AUTH", conflicts_with = "auth_tokens")]
+    pub insecure_no_auth: bool,
+    /// TLS certificate chain of the listener (PEM); with --tls-key.
+    #[arg(long, env = "RLGW_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key of the listener (PEM); with --tls-cert.
+    #[arg(long, env = "RLGW_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificates (PEM) that client certificates must chain to: mutual TLS, a certificate required.
+    #[arg(long, env = "RLGW_CLIENT_CA", requires = "tls_cert")]
+    pub client_ca: Option<PathBuf>,
+    /// Longest wait for a request's headers (and the TLS handshake, and an idle keep-alive), in ms.
+    #[arg(long, env = "RLGW_HEADER_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout_ms: u64,
+    /// Longest wait for a request's whole body once its headers are read, in ms.
+    #[arg(long, env = "RLGW_BODY_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout_ms: u64,
+    /// Most /v1/* requests served at once; more are answered 503 with Retry-After.
+    #[arg(long, env = "RLGW_MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub max_in_flight: u64,
+    /// After SIGTERM, how long requests in flight may finish (e.g. 10s, 500ms) before the process exits.
+    #[arg(long, env = "RLGW_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+}
+
+/// `<n>s` or `<n>ms`.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("{s:?}: expected a whole number of s or ms, e.g. 10s or 500ms");
+    if let Some(ms) = s.strip_suffix("ms") {
+        return ms.parse().map(Duration::from_millis).map_err(|_| bad());
+    }
+    let secs = s.strip_suffix('s').ok_or_else(bad)?;
+    secs.parse().map(Duration::from_secs).map_err(|_| bad())
+}
+
+/// Who may call `/v1/*`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Auth {
+    /// Bearer tokens from this file (`crate::auth`).
+    Tokens(PathBuf),
+    /// Anyone (`--insecure-no-auth`).
+    Insecure,
+}
+
+/// The bounds of the listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// Headers (and TLS handshake, and keep-alive idleness).
+    pub header_timeout: Duration,
+    /// The whole body, after the headers.
+    pub body_timeout: Duration,
+    /// `/v1/*` requests served at once.
+    pub max_in_flight: usize,
+    /// Drain deadline after the shutdown signal.
+    pub drain_timeout: Duration,
+}
+
+impl Default for Bounds {
+    /// The flags' defaults.
+    fn default() -> Self {
+        Bounds {
+            header_timeout: Duration::from_millis(5000),
+            body_timeout: Duration::from_millis(5000),
+            max_in_flight: 256,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 /// What the server needs to run.
@@ -47,10 +162,20 @@ pub struct Config {
     pub key_prefix: String,
     /// The policy's files and directories (`crate::policy`).
     pub policy: Vec<PathBuf>,
+    /// Credentials and TLS towards Redis.
+    pub redis: RedisOptions,
+    /// Who may call `/v1/*`.
+    pub auth: Auth,
+    /// TLS on the listener.
+    pub tls: Option<TlsFiles>,
+    /// Timeouts, in-flight bound, drain deadline.
+    pub bounds: Bounds,
 }
 
 impl Config {
-    /// A config for one Redis server with the defaults of the flags;
+    /// A config for one Redis server with the defaults of the flags, and
+    /// **no authentication** ([`Auth::Insecure`]: in-process tests and
+    /// embedding; the binary demands `--auth-tokens` or `--insecure-no-auth`).
     /// `policy` is what `--policy` would give.
     pub fn single(
         listen: SocketAddr,
@@ -63,6 +188,10 @@ impl Config {
             redis_timeout: Duration::from_millis(20),
             key_prefix: "rl:".to_string(),
             policy,
+            redis: RedisOptions::default(),
+            auth: Auth::Insecure,
+            tls: None,
+            bounds: Bounds::default(),
         }
     }
 }
@@ -71,24 +200,89 @@ impl TryFrom<Args> for Config {
     type Error = String;
 
     fn try_from(a: Args) -> Result<Config, String> {
-        let target = match (a.redis, a.redis_cluster.is_empty()) {
-            (Some(url), true) => Target::Single(url),
-            (None, false) => Target::Cluster(
-                a.redis_cluster
-                    .into_iter()
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect(),
-            ),
-            _ => return Err("give exactly one of --redis and --redis-cluster".to_string()),
+        let list = |v: Vec<String>| -> Vec<String> {
+            v.into_iter()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        };
+        let target = match (
+            a.redis,
+            a.redis_cluster.is_empty(),
+            a.redis_sentinel.is_empty(),
+        ) {
+            (Some(url), true, true) => Target::Single(url),
+            (None, false, true) => Target::Cluster(list(a.redis_cluster)),
+            (None, true, false) => Target::Sentinel {
+                sentinels: list(a.redis_sentinel),
+                master: a.redis_master.unwrap_or_default(),
+            },
+            _ => {
+                return Err(
+                    "give exactly one of --redis, --redis-cluster and --redis-sentinel".to_string(),
+                )
+            }
+        };
+        let redis = RedisOptions {
+            username: a.redis_username,
+            password: a
+                .redis_password_file
+                .map(|p| Secret::from_file(&p, "--redis-password-file"))
+                .transpose()?,
+            sentinel_password: a
+                .redis_sentinel_password_file
+                .map(|p| Secret::from_file(&p, "--redis-sentinel-password-file"))
+                .transpose()?,
+            tls: RedisTls {
+                ca: a.redis_tls_ca,
+                cert: a.redis_tls_cert,
+                key: a.redis_tls_key,
+                insecure: a.redis_tls_insecure,
+            },
         };
         crate::keys::check_prefix(&a.key_prefix)?;
+        let auth = match (a.auth_tokens, a.insecure_no_auth) {
+            (Some(path), false) => Auth::Tokens(path),
+            (None, true) => Auth::Insecure,
+            (Some(_), true) => {
+                return Err("give one of --auth-tokens and --insecure-no-auth".to_string())
+            }
+            (None, false) => {
+                return Err(
+                    "refusing to serve /v1/* to anyone: give --auth-tokens FILE \
+                            (or --insecure-no-auth, for trials only)"
+                        .to_string(),
+                )
+            }
+        };
+        let tls = match (a.tls_cert, a.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert,
+                key,
+                client_ca: a.client_ca,
+            }),
+            (None, None) if a.client_ca.is_none() => None,
+            _ => {
+                return Err(
+                    "--tls-cert and --tls-key go together (and --client-ca needs them)".to_string(),
+                )
+            }
+        };
         Ok(Config {
             listen: a.listen,
             target,
             redis_timeout: Duration::from_millis(a.redis_timeout_ms),
             key_prefix: a.key_prefix,
             policy: a.policy,
+            redis,
+            auth,
+            tls,
+            bounds: Bounds {
+                header_timeout: Duration::from_millis(a.header_timeout_ms),
+                body_timeout: Duration::from_millis(a.body_timeout_ms),
+                max_in_flight: usize::try_from(a.max_in_flight).unwrap_or(usize::MAX),
+                drain_timeout: a.drain_timeout,
+            },
         })
     }
 }
@@ -105,6 +299,7 @@ mod tests {
             "redis://a:1,redis://b:2",
             "--redis-timeout-ms",
             "50",
+            "--insecure-no-auth",
         ])
         .unwrap();
         let c = Config::try_from(a).unwrap();
@@ -123,8 +318,55 @@ mod tests {
             "redis://y"
         ])
         .is_err());
-        let bad =
-            Args::try_parse_from(["gw", "--redis", "redis://x", "--key-prefix", "a{b"]).unwrap();
+        let bad = Args::try_parse_from([
+            "gw",
+            "--redis",
+            "redis://x",
+            "--key-prefix",
+            "a{b",
+            "--insecure-no-auth",
+        ])
+        .unwrap();
         assert!(Config::try_from(bad).is_err());
+    }
+
+    #[test]
+    fn auth_is_required_and_bounds_parse() {
+        let no_auth = Args::try_parse_from(["gw", "--redis", "redis://x"]).unwrap();
+        assert_eq!(
+            Config::try_from(no_auth).unwrap_err(),
+            "refusing to serve /v1/* to anyone: give --auth-tokens FILE \
+             (or --insecure-no-auth, for trials only)"
+        );
+        assert!(Args::try_parse_from([
+            "gw",
+            "--redis",
+            "redis://x",
+            "--auth-tokens",
+            "t",
+            "--insecure-no-auth"
+        ])
+        .is_err());
+        let a = Args::try_parse_from([
+            "gw",
+            "--redis",
+            "redis://x",
+            "--auth-tokens",
+            "/etc/t",
+            "--drain-timeout",
+            "1500ms",
+            "--max-in-flight",
+            "8",
+        ])
+        .unwrap();
+        let c = Config::try_from(a).unwrap();
+        assert_eq!(c.auth, Auth::Tokens("/etc/t".into()));
+        assert_eq!(c.bounds.drain_timeout, Duration::from_millis(1500));
+        assert_eq!(c.bounds.max_in_flight, 8);
+        assert_eq!(c.bounds.header_timeout, Duration::from_secs(5));
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert!(parse_duration("10").is_err() && parse_duration("1.5s").is_err());
+        assert!(Args::try_parse_from(["gw", "--redis", "x", "--tls-cert", "c"]).is_err());
+        assert!(Args::try_parse_from(["gw", "--redis", "x", "--client-ca", "c"]).is_err());
     }
 }

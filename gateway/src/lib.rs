@@ -17,6 +17,7 @@
 )]
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod config;
 pub mod keys;
 pub mod limiter;
@@ -24,10 +25,13 @@ pub mod logging;
 pub mod metrics;
 pub mod policy;
 pub mod protocol;
+pub mod redis_url;
 pub mod reload;
 pub mod script;
+pub mod sentinel;
 pub mod server;
 pub mod store;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -37,7 +41,8 @@ use anyhow::{Context, Result};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-pub use config::{Args, Config};
+pub use auth::Caller;
+pub use config::{Args, Auth, Bounds, Config};
 pub use server::App;
 pub use store::Target;
 
@@ -46,12 +51,20 @@ pub use store::Target;
 pub fn build(config: &Config) -> Result<Arc<App>> {
     keys::check_prefix(&config.key_prefix).map_err(anyhow::Error::msg)?;
     let metrics = metrics::Metrics::new().context("registering metrics")?;
-    let store = store::Store::new(config.target.clone(), config.redis_timeout, metrics.clone())
-        .context("invalid Redis address")?;
+    let store = store::Store::new(
+        config.target.clone(),
+        &config.key_prefix,
+        &config.redis,
+        config.redis_timeout,
+        metrics.clone(),
+    )
+    .map_err(anyhow::Error::msg)?;
     let limiter = limiter::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
     if config.policy.is_empty() {
-        anyhow::bail!("--policy: give the plugin configurations whose limits this gateway enforces");
+        anyhow::bail!(
+            "--policy: give the plugin configurations whose limits this gateway enforces"
+        );
     }
     let policy = reload::Reloadable::load(
         "policy",
@@ -61,12 +74,64 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
     )
     .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
     tracing::info!(domains = ?policy.current().domains(), "policy loaded");
+    let tokens = match &config.auth {
+        config::Auth::Tokens(path) => {
+            let tokens = reload::Reloadable::load(
+                "auth_tokens",
+                vec![path.clone()],
+                Box::new(auth::Tokens::parse),
+                metrics.clone(),
+            )
+            .map_err(|e| anyhow::anyhow!("--auth-tokens: {e}"))?;
+            tracing::info!(callers = tokens.current().len(), "caller tokens loaded");
+            Some(tokens)
+        }
+        config::Auth::Insecure => {
+            tracing::warn!(
+                "--insecure-no-auth: /v1/* answers anyone who can reach this port; \
+                 give --auth-tokens in production"
+            );
+            None
+        }
+    };
     Ok(Arc::new(App {
         limiter,
         metrics,
         warnings,
         policy,
+        tokens,
+        bounds: config.bounds,
+        in_flight: Arc::new(tokio::sync::Semaphore::new(config.bounds.max_in_flight)),
     }))
+}
+
+/// Starts what runs beside the server (the policy's and the token file's
+/// reload tasks) and makes the TLS acceptor; the tasks end when the returned
+/// guards drop.
+fn prepare(
+    config: &Config,
+    app: &App,
+) -> Result<(Option<tokio_rustls::TlsAcceptor>, Vec<AbortOnDrop>)> {
+    let tls = match &config.tls {
+        Some(files) => Some(tls::acceptor(files).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    let mut watch = vec![AbortOnDrop(app.policy.watch(reload::POLL))];
+    watch.extend(
+        app.tokens
+            .as_ref()
+            .map(|t| AbortOnDrop(t.watch(reload::POLL))),
+    );
+    Ok((tls, watch))
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Binds `config.listen` and serves until `shutdown` completes.
@@ -75,15 +140,20 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let app = build(&config)?;
-    let watch = app.policy.watch(reload::POLL);
+    let (tls, _watch) = prepare(&config, &app)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
-    tracing::info!(listen = %config.listen, target = ?config.target, "ratelimit-gateway listening");
-    server::serve(listener, app, shutdown)
+    tracing::info!(
+        listen = %config.listen,
+        target = ?config.target,
+        tls = tls.is_some(),
+        client_certificates = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+        "ratelimit-gateway listening"
+    );
+    server::serve(listener, app, tls, shutdown)
         .await
         .context("serving")?;
-    watch.abort();
     tracing::info!("ratelimit-gateway stopped");
     Ok(())
 }
@@ -129,20 +199,19 @@ impl Drop for Running {
 /// connection.
 pub async fn start(config: Config, connect_wait: std::time::Duration) -> Result<Running> {
     let app = build(&config)?;
+    let (tls, watch) = prepare(&config, &app)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr()?;
     app.limiter.store().wait_connected(connect_wait).await;
     let (stop, stopped) = oneshot::channel::<()>();
-    let watch = app.policy.watch(reload::POLL);
-    let served = server::serve(listener, Arc::clone(&app), async move {
+    let served = server::serve(listener, Arc::clone(&app), tls, async move {
         let _ = stopped.await;
     });
     let task = tokio::spawn(async move {
-        let r = served.await;
-        watch.abort();
-        r
+        let _watch = watch;
+        served.await
     });
     Ok(Running {
         addr,

@@ -41,6 +41,16 @@ pub struct Metrics {
     /// `ratelimit_gateway_quota_denials_total{period}`: quotas that denied a check.
     pub quota_denials: IntCounterVec,
     /// `ratelimit_gateway_redis_duration_seconds{op}`: Redis round trips.
+/// Why a call to `/v1/*` was refused (`crate::auth::REASONS`), as the `reason` label.
+pub use crate::auth::REASONS as AUTH_REASONS;
+/// What a 503 may have followed a committed charge after, as the `reason` label:
+/// `timeout` (the Redis round trip timed out after the script may have run),
+/// `reply` (the script ran, its reply was unreadable), `client_gone` (the
+/// caller left while or after the charge was made, so it never read the answer).
+pub const CHARGE_FAILURES: [&str; 3] = ["timeout", "reply", "client_gone"];
+/// Which read took too long, as the `phase` label: `handshake` (TLS),
+/// `header`, `body`.
+pub const TIMEOUT_PHASES: [&str; 3] = ["handshake", "header", "body"];
     pub redis_latency: HistogramVec,
     /// `ratelimit_gateway_errors_total{kind}`.
     pub errors: IntCounterVec,
@@ -68,6 +78,17 @@ impl Metrics {
                 "Checks and leases answered, by result (lease: a lease answered 200).",
             ),
             &["result"],
+    /// `ratelimit_gateway_auth_failures_total{reason}`: calls to `/v1/*` refused 401 or 403.
+    pub auth_failures: IntCounterVec,
+    /// `ratelimit_gateway_shed_total`: `/v1/*` calls answered 503 because
+    /// `--max-in-flight` were being served.
+    pub shed: IntCounter,
+    /// `ratelimit_gateway_charged_then_failed_total{reason}`: answers that
+    /// may have followed a committed charge without reaching the caller as 200.
+    pub charged_then_failed: IntCounterVec,
+    /// `ratelimit_gateway_read_timeouts_total{phase}`: connections closed
+    /// because a TLS handshake, headers or a body took too long.
+    pub read_timeouts: IntCounterVec,
         )?;
         let denials = IntCounterVec::new(
             Opts::new(
@@ -139,6 +160,45 @@ impl Metrics {
         registry.register(Box::new(redis_latency.clone()))?;
         registry.register(Box::new(errors.clone()))?;
         registry.register(Box::new(script_reloads.clone()))?;
+        let auth_failures = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_auth_failures_total",
+                "Calls to /v1/* refused: 401 (missing, malformed, unknown token) or 403 \
+                 (wrong_domain), by reason.",
+            ),
+            &["reason"],
+        )?;
+        let shed = IntCounter::new(
+            "ratelimit_gateway_shed_total",
+            "Calls to /v1/* answered 503 with Retry-After because --max-in-flight were served.",
+        )?;
+        let charged_then_failed = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_charged_then_failed_total",
+                "Answers other than 200 (or no answer) that may follow a committed charge, by reason.",
+            ),
+            &["reason"],
+        )?;
+        let read_timeouts = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_read_timeouts_total",
+                "Connections closed because the TLS handshake, the headers or the body took too long.",
+            ),
+            &["phase"],
+        )?;
+        registry.register(Box::new(auth_failures.clone()))?;
+        registry.register(Box::new(shed.clone()))?;
+        registry.register(Box::new(charged_then_failed.clone()))?;
+        registry.register(Box::new(read_timeouts.clone()))?;
+        for r in AUTH_REASONS {
+            auth_failures.with_label_values(&[r]);
+        }
+        for r in CHARGE_FAILURES {
+            charged_then_failed.with_label_values(&[r]);
+        }
+        for p in TIMEOUT_PHASES {
+            read_timeouts.with_label_values(&[p]);
+        }
         registry.register(Box::new(refunds.clone()))?;
         registry.register(Box::new(log_suppressed.clone()))?;
         for r in RESULTS {
@@ -183,6 +243,10 @@ impl Metrics {
     pub fn error(&self, kind: &str) {
         self.errors.with_label_values(&[kind]).inc();
     }
+            auth_failures,
+            shed,
+            charged_then_failed,
+            read_timeouts,
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> Result<String, prometheus::Error> {

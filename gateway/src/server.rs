@@ -1,17 +1,36 @@
-//! The HTTP side: `POST /v1/check`, `POST /v1/lease`, `GET /healthz`,
+//! The HTTP side: `POST /v1/check`, `POST /v1/lease`, `GET /healthz`
+//! (= `/readyz`), `GET /livez`,
 //! `GET /metrics`.
+//!
+//! [`serve`] is the accept loop: TLS when configured, hyper's HTTP/1 with a
+//! header read timeout, and a drain deadline after the shutdown signal.
+//! [`guard`] stands in front of `/v1/*` only: the in-flight bound (503 +
+//! `Retry-After`), the bearer token (401), the body read under its own
+//! deadline (408) and size bound (413), then the handler, which checks the
+//! token's domain against the request's (403) before anything reaches Redis.
+//! The health and metrics routes stay open and unbounded.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
+use http_body_util::BodyExt;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 
+use crate::auth::{Caller, Refusal, Tokens};
+use crate::config::Bounds;
 use crate::limiter::Limiter;
 use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
@@ -23,6 +42,12 @@ use crate::store::StoreError;
 /// and tags) is about 210 KiB.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
+/// Largest request head (request line and headers) hyper buffers.
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+
+/// `Retry-After` of a 503 shed by the in-flight bound, in seconds.
+pub const SHED_RETRY_AFTER_S: u64 = 1;
+
 /// What the handlers share.
 pub struct App {
     /// The check logic and its Redis connection.
@@ -33,32 +58,225 @@ pub struct App {
     pub warnings: Warnings,
     /// The policy in force (`--policy`), reloaded on SIGHUP and file changes.
     pub policy: Arc<crate::reload::Reloadable<crate::policy::Policy>>,
+    /// The callers' tokens in force; `None` with `--insecure-no-auth`.
+    pub tokens: Option<Arc<crate::reload::Reloadable<Tokens>>>,
+    /// Timeouts, in-flight bound, drain deadline.
+    pub bounds: Bounds,
+    /// One permit per `/v1/*` request served (`bounds.max_in_flight`).
+    pub in_flight: Arc<Semaphore>,
 }
 
 /// The routes.
 pub fn router(app: Arc<App>) -> Router {
-    Router::new()
+    let v1 = Router::new()
         .route("/v1/check", post(check))
         .route("/v1/lease", post(lease))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), guard));
+    Router::new()
+        .merge(v1)
         .route("/healthz", get(healthz))
+        .route("/readyz", get(healthz))
+        .route("/livez", get(livez))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
 }
 
-/// Serves until `shutdown` completes, then finishes the requests in flight.
+/// In front of `/v1/*`: the in-flight bound, the token, the body's deadline
+/// and size; the [`Caller`] goes on in the request's extensions.
+async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let Ok(permit) = Arc::clone(&app.in_flight).try_acquire_owned() else {
+        app.metrics.shed.inc();
+        let mut r = error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy: too many requests in flight",
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(SHED_RETRY_AFTER_S));
+        return r;
+    };
+    let caller = match &app.tokens {
+        None => Caller::anonymous(),
+        Some(tokens) => {
+            let value = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .map(HeaderValue::as_bytes);
+            match tokens.current().authenticate(value) {
+                Ok(c) => c,
+                Err(refusal) => return refuse(&app, refusal),
+            }
+        }
+    };
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, MAX_BODY_BYTES);
+    let bytes = match tokio::time::timeout(app.bounds.body_timeout, limited.collect()).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) => {
+            let status = if e.is::<http_body_util::LengthLimitError>() {
+                StatusCode::PAYLOAD_TOO_LARGE
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            return bad_request(&app, status, format!("body: {e}"));
+        }
+        Err(_) => {
+            app.metrics.read_timeouts.with_label_values(&["body"]).inc();
+            let mut r = error(StatusCode::REQUEST_TIMEOUT, "body: not received in time");
+            // The rest of the body may still come: this connection is done.
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+    };
+    let mut req = Request::from_parts(parts, Body::from(bytes));
+    req.extensions_mut().insert(caller);
+    let response = next.run(req).await;
+    drop(permit);
+    response
+}
+
+/// 401 (with `www-authenticate: Bearer`) or 403, counted.
+fn refuse(app: &App, refusal: Refusal) -> Response {
+    app.metrics
+        .auth_failures
+        .with_label_values(&[refusal.label()])
+        .inc();
+    match refusal {
+        Refusal::WrongDomain => error(
+            StatusCode::FORBIDDEN,
+            "authorization: this token may not act on this domain",
+        ),
+        _ => {
+            let mut r = error(
+                StatusCode::UNAUTHORIZED,
+                "authorization: a known bearer token is required",
+            );
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            r
+        }
+    }
+}
+
+/// Serves `app` on `listener` (over TLS when `tls` is given) until
+/// `shutdown` completes; then stops accepting, lets the requests in flight
+/// finish within `app.bounds.drain_timeout`, and returns, cutting the
+/// connections still open (a half-open one cannot hold the process).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Arc<App>,
+    tls: Option<TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(app))
-        .with_graceful_shutdown(shutdown)
+    let bounds = app.bounds;
+    let router = router(Arc::clone(&app));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    // The header timeout also closes a keep-alive connection idle that long.
+    http.timer(TokioTimer::new())
+        .header_read_timeout(bounds.header_timeout)
+        .max_buf_size(MAX_HEAD_BYTES);
+    let graceful = GracefulShutdown::new();
+    let (cut, cut_rx) = tokio::sync::watch::channel(false);
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, most likely: let some close.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let watcher = graceful.watcher();
+        let http = http.clone();
+        let service = TowerToHyperService::new(router.clone());
+        let tls = tls.clone();
+        let metrics = app.metrics.clone();
+        let mut cut_rx = cut_rx.clone();
+        tokio::spawn(async move {
+            let served = async {
+                match tls {
+                    None => {
+                        let conn = http.serve_connection(TokioIo::new(stream), service);
+                        watcher.watch(conn).await
+                    }
+                    Some(acceptor) => {
+                        let handshake = acceptor.accept(stream);
+                        let stream =
+                            match tokio::time::timeout(bounds.header_timeout, handshake).await {
+                                Ok(Ok(s)) => s,
+                                Ok(Err(e)) => {
+                                    tracing::debug!(error = %e, "TLS handshake failed");
+                                    return Ok(());
+                                }
+                                Err(_) => {
+                                    metrics
+                                        .read_timeouts
+                                        .with_label_values(&["handshake"])
+                                        .inc();
+                                    return Ok(());
+                                }
+                            };
+                        let conn = http.serve_connection(TokioIo::new(stream), service);
+                        watcher.watch(conn).await
+                    }
+                }
+            };
+            tokio::select! {
+                r = served => {
+                    if let Err(e) = r {
+                        if e.is_timeout() {
+                            metrics.read_timeouts.with_label_values(&["header"]).inc();
+                        }
+                        tracing::debug!(error = %e, "connection ended");
+                    }
+                }
+                _ = cut_rx.wait_for(|c| *c) => {}
+            }
+        });
+    }
+    drop(listener);
+    let open = graceful.count();
+    if open > 0 {
+        tracing::info!(open, drain_timeout = ?bounds.drain_timeout, "draining connections");
+    }
+    if tokio::time::timeout(bounds.drain_timeout, graceful.shutdown())
         .await
+        .is_err()
+    {
+        tracing::warn!(
+            drain_timeout = ?bounds.drain_timeout,
+            "drain deadline passed: closing the connections still open"
+        );
+        let _ = cut.send(true);
+    }
+    Ok(())
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(ErrorBody::new(message))).into_response()
+}
+
+/// Counts and logs (rate-limited) a bad request; the caller's own words are
+/// in `message`: escaped.
+fn count_bad_request(app: &App, message: &str) {
+    app.metrics.check("error");
+    app.metrics.error("bad_request");
+    if let Some(suppressed) = app.warnings.allow("bad_request") {
+        tracing::warn!(error = %Escaped(message), suppressed, "bad request");
+    }
+}
+
+/// A 400 or 413 of the body, counted.
+fn bad_request(app: &App, status: StatusCode, message: String) -> Response {
+    count_bad_request(app, &message);
+    error(status, message)
 }
 
 /// A failed check or lease (`what`): counted, logged in full (within the
@@ -67,6 +285,15 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 fn unavailable(app: &App, what: &'static str, domain: &str, e: &StoreError) -> Response {
     app.metrics.check("error");
     app.metrics.error(e.kind());
+    // A timeout may come after the script ran, a bad reply surely does: the
+    // charge may stand although the caller reads 503 (its failure mode then
+    // decides; the charge is not refunded, erring strict). Counted.
+    if matches!(e.kind(), "timeout" | "reply") {
+        app.metrics
+            .charged_then_failed
+            .with_label_values(&[e.kind()])
+            .inc();
+    }
     if let Some(suppressed) = app.warnings.allow(e.kind()) {
         tracing::warn!(
             error = %Escaped(e),
@@ -86,39 +313,66 @@ fn read_body<T>(
     parse: fn(&[u8]) -> Result<T, String>,
 ) -> Result<T, (StatusCode, String)> {
     let bad = |status, message: String| {
-        app.metrics.check("error");
-        app.metrics.error("bad_request");
-        // The caller's own words are in `message`: escaped, and rate-limited.
-        if let Some(suppressed) = app.warnings.allow("bad_request") {
-            tracing::warn!(error = %Escaped(&message), suppressed, "bad request");
-        }
+        count_bad_request(app, &message);
         (status, message)
     };
     let body = body.map_err(|e| bad(e.status(), format!("body: {}", e.body_text())))?;
     parse(&body).map_err(|message| bad(StatusCode::BAD_REQUEST, message))
 }
 
-/// A 400 for what the policy does not have, counted as a bad request.
-fn policy_refusal(app: &App, message: String) -> Response {
-    app.metrics.check("error");
-    app.metrics.error("bad_request");
-    if let Some(suppressed) = app.warnings.allow("bad_request") {
-        tracing::warn!(error = %Escaped(&message), suppressed, "bad request");
-    }
-    error(StatusCode::BAD_REQUEST, message)
+/// Counts `charged_then_failed{reason="client_gone"}` when dropped armed:
+/// hyper drops a handler whose caller closed the connection, and a handler
+/// dropped during its Redis call may have charged for an answer nobody reads.
+struct ChargeInFlight<'a> {
+    metrics: &'a Metrics,
+    armed: bool,
 }
 
-async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+impl<'a> ChargeInFlight<'a> {
+    fn arm(metrics: &'a Metrics) -> Self {
+        ChargeInFlight {
+            metrics,
+            armed: true,
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ChargeInFlight<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.metrics
+                .charged_then_failed
+                .with_label_values(&["client_gone"])
+                .inc();
+        }
+    }
+}
+
+async fn check(
+    State(app): State<Arc<App>>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let req = match read_body(&app, body, protocol::parse_check) {
         Ok(r) => r,
         Err((status, message)) => return error(status, message),
     };
+    if !caller.may_use(&req.domain) {
+        return refuse(&app, Refusal::WrongDomain);
+    }
     // Limits, windows and amounts from the policy: 400 for what it lacks.
     let resolved = match app.policy.current().resolve_check(&req) {
         Ok(r) => r,
-        Err(message) => return policy_refusal(&app, message),
+        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
     };
-    match app.limiter.check(&resolved).await {
+    let in_flight = ChargeInFlight::arm(&app.metrics);
+    let result = app.limiter.check(&resolved).await;
+    in_flight.disarm();
+    match result {
         Ok(answer) => {
             app.metrics
                 .check(if answer.allowed { "allowed" } else { "denied" });
@@ -128,17 +382,27 @@ async fn check(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>)
     }
 }
 
-async fn lease(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn lease(
+    State(app): State<Arc<App>>,
+    Extension(caller): Extension<Caller>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let req = match read_body(&app, body, protocol::parse_lease) {
         Ok(r) => r,
         Err((status, message)) => return error(status, message),
     };
+    if !caller.may_use(&req.domain) {
+        return refuse(&app, Refusal::WrongDomain);
+    }
     let resolved = match app.policy.current().resolve_lease(&req) {
         Ok(r) => r,
-        Err(message) => return policy_refusal(&app, message),
+        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
     };
-    // One ledger for every caller until callers are authenticated.
-    match app.limiter.lease(&resolved, "anonymous").await {
+    let in_flight = ChargeInFlight::arm(&app.metrics);
+    // The ledger of what this caller holds is keyed on its identity.
+    let result = app.limiter.lease(&resolved, &caller.id).await;
+    in_flight.disarm();
+    match result {
         Ok(answer) => {
             app.metrics.check("lease");
             (StatusCode::OK, Json(answer)).into_response()
@@ -147,8 +411,12 @@ async fn lease(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>)
     }
 }
 
+/// `GET /healthz` and `GET /readyz`: 200 only when a write goes through
+/// (`SET <prefix>health:<instance> 1 PX 5000` on the connection the checks
+/// use), so a Redis turned replica (`READONLY`) or full under `noeviction`
+/// (`OOM`) takes the pod out of service, as an unreachable one does.
 async fn healthz(State(app): State<Arc<App>>) -> Response {
-    match app.limiter.store().ping().await {
+    match app.limiter.store().probe_write().await {
         Ok(()) => (
             StatusCode::OK,
             Json(Health {
@@ -158,17 +426,28 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
         )
             .into_response(),
         Err(e) => {
-            tracing::debug!(error = %Escaped(&e), "health check: Redis down");
+            tracing::debug!(error = %Escaped(&e), "health check: cannot write to Redis");
+            let redis = match e.kind() {
+                "readonly" => "readonly",
+                "oom" => "oom",
+                _ => "down",
+            };
             (
                 StatusCode::SERVICE_UNAVAILABLE,
                 Json(Health {
                     status: "unavailable".to_string(),
-                    redis: "down".to_string(),
+                    redis: redis.to_string(),
                 }),
             )
                 .into_response()
         }
     }
+}
+
+/// `GET /livez`: the process answers HTTP; never touches Redis, so a Redis
+/// outage does not make Kubernetes restart every replica.
+async fn livez() -> Response {
+    (StatusCode::OK, Json(serde_json::json!({ "status": "ok" }))).into_response()
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {

@@ -206,7 +206,12 @@ fn the_token_file_reloads_and_a_broken_one_keeps_the_old_tokens() {
         Gateway::start(options(&redis).args(&["--auth-tokens", &tokens])),
         "starting the gateway",
     );
-    let check = request("api", 1, &[("k", "t", &[(100, 60_000, "token_bucket")])]);
+    // The rule of POLICY: 20 a minute.
+    let check = request(
+        "api",
+        1,
+        &[("rule/c=bob", "c=bob", &[(20, 60_000, "token_bucket")])],
+    );
     assert_eq!(
         post(&gw, "/v1/check", &check, Some("old-token")).status,
         200
