@@ -1,135 +1,56 @@
-//! The gateway protocol, filter side: the `POST /v1/check` body for a
-//! request's global buckets, and a distrustful reading of the answer.
+//! The gateway protocol, filter side: the `POST /v1/check` and `/v1/lease`
+//! bodies for a request's global buckets and quotas (identifiers only, in
+//! the types of `ratelimit-protocol`), and a distrustful reading of the
+//! answers, whose limits (the gateway's policy) are the ones shown.
 
 use crate::lease::Lease;
-use crate::limiter::Report;
-use crate::plan::{GlobalBucket, Plan, QuotaBucket};
+use crate::limiter::{Enforced, Report};
+use crate::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use crate::token_bucket::Check;
-use serde::{Deserialize, Serialize};
+use ratelimit_protocol::{
+    BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_EXACT,
+    MAX_LIMITS, MAX_QUOTA_LIMIT,
+};
 
 /// Protocol version spoken by this filter.
-pub const VERSION: u32 = 1;
-
-#[derive(Serialize)]
-struct CheckRequest<'a> {
-    version: u32,
-    domain: &'a str,
-    cost: u64,
-    buckets: Vec<RequestBucket<'a>>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    quotas: Vec<RequestQuota<'a>>,
-}
-
-#[derive(Serialize)]
-struct RequestBucket<'a> {
-    key: &'a str,
-    tag: &'a str,
-    cost: u64,
-    limits: Vec<RequestLimit>,
-}
-
-#[derive(Serialize)]
-struct RequestQuota<'a> {
-    key: &'a str,
-    tag: &'a str,
-    limit: u64,
-    period: &'static str,
-    amount: u64,
-}
-
-#[derive(Serialize)]
-struct RequestLimit {
-    requests: u64,
-    window_ms: u64,
-    algorithm: &'static str,
-}
-
-/// The limits of a global bucket as the gateway takes them.
-fn request_limits(plan: &Plan, g: &GlobalBucket) -> Vec<RequestLimit> {
-    let Some(rule) = plan.rules.get(g.rule) else {
-        return Vec::new();
-    };
-    rule.limits(g.variant)
-        .iter()
-        .map(|(l, secs)| RequestLimit {
-            requests: l.capacity,
-            window_ms: secs * 1000,
-            algorithm: rule.algorithm.name(),
-        })
-        .collect()
-}
+pub const VERSION: u32 = ratelimit_protocol::VERSION;
 
 /// The JSON body asking the gateway to check and charge every bucket at its
 /// cost, and every quota by its amount, all or nothing.
-pub fn encode_request(
-    plan: &Plan,
-    cost: u64,
-    global: &[GlobalBucket],
-    quotas: &[QuotaBucket],
-) -> Vec<u8> {
+pub fn encode_request(plan: &Plan, global: &[GlobalBucket], quotas: &[QuotaBucket]) -> Vec<u8> {
     let buckets = global
         .iter()
         .filter_map(|g| {
-            // A bucket of an unknown rule is left out, not sent without limits.
-            plan.rules.get(g.rule)?;
-            Some(RequestBucket {
-                key: &g.key,
-                tag: &g.tag,
+            // A bucket of an unknown rule or variant is left out.
+            let rule = plan.rules.get(g.rule)?;
+            Some(BucketRef {
+                rule: rule.name.clone(),
+                key: g.key.clone(),
+                tag: g.tag.clone(),
+                variant: rule.variants.get(g.variant)?.wire.clone(),
                 cost: g.cost,
-                limits: request_limits(plan, g),
             })
         })
         .collect();
     let quotas = quotas
         .iter()
         .filter_map(|q| {
-            let quota = plan.quotas.get(q.quota)?;
-            Some(RequestQuota {
-                key: &q.key,
-                tag: &q.tag,
-                limit: q.limit,
-                period: quota.period.name(),
+            Some(QuotaRef {
+                quota: plan.quotas.get(q.quota)?.name.clone(),
+                key: q.key.clone(),
+                tag: q.tag.clone(),
+                variant: q.variant.clone(),
                 amount: q.amount,
             })
         })
         .collect();
     let body = CheckRequest {
         version: VERSION,
-        domain: &plan.domain,
-        cost,
+        domain: plan.domain.clone(),
         buckets,
         quotas,
     };
     serde_json::to_vec(&body).unwrap_or_default()
-}
-
-#[derive(Deserialize)]
-struct CheckAnswer {
-    version: u32,
-    allowed: bool,
-    buckets: Vec<AnswerBucket>,
-    #[serde(default)]
-    quotas: Vec<AnswerQuota>,
-}
-
-#[derive(Deserialize)]
-struct AnswerQuota {
-    allowed: bool,
-    remaining: f64,
-    reset_ms: f64,
-}
-
-#[derive(Deserialize)]
-struct AnswerBucket {
-    limits: Vec<AnswerLimit>,
-}
-
-#[derive(Deserialize)]
-struct AnswerLimit {
-    allowed: bool,
-    remaining: f64,
-    reset_ms: f64,
-    retry_after_ms: f64,
 }
 
 /// Why an answer was not usable; each is a gateway failure for the failure mode.
@@ -182,6 +103,9 @@ pub struct Answer {
     pub quotas: Vec<QuotaReport>,
     /// Figures outside what the limit allows, clamped.
     pub clamped: u64,
+    /// The gateway enforced other limits (or quota amounts, periods) than
+    /// this filter's configuration: its own apply, and are shown.
+    pub mismatch: bool,
 }
 
 /// Longest calendar period (a 31-day month), for clamping quota resets.
@@ -223,9 +147,35 @@ fn read_body<T: serde::de::DeserializeOwned>(
     }
 }
 
-/// Reads the gateway's answer to a request for `global`. Figures are clamped to
-/// what the configured limit makes possible: remaining within 0..=requests,
-/// waits within two windows.
+/// An enforced limit as the answer states it, or why it is unusable.
+fn enforced(requests: f64, window_ms: f64) -> Result<Enforced, AnswerError> {
+    let whole = |v: f64| v.is_finite() && v >= 1.0 && v <= MAX_EXACT as f64 && v.fract() == 0.0;
+    if !whole(requests) || !whole(window_ms) {
+        return Err(AnswerError::Inconsistent(format!(
+            "enforced limit {requests} per {window_ms} ms"
+        )));
+    }
+    Ok(Enforced {
+        requests: requests as u64,
+        window_ms: window_ms as u64,
+    })
+}
+
+/// Whether the gateway enforced what this filter's configuration says for
+/// limit `i` of `rule`'s `variant`.
+fn agrees(rule: &RulePlan, variant: usize, i: usize, e: Enforced, algorithm: &str) -> bool {
+    rule.limits(variant).get(i).is_some_and(|(l, _)| {
+        l.capacity == e.requests
+            && l.period_ns == e.window_ms.saturating_mul(MS)
+            && rule.algorithm.name() == algorithm
+    })
+}
+
+/// Reads the gateway's answer to a request for `global`. The limits are the
+/// ones the gateway enforced (its policy); where they differ from this
+/// filter's, `Answer::mismatch` says so. Figures are clamped to what the
+/// enforced limit makes possible: remaining within 0..=requests, waits
+/// within two windows.
 pub fn parse_answer(
     plan: &Plan,
     global: &[GlobalBucket],
@@ -233,7 +183,7 @@ pub fn parse_answer(
     status: Option<&[u8]>,
     body: &[u8],
 ) -> Result<Answer, AnswerError> {
-    let answer: CheckAnswer = read_body(status, body, |a: &CheckAnswer| a.version)?;
+    let answer: CheckResponse<f64> = read_body(status, body, |a: &CheckResponse<f64>| a.version)?;
     if answer.buckets.len() != global.len() {
         return Err(AnswerError::Inconsistent(format!(
             "{} buckets for {} asked",
@@ -243,26 +193,27 @@ pub fn parse_answer(
     }
     let mut reports = Vec::new();
     let mut clamped = 0;
+    let mut mismatch = false;
     let mut all_allowed = true;
     for (asked, got) in global.iter().zip(&answer.buckets) {
         let rule = plan
             .rules
             .get(asked.rule)
             .ok_or_else(|| AnswerError::Inconsistent("unknown rule".into()))?;
-        let limits = rule.limits(asked.variant);
-        if got.limits.len() != limits.len() {
+        if got.limits.is_empty() || got.limits.len() > MAX_LIMITS {
             return Err(AnswerError::Inconsistent(format!(
-                "{} limits for rule {:?} with {}",
+                "{} limits for rule {:?}",
                 got.limits.len(),
-                rule.name,
-                limits.len()
+                rule.name
             )));
         }
-        for (i, ((limit, _), l)) in limits.iter().zip(&got.limits).enumerate() {
-            let window_ms = limit.period_ns / MS;
-            let remaining = clamp(l.remaining, limit.capacity, &mut clamped);
-            let reset_ms = clamp(l.reset_ms, 2 * window_ms, &mut clamped);
-            let mut retry_ms = clamp(l.retry_after_ms, 2 * window_ms, &mut clamped);
+        mismatch |= got.limits.len() != rule.limits(asked.variant).len();
+        for (i, l) in got.limits.iter().enumerate() {
+            let e = enforced(l.requests, l.window_ms)?;
+            mismatch |= !agrees(rule, asked.variant, i, e, l.algorithm.name());
+            let remaining = clamp(l.remaining, e.requests, &mut clamped);
+            let reset_ms = clamp(l.reset_ms, 2 * e.window_ms, &mut clamped);
+            let mut retry_ms = clamp(l.retry_after_ms, 2 * e.window_ms, &mut clamped);
             if !l.allowed && retry_ms == 0 {
                 retry_ms = 1;
             }
@@ -274,6 +225,7 @@ pub fn parse_answer(
                 used_share: 0.0,
                 blocked: false,
                 cost: asked.cost,
+                enforced: Some(e),
                 check: Check {
                     allowed: l.allowed,
                     new_state: 0,
@@ -291,19 +243,19 @@ pub fn parse_answer(
             quotas.len()
         )));
     }
-    let quota_reports: Vec<QuotaReport> = quotas
-        .iter()
-        .zip(&answer.quotas)
-        .map(|(asked, got)| {
-            all_allowed &= got.allowed;
-            QuotaReport {
-                quota: asked.quota,
-                allowed: got.allowed,
-                remaining: clamp(got.remaining, asked.limit, &mut clamped),
-                reset_ms: clamp(got.reset_ms, MAX_PERIOD_MS, &mut clamped),
-            }
-        })
-        .collect();
+    let mut quota_reports = Vec::with_capacity(quotas.len());
+    for (asked, got) in quotas.iter().zip(&answer.quotas) {
+        all_allowed &= got.allowed;
+        let limit = clamp(got.limit, MAX_QUOTA_LIMIT, &mut clamped);
+        let period = plan.quotas.get(asked.quota).map(|q| q.period);
+        mismatch |= limit != asked.limit || period != Some(got.period);
+        quota_reports.push(QuotaReport {
+            quota: asked.quota,
+            allowed: got.allowed,
+            remaining: clamp(got.remaining, limit, &mut clamped),
+            reset_ms: clamp(got.reset_ms, MAX_PERIOD_MS, &mut clamped),
+        });
+    }
     if answer.allowed != all_allowed {
         return Err(AnswerError::Inconsistent(format!(
             "allowed is {} but the limits say {all_allowed}",
@@ -314,49 +266,31 @@ pub fn parse_answer(
         reports,
         quotas: quota_reports,
         clamped,
+        mismatch,
     })
-}
-
-#[derive(Serialize)]
-struct LeaseRequest<'a> {
-    version: u32,
-    domain: &'a str,
-    key: &'a str,
-    tag: &'a str,
-    limits: Vec<RequestLimit>,
-    want: u64,
-    #[serde(rename = "return")]
-    returned: u64,
 }
 
 /// The JSON body of `POST /v1/lease`: reserve up to `want` tokens of the
 /// bucket of `lease`, after giving back `returned` unspent ones.
 pub fn encode_lease(plan: &Plan, lease: &Lease, want: u64, returned: u64) -> Vec<u8> {
     let g = &lease.bucket;
+    let Some(rule) = plan.rules.get(g.rule) else {
+        return Vec::new();
+    };
+    let Some(variant) = rule.variants.get(g.variant) else {
+        return Vec::new();
+    };
     let body = LeaseRequest {
         version: VERSION,
-        domain: &plan.domain,
-        key: &g.key,
-        tag: &g.tag,
-        limits: request_limits(plan, g),
+        domain: plan.domain.clone(),
+        rule: rule.name.clone(),
+        key: g.key.clone(),
+        tag: g.tag.clone(),
+        variant: variant.wire.clone(),
         want,
         returned,
     };
     serde_json::to_vec(&body).unwrap_or_default()
-}
-
-#[derive(Deserialize)]
-struct LeaseAnswerBody {
-    version: u32,
-    granted: f64,
-    limits: Vec<LeaseAnswerLimit>,
-}
-
-#[derive(Deserialize)]
-struct LeaseAnswerLimit {
-    remaining: f64,
-    reset_ms: f64,
-    retry_after_ms: f64,
 }
 
 /// A usable lease answer.
@@ -370,9 +304,14 @@ pub struct LeaseAnswer {
     pub retry_after_ms: Vec<u64>,
     /// Figures outside what the limit allows, clamped.
     pub clamped: u64,
+    /// The gateway enforced other limits than this filter's configuration.
+    pub mismatch: bool,
 }
 
-/// Reads the gateway's answer to a lease of `want` tokens for `lease`.
+/// Reads the gateway's answer to a lease of `want` tokens for `lease`. The
+/// batch is kept against this filter's limits (its slot has one pair per
+/// limit): an answer with another number of limits is unusable, other
+/// figures count as a mismatch.
 pub fn parse_lease_answer(
     plan: &Plan,
     lease: &Lease,
@@ -380,8 +319,12 @@ pub fn parse_lease_answer(
     status: Option<&[u8]>,
     body: &[u8],
 ) -> Result<LeaseAnswer, AnswerError> {
-    let answer: LeaseAnswerBody = read_body(status, body, |a: &LeaseAnswerBody| a.version)?;
-    let limits = plan.limits(lease.bucket.rule, lease.bucket.variant);
+    let answer: LeaseResponse<f64> = read_body(status, body, |a: &LeaseResponse<f64>| a.version)?;
+    let rule = plan
+        .rules
+        .get(lease.bucket.rule)
+        .ok_or_else(|| AnswerError::Inconsistent("unknown rule".into()))?;
+    let limits = rule.limits(lease.bucket.variant);
     if answer.limits.len() != limits.len() {
         return Err(AnswerError::Inconsistent(format!(
             "{} limits for a lease on {}",
@@ -397,8 +340,11 @@ pub fn parse_lease_answer(
         limits: Vec::with_capacity(limits.len()),
         retry_after_ms: Vec::with_capacity(limits.len()),
         clamped: 0,
+        mismatch: false,
     };
-    for ((limit, _), l) in limits.iter().zip(&answer.limits) {
+    for (i, ((limit, _), l)) in limits.iter().zip(&answer.limits).enumerate() {
+        let e = enforced(l.requests, l.window_ms)?;
+        out.mismatch |= !agrees(rule, lease.bucket.variant, i, e, "token_bucket");
         let window_ms = limit.period_ns / MS;
         out.limits.push((
             clamp(l.remaining, limit.capacity, &mut clamped),
@@ -438,16 +384,23 @@ mod tests {
     }
 
     #[test]
-    fn request_names_keys_limits_and_cost() {
+    fn request_names_identifiers_only() {
         let (plan, global) = setup();
         let body: serde_json::Value =
-            serde_json::from_slice(&encode_request(&plan, 1, &global, &[])).unwrap();
+            serde_json::from_slice(&encode_request(&plan, &global, &[])).unwrap();
         assert_eq!(
             body,
-            serde_json::json!({"version":1,"domain":"demo","cost":1,"buckets":[{"key":"g/c=alice","tag":"c=alice","cost":1,"limits":[
-                {"requests":10,"window_ms":60000,"algorithm":"token_bucket"},
-                {"requests":2,"window_ms":1000,"algorithm":"token_bucket"}]}]})
+            serde_json::json!({"version":2,"domain":"demo","buckets":[
+                {"rule":"g","key":"g/c=alice","tag":"c=alice","variant":"default","cost":1}]})
         );
+    }
+
+    fn limit(requests: u64, window_ms: u64, v: serde_json::Value) -> serde_json::Value {
+        let mut v = v;
+        v["requests"] = requests.into();
+        v["window_ms"] = window_ms.into();
+        v["algorithm"] = "token_bucket".into();
+        v
     }
 
     fn answer(body: serde_json::Value) -> Result<Answer, AnswerError> {
@@ -463,25 +416,67 @@ mod tests {
 
     #[test]
     fn good_answers_become_reports() {
-        let a = answer(
-            serde_json::json!({"version":1,"allowed":false,"buckets":[{"limits":[
-            {"allowed":true,"remaining":7,"reset_ms":18000,"retry_after_ms":0},
-            {"allowed":false,"remaining":0,"reset_ms":1000,"retry_after_ms":400}]}]}),
-        )
+        let a = answer(serde_json::json!({"version":2,"allowed":false,"buckets":[{"limits":[
+            limit(10, 60_000, serde_json::json!({"allowed":true,"remaining":7,"reset_ms":18000,"retry_after_ms":0})),
+            limit(2, 1000, serde_json::json!({"allowed":false,"remaining":0,"reset_ms":1000,"retry_after_ms":400}))]}]}))
         .unwrap();
-        assert_eq!(a.clamped, 0);
+        assert_eq!((a.clamped, a.mismatch), (0, false));
         assert_eq!(a.reports.len(), 2);
         assert_eq!(a.reports[1].check.retry_after_ns, 400 * MS);
         assert_eq!(a.reports[0].check.remaining, 7);
+        assert_eq!(
+            a.reports[0].enforced,
+            Some(Enforced {
+                requests: 10,
+                window_ms: 60_000
+            })
+        );
+    }
+
+    #[test]
+    fn the_gateways_limits_apply_and_a_difference_is_a_mismatch() {
+        // The filter says 10/min and 2/s; the gateway's policy 30/min only.
+        let a = answer(serde_json::json!({"version":2,"allowed":true,"buckets":[{"limits":[
+            limit(30, 60_000, serde_json::json!({"allowed":true,"remaining":25,"reset_ms":10000,"retry_after_ms":0}))]}]}))
+        .unwrap();
+        assert!(a.mismatch);
+        assert_eq!(a.reports.len(), 1);
+        // 25 left is within the enforced 30: not clamped to the filter's 10.
+        assert_eq!((a.reports[0].check.remaining, a.clamped), (25, 0));
+        let (plan, _) = setup();
+        let shown = crate::headers::closest(&plan, &a.reports).unwrap();
+        assert_eq!(
+            (shown.quota, shown.window_secs, shown.remaining),
+            (30, 60, 25)
+        );
+        // Same count, another window or algorithm: a mismatch too.
+        for (window, algorithm) in [(30_000, "token_bucket"), (60_000, "sliding_window")] {
+            let mut l = limit(
+                10,
+                window,
+                serde_json::json!({"allowed":true,"remaining":1,"reset_ms":1,"retry_after_ms":0}),
+            );
+            l["algorithm"] = algorithm.into();
+            let a = answer(serde_json::json!({"version":2,"allowed":true,"buckets":[{"limits":[l,
+                limit(2, 1000, serde_json::json!({"allowed":true,"remaining":1,"reset_ms":1,"retry_after_ms":0}))]}]}))
+            .unwrap();
+            assert!(a.mismatch, "{window} {algorithm}");
+        }
+        // A limit of 0 or a fraction is not a limit: unusable.
+        assert!(matches!(
+            answer(
+                serde_json::json!({"version":2,"allowed":true,"buckets":[{"limits":[
+                limit(0, 1000, serde_json::json!({"allowed":true,"remaining":0,"reset_ms":1,"retry_after_ms":0}))]}]})
+            ),
+            Err(AnswerError::Inconsistent(_))
+        ));
     }
 
     #[test]
     fn out_of_range_figures_are_clamped_and_counted() {
-        let a = answer(
-            serde_json::json!({"version":1,"allowed":true,"buckets":[{"limits":[
-            {"allowed":true,"remaining":1e12,"reset_ms":-5,"retry_after_ms":0},
-            {"allowed":true,"remaining":-3,"reset_ms":99999999,"retry_after_ms":0}]}]}),
-        )
+        let a = answer(serde_json::json!({"version":2,"allowed":true,"buckets":[{"limits":[
+            limit(10, 60_000, serde_json::json!({"allowed":true,"remaining":1e12,"reset_ms":-5,"retry_after_ms":0})),
+            limit(2, 1000, serde_json::json!({"allowed":true,"remaining":-3,"reset_ms":99999999,"retry_after_ms":0}))]}]}))
         .unwrap();
         assert_eq!(a.clamped, 4);
         assert_eq!(a.reports[0].check.remaining, 10);
@@ -505,18 +500,22 @@ mod tests {
             Err(AnswerError::Garbled(_))
         ));
         assert_eq!(
-            answer(serde_json::json!({"version":2,"allowed":true,"buckets":[]})),
-            Err(AnswerError::Version(2))
+            answer(serde_json::json!({"version":1,"allowed":true,"buckets":[]})),
+            Err(AnswerError::Version(1))
         );
         assert!(matches!(
-            answer(serde_json::json!({"version":1,"allowed":true,"buckets":[]})),
+            answer(serde_json::json!({"version":2,"allowed":true,"buckets":[]})),
+            Err(AnswerError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            answer(serde_json::json!({"version":2,"allowed":true,"buckets":[{"limits":[]}]})),
             Err(AnswerError::Inconsistent(_))
         ));
         assert!(matches!(
             answer(
-                serde_json::json!({"version":1,"allowed":true,"buckets":[{"limits":[
-                {"allowed":false,"remaining":0,"reset_ms":1,"retry_after_ms":1},
-                {"allowed":true,"remaining":0,"reset_ms":1,"retry_after_ms":0}]}]})
+                serde_json::json!({"version":2,"allowed":true,"buckets":[{"limits":[
+                limit(10, 60_000, serde_json::json!({"allowed":false,"remaining":0,"reset_ms":1,"retry_after_ms":1})),
+                limit(2, 1000, serde_json::json!({"allowed":true,"remaining":0,"reset_ms":1,"retry_after_ms":0}))]}]})
             ),
             Err(AnswerError::Inconsistent(_))
         ));
@@ -531,39 +530,41 @@ mod tests {
             serde_json::from_slice(&encode_lease(&plan, &l, 1, 2)).unwrap();
         assert_eq!(
             body,
-            json!({"version": 1, "domain": "demo", "key": "g/c=alice", "tag": "c=alice",
-                   "limits": [{"requests": 10, "window_ms": 60_000, "algorithm": "token_bucket"},
-                              {"requests": 2, "window_ms": 1000, "algorithm": "token_bucket"}],
-                   "want": 1, "return": 2})
+            json!({"version": 2, "domain": "demo", "rule": "g", "key": "g/c=alice", "tag": "c=alice",
+                   "variant": "default", "want": 1, "return": 2})
         );
         let read = |v: serde_json::Value| {
             parse_lease_answer(&plan, &l, 1, Some(b"200"), v.to_string().as_bytes())
         };
-        let limit =
-            |r: f64, t: f64, w: f64| json!({"remaining": r, "reset_ms": t, "retry_after_ms": w});
-        let a = read(json!({"version": 1, "granted": 1,
-                            "limits": [limit(8.0, 12_000.0, 0.0), limit(1.0, 500.0, 0.0)]}))
+        let lim = |c: u64, w: u64, r: f64, t: f64, x: f64| json!({"requests": c, "window_ms": w, "remaining": r, "reset_ms": t, "retry_after_ms": x});
+        let a = read(json!({"version": 2, "granted": 1,
+                            "limits": [lim(10, 60_000, 8.0, 12_000.0, 0.0), lim(2, 1000, 1.0, 500.0, 0.0)]}))
         .unwrap();
         assert_eq!(
-            (a.granted, a.limits.clone(), a.clamped),
-            (1, vec![(8, 12_000), (1, 500)], 0)
+            (a.granted, a.limits.clone(), a.clamped, a.mismatch),
+            (1, vec![(8, 12_000), (1, 500)], 0, false)
         );
         // More than asked, negative or out-of-window figures are clamped and counted.
-        let a = read(json!({"version": 1, "granted": 5,
-                            "limits": [limit(-1.0, 1e12, 0.0), limit(3.0, 1.0, 9e9)]}))
+        let a = read(json!({"version": 2, "granted": 5,
+                            "limits": [lim(10, 60_000, -1.0, 1e12, 0.0), lim(2, 1000, 3.0, 1.0, 9e9)]}))
         .unwrap();
         assert_eq!(
             (a.granted, a.limits.clone()),
             (1, vec![(0, 120_000), (2, 1)])
         );
         assert_eq!((a.retry_after_ms.clone(), a.clamped), (vec![0, 2000], 5));
+        // Other limits than this filter's: a mismatch.
+        let a = read(json!({"version": 2, "granted": 1,
+                            "limits": [lim(30, 60_000, 8.0, 1.0, 0.0), lim(2, 1000, 1.0, 1.0, 0.0)]}))
+        .unwrap();
+        assert!(a.mismatch);
         assert!(matches!(
-            read(json!({"version": 1, "granted": 1, "limits": [limit(1.0, 1.0, 0.0)]})),
+            read(json!({"version": 2, "granted": 1, "limits": [lim(10, 60_000, 1.0, 1.0, 0.0)]})),
             Err(AnswerError::Inconsistent(_))
         ));
         assert!(matches!(
-            read(json!({"version": 2, "granted": 1, "limits": []})),
-            Err(AnswerError::Version(2))
+            read(json!({"version": 1, "granted": 1, "limits": []})),
+            Err(AnswerError::Version(1))
         ));
         assert_eq!(
             parse_lease_answer(&plan, &l, 1, Some(b"503"), b"{}"),

@@ -281,10 +281,13 @@ impl<S: SharedStore> Ctx<'_, S> {
         // Nothing was charged: show what is left now.
         let shown: Vec<Report> = shown
             .iter()
-            .map(|r| match self.plan.limits(r.rule, r.variant).get(r.limit) {
-                Some((limit, _)) => r.uncharged(limit),
-                None => *r,
-            })
+            .map(
+                |r| match (r.enforced, self.plan.limits(r.rule, r.variant).get(r.limit)) {
+                    (Some(e), _) => r.uncharged(&e.limit()),
+                    (None, Some((limit, _))) => r.uncharged(limit),
+                    (None, None) => *r,
+                },
+            )
             .collect();
         let mut lines = headers::closest(self.plan, &shown)
             .map(|s| headers::render(self.plan.header_style, &s))
@@ -524,7 +527,7 @@ pub fn start(
                     ctx.counts.add(Metric::LeaseFetches, 1);
                     callout::encode_lease(plan, l, c.want, c.returned)
                 }
-                None => callout::encode_request(plan, eval.cost, &eval.global, &eval.quotas),
+                None => callout::encode_request(plan, &eval.global, &eval.quotas),
             };
             Step::Call(Box::new(Pending {
                 body,
@@ -667,6 +670,7 @@ fn lease_answer(
         reports,
         quotas: Vec::new(),
         clamped: a.clamped,
+        mismatch: a.mismatch,
     })
 }
 
@@ -710,6 +714,8 @@ fn finish_with(
     match answer {
         Ok(a) => {
             ctx.counts.add(Metric::GatewayClamped, a.clamped);
+            ctx.counts
+                .add(Metric::PolicyMismatch, u64::from(a.mismatch));
             let mut all = p.local_reports;
             all.extend_from_slice(&a.reports);
             let rate_denied = a.reports.iter().any(|r| !r.check.allowed);
@@ -846,6 +852,7 @@ pub fn refresh_finish(
     match answer {
         Ok(a) => {
             counts.add(Metric::GatewayClamped, a.clamped);
+            counts.add(Metric::PolicyMismatch, u64::from(a.mismatch));
             (counts, transition, None)
         }
         Err(e) => {
@@ -1043,8 +1050,9 @@ mod tests {
     }
 
     fn gw(allowed: bool, remaining: u64) -> Vec<u8> {
-        serde_json::json!({"version":1,"allowed":allowed,"buckets":[{"limits":[
-            {"allowed":allowed,"remaining":remaining,"reset_ms":15000,"retry_after_ms": if allowed {0} else {15000}}]}]})
+        serde_json::json!({"version":2,"allowed":allowed,"buckets":[{"limits":[
+            {"requests":4,"window_ms":60000,"algorithm":"token_bucket",
+             "allowed":allowed,"remaining":remaining,"reset_ms":15000,"retry_after_ms": if allowed {0} else {15000}}]}]})
         .to_string()
         .into_bytes()
     }
@@ -1318,8 +1326,8 @@ mod tests {
         "quotas":[{"name":"monthly","key":["client"],"period":"month","tiers":{"free":3},"upgrade_url":"https://e.com/up"}]}"#;
 
     fn quota_answer(quota_ok: bool) -> Vec<u8> {
-        serde_json::json!({"version":1,"allowed":quota_ok,"buckets":[],
-            "quotas":[{"allowed":quota_ok,"remaining":0,"reset_ms":86_400_000}]})
+        serde_json::json!({"version":2,"allowed":quota_ok,"buckets":[],
+            "quotas":[{"limit":3,"period":"month","allowed":quota_ok,"remaining":0,"reset_ms":86_400_000}]})
         .to_string()
         .into_bytes()
     }
@@ -1332,7 +1340,8 @@ mod tests {
         let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
         assert_eq!(
             body["quotas"],
-            serde_json::json!([{"key":"monthly/c=a","tag":"c=a","limit":3,"period":"month","amount":1}])
+            // The quota and the tier by name: the gateway's policy has the amount.
+            serde_json::json!([{"quota":"monthly","key":"monthly/c=a","tag":"c=a","variant":"tier:free","amount":1}])
         );
         let o = finish(
             &p,
@@ -1391,8 +1400,9 @@ mod tests {
     }
 
     fn lease_answer_body(granted: u64, retry_after_ms: u64) -> Vec<u8> {
-        serde_json::json!({"version": 1, "granted": granted,
-            "limits": [{"remaining": 50, "reset_ms": 1000, "retry_after_ms": retry_after_ms}]})
+        serde_json::json!({"version": 2, "granted": granted,
+            "limits": [{"requests": 100, "window_ms": 60_000,
+                        "remaining": 50, "reset_ms": 1000, "retry_after_ms": retry_after_ms}]})
         .to_string()
         .into_bytes()
     }

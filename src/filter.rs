@@ -412,18 +412,7 @@ impl RootContext for Root {
                 return false;
             }
         }
-        let mut plan = Plan::compile(&config, seed);
-        // token_env names a variable of the VM's environment (Envoy's
-        // vm_config.environment_variables reach the module through WASI).
-        if let (Some(g), Some(gp)) = (&config.global, plan.global.as_mut()) {
-            match g.bearer(|name| std::env::var(name).ok()) {
-                Ok(b) => gp.authorization = b.map(config::Token),
-                Err(e) => {
-                    log::error!("ratelimit-wasm: invalid configuration: {e}");
-                    return false;
-                }
-            }
-        }
+        let plan = Plan::compile(&config, seed);
         log::info!(
             "ratelimit-wasm: configured domain {:?}: {} rules, {} bucket sets under {KEY_PREFIX}",
             config.domain,
@@ -514,15 +503,12 @@ struct Http {
 /// Posts `body` to the gateway; `None` when the callout could not even start.
 fn dispatch(plan: &Plan, body: &[u8], path: &str, timeout_ms: u64) -> Option<u32> {
     let g = plan.global.as_ref()?;
-    let mut headers = vec![
+    let headers = vec![
         (":method", "POST"),
         (":path", path),
         (":authority", g.authority.as_str()),
         ("content-type", "application/json"),
     ];
-    if let Some(a) = &g.authorization {
-        headers.push(("authorization", a.0.as_str()));
-    }
     let timeout = Duration::from_millis(timeout_ms);
     match hostcalls::dispatch_http_call(&g.cluster, headers, Some(body), vec![], timeout) {
         Ok(token) => Some(token),
@@ -628,6 +614,19 @@ impl Http {
 
     fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
         self.metrics.add_all(&outcome.counts.0);
+        // Once per VM: every answer of a drifted policy would say it again.
+        static MISMATCH_LOGGED: std::sync::atomic::AtomicBool =
+            std::sync::atomic::AtomicBool::new(false);
+        if outcome.counts.get(Metric::PolicyMismatch) > 0
+            && !MISMATCH_LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            log::warn!(
+                "ratelimit-wasm: the gateway enforces other limits than this configuration of domain {:?}; \
+                 the gateway's apply and are shown (render both from one file); \
+                 counted in ratelimit_wasm_policy_mismatch, logged once",
+                plan.domain
+            );
+        }
         if let Some(e) = &outcome.error {
             log::warn!(
                 "ratelimit-wasm: shared state failed, on_error={:?}: {e}",

@@ -25,11 +25,18 @@ pub struct Shown<'a> {
 
 fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
     let rule = plan.rules.get(r.rule)?;
-    let (limit, window_secs) = rule.limits(r.variant).get(r.limit)?;
+    // A gateway answer says which limit it enforced: that one is shown.
+    let (quota, window_secs) = match r.enforced {
+        Some(e) => (e.requests, e.window_secs()),
+        None => {
+            let (limit, window_secs) = rule.limits(r.variant).get(r.limit)?;
+            (limit.capacity, *window_secs)
+        }
+    };
     Some(Shown {
         policy: &rule.name,
-        quota: limit.capacity,
-        window_secs: *window_secs,
+        quota,
+        window_secs,
         remaining: r.check.remaining,
         reset_secs: ceil_secs(r.check.reset_ns),
         retry_after_secs: ceil_secs(r.check.retry_after_ns).max(1),
@@ -157,6 +164,7 @@ mod tests {
             used_share: 0.0,
             blocked: false,
             cost: 1,
+            enforced: None,
         }
     }
 

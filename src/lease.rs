@@ -433,6 +433,7 @@ pub fn reports(plan: &Plan, lease: &Lease, slot: &Slot, now_ns: u64) -> Vec<Repo
                 used_share: 0.0,
                 blocked: false,
                 cost: g.cost,
+                enforced: None,
                 check: Check {
                     allowed: true,
                     new_state: 0,

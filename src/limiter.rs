@@ -33,6 +33,34 @@ pub struct Report {
     pub blocked: bool,
     /// Tokens the request asked of this limit.
     pub cost: u64,
+    /// The limit the gateway enforced (its policy's), for a gateway
+    /// answer; `None`: this filter's own limit.
+    pub enforced: Option<Enforced>,
+}
+
+/// A limit as the gateway's answer states it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enforced {
+    /// Requests per window.
+    pub requests: u64,
+    /// The window, in ms.
+    pub window_ms: u64,
+}
+
+impl Enforced {
+    /// The limit as the filter's arithmetic takes it.
+    pub fn limit(self) -> crate::token_bucket::Limit {
+        crate::token_bucket::Limit {
+            capacity: self.requests,
+            period_ns: self.window_ms.saturating_mul(1_000_000),
+            burst: self.requests,
+        }
+    }
+
+    /// The window in whole seconds, rounded up, for the headers.
+    pub fn window_secs(self) -> u64 {
+        self.window_ms.div_ceil(1000)
+    }
 }
 
 impl Report {
@@ -253,6 +281,7 @@ pub fn check_and_consume(
                     used_share,
                     blocked: false,
                     cost: b.cost,
+                    enforced: None,
                 });
                 let full_at_ns = rule.algorithm.full_at_ns(limit, check.new_state);
                 // A denial whose TAT the check bounded (the clock stepped back) stores
@@ -309,6 +338,7 @@ fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
         used_share: 0.0,
         blocked: true,
         cost: b.cost,
+        enforced: None,
     }
 }
 

@@ -50,11 +50,14 @@ pub enum Metric {
     LeaseServed,
     /// Lease callouts (by requests and by the timer).
     LeaseFetches,
+    /// Gateway answers whose enforced limits (or quota amounts, periods)
+    /// differ from this filter's configuration; the gateway's apply.
+    PolicyMismatch,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 23] = [
+    pub const ALL: [Metric; 24] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -78,6 +81,7 @@ impl Metric {
         Metric::Unlimited,
         Metric::LeaseServed,
         Metric::LeaseFetches,
+        Metric::PolicyMismatch,
     ];
 
     /// The name given to Envoy.
@@ -106,6 +110,7 @@ impl Metric {
             Metric::Unlimited => "ratelimit_wasm_unlimited",
             Metric::LeaseServed => "ratelimit_wasm_lease_served",
             Metric::LeaseFetches => "ratelimit_wasm_lease_fetches",
+            Metric::PolicyMismatch => "ratelimit_wasm_policy_mismatch",
         }
     }
 

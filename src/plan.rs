@@ -27,6 +27,8 @@ pub struct Variant {
     pub limits: Vec<(Limit, u64)>,
     /// Hash state after domain, rule, algorithm and limits: changing a limit starts fresh buckets.
     hasher: SipHasher13,
+    /// How the gateway protocol names this set.
+    pub wire: ratelimit_protocol::Variant,
 }
 
 /// Graduated stages of a rule, as shares of its (single) limit.
@@ -128,6 +130,8 @@ pub struct QuotaBucket {
     pub tag: String,
     /// Amount per period for this client.
     pub limit: u64,
+    /// Which amount applies, as the gateway protocol names it.
+    pub variant: ratelimit_protocol::Variant,
     /// What this request counts.
     pub amount: u64,
 }
@@ -207,9 +211,6 @@ pub struct GlobalPlan {
 
 /// Where identity comes from.
 #[derive(Debug, Clone)]
-    /// `authorization` of the callouts (`Bearer <token>`): the inline
-    /// `global.token` here; the filter's `on_configure` resolves `token_env`.
-    pub authorization: Option<crate::config::Token>,
 struct IdentityPlan {
     client_header: HeaderId,
     tier_header: Option<HeaderId>,
@@ -324,7 +325,11 @@ struct VariantMaker<'a> {
 
 impl VariantMaker<'_> {
     /// The limits of one set; `instances` above 1 makes a proxy's stand-in share.
-    fn make(&self, specs: &[LimitSpec], instances: u64) -> Variant {
+    fn make(
+        &self,
+        (specs, wire): &(&[LimitSpec], ratelimit_protocol::Variant),
+        instances: u64,
+    ) -> Variant {
         let reject_at = self.rule.graduated.as_ref().map_or(1.0, |g| g.reject_at);
         let limits: Vec<(Limit, u64)> = specs
             .iter()
@@ -354,7 +359,11 @@ impl VariantMaker<'_> {
             hasher.write(&l.period_ns.to_le_bytes());
             hasher.write(&l.burst.to_le_bytes());
         }
-        Variant { limits, hasher }
+        Variant {
+            limits,
+            hasher,
+            wire: wire.clone(),
+        }
     }
 }
 
@@ -403,12 +412,13 @@ impl Plan {
                 _ => None,
             };
             // Variant lists in the same order for the rule and its stand-in.
-            let mut specs: Vec<&[LimitSpec]> = vec![&rule.limits];
+            use ratelimit_protocol::Variant as Wire;
+            let mut specs: Vec<(&[LimitSpec], Wire)> = vec![(&rule.limits, Wire::Default)];
             let tier_variant = tiers
                 .iter()
                 .map(|(name, _)| match rule.tiers.get(name) {
                     Some(limits) => {
-                        specs.push(limits);
+                        specs.push((limits, Wire::Tier(name.clone())));
                         specs.len() - 1
                     }
                     None => 0,
@@ -416,7 +426,7 @@ impl Plan {
                 .collect();
             for (client, spec) in &id.clients {
                 if let Some(limits) = spec.limits.get(&rule.name) {
-                    specs.push(limits);
+                    specs.push((limits, Wire::Client(client.clone())));
                     if let Some(c) = identity.clients.get_mut(client.as_bytes()) {
                         c.variants.push((rule_index, specs.len() - 1));
                     }
@@ -548,7 +558,6 @@ impl Plan {
             Some(_) => req.client_metadata.as_deref(),
             None => req.header(self.identity.client_header),
         }
-                authorization: g.bearer(|_| None).ok().flatten().map(crate::config::Token),
         .filter(|v| !v.is_empty())
     }
 
@@ -674,12 +683,24 @@ impl Plan {
             if !q.matcher.as_ref().is_none_or(|m| m.matches(req)) {
                 continue;
             }
-            let limit = known
+            use ratelimit_protocol::Variant as Wire;
+            let by_client = known
                 .and_then(|k| k.quotas.iter().find(|(x, _)| *x == qi).map(|(_, a)| *a))
-                .or_else(|| match tier {
-                    Some(t) => q.by_tier.get(t).copied().flatten(),
-                    None => q.limit,
-                });
+                .zip(client_id);
+            let (limit, variant) = match (by_client, tier) {
+                (Some((a, c)), _) => (
+                    Some(a),
+                    Wire::Client(String::from_utf8_lossy(c).into_owned()),
+                ),
+                (None, Some(t)) => (
+                    q.by_tier.get(t).copied().flatten(),
+                    self.identity
+                        .tiers
+                        .get(t)
+                        .map_or(Wire::Default, |(n, _)| Wire::Tier(n.clone())),
+                ),
+                (None, None) => (q.limit, Wire::Default),
+            };
             let Some(limit) = limit else { continue };
             let (mut k, mut tag) = (q.name.clone(), String::new());
             let applies = key::write_key(
@@ -702,6 +723,7 @@ impl Plan {
                     key: key::bounded(k, &q.name),
                     tag,
                     limit,
+                    variant,
                     amount,
                 });
             }
@@ -1104,6 +1126,7 @@ mod tests {
                 key: "monthly/c=a".into(),
                 tag: "c=a".into(),
                 limit: 100,
+                variant: ratelimit_protocol::Variant::Tier("free".into()),
                 amount: 50
             }]
         );
@@ -1123,6 +1146,10 @@ mod tests {
             "1.1.1.1:1",
         ));
         assert_eq!(big.quotas[0].limit, 5);
+        // The gateway is told which amount applies, never the amount.
+        use ratelimit_protocol::Variant;
+        assert_eq!(pro.quotas[0].variant, Variant::Tier("pro".into()));
+        assert_eq!(big.quotas[0].variant, Variant::Client("big".into()));
     }
 
     /// The stand-in limit of a global rule with `requests` per `per` seconds
