@@ -412,7 +412,18 @@ impl RootContext for Root {
                 return false;
             }
         }
-        let plan = Plan::compile(&config, seed);
+        let mut plan = Plan::compile(&config, seed);
+        // token_env names a variable of the VM's environment (Envoy's
+        // vm_config.environment_variables reach the module through WASI).
+        if let (Some(g), Some(gp)) = (&config.global, plan.global.as_mut()) {
+            match g.bearer(|name| std::env::var(name).ok()) {
+                Ok(b) => gp.authorization = b.map(config::Token),
+                Err(e) => {
+                    log::error!("ratelimit-wasm: invalid configuration: {e}");
+                    return false;
+                }
+            }
+        }
         log::info!(
             "ratelimit-wasm: configured domain {:?}: {} rules, {} bucket sets under {KEY_PREFIX}",
             config.domain,
@@ -503,12 +514,15 @@ struct Http {
 /// Posts `body` to the gateway; `None` when the callout could not even start.
 fn dispatch(plan: &Plan, body: &[u8], path: &str, timeout_ms: u64) -> Option<u32> {
     let g = plan.global.as_ref()?;
-    let headers = vec![
+    let mut headers = vec![
         (":method", "POST"),
         (":path", path),
         (":authority", g.authority.as_str()),
         ("content-type", "application/json"),
     ];
+    if let Some(a) = &g.authorization {
+        headers.push(("authorization", a.0.as_str()));
+    }
     let timeout = Duration::from_millis(timeout_ms);
     match hostcalls::dispatch_http_call(&g.cluster, headers, Some(body), vec![], timeout) {
         Ok(token) => Some(token),

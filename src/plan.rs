@@ -207,6 +207,9 @@ pub struct GlobalPlan {
     pub circuit_key: String,
     /// Lease mode, when configured.
     pub lease: Option<LeasePlan>,
+    /// `authorization` of the callouts (`Bearer <token>`): the inline
+    /// `global.token` here; the filter's `on_configure` resolves `token_env`.
+    pub authorization: Option<crate::config::Token>,
 }
 
 /// Where identity comes from.
@@ -545,6 +548,7 @@ impl Plan {
                     .lease
                     .as_ref()
                     .map(|l| LeasePlan::new(l, &config.domain, keys)),
+                authorization: g.bearer(|_| None).ok().flatten().map(crate::config::Token),
             }),
             domain: config.domain.clone(),
             costs,
