@@ -39,6 +39,10 @@ pub struct GatewayOptions {
     pub ready_timeout: Duration,
     /// Directory for the log; default a fresh temporary directory.
     pub work_dir: Option<PathBuf>,
+    /// The policy: plugin configurations (JSON), written to the work
+    /// directory as `policy-<i>.json` and given as `--policy`. The gateway
+    /// refuses to start without one.
+    pub policies: Vec<String>,
 }
 
 impl GatewayOptions {
@@ -50,7 +54,15 @@ impl GatewayOptions {
             extra_args: Vec::new(),
             ready_timeout: Duration::from_secs(15),
             work_dir: None,
+            policies: Vec::new(),
         }
+    }
+
+    /// Adds a plugin configuration to the policy: pass the JSON the Envoys
+    /// get, so that the gateway enforces the same limits.
+    pub fn policy(mut self, plugin_config_json: impl Into<String>) -> Self {
+        self.policies.push(plugin_config_json.into());
+        self
     }
 
     /// Listens on 127.0.0.1:`port`.
@@ -102,6 +114,10 @@ impl Gateway {
         };
         let log_path = dir.path().join("gateway.log");
         File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        for (i, json) in opts.policies.iter().enumerate() {
+            let path = dir.path().join(format!("policy-{i}.json"));
+            std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
+        }
         let attempts = if opts.port.is_some() { 1 } else { 3 };
         let mut gateway = Gateway {
             port: 0,
@@ -154,6 +170,9 @@ impl Gateway {
                 Ok(())
             });
         }
+        for i in 0..self.opts.policies.len() {
+            cmd.arg("--policy").arg(self.policy_path(i));
+        }
         // Without tokens asked for, the gateway must be told it serves anyone.
         if !self.opts.extra_args.iter().any(|a| a == "--auth-tokens") {
             cmd.arg("--insecure-no-auth");
@@ -188,6 +207,9 @@ impl Gateway {
             ConnectionMode::NewPerRequest,
             Duration::from_secs(1),
         );
+        // Over TLS (`--tls-cert`), this plain client cannot ask /healthz:
+        // the port accepting connections and the start logged must do.
+        let tls = self.opts.extra_args.iter().any(|a| a == "--tls-cert");
         loop {
             if let Some(status) = self.try_wait()? {
                 bail!(
@@ -196,6 +218,12 @@ impl Gateway {
                     self.port,
                     self.log_tail(30)
                 );
+            }
+            if tls
+                && self.log().contains("ratelimit-gateway listening")
+                && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            {
+                return Ok(());
             }
             let last = match client.get("/healthz", &[]) {
                 Ok(r) if r.status == 200 => return Ok(()),
@@ -211,9 +239,6 @@ impl Gateway {
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
-        // Over TLS (`--tls-cert`), this plain client cannot ask /healthz:
-        // the port accepting connections and the start logged must do.
-        let tls = self.opts.extra_args.iter().any(|a| a == "--tls-cert");
         }
     }
 
@@ -223,12 +248,6 @@ impl Gateway {
             Some(c) => c.try_wait().context("waiting for ratelimit-gateway"),
             None => Ok(None),
         }
-            if tls
-                && self.log().contains("ratelimit-gateway listening")
-                && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
-            {
-                return Ok(());
-            }
     }
 
     /// Whether the process runs.
@@ -301,6 +320,15 @@ impl Gateway {
     /// The process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
+    }
+
+    /// The file of policy `i` ([`GatewayOptions::policy`]): rewrite it to
+    /// reload the gateway's policy (it polls every second; SIGHUP forces).
+    pub fn policy_path(&self, i: usize) -> PathBuf {
+        self.dir
+            .as_ref()
+            .map(|d| d.path().join(format!("policy-{i}.json")))
+            .unwrap_or_default()
     }
 
     /// `http://127.0.0.1:<port><path>`.
