@@ -595,3 +595,94 @@ fn mutual_tls_requires_a_client_certificate_of_the_ca() {
         "{plain:?}"
     );
 }
+
+/// A 503 may follow a committed charge: Redis answers after the gateway's
+/// round-trip timeout, having run the script. The gateway counts it
+/// (`charged_then_failed_total{reason="timeout"}`), and the charge stands:
+/// the next check finds one token fewer (erring strict, never refunded).
+#[test]
+fn a_503_after_a_charge_that_committed_is_counted_and_the_charge_stands() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = ok(
+        Gateway::start(options(&redis).args(&["--redis-timeout-ms", "100"])),
+        "starting the gateway",
+    );
+    let check = request(
+        "api",
+        1,
+        &[("rule/c=carol", "c=carol", &[(20, 60_000, "token_bucket")])],
+    );
+    // Redis holds every command for 600 ms: the check's script runs only
+    // after the gateway gave up on it.
+    assert_eq!(
+        ok(
+            redis.cli(&["CLIENT", "PAUSE", "600", "ALL"]),
+            "CLIENT PAUSE"
+        ),
+        "OK"
+    );
+    let r = post(&gw, "/v1/check", &check, None);
+    assert_eq!(r.status, 503, "{r:#?}");
+    std::thread::sleep(Duration::from_millis(700));
+    let sample = "ratelimit_gateway_charged_then_failed_total{reason=\"timeout\"}";
+    assert_eq!(metric(&gw, sample), 1.0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let answer = loop {
+        let r = post(&gw, "/v1/check", &check, None);
+        if r.status == 200 {
+            break serde_json::from_str::<serde_json::Value>(&r.body).unwrap();
+        }
+        assert!(Instant::now() < deadline, "no 200 after Redis woke: {r:#?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // 20 − the charge behind the 503 − this one.
+    assert_eq!(
+        answer["buckets"][0]["limits"][0]["remaining"], 18,
+        "{answer}"
+    );
+}
+
+/// The caller leaves (as Envoy does at its callout timeout) while the
+/// gateway waits on Redis: the script still runs and charges, nobody reads
+/// the answer, and the gateway counts it as `client_gone`.
+#[test]
+fn a_caller_that_leaves_during_the_charge_is_counted() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = ok(
+        Gateway::start(options(&redis).args(&["--redis-timeout-ms", "3000"])),
+        "starting the gateway",
+    );
+    let check = request(
+        "api",
+        1,
+        &[("rule/c=dave", "c=dave", &[(20, 60_000, "token_bucket")])],
+    );
+    assert_eq!(
+        ok(
+            redis.cli(&["CLIENT", "PAUSE", "600", "ALL"]),
+            "CLIENT PAUSE"
+        ),
+        "OK"
+    );
+    let impatient = Client::with_timeout(
+        gw.url(""),
+        ConnectionMode::NewPerRequest,
+        Duration::from_millis(100),
+    );
+    let r = impatient.send(
+        &Request::post("/v1/check", check.to_string()).header("content-type", "application/json"),
+    );
+    assert!(
+        r.is_err(),
+        "answered within 100 ms although Redis is paused: {r:?}"
+    );
+    std::thread::sleep(Duration::from_millis(700));
+    let sample = "ratelimit_gateway_charged_then_failed_total{reason=\"client_gone\"}";
+    assert_eq!(metric(&gw, sample), 1.0);
+    let r = post(&gw, "/v1/check", &check, None);
+    let answer: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(
+        answer["buckets"][0]["limits"][0]["remaining"], 18,
+        "{answer}"
+    );
+}
