@@ -810,8 +810,9 @@ fn kubernetes_objects_agree_with_each_other() {
     assert!(gateway.pointer("/resources/limits/memory").is_some());
     let http = named_port(gateway, "http");
     assert_eq!(http, 8081);
-    assert_eq!(str_at(gateway, "/readinessProbe/httpGet/path"), "/healthz");
-    assert!(gateway.pointer("/livenessProbe/httpGet/path").is_some());
+    // Ready = can write to Redis; live = answers HTTP without Redis.
+    assert_eq!(str_at(gateway, "/readinessProbe/httpGet/path"), "/readyz");
+    assert_eq!(str_at(gateway, "/livenessProbe/httpGet/path"), "/livez");
     for probe in ["readinessProbe", "livenessProbe"] {
         assert_eq!(
             gateway.pointer(&format!("/{probe}/httpGet/port")),

@@ -10,19 +10,29 @@ use prometheus::{
 /// the `result` label.
 pub const RESULTS: [&str; 4] = ["allowed", "denied", "lease", "error"];
 /// Error kinds, as the `kind` label.
-pub const ERROR_KINDS: [&str; 6] = [
+pub const ERROR_KINDS: [&str; 8] = [
     "bad_request",
     "timeout",
     "redis",
     "not_connected",
     "reply",
     "refund",
+    "oom",
+    "readonly",
 ];
 /// Kinds of the warnings callers can cause (a 400, or a 503 of this error
 /// kind), as the `kind` label of the suppressed log lines (`crate::logging`).
-pub const WARNING_KINDS: [&str; 5] = ["bad_request", "timeout", "redis", "not_connected", "reply"];
+pub const WARNING_KINDS: [&str; 7] = [
+    "bad_request",
+    "timeout",
+    "redis",
+    "not_connected",
+    "reply",
+    "oom",
+    "readonly",
+];
 /// Redis operations, as the `op` label.
-pub const OPS: [&str; 6] = ["check", "peek", "refund", "lease", "ping", "load"];
+pub const OPS: [&str; 7] = ["check", "peek", "refund", "lease", "ping", "load", "health"];
 /// Algorithms, as the `algorithm` label.
 pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
 /// Quota periods, as the `period` label.

@@ -165,8 +165,14 @@ impl Conn {
     }
 }
 
-/// Whether an error says the connection no longer reaches the master.
-fn calls_for_reconnect(e: &RedisError) -> bool {
+/// Whether an error says the connection no longer reaches the master. A
+/// single server's `ConnectionManager` reconnects by itself after a dropped
+/// connection (`io` false): only `READONLY` calls for a new one there (a
+/// DNS name such as a managed primary endpoint may now name another server).
+fn calls_for_reconnect(e: &RedisError, io: bool) -> bool {
+    if !io {
+        return e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly);
+    }
     matches!(
         e.kind(),
         ErrorKind::Server(
@@ -189,6 +195,8 @@ struct Shared {
     suspect: AtomicU64,
     /// Wakes the supervisor after `suspect` was set.
     wake: Notify,
+    /// Whether connection errors (not only `READONLY`) wake it.
+    wake_on_io: bool,
     /// The last failure to connect, redacted (cleared once connected).
     last_error: Mutex<Option<String>>,
 }
@@ -302,6 +310,7 @@ impl Store {
             conn: RwLock::new(None),
             suspect: AtomicU64::new(0),
             wake: Notify::new(),
+            wake_on_io: !matches!(target, Target::Single(_)),
             last_error: Mutex::new(None),
         });
         let mut tasks = Vec::new();
@@ -369,7 +378,7 @@ impl Store {
         match result {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
             Ok(Err(e)) => {
-                if calls_for_reconnect(&e) {
+                if calls_for_reconnect(&e, self.shared.wake_on_io) {
                     self.shared.suspect.store(generation, Ordering::SeqCst);
                     self.shared.wake.notify_one();
                 }
@@ -517,6 +526,7 @@ async fn supervise(
         let mut delay = Duration::from_millis(50);
         let mut last_logged = String::new();
         let (conn, reached) = loop {
+            tracing::trace!(redis = %name, "connecting to Redis");
             match plan.connect(timeout).await {
                 Ok(c) => break c,
                 Err(e) => {

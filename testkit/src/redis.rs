@@ -485,7 +485,19 @@ impl RedisCluster {
             for n in &self.nodes {
                 let info = n.cli(&["cluster", "info"]).unwrap_or_default();
                 let slots_ok = info.contains("cluster_slots_ok:16384");
-                if !info.contains("cluster_state:ok") || !slots_ok || !info.contains(&known) {
+                // Every node also sees every replica as one (gossip lags
+                // `redis-cli --cluster create`).
+                let replicas = n
+                    .cli(&["cluster", "nodes"])
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|l| l.split(' ').nth(2).is_some_and(|f| f.contains("slave")))
+                    .count();
+                if !info.contains("cluster_state:ok")
+                    || !slots_ok
+                    || !info.contains(&known)
+                    || replicas != self.nodes.len().saturating_sub(3)
+                {
                     all_ok = false;
                 }
             }
