@@ -14,7 +14,9 @@
 //!
 //! Then the gateway alone (`bench/gateway.rs`): wrk on `POST /v1/check`
 //! against `redis-benchmark` running `EVALSHA` of `check.lua` on the same
-//! Redis. The wasm-level figures (instructions per decision, shared-data
+//! Redis, and the same load on a second gateway that authenticates every
+//! call (`--auth-tokens` with [`AUTH_CALLERS`] callers; the bearer token in
+//! every request). The wasm-level figures (instructions per decision, shared-data
 //! footprint) come from `tests/bench_fuel.rs`, which `make bench` runs first
 //! with `BENCH_WASM_OUT` pointing at `--wasm-results`.
 //!
@@ -315,11 +317,21 @@ pub struct Run {
     pub counters: BTreeMap<String, f64>,
 }
 
+/// Callers in the token file of the authenticating gateway: each call is
+/// compared with every one of them (constant time), so the cost is measured
+/// with a realistic file, not a single line.
+pub const AUTH_CALLERS: usize = 100;
+
+/// The token the bench's load sends to the authenticating gateway.
+const AUTH_TOKEN: &str = "bench-caller-token-0099";
+
 /// One gateway-vs-Redis round.
 #[derive(Debug, Clone)]
 pub struct GatewayRun {
     pub repeat: u32,
     pub gateway: wrk::WrkResult,
+    /// The same load on the gateway with `--auth-tokens`.
+    pub gateway_auth: wrk::WrkResult,
     pub redis: gateway::BenchResult,
     pub foreign_cpu: f64,
 }
@@ -465,8 +477,10 @@ fn run() -> Result<()> {
         infra_pids: infra.pids(),
     };
     let runs = ctx.run_variants()?;
-    let gateway_runs = match (&infra.redis, &infra.gateway) {
-        (Some(r), Some(g)) if args.selected("gw") => ctx.run_gateways(g, r, &gateway_lua)?,
+    let gateway_runs = match (&infra.redis, &infra.gateway, &infra.gateway_auth) {
+        (Some(r), Some(g), Some(ga)) if args.selected("gw") => {
+            ctx.run_gateways(g, ga, r, &gateway_lua)?
+        }
         _ => Vec::new(),
     };
     infra.stop()?;
@@ -493,21 +507,36 @@ struct Infra {
     upstream: Envoy,
     redis: Option<Redis>,
     gateway: Option<Gateway>,
+    /// The same gateway with `--auth-tokens`.
+    gateway_auth: Option<Gateway>,
 }
 
 impl Infra {
     fn start(args: &Args, wasm: &Path, needs_gateway: bool, nproc: usize) -> Result<Infra> {
         let mut redis = None;
         let mut gateway = None;
+        let mut gateway_auth = None;
         if needs_gateway {
             let r = Redis::start()?;
             register(r.pid());
-            let g = Gateway::start(
-                GatewayOptions::new(r.url()).work_dir(args.work_dir.join("gateway")),
-            )?;
+            let opts = GatewayOptions::new(r.url()).work_dir(args.work_dir.join("gateway"));
+            let g = Gateway::start(opts.clone())?;
             register(g.pid());
+            let tokens = args.work_dir.join("gateway-tokens");
+            let mut text = String::new();
+            for i in 0..AUTH_CALLERS {
+                text.push_str(&format!("bench bench-caller-token-{i:04}\n"));
+            }
+            std::fs::write(&tokens, text).context("writing the bench's token file")?;
+            let tokens = tokens.display().to_string();
+            let ga = Gateway::start(
+                opts.args(&["--auth-tokens", &tokens])
+                    .work_dir(args.work_dir.join("gateway-auth")),
+            )?;
+            register(ga.pid());
             redis = Some(r);
             gateway = Some(g);
+            gateway_auth = Some(ga);
         }
         let ports = Ports::free()?;
         let dir = args.work_dir.join("upstream");
@@ -530,6 +559,7 @@ impl Infra {
             upstream,
             redis,
             gateway,
+            gateway_auth,
         })
     }
 
@@ -537,6 +567,7 @@ impl Infra {
         [
             Some(self.upstream.pid()),
             self.gateway.as_ref().and_then(Gateway::pid),
+            self.gateway_auth.as_ref().and_then(Gateway::pid),
             self.redis.as_ref().and_then(Redis::pid),
         ]
         .into_iter()
@@ -547,7 +578,10 @@ impl Infra {
     fn stop(mut self) -> Result<()> {
         unregister(Some(self.upstream.pid()));
         self.upstream.stop()?;
-        if let Some(mut g) = self.gateway.take() {
+        for mut g in [self.gateway.take(), self.gateway_auth.take()]
+            .into_iter()
+            .flatten()
+        {
             unregister(g.pid());
             g.stop()?;
         }
@@ -694,20 +728,30 @@ impl RunContext<'_> {
     }
 
     /// The gateway against raw EVALSHA, `--repeats` rounds.
-    fn run_gateways(&self, g: &Gateway, r: &Redis, script: &Path) -> Result<Vec<GatewayRun>> {
+    fn run_gateways(
+        &self,
+        g: &Gateway,
+        ga: &Gateway,
+        r: &Redis,
+        script: &Path,
+    ) -> Result<Vec<GatewayRun>> {
         let sha = gateway::load_script(r)?;
         gateway::check_once(r, &sha)?;
         let mut runs = Vec::new();
         for repeat in 0..self.args.repeats {
-            let run = self.run_gateway(repeat, g, r, &sha, script)?;
+            let run = self.run_gateway(repeat, g, ga, r, &sha, script)?;
             eprintln!(
                 "bench: round {}/{} gateway {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
+                 with auth {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
                  redis-benchmark EVALSHA {:>9.0}/s (p50 {:.3} ms, p99 {:.3} ms)",
                 repeat + 1,
                 self.args.repeats,
                 run.gateway.rps,
                 run.gateway.p50_ms,
                 run.gateway.p99_ms,
+                run.gateway_auth.rps,
+                run.gateway_auth.p50_ms,
+                run.gateway_auth.p99_ms,
                 run.redis.rps,
                 run.redis.p50_ms,
                 run.redis.p99_ms
@@ -814,6 +858,7 @@ impl RunContext<'_> {
         &self,
         repeat: u32,
         g: &Gateway,
+        ga: &Gateway,
         redis: &Redis,
         sha: &str,
         script: &Path,
@@ -830,7 +875,21 @@ impl RunContext<'_> {
         load.seconds = self.args.seconds;
         let before = machine::CpuSnapshot::take(&self.infra_pids);
         // Non-2xx answers (503: Redis timed out) are counted in the report.
-        let gateway = wrk::run(&load)?;
+        // The two gateways take turns going first, so that neither always
+        // meets the Redis the other one warmed.
+        let mut auth = load.clone();
+        auth.url = ga.url("/v1/check");
+        auth.script_args.push(AUTH_TOKEN.to_string());
+        auth.seconds = self.args.warmup.max(1);
+        wrk::run(&auth).context("authenticating gateway warm-up")?;
+        auth.seconds = self.args.seconds;
+        let (gateway, gateway_auth) = if repeat.is_multiple_of(2) {
+            let plain = wrk::run(&load)?;
+            (plain, wrk::run(&auth)?)
+        } else {
+            let with_auth = wrk::run(&auth)?;
+            (wrk::run(&load)?, with_auth)
+        };
         // Calibrate redis-benchmark's request count to last about as long.
         let probe = gateway::redis_benchmark(redis, sha, self.args.connections, 20_000)?;
         let n = (probe.rps * f64::from(self.args.seconds)).max(20_000.0) as u64;
@@ -839,6 +898,7 @@ impl RunContext<'_> {
         Ok(GatewayRun {
             repeat,
             gateway,
+            gateway_auth,
             redis: redis_result,
             foreign_cpu: before.foreign_share(&after, self.nproc),
         })

@@ -61,6 +61,19 @@ fn gateway_ratio(s: &Session) -> Spread {
     )
 }
 
+/// The authenticating gateway's throughput ÷ the plain one's, round by round.
+fn auth_ratio(s: &Session) -> Spread {
+    Spread::of(
+        &s.gateway_runs
+            .iter()
+            .map(|g| g.gateway_auth.rps / g.gateway.rps)
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Authentication may cost at most 5 % of the gateway's throughput (issue 12).
+pub const AUTH_TARGET: f64 = 0.95;
+
 fn counter(r: &Run, name: &str) -> f64 {
     r.counters.get(name).copied().unwrap_or(0.0)
 }
@@ -313,6 +326,13 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             r.show(3),
             met(r.mean, GATEWAY_TARGET)
         );
+        let r = auth_ratio(s);
+        let _ = writeln!(
+            m,
+            "| gateway with auth ÷ gateway | {} | ≥ {AUTH_TARGET:.2} | {} |",
+            r.show(3),
+            met(r.mean, AUTH_TARGET)
+        );
     }
     let _ = writeln!(m);
 
@@ -329,6 +349,14 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             g(&|r| r.gateway.rps).show(0),
             g(&|r| r.gateway.p50_ms).show(3),
             g(&|r| r.gateway.p99_ms).show(3)
+        );
+        let _ = writeln!(
+            m,
+            "| the same with `--auth-tokens` ({} callers), a bearer token in every request | {} | {} | {} |",
+            crate::AUTH_CALLERS,
+            g(&|r| r.gateway_auth.rps).show(0),
+            g(&|r| r.gateway_auth.p50_ms).show(3),
+            g(&|r| r.gateway_auth.p99_ms).show(3)
         );
         let _ = writeln!(
             m,
@@ -461,6 +489,8 @@ pub fn to_json(s: &Session) -> Value {
                 "round": g.repeat + 1,
                 "gateway": { "rps": g.gateway.rps, "p50_ms": g.gateway.p50_ms, "p99_ms": g.gateway.p99_ms,
                              "requests": g.gateway.requests },
+                "gateway_auth": { "rps": g.gateway_auth.rps, "p50_ms": g.gateway_auth.p50_ms,
+                                  "p99_ms": g.gateway_auth.p99_ms, "requests": g.gateway_auth.requests },
                 "redis_benchmark": { "rps": g.redis.rps, "p50_ms": g.redis.p50_ms, "p99_ms": g.redis.p99_ms,
                                      "requests": g.redis.requests },
                 "foreign_cpu": g.foreign_cpu,
