@@ -1191,3 +1191,61 @@ fn an_envoy_with_a_client_certificate_reaches_the_gateway_over_mutual_tls() {
     assert_eq!(keys.lines().count(), 1, "only alice's bucket: {keys}");
     assert!(keys.contains("alice"), "{keys}");
 }
+
+/// Issue 13: the gateway's Redis turned into a replica (`REPLICAOF`, as a
+/// failover does to the old master). The gateway answers 503 at once
+/// (counted as `readonly`) and `/healthz` 503; the filter's failure mode
+/// (`open` here) decides every request meanwhile, each well within the
+/// callout timeout; after `REPLICAOF NO ONE` the gateway decides again.
+#[test]
+fn a_redis_turned_replica_leaves_requests_to_the_failure_mode() {
+    let rig = Rig::start(Mode::Open, SUITE);
+    let other = ok(Redis::start(), "starting a second redis-server");
+    let first = get(&rig.client, "replica");
+    assert_gateway_200(&first, LIMIT - 1, "before REPLICAOF");
+
+    let port = other.port().to_string();
+    ok(
+        rig.redis.cli(&["REPLICAOF", "127.0.0.1", &port]),
+        "REPLICAOF",
+    );
+    let health = Client::new(rig.gateway.url(""), ConnectionMode::NewPerRequest);
+    let status = ok(health.get("/healthz", &[]), "/healthz").status;
+    assert_eq!(status, 503, "/healthz after REPLICAOF");
+    for i in 0..DURING {
+        let started = Instant::now();
+        let r = get(&rig.client, "replica");
+        assert_failure_mode(Mode::Open, &r, 0, &format!("request {i} after REPLICAOF"));
+        assert!(
+            started.elapsed() < Duration::from_millis(SUITE.timeout_ms),
+            "request {i} took {:?}",
+            started.elapsed()
+        );
+    }
+    let readonly = ok(
+        rig.gateway
+            .metric("ratelimit_gateway_errors_total{kind=\"readonly\"}"),
+        "metrics",
+    );
+    // The circuit opens after FAILURES failed callouts; the rest skip the gateway.
+    assert_eq!(readonly, Some(FAILURES as f64));
+
+    ok(
+        rig.redis.cli(&["REPLICAOF", "NO", "ONE"]),
+        "REPLICAOF NO ONE",
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let r = get(&rig.client, "replica-after");
+        if decided_by_gateway(&r) {
+            // A new client on the promoted server (now empty: the other's data).
+            assert_gateway_200(&r, LIMIT - 1, "after REPLICAOF NO ONE");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the gateway did not decide again within 5 s"
+        );
+    }
+}
