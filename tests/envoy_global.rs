@@ -30,7 +30,7 @@ use testkit::{
 const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
 /// The filter's counters (README, *Metrics*).
-const METRICS: [&str; 9] = [
+const METRICS: [&str; 10] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
@@ -40,6 +40,7 @@ const METRICS: [&str; 9] = [
     "ratelimit_wasm_failure_mode_local",
     "ratelimit_wasm_circuit_opened",
     "ratelimit_wasm_circuit_open_skips",
+    "ratelimit_wasm_policy_mismatch",
 ];
 
 fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
@@ -199,11 +200,15 @@ impl TwoProxies {
         let redis = ok(Redis::start(), "starting redis-server");
         // A debug build of the gateway on a busy 2-core machine: allow Redis
         // round trips more than the default 20 ms, well within the callout's 200.
+        let config = global_config(domain, "shared", limit, global);
         let gateway = ok(
-            Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
+            Gateway::start(
+                GatewayOptions::new(redis.url())
+                    .policy(config.clone())
+                    .args(&["--redis-timeout-ms", "100"]),
+            ),
             "starting ratelimit-gateway",
         );
-        let config = global_config(domain, "shared", limit, global);
         let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
         let envoys = ok(
             Envoy::start_all(&[opts.clone(), opts]),
@@ -449,7 +454,8 @@ struct Phase {
 }
 
 /// A valid gateway answer for one bucket with one limit: allowed, 5 left.
-const VALID_ANSWER: &str = r#"{"version":1,"allowed":true,"buckets":[{"limits":[{"allowed":true,"remaining":5,"reset_ms":1000,"retry_after_ms":0}]}]}"#;
+/// A valid answer for [`RULE`]: its [`LIMIT`] per hour enforced, 5 left.
+const VALID_ANSWER: &str = r#"{"version":2,"allowed":true,"buckets":[{"limits":[{"requests":20,"window_ms":3600000,"algorithm":"token_bucket","allowed":true,"remaining":5,"reset_ms":1000,"retry_after_ms":0}]}]}"#;
 
 /// Callout timeout and slow-answer threshold of a [`Rig`].
 #[derive(Debug, Clone, Copy)]
@@ -506,7 +512,7 @@ fn phases() -> Vec<Phase> {
             id: "d3",
             what: "the gateway answers 200 with well-formed JSON for no bucket",
             fault: Fault::Stub {
-                reply: StubReply::json(r#"{"version":1,"allowed":true,"buckets":[]}"#),
+                reply: StubReply::json(r#"{"version":2,"allowed":true,"buckets":[]}"#),
                 usable: false,
             },
         },
@@ -527,12 +533,6 @@ impl Rig {
         let redis = ok(Redis::start(), "starting redis-server");
         // Redis round trips may take up to half the callout's timeout.
         let redis_timeout = (settings.timeout_ms / 2).to_string();
-        let gateway = ok(
-            Gateway::start(
-                GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", &redis_timeout]),
-            ),
-            "starting ratelimit-gateway",
-        );
         let config = global_config(
             &format!("faults-{}", mode.name()),
             RULE,
@@ -547,6 +547,15 @@ impl Rig {
                     "cooldown_ms": COOLDOWN_MS
                 }
             }),
+        );
+        // The gateway's policy is the proxy's own configuration.
+        let gateway = ok(
+            Gateway::start(
+                GatewayOptions::new(redis.url())
+                    .policy(config.clone())
+                    .args(&["--redis-timeout-ms", &redis_timeout]),
+            ),
+            "starting ratelimit-gateway",
         );
         let envoy = ok(
             Envoy::start(EnvoyOptions::new(config).gateway_port(gateway.port())),
@@ -1190,6 +1199,77 @@ fn an_envoy_with_a_client_certificate_reaches_the_gateway_over_mutual_tls() {
     let keys = data_keys(&redis);
     assert_eq!(keys.lines().count(), 1, "only alice's bucket: {keys}");
     assert!(keys.contains("alice"), "{keys}");
+}
+
+/// A proxy whose own configuration says 1,000 per hour, behind a gateway
+/// whose policy says 30 per hour, admits exactly 30 of one client's 40
+/// requests: the gateway enforces its policy, never what the proxy would.
+/// The headers show the gateway's limit (30 per 3600 s), and every answer
+/// counts `ratelimit_wasm_policy_mismatch` (logged once). Per hour, not per
+/// minute, so that no token comes back during the burst (one every 120 s).
+#[test]
+fn a_proxy_configured_above_the_gateways_policy_gets_the_policy() {
+    const REQUESTS: u64 = 40;
+    let redis = ok(Redis::start(), "starting redis-server");
+    let global = json!({ "timeout_ms": 200, "failure_mode": "closed" });
+    let policy = global_config("drift", "shared", 30, global.clone());
+    let proxy = global_config("drift", "shared", 1000, global);
+    let gateway = ok(
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(policy)
+                .args(&["--redis-timeout-ms", "100"]),
+        ),
+        "starting ratelimit-gateway",
+    );
+    let envoy = ok(
+        Envoy::start(EnvoyOptions::new(proxy).gateway_port(gateway.port())),
+        "starting Envoy",
+    );
+    let client = envoy.client(ConnectionMode::NewPerRequest);
+    let before = counters(&envoy);
+    let (mut allowed, mut denied) = (0, 0);
+    for i in 0..REQUESTS {
+        let r = get(&client, "drifter");
+        match r.status {
+            200 => {
+                allowed += 1;
+                assert_eq!(
+                    header(&r, "ratelimit-policy"),
+                    "\"shared\";q=30;w=3600",
+                    "request {i}"
+                );
+                assert_eq!(int_header(&r, "x-ratelimit-limit"), 30, "request {i}");
+                assert_eq!(
+                    int_header(&r, "x-ratelimit-remaining"),
+                    29 - i,
+                    "request {i}"
+                );
+            }
+            429 => {
+                denied += 1;
+                // One token every 3600 / 30 = 120 s.
+                assert_429(&r, "shared", 30, 120);
+            }
+            other => panic!("request {i}: unexpected status {other}: {r:#?}"),
+        }
+    }
+    println!("policy drift: {REQUESTS} requests, proxy says 1000/h, gateway 30/h: {allowed} x 200, {denied} x 429");
+    assert_eq!((allowed, denied), (30, 10));
+    let c = delta(&before, &counters(&envoy));
+    assert_eq!(d(&c, "global_calls"), REQUESTS);
+    assert_eq!(d(&c, "global_failures"), 0);
+    assert_eq!(d(&c, "policy_mismatch"), REQUESTS);
+    // Once per VM: at most one line per worker (2), not one per answer.
+    let logged = envoy
+        .log()
+        .matches("the gateway enforces other limits than this configuration")
+        .count();
+    assert!(
+        (1..=2).contains(&logged),
+        "logged {logged} times: {}",
+        envoy.log_tail(30)
+    );
 }
 
 /// Issue 13: the gateway's Redis turned into a replica (`REPLICAOF`, as a
