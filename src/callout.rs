@@ -8,8 +8,8 @@ use crate::limiter::{Enforced, Report};
 use crate::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use crate::token_bucket::Check;
 use ratelimit_protocol::{
-    BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_EXACT,
-    MAX_LIMITS, MAX_QUOTA_LIMIT,
+    BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_LIMITS,
+    MAX_QUOTA_LIMIT,
 };
 
 /// Protocol version spoken by this filter.
@@ -147,10 +147,16 @@ fn read_body<T: serde::de::DeserializeOwned>(
     }
 }
 
-/// An enforced limit as the answer states it, or why it is unusable.
+/// The longest window a configuration can give, in ms (366 days): waits of
+/// twice that stay far within a u64 of nanoseconds.
+const MAX_WINDOW_MS: u64 = crate::duration::MAX_SECONDS * 1000;
+
+/// An enforced limit as the answer states it, or why it is unusable: a
+/// limit no configuration could give (0, a fraction, more than
+/// `MAX_REQUESTS` per window, a window over 366 days).
 fn enforced(requests: f64, window_ms: f64) -> Result<Enforced, AnswerError> {
-    let whole = |v: f64| v.is_finite() && v >= 1.0 && v <= MAX_EXACT as f64 && v.fract() == 0.0;
-    if !whole(requests) || !whole(window_ms) {
+    let whole = |v: f64, max: u64| v.is_finite() && v >= 1.0 && v <= max as f64 && v.fract() == 0.0;
+    if !whole(requests, crate::config::MAX_REQUESTS) || !whole(window_ms, MAX_WINDOW_MS) {
         return Err(AnswerError::Inconsistent(format!(
             "enforced limit {requests} per {window_ms} ms"
         )));

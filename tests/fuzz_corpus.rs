@@ -114,13 +114,17 @@ fn gateway_response(inp: &mut Input, request_body: &[u8]) -> CallResponse {
             let buckets: Vec<String> = buckets
                 .iter()
                 .map(|b| {
-                    let n = skew(inp, b["limits"].as_array().map_or(1, Vec::len));
+                    // A v2 request names no limits: the answer says which it enforced.
+                    let _ = b;
+                    let n = skew(inp, 1);
                     let limits: Vec<String> = (0..n)
                         .map(|_| {
                             let allowed = inp.below(3) != 0;
                             all &= allowed;
                             format!(
-                                r#"{{"allowed":{allowed},"remaining":{},"reset_ms":{},"retry_after_ms":{}}}"#,
+                                r#"{{"requests":{},"window_ms":{},"algorithm":"token_bucket","allowed":{allowed},"remaining":{},"reset_ms":{},"retry_after_ms":{}}}"#,
+                                num(inp),
+                                num(inp),
                                 num(inp),
                                 num(inp),
                                 num(inp)
@@ -136,7 +140,8 @@ fn gateway_response(inp: &mut Input, request_body: &[u8]) -> CallResponse {
                     let allowed = inp.below(3) != 0;
                     all &= allowed;
                     format!(
-                        r#"{{"allowed":{allowed},"remaining":{},"reset_ms":{}}}"#,
+                        r#"{{"limit":{},"period":"month","allowed":{allowed},"remaining":{},"reset_ms":{}}}"#,
+                        num(inp),
                         num(inp),
                         num(inp)
                     )
@@ -144,7 +149,7 @@ fn gateway_response(inp: &mut Input, request_body: &[u8]) -> CallResponse {
                 .collect();
             let allowed = if kind == 2 { !all } else { all };
             let mut body = format!(
-                r#"{{"version":1,"allowed":{allowed},"buckets":[{}],"quotas":[{}]}}"#,
+                r#"{{"version":2,"allowed":{allowed},"buckets":[{}],"quotas":[{}]}}"#,
                 buckets.join(","),
                 quotas.join(",")
             )

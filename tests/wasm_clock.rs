@@ -79,8 +79,9 @@ fn granted(n: u64, retry_after_ms: u64) -> CallResponse {
     CallResponse::new(200)
         .header("content-type", "application/json")
         .body(
-            json!({ "version": 1, "granted": n, "limits": [
-                { "remaining": 0, "reset_ms": 90_000, "retry_after_ms": retry_after_ms } ] })
+            json!({ "version": 2, "granted": n, "limits": [
+                { "requests": 100, "window_ms": 3_600_000,
+                  "remaining": 0, "reset_ms": 90_000, "retry_after_ms": retry_after_ms } ] })
             .to_string(),
         )
 }
@@ -90,8 +91,9 @@ fn denied() -> CallResponse {
     CallResponse::new(200)
         .header("content-type", "application/json")
         .body(
-            json!({ "version": 1, "allowed": false, "buckets": [ { "limits": [
-                { "allowed": false, "remaining": 0, "reset_ms": 60_000, "retry_after_ms": 15_000 } ] } ] })
+            json!({ "version": 2, "allowed": false, "buckets": [ { "limits": [
+                { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket",
+                  "allowed": false, "remaining": 0, "reset_ms": 60_000, "retry_after_ms": 15_000 } ] } ] })
             .to_string(),
         )
 }

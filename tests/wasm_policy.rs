@@ -768,13 +768,25 @@ fn global_config(mode: &str) -> String {
     }))
 }
 
-/// A gateway answer for one bucket with one limit.
+/// A gateway answer for one bucket with one limit: `api`'s 4 per minute enforced.
 fn gw(allowed: bool, remaining: Value, reset_ms: Value, retry_after_ms: u64) -> CallResponse {
+    gw_enforcing((4, 60_000), allowed, remaining, reset_ms, retry_after_ms)
+}
+
+/// A gateway answer for one bucket with one limit, `enforced` (requests, window_ms).
+fn gw_enforcing(
+    enforced: (u64, u64),
+    allowed: bool,
+    remaining: Value,
+    reset_ms: Value,
+    retry_after_ms: u64,
+) -> CallResponse {
     CallResponse::new(200)
         .header("content-type", "application/json")
         .body(
-            json!({ "version": 1, "allowed": allowed, "buckets": [ { "limits": [
-                { "allowed": allowed, "remaining": remaining, "reset_ms": reset_ms,
+            json!({ "version": 2, "allowed": allowed, "buckets": [ { "limits": [
+                { "requests": enforced.0, "window_ms": enforced.1, "algorithm": "token_bucket",
+                  "allowed": allowed, "remaining": remaining, "reset_ms": reset_ms,
                   "retry_after_ms": retry_after_ms } ] } ] })
             .to_string(),
         )
@@ -825,7 +837,7 @@ fn fail(h: &Harness, call: &HttpCall, how: Failure) {
         Failure::Status503 => h.respond_http_call(
             call.worker,
             call.token,
-            CallResponse::new(503).body(r#"{"version":1,"error":"redis: down"}"#),
+            CallResponse::new(503).body(r#"{"version":2,"error":"redis: down"}"#),
         ),
         Failure::Timeout => {
             h.advance_ms(49);
@@ -869,9 +881,8 @@ fn a_global_rule_pauses_for_a_callout_and_an_allowed_answer_resumes_with_headers
         .unwrap_or_else(|e| panic!("callout body is not JSON ({e}): {call:?}"));
     assert_eq!(
         body,
-        json!({ "version": 1, "domain": "policy", "cost": 1, "buckets": [
-            { "key": "api/c=alice", "tag": "c=alice", "cost": 1,
-              "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket" } ] } ] }),
+        json!({ "version": 2, "domain": "policy", "buckets": [
+            { "rule": "api", "key": "api/c=alice", "tag": "c=alice", "variant": "default", "cost": 1 } ] }),
         "{call:?}"
     );
     assert_eq!(h.outcome(id).resumes, 0);
@@ -1208,9 +1219,9 @@ fn quota_answer(buckets: Value, quota_allowed: bool, remaining: u64) -> CallResp
         .iter()
         .all(|b| b["limits"][0]["allowed"] == json!(true));
     CallResponse::new(200).body(
-        json!({ "version": 1, "allowed": rate_allowed && quota_allowed, "buckets": buckets,
-                "quotas": [ { "allowed": quota_allowed, "remaining": remaining,
-                              "reset_ms": 86_400_000 } ] })
+        json!({ "version": 2, "allowed": rate_allowed && quota_allowed, "buckets": buckets,
+                "quotas": [ { "limit": 3, "period": "month", "allowed": quota_allowed,
+                              "remaining": remaining, "reset_ms": 86_400_000 } ] })
         .to_string(),
     )
 }
@@ -1222,9 +1233,9 @@ fn an_exhausted_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
     let body: Value = serde_json::from_slice(&call.body).unwrap();
     assert_eq!(
         body,
-        json!({ "version": 1, "domain": "policy", "cost": 1, "buckets": [],
-                "quotas": [ { "key": "monthly/c=qui", "tag": "c=qui", "limit": 3,
-                              "period": "month", "amount": 1 } ] }),
+        json!({ "version": 2, "domain": "policy",
+                "quotas": [ { "quota": "monthly", "key": "monthly/c=qui", "tag": "c=qui",
+                              "variant": "tier:free", "amount": 1 } ] }),
         "{call:?}"
     );
     h.respond_http_call(call.worker, call.token, quota_answer(json!([]), true, 2));
@@ -1319,14 +1330,15 @@ fn a_rate_limit_denial_beats_an_exhausted_quota_in_the_same_answer() {
     let body: Value = serde_json::from_slice(&call.body).unwrap();
     assert_eq!(
         body,
-        json!({ "version": 1, "domain": "policy", "cost": 1,
-                "buckets": [ { "key": "api/c=rae", "tag": "c=rae", "cost": 1,
-                  "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket" } ] } ],
-                "quotas": [ { "key": "monthly/c=rae", "tag": "c=rae", "limit": 3,
-                              "period": "month", "amount": 1 } ] }),
+        json!({ "version": 2, "domain": "policy",
+                "buckets": [ { "rule": "api", "key": "api/c=rae", "tag": "c=rae", "variant": "default",
+                               "cost": 1 } ],
+                "quotas": [ { "quota": "monthly", "key": "monthly/c=rae", "tag": "c=rae",
+                              "variant": "tier:free", "amount": 1 } ] }),
         "{call:?}"
     );
-    let denied = json!([ { "limits": [ { "allowed": false, "remaining": 0, "reset_ms": 60_000,
+    let denied = json!([ { "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket",
+                                        "allowed": false, "remaining": 0, "reset_ms": 60_000,
                                         "retry_after_ms": 15_000 } ] } ]);
     h.respond_http_call(call.worker, call.token, quota_answer(denied, false, 0));
     let o = h.outcome(id);
@@ -1334,7 +1346,8 @@ fn a_rate_limit_denial_beats_an_exhausted_quota_in_the_same_answer() {
     assert_eq!(h.metric("ratelimit_wasm_quota_exhausted"), 0);
     // Only the quota spent: 403.
     let (id, call) = paused_for_callout(&h, 1, client("rae"));
-    let allowed = json!([ { "limits": [ { "allowed": true, "remaining": 3, "reset_ms": 15_000,
+    let allowed = json!([ { "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket",
+                                         "allowed": true, "remaining": 3, "reset_ms": 15_000,
                                          "retry_after_ms": 0 } ] } ]);
     h.respond_http_call(call.worker, call.token, quota_answer(allowed, false, 0));
     assert_eq!(h.outcome(id).status, 403);
@@ -1421,8 +1434,9 @@ fn granted(n: u64, remaining: u64, retry_after_ms: u64) -> CallResponse {
     CallResponse::new(200)
         .header("content-type", "application/json")
         .body(
-            json!({ "version": 1, "granted": n, "limits": [
-                { "remaining": remaining, "reset_ms": 90_000, "retry_after_ms": retry_after_ms } ] })
+            json!({ "version": 2, "granted": n, "limits": [
+                { "requests": 100, "window_ms": 3_600_000,
+                  "remaining": remaining, "reset_ms": 90_000, "retry_after_ms": retry_after_ms } ] })
             .to_string(),
         )
 }
@@ -1432,9 +1446,8 @@ fn call_json(call: &HttpCall) -> Value {
 }
 
 fn lease_body(want: u64, returned: u64) -> Value {
-    json!({ "version": 1, "domain": "policy", "key": "api/c=ann", "tag": "c=ann",
-            "limits": [ { "requests": 100, "window_ms": 3_600_000, "algorithm": "token_bucket" } ],
-            "want": want, "return": returned })
+    json!({ "version": 2, "domain": "policy", "rule": "api", "key": "api/c=ann", "tag": "c=ann",
+            "variant": "default", "want": want, "return": returned })
 }
 
 #[test]
@@ -1478,7 +1491,7 @@ fn a_lease_serves_both_workers_without_callouts_until_it_is_spent() {
     h.respond_http_call(
         call2.worker,
         call2.token,
-        gw(true, json!(84), json!(60_000), 0),
+        gw_enforcing((100, 3_600_000), true, json!(84), json!(60_000), 0),
     );
     assert_allowed(&h.outcome(id2));
     h.respond_http_call(call.worker, call.token, granted(5, 85, 0));

@@ -3,50 +3,74 @@
 //! quota) and a hostile request:
 //!
 //! - every `POST /v1/check` body the filter builds (`callout::encode_request`) must be
-//!   accepted by the gateway's parser (`ratelimit_gateway::protocol::parse`) and carry the
-//!   filter's keys, tags, costs and limits; a body the gateway refuses with 400 is a
-//!   gateway failure for the filter (failure mode, and a step towards opening the circuit);
-//! - every in-range answer the gateway can send (`protocol::CheckResponse`) must be read
-//!   by the filter (`callout::parse_answer`) without clamping.
+//!   accepted by the gateway's parser (`protocol::parse_check`) and resolved by a gateway
+//!   whose policy is the same configuration (`policy::Policy::resolve_check`) into the
+//!   filter's keys, tags, costs, limits and quota amounts; a body the gateway refuses with
+//!   400 is a gateway failure for the filter (failure mode, and a step towards opening the
+//!   circuit);
+//! - every in-range answer the gateway can send for it (`protocol::CheckResponse`, with the
+//!   limits it enforced) must be read by the filter (`callout::parse_answer`) without
+//!   clamping and without a policy mismatch.
 //!
 //! Input: as for `key`, then the figures of the answer.
 
 use crate::input::Input;
 use crate::{key, request_gen};
+use ratelimit_gateway::policy::{self, Policy};
 use ratelimit_gateway::protocol;
+use ratelimit_gateway::reload::Source;
 use ratelimit_wasm::callout;
 use ratelimit_wasm::plan::Plan;
+
+thread_local! {
+    /// The gateway's policy for each `key` setup: its own configuration.
+    static POLICIES: Vec<Policy> = (0..8u8)
+        .map(|b| {
+            key::with_setup(b, |setup| {
+                policy::parse(&[Source {
+                    path: "key.json".into(),
+                    bytes: setup.config.as_bytes().to_vec(),
+                }])
+                .expect("the key configuration is a valid policy")
+            })
+        })
+        .collect();
+}
 
 pub fn run(data: &[u8]) {
     let mut inp = Input::new(data);
     let b = inp.u8();
-    key::with_setup(b, |setup| run_with(&setup.plan, &mut inp));
+    POLICIES.with(|policies| {
+        let policy = &policies[usize::from(b % 8)];
+        key::with_setup(b, |setup| run_with(&setup.plan, policy, &mut inp));
+    });
 }
 
-fn run_with(plan: &Plan, inp: &mut Input) {
+fn run_with(plan: &Plan, policy: &Policy, inp: &mut Input) {
     let req = request_gen::request(plan, inp);
     let eval = plan.evaluate(&req);
     if eval.global.is_empty() && eval.quotas.is_empty() {
         return;
     }
-    let body = callout::encode_request(plan, eval.cost, &eval.global, &eval.quotas);
-    let parsed = protocol::parse(&body).unwrap_or_else(|e| {
+    let body = callout::encode_request(plan, &eval.global, &eval.quotas);
+    let refused = |e: String| -> ! {
         let text = String::from_utf8_lossy(&body);
         let head: String = text.chars().take(400).collect();
         panic!(
             "the gateway refuses the filter's check ({e}); body of {} bytes: {head}…",
             body.len()
         )
-    });
-    assert_eq!(parsed.domain, plan.domain);
-    assert_eq!(parsed.cost, eval.cost);
-    assert_eq!(parsed.buckets.len(), eval.global.len());
-    for (got, want) in parsed.buckets.iter().zip(&eval.global) {
+    };
+    let parsed = protocol::parse_check(&body).unwrap_or_else(|e| refused(e));
+    let resolved = policy.resolve_check(&parsed).unwrap_or_else(|e| refused(e));
+    assert_eq!(resolved.domain, plan.domain);
+    assert_eq!(resolved.buckets.len(), eval.global.len());
+    for (got, want) in resolved.buckets.iter().zip(&eval.global) {
         assert_eq!(
             (got.key.as_str(), got.tag.as_str()),
             (want.key.as_str(), want.tag.as_str())
         );
-        assert_eq!(got.cost_in(parsed.cost), want.cost);
+        assert_eq!(got.cost, want.cost);
         let limits = plan.limits(want.rule, want.variant);
         assert_eq!(got.limits.len(), limits.len());
         for (l, (limit, secs)) in got.limits.iter().zip(limits) {
@@ -54,10 +78,15 @@ fn run_with(plan: &Plan, inp: &mut Input) {
             assert_eq!(l.algorithm.name(), plan.rules[want.rule].algorithm.name());
         }
     }
+    assert_eq!(resolved.quotas.len(), eval.quotas.len());
+    for (got, want) in resolved.quotas.iter().zip(&eval.quotas) {
+        assert_eq!((got.limit, got.amount), (want.limit, want.amount));
+        assert_eq!(got.period, plan.quotas[want.quota].period);
+    }
 
     // Any in-range answer of the gateway is read as it is.
     let mut all = true;
-    let buckets = parsed
+    let buckets = resolved
         .buckets
         .iter()
         .map(|b| protocol::BucketResult {
@@ -68,6 +97,9 @@ fn run_with(plan: &Plan, inp: &mut Input) {
                     let allowed = inp.below(3) != 0;
                     all &= allowed;
                     protocol::LimitResult {
+                        requests: l.requests,
+                        window_ms: l.window_ms,
+                        algorithm: l.algorithm,
                         allowed,
                         remaining: inp.u64() % (l.requests + 1),
                         reset_ms: inp.u64() % (2 * l.window_ms + 1),
@@ -81,13 +113,15 @@ fn run_with(plan: &Plan, inp: &mut Input) {
                 .collect(),
         })
         .collect();
-    let quotas = parsed
+    let quotas = resolved
         .quotas
         .iter()
         .map(|q| {
             let allowed = inp.below(3) != 0;
             all &= allowed;
             protocol::QuotaResult {
+                limit: q.limit,
+                period: q.period,
                 allowed,
                 remaining: inp.u64() % (q.limit + 1),
                 reset_ms: inp.u64() % (31 * 86_400_000 + 1),
@@ -103,5 +137,5 @@ fn run_with(plan: &Plan, inp: &mut Input) {
     let json = serde_json::to_vec(&answer).expect("a CheckResponse serializes");
     let read = callout::parse_answer(plan, &eval.global, &eval.quotas, Some(b"200"), &json)
         .unwrap_or_else(|e| panic!("the filter refuses a gateway answer ({e}): {answer:?}"));
-    assert_eq!(read.clamped, 0, "{answer:?}");
+    assert_eq!((read.clamped, read.mismatch), (0, false), "{answer:?}");
 }

@@ -75,6 +75,8 @@ pub struct Keyed {
 /// A configuration, two plans compiled from it with the same seed, and its rules and quotas.
 pub struct Setup {
     pub plan: Plan,
+    /// The plugin configuration (JSON) the plan was compiled from.
+    pub config: String,
     again: Plan,
     keyed: Vec<Keyed>,
     hops: u32,
@@ -106,6 +108,7 @@ impl Setup {
             .iter()
             .map(|q| keyed(q, true));
         Setup {
+            config: config.clone(),
             plan: Plan::compile(&cfg, [9; 16]),
             again: Plan::compile(&cfg, [9; 16]),
             keyed: rules.chain(quotas).collect(),

@@ -9,6 +9,10 @@
 mod filter_to_gateway;
 #[path = "../../fuzz/targets/gateway_request.rs"]
 mod gateway_request;
+// Its configuration is `gateway_request`'s policy.
+#[allow(dead_code)]
+#[path = "../../fuzz/targets/gateway_answer.rs"]
+mod gateway_answer;
 // Shared with the fuzz crate and `tests/fuzz_corpus.rs`; only part of them is used here
 // (`filter_to_gateway` borrows the `key` target's configurations).
 #[allow(dead_code)]
