@@ -191,7 +191,9 @@ pub fn is_b64token(s: &str) -> bool {
 /// True for a POSIX-style environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, ≤ 256 bytes.
 fn is_env_name(s: &str) -> bool {
     s.len() <= 256
-        && s.bytes().next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && s.bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
         && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
@@ -1220,7 +1222,9 @@ impl Config {
             if !is_env_name(name) {
                 return Err(ConfigError::field(
                     "global.token_env",
-                    format!("{name:?} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"),
+                    format!(
+                        "{name:?} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"
+                    ),
                 ));
             }
         }
@@ -1716,12 +1720,21 @@ mod tests {
         );
         let inline = global(json!({"cluster": "gw", "token": "s3cr3t.A/b+c=="})).unwrap();
         let g = inline.global.unwrap();
-        assert_eq!(g.bearer(|_| None).unwrap().as_deref(), Some("Bearer s3cr3t.A/b+c=="));
-        assert!(!format!("{g:?}").contains("s3cr3t"), "Debug shows the token");
+        assert_eq!(
+            g.bearer(|_| None).unwrap().as_deref(),
+            Some("Bearer s3cr3t.A/b+c==")
+        );
+        assert!(
+            !format!("{g:?}").contains("s3cr3t"),
+            "Debug shows the token"
+        );
         let from_env = global(json!({"cluster": "gw", "token_env": "RL_TOKEN"})).unwrap();
         let g = from_env.global.unwrap();
         let env = |v: &'static str| move |n: &str| (n == "RL_TOKEN").then(|| v.to_string());
-        assert_eq!(g.bearer(env("tok-1")).unwrap().as_deref(), Some("Bearer tok-1"));
+        assert_eq!(
+            g.bearer(env("tok-1")).unwrap().as_deref(),
+            Some("Bearer tok-1")
+        );
         let bad = g.bearer(env("tok 1")).unwrap_err().to_string();
         assert_eq!(
             bad,
