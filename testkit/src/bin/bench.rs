@@ -519,7 +519,12 @@ impl Infra {
         if needs_gateway {
             let r = Redis::start()?;
             register(r.pid());
-            let opts = GatewayOptions::new(r.url()).work_dir(args.work_dir.join("gateway"));
+            // The gateway's policy: the plugin configurations of d and e (and
+            // of the wrk script, which is d's domain and rule).
+            let opts = GatewayOptions::new(r.url())
+                .policy(D_JSON)
+                .policy(E_JSON)
+                .work_dir(args.work_dir.join("gateway"));
             let g = Gateway::start(opts.clone())?;
             register(g.pid());
             let tokens = args.work_dir.join("gateway-tokens");

@@ -1,6 +1,8 @@
--- wrk script of `make bench`: POST /v1/check to ratelimit-gateway, one bucket
--- with one token-bucket limit (10^9 per second: never denies) per request,
--- cycling through the client keys c0 .. c<clients-1> as the Envoy bench does.
+-- wrk script of `make bench`: POST /v1/check to ratelimit-gateway (protocol
+-- version 2), one bucket of d.json's rule `global` (10^9 per second in the
+-- gateway's policy: never denies) per request, cycling through the client
+-- keys c0 .. c<clients-1> as the Envoy bench does, with the key and tag the
+-- filter writes for them.
 -- Arguments (after `--`): clients (default 1000); a bearer token, sent as
 -- `authorization` (the gateway with --auth-tokens), when given.
 local reqs = {}
@@ -14,8 +16,8 @@ function init(args)
   end
   for k = 0, clients - 1 do
     local body = string.format(
-      '{"version":1,"domain":"bench","cost":1,"buckets":[{"key":"c%d","tag":"c%d",'
-        .. '"limits":[{"requests":1000000000,"window_ms":1000,"algorithm":"token_bucket"}]}]}',
+      '{"version":2,"domain":"bench","buckets":[{"rule":"global","key":"global/c=c%d",'
+        .. '"tag":"c=c%d","variant":"default","cost":1}]}',
       k, k)
     reqs[#reqs + 1] = wrk.format("POST", "/v1/check", headers, body)
   end

@@ -38,8 +38,9 @@ pub fn load_script(redis: &Redis) -> Result<String> {
 }
 
 /// The `EVALSHA` command line of one check, as the gateway sends it for the
-/// wrk script's request (`gateway/src/script.rs`, `check_args`): one limit
-/// key `rl:{<domain>|<tag>}|<key>|<limit index>|<algorithm>|<requests>|<window_ms>`;
+/// wrk script's request (`gateway/src/script.rs`, `check_args`, with d.json's
+/// limit from the policy): one limit key
+/// `rl:{<domain>|<tag>}|<key>|<limit index>|<algorithm>|<requests>|<window_ms>`;
 /// ARGV: charge "1", no time override "", 1 limit, then the limit's
 /// algorithm, requests, window_ms and cost. `client` stands for the client
 /// key (`c__rand_int__` for redis-benchmark).
@@ -48,7 +49,7 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
         "EVALSHA",
         sha,
         "1",
-        &format!("rl:{{bench|{client}}}|{client}|0|token_bucket|1000000000|1000"),
+        &format!("rl:{{bench|c={client}}}|global/c={client}|0|token_bucket|1000000000|1000"),
         "1",
         "",
         "1",
@@ -148,7 +149,10 @@ mod tests {
     #[test]
     fn the_key_has_the_gateways_layout() {
         let a = evalsha_args("s", "c7");
-        assert_eq!(a[3], "rl:{bench|c7}|c7|0|token_bucket|1000000000|1000");
+        assert_eq!(
+            a[3],
+            "rl:{bench|c=c7}|global/c=c7|0|token_bucket|1000000000|1000"
+        );
         assert_eq!(a.len(), 11);
     }
 }
