@@ -635,7 +635,11 @@ fn quota_config(quota: Value) -> String {
 fn quota_stack(config: &str) -> (Redis, Gateway, Envoy) {
     let redis = ok(Redis::start(), "starting redis-server");
     let gateway = ok(
-        Gateway::start(GatewayOptions::new(redis.url()).args(&["--redis-timeout-ms", "100"])),
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(config)
+                .args(&["--redis-timeout-ms", "100"]),
+        ),
         "starting ratelimit-gateway",
     );
     let envoy = ok(

@@ -614,6 +614,7 @@ fn run(s: &Settings) -> Run {
     let mut gateway = ok(
         Gateway::start(
             GatewayOptions::new(redis.url())
+                .policy(plugin_config())
                 .args(&["--redis-timeout-ms", &REDIS_TIMEOUT_MS.to_string()]),
         ),
         "starting ratelimit-gateway",

@@ -595,6 +595,8 @@ fn global_part(args: &Args) -> Result<Global> {
             Gateway::start(
                 GatewayOptions::new(redis.url())
                     .port(args.gateway_port)
+                    // Its policy is the proxies' own configuration.
+                    .policy(plugin_config.clone())
                     .work_dir(run_dir.join("gateway")),
             )
         },
