@@ -16,11 +16,9 @@ async fn exact_counts_then_denied_with_retry_after() {
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     let client = reqwest::Client::new();
     for alg in ["token_bucket", "sliding_window"] {
-        let body = request(
-            "demo",
-            1,
-            &[("per-client/c=alice", "c=alice", &[(5, HOUR, alg)])],
-        );
+        // A rule per algorithm: a policy rule counts one way.
+        let key = format!("per-client-{alg}/c=alice");
+        let body = request("demo", 1, &[(&key, "c=alice", &[(5, HOUR, alg)])]);
         for left in (0..5).rev() {
             let (status, resp) = check(&client, &gw.url(), &body).await;
             assert_eq!(status, 200, "{resp}");
@@ -30,8 +28,16 @@ async fn exact_counts_then_denied_with_retry_after() {
         }
         let (status, resp) = check(&client, &gw.url(), &body).await;
         assert_eq!(status, 200);
-        assert_eq!(resp["version"], 1);
+        assert_eq!(resp["version"], 2);
         assert_eq!(resp["allowed"], false, "{alg}: {resp}");
+        // The limit the policy enforced, in the answer.
+        assert_eq!(
+            (
+                limit(&resp, 0, 0)["requests"].as_u64(),
+                limit(&resp, 0, 0)["window_ms"].as_u64()
+            ),
+            (Some(5), Some(HOUR))
+        );
         let l = limit(&resp, 0, 0);
         assert_eq!(l["allowed"], false);
         assert_eq!(l["remaining"], 0);
@@ -106,7 +112,8 @@ async fn all_or_nothing_across_buckets() {
     let client = reqwest::Client::new();
     for alg in ["token_bucket", "sliding_window"] {
         let domain = format!("aon-{alg}");
-        let wide: &[L] = &[(10, HOUR, alg), (100, HOUR, "token_bucket")];
+        // One algorithm per rule (the policy's rules have one).
+        let wide: &[L] = &[(10, HOUR, alg), (100, HOUR, alg)];
         let narrow: &[L] = &[(1, HOUR, alg)];
         let both = request(
             &domain,
@@ -154,11 +161,10 @@ async fn keys_expire_when_full_again_and_denials_write_nothing() {
     let body = request(
         "ttl",
         1,
-        &[(
-            "k",
-            "c=t",
-            &[(5, HOUR, "token_bucket"), (10, 60_000, "sliding_window")],
-        )],
+        &[
+            ("k", "c=t", &[(5, HOUR, "token_bucket")]),
+            ("ksw", "c=t", &[(10, 60_000, "sliding_window")]),
+        ],
     );
     let (_, resp) = check(&client, &gw.url(), &body).await;
     assert_eq!(resp["allowed"], true);
@@ -178,11 +184,11 @@ async fn keys_expire_when_full_again_and_denials_write_nothing() {
     );
     // Sliding window: until the charged window has faded, reset_ms (W to 2W).
     let sw: i64 = redis
-        .cli(&["pttl", "rl:{ttl|c=t}|k|1|sliding_window|10|60000"])
+        .cli(&["pttl", "rl:{ttl|c=t}|ksw|0|sliding_window|10|60000"])
         .unwrap()
         .parse()
         .unwrap();
-    let sw_reset = limit(&resp, 0, 1)["reset_ms"].as_i64().unwrap();
+    let sw_reset = limit(&resp, 1, 0)["reset_ms"].as_i64().unwrap();
     assert!(
         (60_001..=120_000).contains(&sw_reset),
         "sliding window reset {sw_reset}"
@@ -229,29 +235,25 @@ async fn bad_requests_get_400_with_the_field_path() {
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     let client = reqwest::Client::new();
-    let good = request("demo", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]);
+    let good = request("bad", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]);
     let mut cases = Vec::new();
     let mut v = good.clone();
-    v["version"] = json!(2);
-    cases.push((v, "version: unsupported version 2, expected 1"));
+    v["version"] = json!(1);
+    cases.push((v, "version: unsupported version 1, expected 2"));
     let mut v = good.clone();
-    v["cost"] = json!(0);
-    cases.push((v, "cost: must be between 1 and 2^53, got 0"));
+    v["buckets"][0]["cost"] = json!(0);
+    cases.push((v, "buckets[0].cost: must be between 1 and 2^53, got 0"));
     let mut v = good.clone();
-    v["buckets"][0]["limits"][0]["algorithm"] = json!("fixed_window");
-    cases.push((
-        v,
-        "buckets[0].limits[0].algorithm: unknown variant `fixed_window`",
-    ));
+    v["buckets"][0]["variant"] = json!("gold");
+    cases.push((v, "buckets[0].variant: unknown variant `gold`"));
     let mut v = good.clone();
-    v["buckets"][0]["limits"][0]["requests"] = json!(0);
-    cases.push((v, "buckets[0].limits[0].requests: must be at least 1"));
+    v["buckets"][0]["limits"] =
+        json!([{"requests": 10, "window_ms": 1000, "algorithm": "token_bucket"}]);
+    cases.push((v, "buckets[0].limits: unknown field `limits`"));
     let mut v = good.clone();
-    v["buckets"][0]["limits"][0]["window_ms"] = json!(1u64 << 53);
-    cases.push((
-        v,
-        "buckets[0].limits[0]: requests × window_ms must be at most 2^53",
-    ));
+    v["buckets"][0]["rule"] = json!("nope");
+    v["buckets"][0]["key"] = json!("nope");
+    cases.push((v, "buckets[0].rule: unknown rule `nope`"));
     let mut v = good.clone();
     v["buckets"][0]["color"] = json!("red");
     cases.push((v, "buckets[0].color: unknown field `color`"));
@@ -262,12 +264,15 @@ async fn bad_requests_get_400_with_the_field_path() {
     v["buckets"] = json!(vec![good["buckets"][0].clone(); 65]);
     cases.push((v, "buckets: must hold 1 to 64 buckets, got 65"));
     let mut v = good.clone();
-    v["buckets"][0]["limits"] = json!(vec![good["buckets"][0]["limits"][0].clone(); 9]);
-    cases.push((v, "buckets[0].limits: must hold 1 to 8 limits, got 9"));
+    v["buckets"] = json!(vec![good["buckets"][0].clone(); 2]);
+    cases.push((
+        v,
+        "buckets: domain `bad` has 1 global rules, so at most 1 buckets, got 2",
+    ));
     for (body, want) in cases {
         let (status, resp) = check(&client, &gw.url(), &body).await;
         assert_eq!(status, 400, "{resp}");
-        assert_eq!(resp["version"], 1);
+        assert_eq!(resp["version"], 2);
         let err = resp["error"].as_str().unwrap();
         assert!(err.starts_with(want), "{err:?} should start with {want:?}");
     }
@@ -311,7 +316,7 @@ async fn healthz_and_503_when_redis_dies() {
     let started = std::time::Instant::now();
     let (status, resp) = check(&client, &gw.url(), &req).await;
     assert_eq!(status, 503, "{resp}");
-    assert_eq!(resp["version"], 1);
+    assert_eq!(resp["version"], 2);
     assert!(
         resp["error"].as_str().unwrap().starts_with("redis: "),
         "{resp}"
@@ -361,17 +366,33 @@ async fn metrics_are_exported() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bucket_cost_overrides_the_request_cost() {
+async fn each_bucket_is_charged_its_own_cost() {
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     let client = reqwest::Client::new();
+    // The policy: g (10/min, 2/s) and search (12/min, sliding, cost up to 5).
+    request(
+        "cost",
+        1,
+        &[(
+            "g/c=alice",
+            "c=alice",
+            &[(10, 60_000, "token_bucket"), (2, 1000, "token_bucket")],
+        )],
+    );
+    request(
+        "cost",
+        5,
+        &[(
+            "search/c=alice",
+            "c=alice",
+            &[(12, 60_000, "sliding_window")],
+        )],
+    );
     // The body the filter sends (src/callout.rs): every bucket carries its cost.
-    let body = json!({"version":1,"domain":"demo","cost":1,"buckets":[
-        {"key":"g/c=alice","tag":"c=alice","cost":1,"limits":[
-            {"requests":10,"window_ms":60000,"algorithm":"token_bucket"},
-            {"requests":2,"window_ms":1000,"algorithm":"token_bucket"}]},
-        {"key":"search/c=alice","tag":"c=alice","cost":5,"limits":[
-            {"requests":12,"window_ms":60000,"algorithm":"sliding_window"}]}]});
+    let body = json!({"version":2,"domain":"cost","buckets":[
+        {"rule":"g","key":"g/c=alice","tag":"c=alice","variant":"default","cost":1},
+        {"rule":"search","key":"search/c=alice","tag":"c=alice","variant":"default","cost":5}]});
     let (status, resp) = check(&client, &gw.url(), &body).await;
     assert_eq!(status, 200, "{resp}");
     assert_eq!(resp["allowed"], true);
@@ -396,9 +417,13 @@ async fn a_bucket_cost_overrides_the_request_cost() {
 /// A log line a caller would like to forge.
 const FORGED: &str = "2026-01-01T00:00:00Z INFO ratelimit_gateway: forged admin login ok";
 
-/// Starts the `ratelimit-gateway` binary in front of `redis` with `args`.
+/// Starts the `ratelimit-gateway` binary in front of `redis` with `args`;
+/// its policy is what this process's requests named so far (build them first).
 fn gateway_process(redis: &testkit::redis::Redis, args: &[&str]) -> testkit::Gateway {
-    testkit::Gateway::start(testkit::GatewayOptions::new(redis.url()).args(args))
+    let dir = policy_dir().display().to_string();
+    let mut all = vec!["--policy", &dir];
+    all.extend_from_slice(args);
+    testkit::Gateway::start(testkit::GatewayOptions::new(redis.url()).args(&all))
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
@@ -429,56 +454,59 @@ fn make_wrong_type(redis: &testkit::redis::Redis, key: &str) {
 
 #[test]
 fn caller_values_are_escaped_in_the_log_and_503_bodies_are_generic() {
-    use ratelimit_gateway::{keys, protocol, script};
+    use ratelimit_gateway::{keys, script};
     let redis = redis();
-    let gw = gateway_process(&redis, &["--redis-timeout-ms", "2000"]);
     let limits: &[L] = &[(10, HOUR, "token_bucket")];
-    let mut bodies = Vec::new();
-    for sep in ["\n", "\r", "\r\n"] {
-        let domain = format!("x{sep}{FORGED}");
-        let body = request(&domain, 1, &[("k", "t", limits)]);
-        let req = protocol::parse(&serde_json::to_vec(&body).unwrap()).unwrap();
-        make_wrong_type(&redis, &keys::limit_keys("rl:", &req)[0].key);
-        bodies.push(("/v1/check", body));
-        let lease = lease_request(&domain, "lk", "t", limits, 1, 0);
-        let req = protocol::parse_lease(&serde_json::to_vec(&lease).unwrap()).unwrap();
-        make_wrong_type(&redis, &keys::lease_keys("rl:", &req)[0]);
-        bodies.push(("/v1/lease", lease));
-    }
-    for (path, body) in &bodies {
+    // A domain of the policy whose keys make the scripts fail (WRONGTYPE).
+    let body = request("esc", 1, &[("k", "t", limits)]);
+    make_wrong_type(&redis, &keys::limit_keys("rl:", &resolve(&body))[0].key);
+    let lease = lease_request("esc", "lk", "t", limits, 1, 0);
+    make_wrong_type(&redis, &keys::lease_keys("rl:", &resolve_lease(&lease))[0]);
+    let gw = gateway_process(&redis, &["--redis-timeout-ms", "2000"]);
+    for (path, body) in [("/v1/check", &body), ("/v1/lease", &lease)] {
         let (status, text) = post_text(&gw, path, &serde_json::to_vec(body).unwrap());
         // The caller learns that the store failed, nothing about the script.
         assert_eq!(status, 503, "{path}: {text}");
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&text).unwrap(),
-            json!({ "version": 1, "error": "redis: unavailable" }),
+            json!({ "version": 2, "error": "redis: unavailable" }),
             "{path}"
         );
+    }
+    // A domain with a forged line in it is not in any policy: a 400 whose
+    // message (the caller's words) is logged escaped.
+    let mut forged_bodies = Vec::new();
+    for sep in ["\n", "\r", "\r\n"] {
+        let mut b = body.clone();
+        b["domain"] = json!(format!("x{sep}{FORGED}"));
+        forged_bodies.push(b);
+    }
+    for b in &forged_bodies {
+        let (status, text) = post_text(&gw, "/v1/check", &serde_json::to_vec(b).unwrap());
+        assert_eq!(status, 400, "{text}");
     }
     let log = gw.log();
     // No caller value started a line of its own or moved the cursor back.
     assert!(!log.contains('\r'), "a raw CR in the log:\n{log}");
     let forged: Vec<&str> = log.lines().filter(|l| l.starts_with(FORGED)).collect();
     assert_eq!(forged, Vec::<&str>::new(), "forged lines in:\n{log}");
-    // The domain is in the log, escaped; the detail the caller did not get too.
-    for (sep, what) in [
-        ("\\n", "check failed"),
-        ("\\r", "check failed"),
-        ("\\r\\n", "check failed"),
-        ("\\n", "lease failed"),
-        ("\\r", "lease failed"),
-        ("\\r\\n", "lease failed"),
+    for sep in ["\\n", "\\r", "\\r\\n"] {
+        let domain = format!("x{sep}{FORGED}");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("bad request") && l.contains(&domain)),
+            "no bad request line with {domain} in:\n{log}"
+        );
+    }
+    // The detail the caller did not get is in the log.
+    for (what, sha) in [
+        ("check failed", &script::check().sha),
+        ("lease failed", &script::lease().sha),
     ] {
-        let domain = format!("domain=\"x{sep}{FORGED}\"");
         let line = log
             .lines()
-            .find(|l| l.contains(what) && l.contains(&domain))
-            .unwrap_or_else(|| panic!("no {what:?} line with {domain} in:\n{log}"));
-        let sha = if what == "check failed" {
-            &script::check().sha
-        } else {
-            &script::lease().sha
-        };
+            .find(|l| l.contains(what) && l.contains("domain=\"esc\""))
+            .unwrap_or_else(|| panic!("no {what:?} line in:\n{log}"));
         assert!(
             line.contains("WRONGTYPE") && line.contains(sha.as_str()),
             "{line}"
@@ -511,6 +539,7 @@ fn warnings(log: &str, message: &str) -> (u64, u64) {
 fn warnings_caused_by_callers_are_rate_limited_with_a_suppressed_count() {
     use ratelimit_gateway::logging::{WARNINGS_PER_SECOND, WARNING_WINDOW};
     let redis = redis();
+    let mut bad = request("demo", 1, &[("k", "t", &[(10, HOUR, "token_bucket")])]);
     let gw = gateway_process(&redis, &[]);
     let client = testkit::Client::new(gw.url(""), testkit::ConnectionMode::KeepAlive);
     let send = |body: Vec<u8>| {
@@ -519,12 +548,11 @@ fn warnings_caused_by_callers_are_rate_limited_with_a_suppressed_count() {
         let r = client.send(&req).unwrap_or_else(|e| panic!("{e:#}"));
         assert_eq!(r.status, 400, "{}", r.body);
     };
-    let mut bad = request("demo", 1, &[("k", "t", &[(10, HOUR, "token_bucket")])]);
     // The first one, logged for sure, names a field with a forged line in it.
     bad["buckets"][0][format!("color\n{FORGED}")] = json!(1);
     let started = std::time::Instant::now();
     send(serde_json::to_vec(&bad).unwrap());
-    bad["version"] = json!(2);
+    bad["version"] = json!(3);
     let bad = serde_json::to_vec(&bad).unwrap();
     for _ in 1..1000 {
         send(bad.clone());
@@ -561,13 +589,13 @@ fn sigterm_finishes_the_requests_in_flight_then_exits() {
     use std::sync::Arc;
     const IN_FLIGHT: usize = 6;
     let redis = redis();
-    let mut gw = gateway_process(&redis, &["--redis-timeout-ms", "10000"]);
     let body = serde_json::to_vec(&request(
         "drain",
         1,
         &[("k", "t", &[(10, HOUR, "token_bucket")])],
     ))
     .unwrap();
+    let mut gw = gateway_process(&redis, &["--redis-timeout-ms", "10000"]);
     // Redis holds every command for 5 s: the checks wait in the gateway.
     assert_eq!(
         redis.cli(&["client", "pause", "5000", "all"]).unwrap(),

@@ -2,19 +2,30 @@
 //! on a free port in front of a real Redis, requests and metrics.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use ratelimit_gateway::{Config, Running, Target};
 use serde_json::{json, Value};
 
 /// Starts a gateway in this runtime in front of `target`, with a generous
-/// Redis timeout (debug builds on 2 cores under 64 concurrent clients).
+/// Redis timeout (debug builds on 2 cores under 64 concurrent clients). Its
+/// policy is this process's [`policy_dir`]: the requests built here add what
+/// they name to it, and the post helpers put it in force before posting.
 pub async fn gateway(target: Target, timeout_ms: u64) -> Running {
     let config = Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         target,
         redis_timeout: Duration::from_millis(timeout_ms),
         key_prefix: "rl:".to_string(),
+        // No tokens (in-process tests), default bounds.
+        ..Config::single(
+            "127.0.0.1:0".parse().unwrap(),
+            String::new(),
+            vec![policy_dir()],
+        )
     };
     let running = ratelimit_gateway::start(config, Duration::from_secs(15))
         .await
@@ -28,25 +39,183 @@ pub async fn gateway(target: Target, timeout_ms: u64) -> Running {
             .await,
         "the gateway did not connect to Redis"
     );
+    registry().gateways.push(running.app.policy.clone());
     running
 }
 
 /// A limit: (requests, window_ms, algorithm).
 pub type L = (u64, u64, &'static str);
 
-/// A check request body with one or more buckets (key, tag, limits).
+/// What the requests of this test process named, as plugin configurations:
+/// one global rule per key prefix (its limits; other limits for the same
+/// rule become client overrides `v<i>`), one quota per quota key prefix.
+#[derive(Default)]
+struct Registry {
+    domains: BTreeMap<String, Domain>,
+    /// Bumped on every change; the gateways reload when it moved.
+    generation: u64,
+    synced: u64,
+    gateways: Vec<
+        std::sync::Arc<ratelimit_gateway::reload::Reloadable<ratelimit_gateway::policy::Policy>>,
+    >,
+}
+
+#[derive(Default)]
+struct Domain {
+    rules: BTreeMap<String, (String, Vec<Vec<(u64, u64)>>)>,
+    quotas: BTreeMap<String, (String, Vec<u64>)>,
+    max_cost: u64,
+}
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    static R: OnceLock<Mutex<Registry>> = OnceLock::new();
+    R.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// The policy directory of this test process (one `<domain>.json` each).
+pub fn policy_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rlgw-test-policy-{}", std::process::id()));
+    if !dir.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        // A gateway needs a policy to start.
+        std::fs::write(
+            dir.join("zz-start.json"),
+            r#"{"domain":"zz-start","rules":[{"name":"r","limits":[{"requests":1,"per":1}]}]}"#,
+        )
+        .unwrap();
+    }
+    dir
+}
+
+/// The name a key is filed under: the part before its first `/` or `#`.
+pub fn rule_of(key: &str) -> &str {
+    key.split(['/', '#']).next().unwrap_or(key)
+}
+
+/// Files `limits` for `key`'s rule in `domain`; the variant that names them.
+fn file_rule(domain: &str, key: &str, limits: &[L], cost: u64) -> String {
+    let mut r = registry();
+    let d = r.domains.entry(domain.to_string()).or_default();
+    let mut changed = cost > d.max_cost;
+    d.max_cost = d.max_cost.max(cost);
+    let algorithm = limits.first().map_or("token_bucket", |l| l.2);
+    assert!(
+        limits.iter().all(|l| l.2 == algorithm),
+        "a rule counts with one algorithm: {limits:?}"
+    );
+    let pairs: Vec<(u64, u64)> = limits.iter().map(|l| (l.0, l.1)).collect();
+    let rule = d
+        .rules
+        .entry(rule_of(key).to_string())
+        .or_insert_with(|| (algorithm.to_string(), Vec::new()));
+    assert_eq!(rule.0, algorithm, "rule {key} named with two algorithms");
+    let i = match rule.1.iter().position(|p| *p == pairs) {
+        Some(i) => i,
+        None => {
+            rule.1.push(pairs);
+            changed = true;
+            rule.1.len() - 1
+        }
+    };
+    if changed {
+        r.generation += 1;
+        write_domain(domain, &r.domains[domain]);
+    }
+    variant_name(i)
+}
+
+fn variant_name(i: usize) -> String {
+    if i == 0 {
+        "default".to_string()
+    } else {
+        format!("client:v{i}")
+    }
+}
+
+fn write_domain(domain: &str, d: &Domain) {
+    let limits = |pairs: &[(u64, u64)]| -> Vec<Value> {
+        pairs
+            .iter()
+            .map(|(r, w)| {
+                assert_eq!(w % 1000, 0, "a policy window is whole seconds: {w} ms");
+                json!({"requests": r, "per": w / 1000})
+            })
+            .collect()
+    };
+    let mut clients: BTreeMap<String, Value> = BTreeMap::new();
+    let mut rules = Vec::new();
+    for (name, (algorithm, sets)) in &d.rules {
+        rules.push(
+            json!({"name": name, "scope": "global", "algorithm": algorithm,
+                          "key": ["client"], "limits": limits(&sets[0])}),
+        );
+        for (i, set) in sets.iter().enumerate().skip(1) {
+            let c = clients.entry(format!("v{i}")).or_insert_with(|| json!({}));
+            c["limits"][name] = json!(limits(set));
+        }
+    }
+    let mut quotas = Vec::new();
+    for (name, (period, amounts)) in &d.quotas {
+        quotas.push(
+            json!({"name": name, "key": ["client"], "period": period, "limit": amounts[0],
+                           "count": "cost", "upgrade_url": "https://example.com/upgrade"}),
+        );
+        for (i, a) in amounts.iter().enumerate().skip(1) {
+            let c = clients.entry(format!("v{i}")).or_insert_with(|| json!({}));
+            c["quotas"][name] = json!(a);
+        }
+    }
+    let mut config = json!({"domain": domain,
+        "global": {"cluster": "gw", "lease": {"fraction": 1.0, "ttl_ms": 3_600_000}},
+        "identity": {"clients": clients}, "rules": rules, "quotas": quotas});
+    if d.max_cost > 1 {
+        config["costs"] = json!([{"match": {"path_prefix": "/"}, "cost": d.max_cost}]);
+    }
+    let file = policy_dir().join(format!("{}.json", hex(domain)));
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, config.to_string()).unwrap();
+    std::fs::rename(&tmp, &file).unwrap();
+}
+
+/// A domain as a file name (any bytes a test uses for a domain).
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The plugin configuration (JSON) this process's requests made of `domain`,
+/// for a gateway started as a process (`GatewayOptions::policy`).
+pub fn policy_json(domain: &str) -> String {
+    std::fs::read_to_string(policy_dir().join(format!("{}.json", hex(domain)))).unwrap()
+}
+
+/// Puts the policy in force in every in-process gateway, when it changed.
+pub fn sync_policy() {
+    let mut r = registry();
+    if r.synced == r.generation {
+        return;
+    }
+    r.synced = r.generation;
+    for g in &r.gateways {
+        if let ratelimit_gateway::reload::Outcome::Failed(e) = g.reload(true) {
+            panic!("the test policy does not validate: {e}");
+        }
+    }
+}
+
+/// A check request body with one or more buckets (key, tag, limits): each
+/// names its rule (the key's first part) and the variant holding `limits`.
 pub fn request(domain: &str, cost: u64, buckets: &[(&str, &str, &[L])]) -> Value {
     let buckets: Vec<Value> = buckets
         .iter()
         .map(|(key, tag, limits)| {
-            let limits: Vec<Value> = limits
-                .iter()
-                .map(|(r, w, a)| json!({ "requests": r, "window_ms": w, "algorithm": a }))
-                .collect();
-            json!({ "key": key, "tag": tag, "limits": limits })
+            let variant = file_rule(domain, key, limits, cost);
+            json!({ "rule": rule_of(key), "key": key, "tag": tag, "variant": variant, "cost": cost })
         })
         .collect();
-    json!({ "version": 1, "domain": domain, "cost": cost, "buckets": buckets })
+    registry().domains.entry(domain.to_string()).or_default();
+    json!({ "version": 2, "domain": domain, "buckets": buckets })
 }
 
 /// A lease request body for one bucket (key, tag, limits).
@@ -58,12 +227,9 @@ pub fn lease_request(
     want: u64,
     give_back: u64,
 ) -> Value {
-    let limits: Vec<Value> = limits
-        .iter()
-        .map(|(r, w, a)| json!({ "requests": r, "window_ms": w, "algorithm": a }))
-        .collect();
-    json!({ "version": 1, "domain": domain, "key": key, "tag": tag,
-            "limits": limits, "want": want, "return": give_back })
+    let variant = file_rule(domain, key, limits, 1);
+    json!({ "version": 2, "domain": domain, "rule": rule_of(key), "key": key, "tag": tag,
+            "variant": variant, "want": want, "return": give_back })
 }
 
 /// Posts to `/v1/lease`; the status and the JSON body.
@@ -73,14 +239,40 @@ pub async fn lease(client: &reqwest::Client, base: &str, body: &Value) -> (u16, 
 
 /// Posts `body` as JSON to `url`; the status and the JSON answer.
 async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
+    sync_policy();
     let resp = client.post(url).json(body).send().await.unwrap();
     let status = resp.status().as_u16();
     (status, resp.json().await.unwrap())
 }
 
-/// A quota: `{key, tag, limit, period, amount}`.
-pub fn quota(key: &str, tag: &str, limit: u64, period: &str, amount: u64) -> Value {
-    json!({ "key": key, "tag": tag, "limit": limit, "period": period, "amount": amount })
+/// A quota of `domain` (`limit` per `period` filed in its policy): `{quota,
+/// key, tag, variant, amount}`.
+pub fn quota(domain: &str, key: &str, tag: &str, limit: u64, period: &str, amount: u64) -> Value {
+    let variant = {
+        let mut r = registry();
+        let d = r.domains.entry(domain.to_string()).or_default();
+        let mut changed = amount > d.max_cost;
+        d.max_cost = d.max_cost.max(amount);
+        let q = d
+            .quotas
+            .entry(rule_of(key).to_string())
+            .or_insert_with(|| (period.to_string(), Vec::new()));
+        assert_eq!(q.0, period, "quota {key} named with two periods");
+        let i = match q.1.iter().position(|a| *a == limit) {
+            Some(i) => i,
+            None => {
+                q.1.push(limit);
+                changed = true;
+                q.1.len() - 1
+            }
+        };
+        if changed {
+            r.generation += 1;
+            write_domain(domain, &r.domains[domain]);
+        }
+        variant_name(i)
+    };
+    json!({ "quota": rule_of(key), "key": key, "tag": tag, "variant": variant, "amount": amount })
 }
 
 /// `body` with `quotas` set.
@@ -91,7 +283,9 @@ pub fn with_quotas(mut body: Value, quotas: &[Value]) -> Value {
 
 /// A request with only quotas (no bucket).
 pub fn quota_request(domain: &str, quotas: &[Value]) -> Value {
-    with_quotas(request(domain, 1, &[]), quotas)
+    let mut body = with_quotas(request(domain, 1, &[]), quotas);
+    body.as_object_mut().unwrap().remove("buckets");
+    body
 }
 
 /// `body.quotas[q]`.
@@ -106,6 +300,7 @@ pub async fn check(client: &reqwest::Client, base: &str, body: &Value) -> (u16, 
 
 /// Posts raw bytes to `/v1/check`.
 pub async fn check_raw(client: &reqwest::Client, base: &str, body: &'static str) -> (u16, Value) {
+    sync_policy();
     let resp = client
         .post(format!("{base}/v1/check"))
         .header("content-type", "application/json")
@@ -207,4 +402,22 @@ impl Rng {
     pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
         items[(self.next() % items.len() as u64) as usize]
     }
+}
+
+/// The policy this process's requests made, as a gateway started now loads it.
+pub fn current_policy() -> ratelimit_gateway::policy::Policy {
+    let sources = ratelimit_gateway::reload::read_sources(&[policy_dir()]).unwrap();
+    ratelimit_gateway::policy::parse(&sources).unwrap()
+}
+
+/// A check body resolved as the gateway resolves it (limits from the policy).
+pub fn resolve(body: &Value) -> ratelimit_gateway::policy::Resolved {
+    let req = ratelimit_gateway::protocol::parse_check(&serde_json::to_vec(body).unwrap()).unwrap();
+    current_policy().resolve_check(&req).unwrap()
+}
+
+/// A lease body resolved as the gateway resolves it.
+pub fn resolve_lease(body: &Value) -> ratelimit_gateway::policy::ResolvedLease {
+    let req = ratelimit_gateway::protocol::parse_lease(&serde_json::to_vec(body).unwrap()).unwrap();
+    current_policy().resolve_lease(&req).unwrap()
 }
