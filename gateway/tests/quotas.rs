@@ -14,7 +14,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::*;
 use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
-use ratelimit_gateway::protocol::{self, CheckRequest};
 use ratelimit_gateway::{Running, Target};
 use serde_json::{json, Value};
 
@@ -106,20 +105,26 @@ fn now_ms() -> u64 {
 
 /// One check through `Limiter::check_at` with the test-only time override.
 async fn at(gw: &Running, body: &Value, t: u64) -> Value {
-    let req = protocol::parse(&serde_json::to_vec(body).unwrap()).unwrap();
-    let answer = gw.app.limiter.check_at(&req, Some(t)).await.unwrap();
+    sync_policy();
+    let answer = gw
+        .app
+        .limiter
+        .check_at(&resolve(body), Some(t))
+        .await
+        .unwrap();
     serde_json::to_value(answer).unwrap()
 }
 
 fn groups(body: &Value) -> usize {
-    let req: CheckRequest = serde_json::from_value(body.clone()).unwrap();
+    let req = resolve(body);
     group_by_slot(limit_keys("rl:", &req), quota_keys("rl:", &req)).len()
 }
 
-/// `{allowed, remaining, reset_ms}` of a quota answer, checked for exactly these fields.
+/// `{allowed, remaining, reset_ms}` of a quota answer, checked for exactly
+/// these fields and the enforced `limit` and `period`.
 fn q(body: &Value, i: usize) -> (bool, u64, u64) {
     let v = quota_of(body, i);
-    assert_eq!(v.as_object().map(|o| o.len()), Some(3), "{body}");
+    assert_eq!(v.as_object().map(|o| o.len()), Some(5), "{body}");
     (
         v["allowed"].as_bool().unwrap(),
         v["remaining"].as_u64().unwrap(),
@@ -135,7 +140,7 @@ async fn a_month_quota_counts_to_its_limit_then_denies_until_the_1st() {
     let rate: &[L] = &[(100, HOUR, "token_bucket")];
     let body = with_quotas(
         request("demo", 1, &[("per-client/c=alice", "c=alice", rate)]),
-        &[quota("monthly/c=alice", "c=alice", 3, "month", 1)],
+        &[quota("demo", "monthly/c=alice", "c=alice", 3, "month", 1)],
     );
     for left in [2, 1, 0] {
         let (status, resp) = check(&client, &gw.url(), &body).await;
@@ -148,7 +153,7 @@ async fn a_month_quota_counts_to_its_limit_then_denies_until_the_1st() {
     let (status, resp) = check(&client, &gw.url(), &body).await;
     let after = now_ms();
     assert_eq!(status, 200, "{resp}");
-    assert_eq!(resp["version"], 1);
+    assert_eq!(resp["version"], 2);
     assert_eq!(resp["allowed"], false, "{resp}");
     let (allowed, remaining, reset) = q(&resp, 0);
     assert!(!allowed && remaining == 0, "{resp}");
@@ -202,7 +207,7 @@ async fn all_or_nothing_with_the_rate_limits() {
 
     // A rate-limit denial charges no quota.
     let narrow: &[L] = &[(1, HOUR, "sliding_window")];
-    let monthly = quota("monthly/c=x", "c=x", 10, "month", 1);
+    let monthly = quota("aon", "monthly/c=x", "c=x", 10, "month", 1);
     let body = with_quotas(
         request("aon", 1, &[("narrow", "c=x", narrow)]),
         std::slice::from_ref(&monthly),
@@ -222,9 +227,9 @@ async fn all_or_nothing_with_the_rate_limits() {
     assert_eq!(q(&only_quota, 0).1, 8, "{only_quota}");
 
     // A quota denial charges no bucket (nor the other quotas).
-    let wide: &[L] = &[(10, HOUR, "token_bucket"), (10, HOUR, "sliding_window")];
-    let daily = quota("daily/c=y", "c=y", 1, "day", 1);
-    let hourly = quota("hourly/c=y", "c=y", 5, "hour", 1);
+    let wide: &[L] = &[(10, HOUR, "token_bucket"), (10, HOUR, "token_bucket")];
+    let daily = quota("aon", "daily/c=y", "c=y", 1, "day", 1);
+    let hourly = quota("aon", "hourly/c=y", "c=y", 5, "hour", 1);
     let body = with_quotas(
         request("aon", 1, &[("wide", "c=y", wide)]),
         &[hourly.clone(), daily],
@@ -263,7 +268,7 @@ async fn spent_quotas_amounts_and_a_lowered_limit() {
     let (_, resp) = check(
         &client,
         base,
-        &quota_request("s", &[quota("zero", "c=z", 0, "month", 1)]),
+        &quota_request("s", &[quota("s", "zero", "c=z", 0, "month", 1)]),
     )
     .await;
     assert_eq!(resp["allowed"], false, "{resp}");
@@ -272,7 +277,7 @@ async fn spent_quotas_amounts_and_a_lowered_limit() {
     assert_eq!(redis.cli(&["dbsize"]).unwrap(), "0");
 
     // An amount (the request's cost): 4 + 4 fit in 10, a third 4 does not.
-    let cost = quota_request("s", &[quota("cost", "c=c", 10, "day", 4)]);
+    let cost = quota_request("s", &[quota("s", "cost", "c=c", 10, "day", 4)]);
     for left in [6, 2] {
         let (_, resp) = check(&client, base, &cost).await;
         assert_eq!(
@@ -284,34 +289,35 @@ async fn spent_quotas_amounts_and_a_lowered_limit() {
     assert_eq!(resp["allowed"], false, "{resp}");
     assert_eq!((q(&resp, 0).0, q(&resp, 0).1), (false, 2), "{resp}");
     // 2 still fit.
-    let two = quota_request("s", &[quota("cost", "c=c", 10, "day", 2)]);
+    let two = quota_request("s", &[quota("s", "cost", "c=c", 10, "day", 2)]);
     let (_, resp) = check(&client, base, &two).await;
     assert_eq!((resp["allowed"].as_bool(), q(&resp, 0).1), (Some(true), 0));
 
     // The limit is not in the key: a lowered limit (another tier) keeps the
     // count, and remaining is never negative.
-    let lowered = quota_request("s", &[quota("cost", "c=c", 3, "day", 1)]);
+    let lowered = quota_request("s", &[quota("s", "cost", "c=c", 3, "day", 1)]);
     let (_, resp) = check(&client, base, &lowered).await;
     assert_eq!(resp["allowed"], false, "{resp}");
     assert_eq!(q(&resp, 0).1, 0, "{resp}");
-    let raised = quota_request("s", &[quota("cost", "c=c", 15, "day", 1)]);
+    let raised = quota_request("s", &[quota("s", "cost", "c=c", 15, "day", 1)]);
     let (_, resp) = check(&client, base, &raised).await;
     assert_eq!((resp["allowed"].as_bool(), q(&resp, 0).1), (Some(true), 4));
 
-    // The same quota twice in one call counts twice.
+    // Twice the same quota.
     let twice = quota_request(
         "s",
         &[
-            quota("dup", "c=d", 3, "hour", 1),
-            quota("dup", "c=d", 3, "hour", 1),
+            quota("s", "dup", "c=d", 3, "hour", 1),
+            quota("s", "dup", "c=d", 3, "hour", 1),
         ],
     );
-    let (_, resp) = check(&client, base, &twice).await;
-    assert_eq!(resp["allowed"], true, "{resp}");
-    assert_eq!((q(&resp, 0).1, q(&resp, 1).1), (2, 1), "{resp}");
-    let (_, resp) = check(&client, base, &twice).await;
-    assert_eq!(resp["allowed"], false, "{resp}");
-    assert_eq!((q(&resp, 0).0, q(&resp, 1).0), (true, false), "{resp}");
+    // The same quota twice in one call is refused: one per quota of the policy.
+    let (status, resp) = check(&client, base, &twice).await;
+    assert_eq!(status, 400, "{resp}");
+    assert_eq!(
+        resp["error"],
+        "quotas[1].quota: quota `dup` named twice in one request"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -324,7 +330,7 @@ async fn concurrent_clients_get_exactly_the_quota() {
             1,
             &[("rate", "c=b", &[(1000, HOUR, "token_bucket")])],
         ),
-        &[quota("q", "c=b", 100, "month", 1)],
+        &[quota("burst", "q", "c=b", 100, "month", 1)],
     );
     let (allowed, denied, other) = burst(&gw.url(), body, 64, 300).await;
     eprintln!(
@@ -345,7 +351,10 @@ async fn concurrent_clients_get_exactly_the_quota() {
 async fn the_count_survives_a_gateway_restart() {
     let redis = redis();
     let client = reqwest::Client::new();
-    let body = quota_request("restart", &[quota("monthly/c=r", "c=r", 3, "month", 1)]);
+    let body = quota_request(
+        "restart",
+        &[quota("restart", "monthly/c=r", "c=r", 3, "month", 1)],
+    );
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     for left in [2, 1] {
         let (_, resp) = check(&client, &gw.url(), &body).await;
@@ -367,7 +376,10 @@ async fn the_count_survives_a_gateway_restart() {
 async fn a_new_month_starts_fresh() {
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
-    let body = quota_request("fresh", &[quota("monthly/c=f", "c=f", 2, "month", 1)]);
+    let body = quota_request(
+        "fresh",
+        &[quota("fresh", "monthly/c=f", "c=f", 2, "month", 1)],
+    );
     let march = cal::ms(2027, 3, 15, 12, 0, 0, 0);
     let last_ms = cal::ms(2027, 3, 31, 23, 59, 59, 999);
     let april = cal::ms(2027, 4, 1, 0, 0, 0, 0);
@@ -411,7 +423,7 @@ async fn keys_expire_at_the_end_of_their_period_in_real_time() {
     ];
     let quotas: Vec<Value> = lengths
         .iter()
-        .map(|(p, _)| quota(&format!("{p}/c=e"), "c=e", 10, p, 1))
+        .map(|(p, _)| quota("exp", &format!("{p}/c=e"), "c=e", 10, p, 1))
         .collect();
     let before = now_ms();
     let (_, resp) = check(&client, &gw.url(), &quota_request("exp", &quotas)).await;
@@ -453,10 +465,10 @@ async fn keys_expire_at_the_end_of_their_period_in_real_time() {
 async fn day_and_month_boundaries_leap_years_and_new_year() {
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
-    let day = quota_request("b", &[quota("daily", "c=b", 1, "day", 1)]);
-    let month = quota_request("b", &[quota("monthly", "c=b", 1, "month", 1)]);
-    let minute = quota_request("b", &[quota("per-minute", "c=b", 1, "minute", 1)]);
-    let hour = quota_request("b", &[quota("hourly", "c=b", 1, "hour", 1)]);
+    let day = quota_request("b", &[quota("b", "daily", "c=b", 1, "day", 1)]);
+    let month = quota_request("b", &[quota("b", "monthly", "c=b", 1, "month", 1)]);
+    let minute = quota_request("b", &[quota("b", "per-minute", "c=b", 1, "minute", 1)]);
+    let hour = quota_request("b", &[quota("b", "hourly", "c=b", 1, "hour", 1)]);
 
     // Feb 28 → Feb 29 → Mar 1, 2028 (a leap year), by day.
     let feb28_last = cal::ms(2028, 2, 28, 23, 59, 59, 999);
@@ -527,7 +539,10 @@ async fn period_ends_match_an_independent_calendar() {
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     let periods = ["minute", "hour", "day", "month"];
-    let quotas: Vec<Value> = periods.iter().map(|p| quota(p, "c", 0, p, 1)).collect();
+    let quotas: Vec<Value> = periods
+        .iter()
+        .map(|p| quota("sweep", p, "c", 0, p, 1))
+        .collect();
     let body = quota_request("sweep", &quotas);
     let mut times = vec![0, 1, 999, 1000];
     for y in (1970..=1972).chain(1999..=2101) {
@@ -564,26 +579,26 @@ async fn bad_quota_fields_get_400_with_the_field_path() {
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     let client = reqwest::Client::new();
     let good = with_quotas(
-        request("demo", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]),
-        &[quota("monthly/c=a", "c=a", 100, "month", 1)],
+        request("badq", 1, &[("k", "t", &[(10, 1000, "token_bucket")])]),
+        &[quota("badq", "monthly/c=a", "c=a", 100, "month", 1)],
     );
     type Change = fn(&mut Value);
     let cases: Vec<(Change, &str)> = vec![
         (
             |v| v["quotas"][0]["period"] = json!("week"),
-            "quotas[0].period: unknown variant `week`, expected one of `minute`, `hour`, `day`, `month`",
-        ),
-        (
-            |v| v["quotas"][0]["period"] = json!("Month"),
-            "quotas[0].period: unknown variant `Month`",
+            "quotas[0].period: unknown field `period`",
         ),
         (
             |v| v["quotas"][0]["limit"] = json!((1u64 << 50) + 1),
-            "quotas[0].limit: must be at most 2^50 (1125899906842624), got 1125899906842625",
+            "quotas[0].limit: unknown field `limit`",
         ),
         (
-            |v| v["quotas"][0]["limit"] = json!(-1),
-            "quotas[0].limit: invalid value",
+            |v| v["quotas"][0]["variant"] = json!("tier:gold"),
+            "quotas[0].variant: unknown tier `gold` in domain `badq`",
+        ),
+        (
+            |v| v["quotas"][0]["quota"] = json!("yearly"),
+            "quotas[0].quota: unknown quota `yearly` in domain `badq`",
         ),
         (
             |v| v["quotas"][0]["amount"] = json!(0),
@@ -617,7 +632,7 @@ async fn bad_quota_fields_get_400_with_the_field_path() {
         ),
         (
             |v| {
-                let second = json!({"key":"k","tag":"","limit":1,"period":"day","amount":"1"});
+                let second = json!({"quota":"monthly","key":"monthly","tag":"","variant":"default","amount":"1"});
                 v["quotas"].as_array_mut().unwrap().push(second);
             },
             "quotas[1].amount: invalid type: string \"1\"",
@@ -626,10 +641,7 @@ async fn bad_quota_fields_get_400_with_the_field_path() {
             |v| v["quotas"] = json!(vec![v["quotas"][0].clone(); 65]),
             "quotas: must hold at most 64 quotas, got 65",
         ),
-        (
-            |v| v["quotas"] = json!({}),
-            "quotas: invalid type: map",
-        ),
+        (|v| v["quotas"] = json!({}), "quotas: invalid type: map"),
         (
             |v| {
                 v["buckets"] = json!([]);
@@ -644,7 +656,7 @@ async fn bad_quota_fields_get_400_with_the_field_path() {
         change(&mut body);
         let (status, resp) = check(&client, &gw.url(), &body).await;
         assert_eq!(status, 400, "{resp}");
-        assert_eq!(resp["version"], 1);
+        assert_eq!(resp["version"], 2);
         let err = resp["error"].as_str().unwrap();
         assert!(err.starts_with(want), "{err:?} should start with {want:?}");
     }
@@ -669,7 +681,8 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
     let tags = ["c=alice", "c=frank", "t=a"];
     let spread: Vec<Value> = tags
         .iter()
-        .map(|t| quota(&format!("monthly/{t}"), t, 2, "month", 1))
+        .enumerate()
+        .map(|(i, t)| quota("demo", &format!("q{i}/{t}"), t, 2, "month", 1))
         .collect();
     let body = quota_request("demo", &spread);
     assert_eq!(groups(&body), 3);
@@ -689,7 +702,7 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
     let wide: &[L] = &[(10, HOUR, "token_bucket")];
     let body = with_quotas(
         request("x", 1, &[("wide", "t=a", wide)]),
-        &[quota("monthly", "t=b", 1, "month", 1)],
+        &[quota("x", "monthly", "t=b", 1, "month", 1)],
     );
     assert_eq!(groups(&body), 2);
     let (_, first) = check(&client, base, &body).await;
@@ -706,7 +719,7 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
     // A rate-limit denial in a later slot group refunds the quota charged
     // with an earlier group (same tag as the first bucket).
     let narrow: &[L] = &[(1, HOUR, "sliding_window")];
-    let monthly = quota("monthly/y", "t=b", 10, "month", 1);
+    let monthly = quota("y", "monthly/y", "t=b", 10, "month", 1);
     let body = with_quotas(
         request("y", 1, &[("wide", "t=b", wide), ("narrow", "t=a", narrow)]),
         std::slice::from_ref(&monthly),
@@ -734,7 +747,7 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
             1,
             &[("rate", "t=a", &[(10_000, 1000 * HOUR, "token_bucket")])],
         ),
-        &[quota("q", "t=b", 100, "month", 1)],
+        &[quota("cc", "q", "t=b", 100, "month", 1)],
     );
     assert_eq!(groups(&body), 2);
     let (allowed, denied, other) = burst(base, body, 64, 300).await;
@@ -766,7 +779,7 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_filter_s_request_and_answer_round_trip() {
     use ratelimit_wasm::{callout, config, plan::Plan, request::RequestInfo};
-    let json = r#"{"domain":"demo","global":{"cluster":"gw"},
+    let json = r#"{"domain":"roundtrip","global":{"cluster":"gw"},
         "tiers":{"free":{}},"identity":{"default_tier":"free"},
         "rules":[{"name":"g","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1h"}]}],
         "quotas":[{"name":"monthly","key":["client"],"period":"month","limit":2,"upgrade_url":"https://x"},
@@ -786,7 +799,10 @@ async fn the_filter_s_request_and_answer_round_trip() {
         ..RequestInfo::default()
     });
     assert_eq!((eval.global.len(), eval.quotas.len()), (1, 2), "{eval:?}");
-    let body = callout::encode_request(&plan, eval.cost, &eval.global, &eval.quotas);
+    let body = callout::encode_request(&plan, &eval.global, &eval.quotas);
+    // The gateway's policy is this very configuration.
+    add_policy(json);
+    sync_policy();
 
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
@@ -804,7 +820,7 @@ async fn the_filter_s_request_and_answer_round_trip() {
         let bytes = resp.bytes().await.unwrap();
         let answer = callout::parse_answer(&plan, &eval.global, &eval.quotas, Some(b"200"), &bytes)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&bytes)));
-        assert_eq!(answer.clamped, 0);
+        assert_eq!((answer.clamped, answer.mismatch), (0, false));
         assert_eq!(answer.quotas.len(), 2);
         let reset = answer.quotas[0].reset_ms;
         assert!(reset > 0 && reset <= 31 * cal::DAY_MS, "{reset}");
@@ -820,6 +836,6 @@ async fn the_filter_s_request_and_answer_round_trip() {
         [(true, 1, true, 9), (true, 0, true, 8), (false, 0, true, 8)]
     );
     let start = cal::period("month", now_ms()).0 / 1000;
-    let key = format!("rl:{{demo|c=alice}}|q|monthly/c=alice|month|{start}");
+    let key = format!("rl:{{roundtrip|c=alice}}|q|monthly/c=alice|month|{start}");
     assert_eq!(redis.cli(&["get", &key]).unwrap(), "2");
 }

@@ -156,6 +156,10 @@ fn write_domain(domain: &str, d: &Domain) {
             c["limits"][name] = json!(limits(set));
         }
     }
+    if rules.is_empty() {
+        // A configuration needs a rule: a local one, which no request can name.
+        rules.push(json!({"name": "zz-local", "limits": [{"requests": 1, "per": 1}]}));
+    }
     let mut quotas = Vec::new();
     for (name, (period, amounts)) in &d.quotas {
         quotas.push(
@@ -420,4 +424,22 @@ pub fn resolve(body: &Value) -> ratelimit_gateway::policy::Resolved {
 pub fn resolve_lease(body: &Value) -> ratelimit_gateway::policy::ResolvedLease {
     let req = ratelimit_gateway::protocol::parse_lease(&serde_json::to_vec(body).unwrap()).unwrap();
     current_policy().resolve_lease(&req).unwrap()
+}
+
+/// Adds a whole plugin configuration (its own domain, which no request of
+/// this process names otherwise) to the policy.
+pub fn add_policy(config_json: &str) {
+    let v: Value = serde_json::from_str(config_json).unwrap();
+    let domain = v["domain"].as_str().unwrap();
+    let mut r = registry();
+    assert!(
+        !r.domains.contains_key(domain),
+        "domain {domain} already filed"
+    );
+    std::fs::write(
+        policy_dir().join(format!("{}.json", hex(domain))),
+        config_json,
+    )
+    .unwrap();
+    r.generation += 1;
 }
