@@ -12,7 +12,6 @@ mod common;
 
 use common::*;
 use ratelimit_gateway::keys::lease_keys;
-use ratelimit_gateway::protocol::{self, LeaseRequest};
 use ratelimit_gateway::{Running, Target};
 use redis::cluster_routing::Slot;
 use serde_json::{json, Value};
@@ -24,31 +23,49 @@ const T0: u64 = 1_767_225_600_000;
 
 const TEN_PER_MINUTE: &[L] = &[(10, MINUTE, "token_bucket")];
 
+/// The caller of the leases through `Limiter::lease_at` (its ledger's name).
+const CALLER: &str = "test";
+
 /// One lease through `Limiter::lease_at` with the test-only time override.
 async fn lease_at(gw: &Running, body: &Value, t: u64) -> Value {
-    let req = protocol::parse_lease(&serde_json::to_vec(body).unwrap()).unwrap();
-    let answer = gw.app.limiter.lease_at(&req, Some(t)).await.unwrap();
+    sync_policy();
+    let answer = gw
+        .app
+        .limiter
+        .lease_at(&resolve_lease(body), CALLER, Some(t))
+        .await
+        .unwrap();
     serde_json::to_value(answer).unwrap()
 }
 
 /// One check through `Limiter::check_at` with the test-only time override.
 async fn check_at(gw: &Running, body: &Value, t: u64) -> Value {
-    let req = protocol::parse(&serde_json::to_vec(body).unwrap()).unwrap();
-    let answer = gw.app.limiter.check_at(&req, Some(t)).await.unwrap();
+    sync_policy();
+    let answer = gw
+        .app
+        .limiter
+        .check_at(&resolve(body), Some(t))
+        .await
+        .unwrap();
     serde_json::to_value(answer).unwrap()
 }
 
+/// One check of a [`direct_check`] through `Limiter::check_at`.
+async fn direct_check_at(gw: &Running, req: &ratelimit_gateway::policy::Resolved, t: u64) -> Value {
+    serde_json::to_value(gw.app.limiter.check_at(req, Some(t)).await.unwrap()).unwrap()
+}
+
 /// `(granted, [(remaining, reset_ms, retry_after_ms)])` of a lease answer,
-/// checked for exactly these fields.
+/// checked for exactly these fields and the enforced `requests`, `window_ms`.
 fn grant(v: &Value) -> (u64, Vec<(u64, u64, u64)>) {
     assert_eq!(v.as_object().map(|o| o.len()), Some(3), "{v}");
-    assert_eq!(v["version"], 1, "{v}");
+    assert_eq!(v["version"], 2, "{v}");
     let limits = v["limits"]
         .as_array()
         .unwrap()
         .iter()
         .map(|l| {
-            assert_eq!(l.as_object().map(|o| o.len()), Some(3), "{v}");
+            assert_eq!(l.as_object().map(|o| o.len()), Some(5), "{v}");
             (
                 l["remaining"].as_u64().unwrap(),
                 l["reset_ms"].as_u64().unwrap(),
@@ -61,8 +78,7 @@ fn grant(v: &Value) -> (u64, Vec<(u64, u64, u64)>) {
 
 /// The Redis key of limit `index` of a lease body's bucket.
 fn key_of(body: &Value, index: usize) -> String {
-    let req: LeaseRequest = serde_json::from_value(body.clone()).unwrap();
-    lease_keys("rl:", &req).swap_remove(index)
+    lease_keys("rl:", &resolve_lease(body)).swap_remove(index)
 }
 
 /// `GET key` through the gateway's own connection.
@@ -267,8 +283,8 @@ async fn leases_and_checks_share_one_bucket() {
         grant(&lease_at(&gw, &lease7, T0).await),
         (0, vec![(0, MINUTE, 6000)])
     );
-    // One bucket, one key.
-    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "1");
+    // One bucket, one key (and the caller's ledger of its lease).
+    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "2");
 
     // Over HTTP with Redis time (10 per hour: no refill during the test).
     let per_hour: &[L] = &[(10, HOUR, "token_bucket")];
@@ -286,7 +302,7 @@ async fn leases_and_checks_share_one_bucket() {
     assert_eq!(resp["allowed"], false, "{resp}");
     let (_, resp) = lease(&client, &gw.url(), &lease7).await;
     assert_eq!(resp["granted"], 0, "{resp}");
-    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "2");
+    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "4");
     gw.stop().await.unwrap();
 }
 
@@ -348,47 +364,66 @@ async fn the_http_route_answers_the_documented_json() {
     let redis = redis();
     let gw = gateway(Target::Single(redis.url()), 2000).await;
     let client = reqwest::Client::new();
-    let body = json!({"version": 1, "domain": "d", "key": "rule/client=abc", "tag": "client=abc",
-        "limits": [{"requests": 100, "window_ms": 60000, "algorithm": "token_bucket"}],
-        "want": 5, "return": 0});
+    let body = lease_request(
+        "doc",
+        "rule/client=abc",
+        "client=abc",
+        &[(100, 60_000, "token_bucket")],
+        5,
+        0,
+    );
+    assert_eq!(
+        body,
+        json!({"version": 2, "domain": "doc", "rule": "rule", "key": "rule/client=abc",
+               "tag": "client=abc", "variant": "default", "want": 5, "return": 0})
+    );
     let (status, resp) = lease(&client, &gw.url(), &body).await;
     assert_eq!(status, 200, "{resp}");
     // 600 ms per token: 5 tokens are 3000 ms of the bucket, whatever the time.
-    let answer = json!({"version": 1, "granted": 5,
-        "limits": [{"remaining": 95, "reset_ms": 3000, "retry_after_ms": 0}]});
+    let answer = json!({"version": 2, "granted": 5,
+        "limits": [{"requests": 100, "window_ms": 60000, "remaining": 95, "reset_ms": 3000,
+                    "retry_after_ms": 0}]});
     assert_eq!(resp, answer);
     // The key expires when the bucket is full again, as after a check.
     let pttl: i64 = redis
         .cli(&[
             "pttl",
-            "rl:{d|client=abc}|rule/client=abc|0|token_bucket|100|60000",
+            "rl:{doc|client=abc}|rule/client=abc|0|token_bucket|100|60000",
         ])
         .unwrap()
         .parse()
         .unwrap();
     assert!(pttl > 0 && pttl <= 3000, "PTTL {pttl}");
-    // The 5 given back cover the 5 taken again: the same answer.
+    // The 5 given back (this caller holds them) cover the 5 taken again: the same answer.
     let mut again = body.clone();
     again["return"] = json!(5);
     assert_eq!(lease(&client, &gw.url(), &again).await, (200, answer));
 
-    let mut cases = Vec::new();
-    let mut v = body.clone();
-    v["limits"][0]["algorithm"] = json!("sliding_window");
-    cases.push((v, "limits[0].algorithm: leases need token_bucket"));
+    let sliding = lease_request(
+        "doc",
+        "sw/client=abc",
+        "client=abc",
+        &[(10, 1000, "sliding_window")],
+        1,
+        0,
+    );
+    let mut cases = vec![(
+        sliding,
+        "rule: rule `sw` is a sliding_window; leases need token_bucket",
+    )];
     let mut v = body.clone();
     v["want"] = json!(0);
     cases.push((v, "want: must be between 1 and 2^53, got 0"));
     let mut v = body.clone();
-    v["cost"] = json!(1);
-    cases.push((v, "cost: unknown field `cost`, expected one of `version`, `domain`, `key`, `tag`, `limits`, `want`, `return`"));
+    v["limits"] = json!([{"requests": 100, "window_ms": 60000, "algorithm": "token_bucket"}]);
+    cases.push((v, "limits: unknown field `limits`, expected one of `version`, `domain`, `rule`, `key`, `tag`, `variant`, `want`, `return`"));
     let mut v = body.clone();
-    v["version"] = json!(2);
-    cases.push((v, "version: unsupported version 2, expected 1"));
+    v["version"] = json!(1);
+    cases.push((v, "version: unsupported version 1, expected 2"));
     for (bad, error) in cases {
         let (status, resp) = lease(&client, &gw.url(), &bad).await;
         assert_eq!(status, 400, "{resp}");
-        assert_eq!(resp, json!({"version": 1, "error": error}));
+        assert_eq!(resp, json!({"version": 2, "error": error}));
     }
     let (status, text) = get(&client, &gw.url(), "/metrics").await;
     assert_eq!(status, 200);
@@ -420,7 +455,7 @@ async fn a_lease_answers_503_when_redis_dies_and_reloads_on_noscript() {
     redis.kill();
     let (status, resp) = lease(&client, &gw.url(), &body).await;
     assert_eq!(status, 503, "{resp}");
-    assert_eq!(resp["version"], 1);
+    assert_eq!(resp["version"], 2);
     assert!(
         resp["error"].as_str().unwrap().starts_with("redis: "),
         "{resp}"
@@ -478,19 +513,27 @@ async fn a_lease_of_g_tokens_is_a_check_of_cost_g() {
                 0 => rng.range(1, 1 << 53),
                 _ => rng.range(1, smallest.min(20) + 1),
             };
-            let body = lease_request(&lease_domain, "k", "t", &limits, want, 0);
-            let (g, answers) = grant(&lease_at(&gw, &body, t).await);
+            // Windows in ms and products up to 2^53: the Limiter's own input,
+            // beyond what a policy (whole seconds) can say.
+            let body = direct_lease(&lease_domain, "k", "t", &limits, want, 0);
+            let answer = gw
+                .app
+                .limiter
+                .lease_at(&body, CALLER, Some(t))
+                .await
+                .unwrap();
+            let (g, answers) = grant(&serde_json::to_value(answer).unwrap());
             assert_eq!(answers.len(), n);
             let ctx = format!("case {case} limits {limits:?} t {t} want {want}: granted {g}");
             if g < want.min(smallest) {
-                let more = request(&check_domain, g + 1, &[("k", "t", &limits)]);
-                let resp = check_at(&gw, &more, t).await;
+                let more = direct_check(&check_domain, g + 1, &[("k", "t", &limits)]);
+                let resp = direct_check_at(&gw, &more, t).await;
                 assert_eq!(resp["allowed"], false, "{ctx}: {resp}");
             }
             if g >= 1 {
                 granted_some += 1;
-                let same = request(&check_domain, g, &[("k", "t", &limits)]);
-                let resp = check_at(&gw, &same, t).await;
+                let same = direct_check(&check_domain, g, &[("k", "t", &limits)]);
+                let resp = direct_check_at(&gw, &same, t).await;
                 assert_eq!(resp["allowed"], true, "{ctx}: {resp}");
                 for (l, (remaining, reset, retry)) in answers.iter().enumerate() {
                     let c = limit(&resp, 0, l);
@@ -500,8 +543,8 @@ async fn a_lease_of_g_tokens_is_a_check_of_cost_g() {
                 }
             } else {
                 granted_none += 1;
-                let one = request(&check_domain, 1, &[("k", "t", &limits)]);
-                let resp = check_at(&gw, &one, t).await;
+                let one = direct_check(&check_domain, 1, &[("k", "t", &limits)]);
+                let resp = direct_check_at(&gw, &one, t).await;
                 assert_eq!(resp["allowed"], false, "{ctx}: {resp}");
                 for (l, (remaining, reset, retry)) in answers.iter().enumerate() {
                     let c = limit(&resp, 0, l);
@@ -517,7 +560,7 @@ async fn a_lease_of_g_tokens_is_a_check_of_cost_g() {
                 }
             }
             for l in 0..n {
-                let lease_key = key_of(&body, l);
+                let lease_key = lease_keys("rl:", &body).swap_remove(l);
                 let check_key = lease_key.replacen(&lease_domain, &check_domain, 1);
                 assert_eq!(
                     get_key(&gw, &lease_key).await,
@@ -544,8 +587,7 @@ async fn cluster_two_tags_lease_their_own_buckets() {
     let a = |want, give_back| lease_request("cl", "rule/t=a", "t=a", five, want, give_back);
     let b = |want, give_back| lease_request("cl", "rule/t=b", "t=b", five, want, give_back);
     let slot = |body: &Value| {
-        let req: LeaseRequest = serde_json::from_value(body.clone()).unwrap();
-        let slots: Vec<Slot> = lease_keys("rl:", &req)
+        let slots: Vec<Slot> = lease_keys("rl:", &resolve_lease(body))
             .iter()
             .map(|k| Slot::for_key(k.as_bytes()))
             .collect();

@@ -443,3 +443,58 @@ pub fn add_policy(config_json: &str) {
     .unwrap();
     r.generation += 1;
 }
+
+fn limits_of(limits: &[L]) -> Vec<ratelimit_gateway::protocol::Limit> {
+    limits
+        .iter()
+        .map(|(r, w, a)| ratelimit_gateway::protocol::Limit {
+            requests: *r,
+            window_ms: *w,
+            algorithm: serde_json::from_value(json!(a)).unwrap(),
+        })
+        .collect()
+}
+
+/// What `Limiter::check_at` takes, built directly: for arithmetic tests
+/// beyond what a policy can say (windows in ms, products up to 2^53).
+pub fn direct_check(
+    domain: &str,
+    cost: u64,
+    buckets: &[(&str, &str, &[L])],
+) -> ratelimit_gateway::policy::Resolved {
+    ratelimit_gateway::policy::Resolved {
+        domain: domain.to_string(),
+        buckets: buckets
+            .iter()
+            .map(
+                |(key, tag, limits)| ratelimit_gateway::policy::ResolvedBucket {
+                    key: key.to_string(),
+                    tag: tag.to_string(),
+                    cost,
+                    limits: limits_of(limits),
+                },
+            )
+            .collect(),
+        quotas: Vec::new(),
+    }
+}
+
+/// What `Limiter::lease_at` takes, built directly (as [`direct_check`]).
+pub fn direct_lease(
+    domain: &str,
+    key: &str,
+    tag: &str,
+    limits: &[L],
+    want: u64,
+    give_back: u64,
+) -> ratelimit_gateway::policy::ResolvedLease {
+    ratelimit_gateway::policy::ResolvedLease {
+        domain: domain.to_string(),
+        key: key.to_string(),
+        tag: tag.to_string(),
+        limits: limits_of(limits),
+        want,
+        returned: give_back,
+        ttl_ms: 3_600_000,
+    }
+}
