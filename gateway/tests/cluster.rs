@@ -4,13 +4,12 @@ mod common;
 
 use common::*;
 use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
-use ratelimit_gateway::protocol::CheckRequest;
 use ratelimit_gateway::Target;
 
 const HOUR: u64 = 3_600_000;
 
 fn groups(body: &serde_json::Value) -> usize {
-    let req: CheckRequest = serde_json::from_value(body.clone()).unwrap();
+    let req = resolve(body);
     group_by_slot(limit_keys("rl:", &req), quota_keys("rl:", &req)).len()
 }
 
@@ -23,7 +22,9 @@ async fn cluster_exact_counts_and_cross_slot_all_or_nothing() {
     // Exact counts, both algorithms, tags whose slots are on the three masters.
     for alg in ["token_bucket", "sliding_window"] {
         for tag in ["c=alice", "c=frank", "t=a"] {
-            let body = request("demo", 1, &[("per-client", tag, &[(5, HOUR, alg)])]);
+            // A rule per algorithm: a policy rule counts one way.
+            let rule = format!("per-client-{alg}");
+            let body = request("demo", 1, &[(&rule, tag, &[(5, HOUR, alg)])]);
             for left in (0..5).rev() {
                 let (status, resp) = check(&client, &gw.url(), &body).await;
                 assert_eq!(status, 200, "{resp}");

@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use ratelimit_gateway::keys::{self, Group};
 use ratelimit_gateway::limiter::Limiter;
-use ratelimit_gateway::protocol::{Algorithm, BucketSpec, CheckRequest, LeaseRequest, LimitSpec};
+use ratelimit_gateway::policy::{Resolved, ResolvedBucket, ResolvedLease};
+use ratelimit_gateway::protocol::{Algorithm, Limit as LimitSpec};
 use ratelimit_gateway::{script, Config};
 use ratelimit_wasm::token_bucket::{Check, Limit};
 
@@ -79,7 +80,11 @@ struct Tally {
 
 async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Tally {
     let redis = common::redis();
-    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url());
+    let mut config = Config::single(
+        "127.0.0.1:0".parse().unwrap(),
+        redis.url(),
+        vec![common::policy_dir()],
+    );
     config.redis_timeout = Duration::from_secs(5);
     let app = ratelimit_gateway::build(&config).unwrap();
     let limiter: &Limiter = &app.limiter;
@@ -102,17 +107,17 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
             .collect();
         let max_w = specs.iter().map(|s| s.window_ms).max().unwrap_or(1);
         let max_c = specs.iter().map(|s| s.requests).max().unwrap_or(1);
-        // Half the cases carry the cost on the bucket (a rule's own cost),
-        // with a different request cost that must then be ignored.
-        let on_bucket = rng.range(0, 1) == 1;
-        let req = |cost: u64| CheckRequest {
-            version: 1,
+        // Version 1 could carry a request cost besides the bucket's; every
+        // bucket now has its own. The draw stays, so the seeds' cases do.
+        let _ = rng.range(0, 1);
+        // The Limiter's input, built directly: windows in ms and products up
+        // to 2^53, beyond what a policy (whole seconds) can say.
+        let req = |cost: u64| Resolved {
             domain: format!("diff-{seed}-{case}"),
-            cost: if on_bucket { 1 + cost % 7 } else { cost },
-            buckets: vec![BucketSpec {
+            buckets: vec![ResolvedBucket {
                 key: "k".to_string(),
                 tag: "t".to_string(),
-                cost: on_bucket.then_some(cost),
+                cost,
                 limits: specs.clone(),
             }],
             quotas: vec![],
@@ -203,11 +208,9 @@ fn store_rust(specs: &[LimitSpec], states: &mut [Option<u128>], rust: &[Check]) 
 }
 
 /// The filter's refund of `cost` charged at `charged_at_ms` in one limit.
+/// The gateway's and the filter's `Algorithm` are one type (ratelimit-protocol).
 fn rust_refund(alg: Algorithm, limit: &Limit, state: u128, cost: u64, charged_at_ms: u64) -> u128 {
-    let alg = match alg {
-        Algorithm::TokenBucket => ratelimit_wasm::algorithm::Algorithm::TokenBucket,
-        Algorithm::SlidingWindow => ratelimit_wasm::algorithm::Algorithm::SlidingWindow,
-    };
+    use ratelimit_wasm::algorithm::Counting;
     alg.refund(limit, state, cost, charged_at_ms * MS)
 }
 
@@ -275,7 +278,11 @@ async fn run_refunds_and_leases(
     cases: u64,
 ) -> Tally {
     let redis = common::redis();
-    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url());
+    let mut config = Config::single(
+        "127.0.0.1:0".parse().unwrap(),
+        redis.url(),
+        vec![common::policy_dir()],
+    );
     config.redis_timeout = Duration::from_secs(5);
     let prefix = config.key_prefix.clone();
     let app = ratelimit_gateway::build(&config).unwrap();
@@ -307,14 +314,12 @@ async fn run_refunds_and_leases(
             .collect();
         let max_w = specs.iter().map(|s| s.window_ms).max().unwrap_or(1);
         let domain = format!("refund-{seed}-{case}");
-        let req = |cost: u64| CheckRequest {
-            version: 1,
+        let req = |cost: u64| Resolved {
             domain: domain.clone(),
-            cost,
-            buckets: vec![BucketSpec {
+            buckets: vec![ResolvedBucket {
                 key: "k".to_string(),
                 tag: "t".to_string(),
-                cost: None,
+                cost,
                 limits: specs.clone(),
             }],
             quotas: vec![],
@@ -358,16 +363,20 @@ async fn run_refunds_and_leases(
                 } else {
                     0
                 };
-                let lreq = LeaseRequest {
-                    version: 1,
+                let lreq = ResolvedLease {
                     domain: domain.clone(),
                     key: "k".to_string(),
                     tag: "t".to_string(),
                     limits: specs.clone(),
                     want,
                     returned,
+                    ttl_ms: 3_600_000,
                 };
-                let lua = limiter.lease_at(&lreq, Some(now_ms)).await.unwrap();
+                // It gives back at most its last grant: within its ledger.
+                let lua = limiter
+                    .lease_at(&lreq, "differential", Some(now_ms))
+                    .await
+                    .unwrap();
                 let (granted, rust) = rust_lease(&limits, &mut states, now_ms, want, returned);
                 lease_held = granted;
                 tally.calls += 1;
