@@ -102,12 +102,17 @@ async fn before_redis_exists_checks_answer_503_then_recover_when_it_starts() {
     // Take a free port from a Redis that is then stopped, so it can come back there.
     let mut redis = redis();
     redis.kill();
-    let config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url());
+    // Named before the start: the policy is loaded then.
+    let body = request("d", 1, &[("k", "t", &[(5, 60_000, "token_bucket")])]);
+    let config = Config::single(
+        "127.0.0.1:0".parse().unwrap(),
+        redis.url(),
+        vec![policy_dir()],
+    );
     let gw = ratelimit_gateway::start(config, Duration::ZERO)
         .await
         .unwrap();
     let client = reqwest::Client::new();
-    let body = request("d", 1, &[("k", "t", &[(5, 60_000, "token_bucket")])]);
 
     let (status, _) = check(&client, &gw.url(), &body).await;
     assert_eq!(status, 503);
