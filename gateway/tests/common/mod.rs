@@ -60,9 +60,13 @@ struct Registry {
     >,
 }
 
+/// A rule's algorithm and its limit sets: (requests, window_ms) per limit;
+/// the first is `default`, the others client overrides `v<i>`.
+type RuleSets = (String, Vec<Vec<(u64, u64)>>);
+
 #[derive(Default)]
 struct Domain {
-    rules: BTreeMap<String, (String, Vec<Vec<(u64, u64)>>)>,
+    rules: BTreeMap<String, RuleSets>,
     quotas: BTreeMap<String, (String, Vec<u64>)>,
     max_cost: u64,
 }
