@@ -39,6 +39,16 @@ pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
 pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
 /// What a reload reads (`crate::reload`), as the `what` label.
 pub const RELOADED: [&str; 2] = ["policy", "auth_tokens"];
+/// Why a call to `/v1/*` was refused (`crate::auth::REASONS`), as the `reason` label.
+pub use crate::auth::REASONS as AUTH_REASONS;
+/// What a 503 may have followed a committed charge after, as the `reason` label:
+/// `timeout` (the Redis round trip timed out after the script may have run),
+/// `reply` (the script ran, its reply was unreadable), `client_gone` (the
+/// caller left while or after the charge was made, so it never read the answer).
+pub const CHARGE_FAILURES: [&str; 3] = ["timeout", "reply", "client_gone"];
+/// Which read took too long, as the `phase` label: `handshake` (TLS),
+/// `header`, `body`.
+pub const TIMEOUT_PHASES: [&str; 3] = ["handshake", "header", "body"];
 
 /// Every metric the gateway exports.
 #[derive(Clone)]
@@ -51,16 +61,6 @@ pub struct Metrics {
     /// `ratelimit_gateway_quota_denials_total{period}`: quotas that denied a check.
     pub quota_denials: IntCounterVec,
     /// `ratelimit_gateway_redis_duration_seconds{op}`: Redis round trips.
-/// Why a call to `/v1/*` was refused (`crate::auth::REASONS`), as the `reason` label.
-pub use crate::auth::REASONS as AUTH_REASONS;
-/// What a 503 may have followed a committed charge after, as the `reason` label:
-/// `timeout` (the Redis round trip timed out after the script may have run),
-/// `reply` (the script ran, its reply was unreadable), `client_gone` (the
-/// caller left while or after the charge was made, so it never read the answer).
-pub const CHARGE_FAILURES: [&str; 3] = ["timeout", "reply", "client_gone"];
-/// Which read took too long, as the `phase` label: `handshake` (TLS),
-/// `header`, `body`.
-pub const TIMEOUT_PHASES: [&str; 3] = ["handshake", "header", "body"];
     pub redis_latency: HistogramVec,
     /// `ratelimit_gateway_errors_total{kind}`.
     pub errors: IntCounterVec,
@@ -76,6 +76,17 @@ pub const TIMEOUT_PHASES: [&str; 3] = ["handshake", "header", "body"];
     /// `ratelimit_gateway_reload_failures_total{what}`: reloads that failed
     /// (the previous value stayed in force).
     pub reload_failures: IntCounterVec,
+    /// `ratelimit_gateway_auth_failures_total{reason}`: calls to `/v1/*` refused 401 or 403.
+    pub auth_failures: IntCounterVec,
+    /// `ratelimit_gateway_shed_total`: `/v1/*` calls answered 503 because
+    /// `--max-in-flight` were being served.
+    pub shed: IntCounter,
+    /// `ratelimit_gateway_charged_then_failed_total{reason}`: answers that
+    /// may have followed a committed charge without reaching the caller as 200.
+    pub charged_then_failed: IntCounterVec,
+    /// `ratelimit_gateway_read_timeouts_total{phase}`: connections closed
+    /// because a TLS handshake, headers or a body took too long.
+    pub read_timeouts: IntCounterVec,
 }
 
 impl Metrics {
@@ -88,17 +99,6 @@ impl Metrics {
                 "Checks and leases answered, by result (lease: a lease answered 200).",
             ),
             &["result"],
-    /// `ratelimit_gateway_auth_failures_total{reason}`: calls to `/v1/*` refused 401 or 403.
-    pub auth_failures: IntCounterVec,
-    /// `ratelimit_gateway_shed_total`: `/v1/*` calls answered 503 because
-    /// `--max-in-flight` were being served.
-    pub shed: IntCounter,
-    /// `ratelimit_gateway_charged_then_failed_total{reason}`: answers that
-    /// may have followed a committed charge without reaching the caller as 200.
-    pub charged_then_failed: IntCounterVec,
-    /// `ratelimit_gateway_read_timeouts_total{phase}`: connections closed
-    /// because a TLS handshake, headers or a body took too long.
-    pub read_timeouts: IntCounterVec,
         )?;
         let denials = IntCounterVec::new(
             Opts::new(
@@ -158,18 +158,6 @@ impl Metrics {
             ),
             &["what"],
         )?;
-        registry.register(Box::new(reloads.clone()))?;
-        registry.register(Box::new(reload_failures.clone()))?;
-        for w in RELOADED {
-            reloads.with_label_values(&[w]);
-            reload_failures.with_label_values(&[w]);
-        }
-        registry.register(Box::new(checks.clone()))?;
-        registry.register(Box::new(denials.clone()))?;
-        registry.register(Box::new(quota_denials.clone()))?;
-        registry.register(Box::new(redis_latency.clone()))?;
-        registry.register(Box::new(errors.clone()))?;
-        registry.register(Box::new(script_reloads.clone()))?;
         let auth_failures = IntCounterVec::new(
             Opts::new(
                 "ratelimit_gateway_auth_failures_total",
@@ -209,6 +197,18 @@ impl Metrics {
         for p in TIMEOUT_PHASES {
             read_timeouts.with_label_values(&[p]);
         }
+        registry.register(Box::new(reloads.clone()))?;
+        registry.register(Box::new(reload_failures.clone()))?;
+        for w in RELOADED {
+            reloads.with_label_values(&[w]);
+            reload_failures.with_label_values(&[w]);
+        }
+        registry.register(Box::new(checks.clone()))?;
+        registry.register(Box::new(denials.clone()))?;
+        registry.register(Box::new(quota_denials.clone()))?;
+        registry.register(Box::new(redis_latency.clone()))?;
+        registry.register(Box::new(errors.clone()))?;
+        registry.register(Box::new(script_reloads.clone()))?;
         registry.register(Box::new(refunds.clone()))?;
         registry.register(Box::new(log_suppressed.clone()))?;
         for r in RESULTS {
@@ -241,6 +241,10 @@ impl Metrics {
             log_suppressed,
             reloads,
             reload_failures,
+            auth_failures,
+            shed,
+            charged_then_failed,
+            read_timeouts,
         })
     }
 
@@ -253,10 +257,6 @@ impl Metrics {
     pub fn error(&self, kind: &str) {
         self.errors.with_label_values(&[kind]).inc();
     }
-            auth_failures,
-            shed,
-            charged_then_failed,
-            read_timeouts,
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> Result<String, prometheus::Error> {
