@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{ArgGroup, Parser};
 
 use crate::redis_url::{RedisOptions, RedisTls, Secret};
-use crate::store::Target;
+use crate::redis_store::Target;
 use crate::tls::TlsFiles;
 
 /// ratelimit-gateway: a stateless HTTP service between the ratelimit-wasm

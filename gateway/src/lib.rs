@@ -3,9 +3,9 @@
 //!
 //! [`server`] answers `POST /v1/check` and `POST /v1/lease` ([`protocol`])
 //! by running the Lua scripts of [`script`] over the Redis connection of
-//! [`store`], under the keys of [`keys`], all or nothing ([`limiter`]),
+//! [`redis_store`], under the keys of [`keys`], all or nothing ([`orchestrate`]),
 //! counted in [`metrics`].
-//! `main.rs` only parses [`config::Args`] and calls [`run`].
+//! `main.rs` only parses [`flags::Args`] and calls [`run`].
 #![cfg_attr(
     not(test),
     deny(
@@ -18,19 +18,19 @@
 #![warn(missing_docs)]
 
 pub mod auth;
-pub mod config;
+pub mod flags;
 pub mod keys;
-pub mod limiter;
 pub mod logging;
 pub mod metrics;
+pub mod orchestrate;
 pub mod policy;
 pub mod protocol;
+pub mod redis_store;
 pub mod redis_url;
 pub mod reload;
 pub mod script;
 pub mod sentinel;
 pub mod server;
-pub mod store;
 pub mod tls;
 
 use std::future::Future;
@@ -42,16 +42,16 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 pub use auth::Caller;
-pub use config::{Args, Auth, Bounds, Config};
+pub use flags::{Args, Auth, Bounds, Config};
 pub use server::App;
-pub use store::Target;
+pub use redis_store::Target;
 
 /// Builds the shared state: metrics, the Redis connection (made in the
 /// background) and the limiter. Must be called inside a Tokio runtime.
 pub fn build(config: &Config) -> Result<Arc<App>> {
     keys::check_prefix(&config.key_prefix).map_err(anyhow::Error::msg)?;
     let metrics = metrics::Metrics::new().context("registering metrics")?;
-    let store = store::Store::new(
+    let store = redis_store::Store::new(
         config.target.clone(),
         &config.key_prefix,
         &config.redis,
@@ -59,7 +59,7 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
         metrics.clone(),
     )
     .map_err(anyhow::Error::msg)?;
-    let limiter = limiter::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
+    let limiter = orchestrate::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
     if config.policy.is_empty() {
         anyhow::bail!(
@@ -75,7 +75,7 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
     .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
     tracing::info!(domains = ?policy.current().domains(), "policy loaded");
     let tokens = match &config.auth {
-        config::Auth::Tokens(path) => {
+        flags::Auth::Tokens(path) => {
             let tokens = reload::Reloadable::load(
                 "auth_tokens",
                 vec![path.clone()],
@@ -86,7 +86,7 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
             tracing::info!(callers = tokens.current().len(), "caller tokens loaded");
             Some(tokens)
         }
-        config::Auth::Insecure => {
+        flags::Auth::Insecure => {
             tracing::warn!(
                 "--insecure-no-auth: /v1/* answers anyone who can reach this port; \
                  give --auth-tokens in production"

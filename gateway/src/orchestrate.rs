@@ -22,7 +22,7 @@ use crate::protocol::{
     BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, VERSION,
 };
 use crate::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
-use crate::store::{Store, StoreError};
+use crate::redis_store::{Store, StoreError};
 
 /// The check logic over a [`Store`].
 pub struct Limiter {

@@ -30,12 +30,12 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
 use crate::auth::{Caller, Refusal, Tokens};
-use crate::config::Bounds;
-use crate::limiter::Limiter;
+use crate::flags::Bounds;
+use crate::orchestrate::Limiter;
 use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
 use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
-use crate::store::StoreError;
+use crate::redis_store::StoreError;
 
 /// Largest accepted request body. A maximal valid request (64 buckets with
 /// 512-byte keys and tags and 8 limits each, and 64 quotas with 512-byte keys

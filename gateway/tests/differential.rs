@@ -19,7 +19,7 @@ use common::Rng;
 use std::time::Duration;
 
 use ratelimit_gateway::keys::{self, Group};
-use ratelimit_gateway::limiter::Limiter;
+use ratelimit_gateway::orchestrate::Limiter;
 use ratelimit_gateway::policy::{Resolved, ResolvedBucket, ResolvedLease};
 use ratelimit_gateway::protocol::{Algorithm, Limit as LimitSpec};
 use ratelimit_gateway::{script, Config};

@@ -220,7 +220,7 @@ async fn an_acl_user_with_only_the_acl_commands_checks_leases_and_answers_health
         "resetchannels",
         "-@all",
     ];
-    let grants: Vec<String> = ratelimit_gateway::store::ACL_COMMANDS
+    let grants: Vec<String> = ratelimit_gateway::redis_store::ACL_COMMANDS
         .iter()
         .map(|c| format!("+{c}"))
         .collect();
