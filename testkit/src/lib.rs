@@ -14,7 +14,10 @@
 //! * [`gateway`]: a real `ratelimit-gateway` process that can be killed and
 //!   restarted on the same port;
 //! * [`stub`]: a canned-answer HTTP server (slow or garbage "gateways");
-//! * [`redis`]: real `redis-server` processes.
+//! * [`redis`]: real `redis-server` processes;
+//! * [`process`]: the one start / ready / retry-on-port-clash / stop / log
+//!   layer under Envoy, the gateway and Redis;
+//! * [`rng`]: the one seeded generator of the tests (splitmix64).
 //!
 //! Everything here talks to loopback addresses only.
 
@@ -26,6 +29,8 @@ pub mod paths;
 /// Test certificates (a CA, server and client certificates) made with rcgen.
 pub mod pki;
 pub mod ports;
+pub mod process;
+pub mod rng;
 pub mod stub;
 
 pub use config::{render_template, validate_config, validate_shipped_configs, TemplateVars};
@@ -34,6 +39,7 @@ pub use gateway::{Gateway, GatewayOptions};
 pub use http::{burst, Client, ConnectionMode, Request, Response};
 pub use paths::{envoy_bin, gateway_bin, wasm_path, workspace_root};
 pub use ports::{free_port, Ports};
+pub use rng::Rng;
 pub use stub::{Stub, StubReply};
 
 /// Real `redis-server` processes (single and a 3-master cluster) for the gateway tests.

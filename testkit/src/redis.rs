@@ -1,7 +1,8 @@
 //! Real `redis-server` processes on free loopback ports, for tests.
 //!
 //! * [`Redis`]: one server (`--save "" --appendonly no`), ready when it
-//!   answers `PING`, killed (SIGKILL, by its own PID) on drop;
+//!   answers `PING`, killed (SIGKILL, by its own PID) on drop, and, like
+//!   every child of [`crate::process`], when the thread that started it ends;
 //! * [`RedisCluster`]: three masters joined by
 //!   `redis-cli --cluster create … --cluster-replicas 0`, ready when every
 //!   node reports `cluster_state:ok`.
@@ -13,12 +14,13 @@
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
 use crate::ports::free_port;
+use crate::process::{read_log, start_retrying, Failed, Process};
 
 /// Overrides the `redis-server` binary.
 pub const REDIS_SERVER_ENV: &str = "REDIS_SERVER_BIN";
@@ -73,7 +75,7 @@ pub fn raw_command(port: u16, command: &str, timeout: Duration) -> Result<String
 #[derive(Debug)]
 pub struct Redis {
     port: u16,
-    child: Option<Child>,
+    process: Option<Process>,
     dir: tempfile::TempDir,
     extra: Vec<String>,
     /// The content of a config file given before the flags (Sentinels need one).
@@ -91,15 +93,9 @@ impl Redis {
     /// Starts a server with extra `redis-server` arguments (e.g. cluster mode).
     pub fn start_with(extra: &[&str]) -> Result<Redis> {
         let bin = redis_server_bin()?;
-        let mut last_err = None;
-        for _ in 0..5 {
-            let port = free_port()?;
-            match Self::spawn(&bin, port, extra, None) {
-                Ok(r) => return Ok(r),
-                Err(e) => last_err = Some(e),
-            }
-        }
-        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("redis-server did not start")))
+        start_retrying("redis-server", true, || {
+            Self::spawn(&bin, free_port().map_err(anyhow::Error::from)?, extra, None)
+        })
     }
 
     /// Starts a server that also serves TLS (`--tls-port`) with the given
@@ -145,14 +141,10 @@ impl Redis {
              sentinel down-after-milliseconds {name} {down_after_ms}\n\
              sentinel failover-timeout {name} {failover_timeout_ms}\n"
         );
-        let mut last_err = None;
-        for _ in 0..5 {
-            match Self::spawn(&bin, free_port()?, &["--sentinel"], Some(&conf)) {
-                Ok(r) => return Ok(r),
-                Err(e) => last_err = Some(e),
-            }
-        }
-        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("redis-server --sentinel did not start")))
+        start_retrying("redis-server --sentinel", true, || {
+            let port = free_port().map_err(anyhow::Error::from)?;
+            Self::spawn(&bin, port, &["--sentinel"], Some(&conf))
+        })
     }
 
     /// `rediss://127.0.0.1:TLS_PORT`, when started with [`Redis::start_tls`].
@@ -160,11 +152,19 @@ impl Redis {
         self.tls_port.map(|p| format!("rediss://127.0.0.1:{p}"))
     }
 
-    fn spawn(bin: &Path, port: u16, extra: &[&str], conf: Option<&str>) -> Result<Redis> {
+    /// Starts `redis-server` on `port` and waits for `PING`; its output
+    /// (it logs to stdout without `--logfile`) goes to `redis.log` in a fresh
+    /// working directory.
+    fn spawn(
+        bin: &Path,
+        port: u16,
+        extra: &[&str],
+        conf: Option<&str>,
+    ) -> std::result::Result<Redis, Failed> {
         let dir = tempfile::Builder::new()
             .prefix("testkit-redis-")
-            .tempdir()?;
-        let log = dir.path().join("redis.log");
+            .tempdir()
+            .context("creating a temporary directory")?;
         let mut cmd = Command::new(bin);
         if let Some(conf) = conf {
             // A config file must come first; a Sentinel rewrites it.
@@ -177,47 +177,30 @@ impl Redis {
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(dir.path())
-            .arg("--logfile")
-            .arg(&log)
             .args(["--daemonize", "no"])
             .args(extra.iter().map(|a| a.replace("{port}", &port.to_string())))
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut redis = Redis {
+            .current_dir(dir.path());
+        let name = format!("redis-server on port {port}");
+        let mut process = Process::spawn(&name, cmd, &dir.path().join("redis.log"))?;
+        let ready = process.wait_ready(READY_TIMEOUT, |_| {
+            match raw_command(port, "PING", Duration::from_millis(500)) {
+                // -NOAUTH: up, with a password (`--requirepass`).
+                Ok(r) if r.starts_with("+PONG") || r.starts_with("-NOAUTH") => Ok(()),
+                Ok(r) => Err(format!("PING answered {r:?}")),
+                Err(e) => Err(format!("PING: {e}")),
+            }
+        });
+        if let Err(e) = ready {
+            return Err(process.failed(e));
+        }
+        Ok(Redis {
             port,
-            child: Some(child),
+            process: Some(process),
             dir,
             extra: extra.iter().map(|a| a.to_string()).collect(),
             conf: conf.map(str::to_string),
             tls_port: None,
-        };
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            if let Ok(reply) = raw_command(port, "PING", Duration::from_millis(500)) {
-                // -NOAUTH: up, with a password (`--requirepass`).
-                if reply.starts_with("+PONG") || reply.starts_with("-NOAUTH") {
-                    return Ok(redis);
-                }
-            }
-            if let Some(child) = redis.child.as_mut() {
-                if let Some(status) = child.try_wait()? {
-                    redis.child = None;
-                    bail!(
-                        "redis-server on port {port} exited with {status}: {}",
-                        std::fs::read_to_string(&log).unwrap_or_default()
-                    );
-                }
-            }
-            if Instant::now() > deadline {
-                bail!("redis-server on port {port} did not answer PING within {READY_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        })
     }
 
     /// The port it listens on (127.0.0.1).
@@ -268,18 +251,19 @@ impl Redis {
 
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
-        match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
-        }
+        self.process.as_mut().is_some_and(Process::is_running)
     }
 
     /// Kills the server now (SIGKILL by its own PID) and waits for it.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(mut p) = self.process.take() {
+            p.kill();
         }
+    }
+
+    /// The server's log (lossy UTF-8; empty if unreadable).
+    pub fn log(&self) -> String {
+        read_log(&self.dir.path().join("redis.log"))
     }
 
     /// Starts the server again on the same port with the same arguments
@@ -290,14 +274,17 @@ impl Redis {
         let bin = redis_server_bin()?;
         let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
         let tls_port = self.tls_port;
-        *self = Self::spawn(&bin, self.port, &extra, self.conf.as_deref())?;
+        let (port, conf) = (self.port, self.conf.clone());
+        *self = start_retrying("redis-server", false, || {
+            Self::spawn(&bin, port, &extra, conf.as_deref())
+        })?;
         self.tls_port = tls_port;
         Ok(())
     }
 
     /// The server's process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.process.as_ref().and_then(Process::pid)
     }
 }
 
