@@ -1,9 +1,13 @@
 //! ratelimit-wasm: rate limiting for Envoy and Istio as a proxy-wasm filter.
 //!
-//! The request's path through the crate: [`config`] → [`plan`] ([`matcher`],
-//! [`key`]) → [`limiter`] ([`token_bucket`] in the [`table`] of shared data)
-//! → [`decide`] → [`headers`] and [`problem`]. Everything but `filter` is plain
-//! Rust, tested on the host; `filter` is the thin layer over the proxy-wasm host.
+//! The request's path through the crate, one folder per stage:
+//! [`config`] (the JSON a user writes) → [`policy`] (compiled once; per
+//! request: which rules match, which buckets) → [`limits`] (count them in the
+//! shared-data table) → [`global`] (the gateway's callout, circuit and
+//! leases) → [`respond`] (headers and problem bodies), with [`decide`] running
+//! the phases of one request. Everything but `host` is plain Rust, tested on
+//! the host; `host.rs` is the thin layer over the proxy-wasm host and the only
+//! file that names `proxy_wasm`, with its pure per-VM helpers in [`vm`].
 #![cfg_attr(
     not(test),
     deny(
@@ -15,25 +19,14 @@
 )]
 #![warn(missing_docs)]
 
-pub mod algorithm;
-pub mod callout;
-pub mod circuit;
 pub mod config;
 pub mod decide;
-pub mod duration;
-pub mod headers;
-pub mod key;
-pub mod lease;
-pub mod limiter;
-pub mod matcher;
+pub mod global;
+pub mod limits;
 pub mod metrics;
-pub mod plan;
-pub mod problem;
-pub mod request;
-pub mod sliding_window;
-pub mod store;
-pub mod table;
-pub mod token_bucket;
+pub mod policy;
+pub mod respond;
+pub mod vm;
 
 #[cfg(target_arch = "wasm32")]
-mod filter;
+mod host;

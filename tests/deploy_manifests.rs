@@ -1718,7 +1718,7 @@ fn client_docs_show_the_quota_403_as_built() {
         br#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":1,"per":"1s"}]}]}"#,
     )
     .expect("a minimal config parses");
-    let body = ratelimit_wasm::problem::quota_exhausted(
+    let body = ratelimit_wasm::respond::problem::quota_exhausted(
         &defaults.response.quota_problem_type,
         &["monthly"],
         "https://example.com/upgrade",

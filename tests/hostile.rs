@@ -6,9 +6,9 @@ mod harness;
 use harness::{Harness, Request};
 use ratelimit_wasm::config;
 use ratelimit_wasm::decide::{self, Step, Verdict};
-use ratelimit_wasm::plan::Plan;
-use ratelimit_wasm::request::RequestInfo;
-use ratelimit_wasm::store::MemoryStore;
+use ratelimit_wasm::policy::plan::Plan;
+use ratelimit_wasm::policy::request::RequestInfo;
+use ratelimit_wasm::limits::store::MemoryStore;
 use serde_json::json;
 
 const SEC: u64 = 1_000_000_000;

@@ -795,7 +795,7 @@ fn bounded_keys_with_twenty_thousand_clients_and_an_exact_hot_client() {
     // (src/table.rs): 20 000 clients fill every set and never add a key.
     assert_eq!(
         max_keys,
-        fixed_keys + max_buckets / ratelimit_wasm::table::WAYS,
+        fixed_keys + max_buckets / ratelimit_wasm::limits::table::WAYS,
         "shared-data keys for max_buckets {max_buckets} ({fixed_keys} before any request)"
     );
     assert!(

@@ -6,7 +6,7 @@
 
 use crate::load;
 use ratelimit_wasm::config::Scope;
-use ratelimit_wasm::duration;
+use ratelimit_wasm::config::duration;
 
 /// Parses `<requests>/<duration>` into requests per second.
 pub fn parse_rate(text: &str) -> Result<f64, String> {

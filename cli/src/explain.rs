@@ -1,6 +1,6 @@
 //! The `explain` table: what each tier (and each client override) gets from each rule.
 
-use ratelimit_wasm::algorithm::Algorithm;
+use ratelimit_wasm::limits::algorithm::Algorithm;
 use ratelimit_wasm::config::{Config, LimitSpec, Mode, Rule};
 
 /// One row per rule × tier (or rule × client override).

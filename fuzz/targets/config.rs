@@ -7,8 +7,10 @@
 use crate::input::Input;
 use crate::request_gen;
 use ratelimit_wasm::config::Scope;
-use ratelimit_wasm::plan::Plan;
-use ratelimit_wasm::{callout, config, decide, store};
+use ratelimit_wasm::global::callout;
+use ratelimit_wasm::limits::store;
+use ratelimit_wasm::policy::plan::Plan;
+use ratelimit_wasm::{config, decide};
 
 pub fn run(data: &[u8]) {
     let (config_bytes, rest) = match data.iter().position(|&b| b == 0) {

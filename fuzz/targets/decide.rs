@@ -23,10 +23,10 @@
 use crate::input::Input;
 use crate::request_gen;
 use ratelimit_wasm::decide::{self, Outcome, Pending, Step, Verdict};
+use ratelimit_wasm::limits::store::{MemoryStore, SharedStore, StoreError};
 use ratelimit_wasm::metrics::Metric;
-use ratelimit_wasm::plan::Plan;
-use ratelimit_wasm::request::RequestInfo;
-use ratelimit_wasm::store::{MemoryStore, SharedStore, StoreError};
+use ratelimit_wasm::policy::plan::Plan;
+use ratelimit_wasm::policy::request::RequestInfo;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -486,7 +486,7 @@ pub fn run(data: &[u8]) {
                 }
                 // A failure, or more conflicts than a CAS loop retries, can leave a charge
                 // the outcome does not show.
-                let limit = ratelimit_wasm::limiter::MAX_ATTEMPTS;
+                let limit = ratelimit_wasm::limits::limiter::MAX_ATTEMPTS;
                 bound.store_failed |= store.failures.get() > 0 || store.conflicts.get() >= limit;
             }
             _ => {

@@ -19,8 +19,8 @@ use crate::{key, request_gen};
 use ratelimit_gateway::policy::{self, Policy};
 use ratelimit_gateway::protocol;
 use ratelimit_gateway::reload::Source;
-use ratelimit_wasm::callout;
-use ratelimit_wasm::plan::Plan;
+use ratelimit_wasm::global::callout;
+use ratelimit_wasm::policy::plan::Plan;
 
 thread_local! {
     /// The gateway's policy for each `key` setup: its own configuration.

@@ -8,10 +8,10 @@
 //! Input: the status up to the first `\n` (`~` for no answer at all), then the body. An
 //! input without `\n` is a body with status 200.
 
-use ratelimit_wasm::callout::{self, Answer, AnswerError};
-use ratelimit_wasm::lease;
-use ratelimit_wasm::plan::{Evaluation, Plan};
-use ratelimit_wasm::request::RequestInfo;
+use ratelimit_wasm::global::callout::{self, Answer, AnswerError};
+use ratelimit_wasm::global::lease;
+use ratelimit_wasm::policy::plan::{Evaluation, Plan};
+use ratelimit_wasm::policy::request::RequestInfo;
 
 pub const CONFIG: &str = r#"{
   "domain": "fuzz",

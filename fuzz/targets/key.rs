@@ -20,9 +20,9 @@
 
 use crate::input::Input;
 use crate::request_gen;
-use ratelimit_wasm::key::BadInput;
-use ratelimit_wasm::plan::{Evaluation, Plan};
-use ratelimit_wasm::request::RequestInfo;
+use ratelimit_wasm::policy::key::BadInput;
+use ratelimit_wasm::policy::plan::{Evaluation, Plan};
+use ratelimit_wasm::policy::request::RequestInfo;
 use std::net::IpAddr;
 
 const RULES: &str = r#"
@@ -247,7 +247,7 @@ fn unescape(s: &str) -> Option<Vec<u8>> {
 fn check_global_key(key: &str, tag: &str, name: &str, want: &[(u8, Vec<u8>)]) {
     assert!(key.is_ascii(), "{key:?}");
     assert!(
-        key.len() <= ratelimit_wasm::key::MAX_GLOBAL_KEY_BYTES,
+        key.len() <= ratelimit_wasm::policy::key::MAX_GLOBAL_KEY_BYTES,
         "{key:?}"
     );
     // A key too long for the gateway is sent as `<name>#<hash of the whole key>`.
@@ -266,7 +266,7 @@ fn check_global_key(key: &str, tag: &str, name: &str, want: &[(u8, Vec<u8>)]) {
     for (got, (t, value)) in parts.iter().zip(want) {
         let (head, body) = got.split_at(1);
         assert_eq!(head.as_bytes(), [*t], "{key:?}");
-        if value.len() > ratelimit_wasm::key::MAX_GLOBAL_PART_BYTES {
+        if value.len() > ratelimit_wasm::policy::key::MAX_GLOBAL_PART_BYTES {
             let hash = body.strip_prefix('#').unwrap_or_else(|| panic!("{key:?}"));
             assert!(
                 hash.len() == 32 && hash.bytes().all(|c| c.is_ascii_hexdigit()),
@@ -306,7 +306,7 @@ fn check(setup: &Setup, req: &RequestInfo, eval: &Evaluation) {
             }
             match part_value(plan, req, &m, p) {
                 Some(v) => {
-                    oversized |= v.1.len() > ratelimit_wasm::key::MAX_KEY_PART_BYTES;
+                    oversized |= v.1.len() > ratelimit_wasm::policy::key::MAX_KEY_PART_BYTES;
                     values.push(v);
                 }
                 None => {

@@ -3,8 +3,8 @@
 //! or a huge value; the peer address may be missing or garbage.
 
 use crate::input::Input;
-use ratelimit_wasm::plan::Plan;
-use ratelimit_wasm::request::RequestInfo;
+use ratelimit_wasm::policy::plan::Plan;
+use ratelimit_wasm::policy::request::RequestInfo;
 
 /// Plausible values, so that small inputs reach matches, known clients and tiers.
 pub const WORDS: &[&str] = &[

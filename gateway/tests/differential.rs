@@ -1,6 +1,6 @@
 //! Differential test: the Lua scripts (`check.lua`, `refund.lua` and
 //! `lease.lua`, run by a real Redis) and the filter's Rust buckets
-//! (`ratelimit_wasm::token_bucket` and `ratelimit_wasm::sliding_window`, with
+//! (`ratelimit_wasm::limits::token_bucket` and `ratelimit_wasm::limits::sliding_window`, with
 //! their refunds) must give the same decisions — allowed, remaining, reset and
 //! retry-after — on the same generated sequences, clock steps back included.
 //!
@@ -23,7 +23,7 @@ use ratelimit_gateway::orchestrate::Limiter;
 use ratelimit_gateway::policy::{Resolved, ResolvedBucket, ResolvedLease};
 use ratelimit_gateway::protocol::{Algorithm, Limit as LimitSpec};
 use ratelimit_gateway::{script, Config};
-use ratelimit_wasm::token_bucket::{Check, Limit};
+use ratelimit_wasm::limits::token_bucket::{Check, Limit};
 
 const MS: u64 = 1_000_000;
 
@@ -38,7 +38,7 @@ fn rust_check(alg: Algorithm, limit: &Limit, state: Option<u128>, now_ns: u64, c
     match alg {
         Algorithm::TokenBucket => limit.check(state, now_ns, cost),
         Algorithm::SlidingWindow => {
-            ratelimit_wasm::sliding_window::check(limit, state, now_ns, cost)
+            ratelimit_wasm::limits::sliding_window::check(limit, state, now_ns, cost)
         }
     }
 }
@@ -210,7 +210,7 @@ fn store_rust(specs: &[LimitSpec], states: &mut [Option<u128>], rust: &[Check]) 
 /// The filter's refund of `cost` charged at `charged_at_ms` in one limit.
 /// The gateway's and the filter's `Algorithm` are one type (ratelimit-protocol).
 fn rust_refund(alg: Algorithm, limit: &Limit, state: u128, cost: u64, charged_at_ms: u64) -> u128 {
-    use ratelimit_wasm::algorithm::Counting;
+    use ratelimit_wasm::limits::algorithm::Counting;
     alg.refund(limit, state, cost, charged_at_ms * MS)
 }
 

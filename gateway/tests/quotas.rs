@@ -778,7 +778,9 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
 /// (`callout::parse_answer`): same quotas, in order, nothing clamped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_filter_s_request_and_answer_round_trip() {
-    use ratelimit_wasm::{callout, config, plan::Plan, request::RequestInfo};
+    use ratelimit_wasm::global::callout;
+    use ratelimit_wasm::policy::{plan::Plan, request::RequestInfo};
+    use ratelimit_wasm::config;
     let json = r#"{"domain":"roundtrip","global":{"cluster":"gw"},
         "tiers":{"free":{}},"identity":{"default_tier":"free"},
         "rules":[{"name":"g","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1h"}]}],

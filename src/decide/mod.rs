@@ -7,18 +7,18 @@
 //! consumes nothing anywhere. Shadow rules (and every rule, for a soft client)
 //! are charged as if enforced but never reject.
 
-use crate::callout::{self, Answer, AnswerError, QuotaReport};
-use crate::circuit::{self, CallResult, Gate, Transition};
+use crate::global::callout::{self, Answer, AnswerError, QuotaReport};
+use crate::global::circuit::{self, CallResult, Gate, Transition};
 use crate::config::{FailureMode, OnError};
-use crate::headers;
-use crate::key::BadInput;
-use crate::lease::{self, Claim, Lease, Take};
-use crate::limiter::{self, Decision, LimitError, Report, Stats};
+use crate::respond::headers;
+use crate::policy::key::BadInput;
+use crate::global::lease::{self, Claim, Lease, Take};
+use crate::limits::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::metrics::Metric;
-use crate::plan::{Bucket, Evaluation, GlobalPlan, Plan};
-use crate::problem;
-use crate::request::RequestInfo;
-use crate::store::SharedStore;
+use crate::policy::plan::{Bucket, Evaluation, GlobalPlan, Plan};
+use crate::respond::problem;
+use crate::policy::request::RequestInfo;
+use crate::limits::store::SharedStore;
 
 /// Header lines to send.
 pub type HeaderLines = Vec<(&'static str, String)>;
@@ -866,7 +866,7 @@ pub fn refresh_finish(
 mod tests {
     use super::*;
     use crate::config;
-    use crate::store::{MemoryStore, StoreError};
+    use crate::limits::store::{MemoryStore, StoreError};
 
     const SEC: u64 = 1_000_000_000;
     /// A random value that leaves every wait unjittered.
@@ -1460,8 +1460,8 @@ mod tests {
         assert_eq!(header(rejected(&o).1, "retry-after"), "6");
         assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
         // Ann's slot still holds the token given back: 1 left.
-        let l = crate::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
+        let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
         let (bytes, _) = s.get(&l.slot_key).unwrap().unwrap();
-        assert_eq!(crate::lease::Slot::decode(&bytes).unwrap().tokens, 1);
+        assert_eq!(crate::global::lease::Slot::decode(&bytes).unwrap().tokens, 1);
     }
 }

@@ -7,11 +7,11 @@
 //! conflict can cost a retry or (briefly) a too-strict answer, never an extra
 //! admission.
 
-use crate::algorithm::{Algorithm, Counting};
-use crate::plan::{Bucket, Plan};
-use crate::store::{SharedStore, StoreError, CREATE_ONLY};
-use crate::table::{Placement, Set};
-use crate::token_bucket::{Check, Limit};
+use crate::limits::algorithm::{Algorithm, Counting};
+use crate::policy::plan::{Bucket, Plan};
+use crate::limits::store::{SharedStore, StoreError, CREATE_ONLY};
+use crate::limits::table::{Placement, Set};
+use crate::limits::token_bucket::{Check, Limit};
 
 /// Whole-request attempts before giving up under contention.
 pub const MAX_ATTEMPTS: u32 = 32;
@@ -49,8 +49,8 @@ pub struct Enforced {
 
 impl Enforced {
     /// The limit as the filter's arithmetic takes it.
-    pub fn limit(self) -> crate::token_bucket::Limit {
-        crate::token_bucket::Limit {
+    pub fn limit(self) -> crate::limits::token_bucket::Limit {
+        crate::limits::token_bucket::Limit {
             capacity: self.requests,
             period_ns: self.window_ms.saturating_mul(1_000_000),
             burst: self.requests,
@@ -66,7 +66,7 @@ impl Enforced {
 impl Report {
     /// The report as if this limit had not been charged: for a request denied
     /// elsewhere, so that its headers say what is left now.
-    pub fn uncharged(mut self, limit: &crate::token_bucket::Limit) -> Report {
+    pub fn uncharged(mut self, limit: &crate::limits::token_bucket::Limit) -> Report {
         if self.check.allowed {
             self.check.remaining = (self.check.remaining + self.cost).min(limit.capacity);
             let per_token = limit.period_ns / limit.capacity.max(1);
@@ -479,8 +479,8 @@ fn refund_set(
 mod tests {
     use super::*;
     use crate::config;
-    use crate::plan::Bucket;
-    use crate::store::MemoryStore;
+    use crate::policy::plan::Bucket;
+    use crate::limits::store::MemoryStore;
     use std::cell::Cell;
 
     const SEC: u64 = 1_000_000_000;

@@ -2,9 +2,9 @@
 //! draft-ietf-httpapi-ratelimit-headers-11 `RateLimit` / `RateLimit-Policy`.
 
 use crate::config::HeaderStyle;
-use crate::limiter::Report;
-use crate::plan::Plan;
-use crate::token_bucket::ceil_secs;
+use crate::limits::limiter::Report;
+use crate::policy::plan::Plan;
+use crate::limits::token_bucket::ceil_secs;
 
 /// The one limit a response reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,7 +131,7 @@ pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
 mod tests {
     use super::*;
     use crate::config;
-    use crate::token_bucket::Check;
+    use crate::limits::token_bucket::Check;
 
     const SEC: u64 = 1_000_000_000;
 

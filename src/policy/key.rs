@@ -1,6 +1,6 @@
 //! Bucket keys: the client's identity and the parts a rule keys on.
 
-use crate::request::{HeaderId, RequestInfo};
+use crate::policy::request::{HeaderId, RequestInfo};
 use std::net::IpAddr;
 
 /// Longest key-part value before it is counted as bad input. It is still used

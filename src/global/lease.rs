@@ -18,12 +18,12 @@
 //! stepped back, an empty pool is refused for at most what the gateway said,
 //! counted from the step, not for the step on top.
 
-use crate::algorithm::Algorithm;
+use crate::limits::algorithm::Algorithm;
 use crate::config;
-use crate::limiter::{LimitError, Report, MAX_ATTEMPTS};
-use crate::plan::{GlobalBucket, Plan};
-use crate::store::{SharedStore, CREATE_ONLY};
-use crate::token_bucket::Check;
+use crate::limits::limiter::{LimitError, Report, MAX_ATTEMPTS};
+use crate::policy::plan::{GlobalBucket, Plan};
+use crate::limits::store::{SharedStore, CREATE_ONLY};
+use crate::limits::token_bucket::Check;
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
 
@@ -56,7 +56,7 @@ impl LeasePlan {
             slots: l.max_leases.max(1),
             key_prefix: format!(
                 "{}lease/{domain}/{}/",
-                crate::plan::KEY_PREFIX,
+                crate::policy::plan::KEY_PREFIX,
                 l.max_leases
             ),
             hasher: SipHasher13::new_with_keys(keys.0, keys.1),
@@ -488,7 +488,7 @@ impl Watched {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::limits::store::MemoryStore;
 
     const MS: u64 = 1_000_000;
     const T0: u64 = 1_700_000_000_000 * MS;

@@ -2,14 +2,14 @@
 //! the verdict. Hostcalls go through `hostcalls` directly so that a host error
 //! becomes a handled `Err`, never the SDK traits' `unwrap`.
 
-use crate::circuit::Transition;
+use crate::global::circuit::Transition;
 use crate::config;
 use crate::decide::{self, Outcome, Pending, Refresh, Step, Verdict};
-use crate::lease::{Lease, Watched};
+use crate::global::lease::{Lease, Watched};
 use crate::metrics::Metric;
-use crate::plan::{Plan, SourceNeed, KEY_PREFIX};
-use crate::request::RequestInfo;
-use crate::store::{SharedStore, StoreError, CREATE_ONLY};
+use crate::policy::plan::{Plan, SourceNeed, KEY_PREFIX};
+use crate::policy::request::RequestInfo;
+use crate::limits::store::{SharedStore, StoreError, CREATE_ONLY};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};

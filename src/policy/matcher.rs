@@ -1,7 +1,7 @@
 //! Request predicates (`match`), compiled once at configure time.
 
 use crate::config::Match;
-use crate::request::{HeaderId, RequestInfo};
+use crate::policy::request::{HeaderId, RequestInfo};
 
 /// A compiled [`Match`]: every present condition must hold.
 #[derive(Debug, Clone, Default)]
@@ -32,9 +32,9 @@ impl Matcher {
 
     /// The headers this matcher reads (`:method` and `:path` included).
     pub fn reads(&self) -> impl Iterator<Item = HeaderId> + '_ {
-        let method = self.methods.is_some().then_some(crate::request::METHOD);
+        let method = self.methods.is_some().then_some(crate::policy::request::METHOD);
         let path = (self.path_prefix.is_some() || self.path_exact.is_some())
-            .then_some(crate::request::PATH);
+            .then_some(crate::policy::request::PATH);
         method
             .into_iter()
             .chain(path)

@@ -9,7 +9,7 @@
 //! State (one `u128`): window index in the high 64 bits, `cur` in the next 32,
 //! `prev` in the low 32.
 
-use crate::token_bucket::{Check, Limit};
+use crate::limits::token_bucket::{Check, Limit};
 
 fn unpack(state: u128) -> (u64, u64, u64) {
     (

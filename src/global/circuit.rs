@@ -11,7 +11,7 @@
 //! cooldown.
 
 use crate::config::Circuit;
-use crate::store::{SharedStore, CREATE_ONLY};
+use crate::limits::store::{SharedStore, CREATE_ONLY};
 
 const MS: u64 = 1_000_000;
 const ATTEMPTS: usize = 8;
@@ -229,7 +229,7 @@ pub fn retry_after_secs(cfg: &Circuit) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::limits::store::MemoryStore;
 
     const K: &str = "c";
     fn cfg() -> Circuit {

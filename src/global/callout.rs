@@ -3,10 +3,10 @@
 //! the types of `ratelimit-protocol`), and a distrustful reading of the
 //! answers, whose limits (the gateway's policy) are the ones shown.
 
-use crate::lease::Lease;
-use crate::limiter::{Enforced, Report};
-use crate::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
-use crate::token_bucket::Check;
+use crate::global::lease::Lease;
+use crate::limits::limiter::{Enforced, Report};
+use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
+use crate::limits::token_bucket::Check;
 use ratelimit_protocol::{
     BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_LIMITS,
     MAX_QUOTA_LIMIT,
@@ -149,7 +149,7 @@ fn read_body<T: serde::de::DeserializeOwned>(
 
 /// The longest window a configuration can give, in ms (366 days): waits of
 /// twice that stay far within a u64 of nanoseconds.
-const MAX_WINDOW_MS: u64 = crate::duration::MAX_SECONDS * 1000;
+const MAX_WINDOW_MS: u64 = crate::config::duration::MAX_SECONDS * 1000;
 
 /// An enforced limit as the answer states it, or why it is unusable: a
 /// limit no configuration could give (0, a fraction, more than
@@ -367,7 +367,7 @@ pub fn parse_lease_answer(
 mod tests {
     use super::*;
     use crate::config;
-    use crate::request::RequestInfo;
+    use crate::policy::request::RequestInfo;
 
     fn setup() -> (Plan, Vec<GlobalBucket>) {
         let json = r#"{"domain":"demo","global":{"cluster":"gw","lease":{"fraction":0.5}},"rules":[
@@ -450,7 +450,7 @@ mod tests {
         // 25 left is within the enforced 30: not clamped to the filter's 10.
         assert_eq!((a.reports[0].check.remaining, a.clamped), (25, 0));
         let (plan, _) = setup();
-        let shown = crate::headers::closest(&plan, &a.reports).unwrap();
+        let shown = crate::respond::headers::closest(&plan, &a.reports).unwrap();
         assert_eq!(
             (shown.quota, shown.window_secs, shown.remaining),
             (30, 60, 25)
@@ -531,7 +531,7 @@ mod tests {
     fn lease_bodies_and_answers_are_read_distrustfully() {
         use serde_json::json;
         let (plan, global) = setup();
-        let l = crate::lease::locate(&plan, &global[0]).unwrap();
+        let l = crate::global::lease::locate(&plan, &global[0]).unwrap();
         let body: serde_json::Value =
             serde_json::from_slice(&encode_lease(&plan, &l, 1, 2)).unwrap();
         assert_eq!(

@@ -1,7 +1,7 @@
 //! The two per-rule algorithms behind one interface.
 
-use crate::sliding_window;
-use crate::token_bucket::{Check, Limit};
+use crate::limits::sliding_window;
+use crate::limits::token_bucket::{Check, Limit};
 
 /// How a rule's limits count: the protocol crate's vocabulary, written once
 /// for the filter and the gateway.

@@ -2,17 +2,17 @@
 //! tiers and limits resolved once, so a request does no parsing, no map
 //! lookups but one for a known client, and reads only the headers it needs.
 
-use crate::algorithm::Algorithm;
+use crate::limits::algorithm::Algorithm;
 use crate::config::{
     Circuit, Config, FailureMode, HeaderStyle, LimitSpec, Mode, OnError, Period, QuotaCount, Rule,
     Scope,
 };
-use crate::key::{self, BadInput, IpSource, KeyPart};
-use crate::lease::LeasePlan;
-use crate::matcher::Matcher;
-use crate::request::{HeaderId, RequestInfo};
-use crate::table::WAYS;
-use crate::token_bucket::Limit;
+use crate::policy::key::{self, BadInput, IpSource, KeyPart};
+use crate::global::lease::LeasePlan;
+use crate::policy::matcher::Matcher;
+use crate::policy::request::{HeaderId, RequestInfo};
+use crate::limits::table::WAYS;
+use crate::limits::token_bucket::Limit;
 use siphasher::sip128::{Hasher128, SipHasher13};
 use std::collections::HashMap;
 use std::hash::Hasher;
@@ -778,8 +778,8 @@ fn reads(
         match part {
             KeyPart::Client => client = true,
             KeyPart::Ip => ip = true,
-            KeyPart::Method => mark(crate::request::METHOD),
-            KeyPart::Path => mark(crate::request::PATH),
+            KeyPart::Method => mark(crate::policy::request::METHOD),
+            KeyPart::Path => mark(crate::policy::request::PATH),
             KeyPart::Header(id) => mark(*id),
         }
     }

@@ -1,0 +1,629 @@
+//! The schema of the plugin's JSON configuration: every field, its type and
+//! its default, and the bounds the validation holds them to. Field names are a
+//! public contract: unknown fields are refused.
+
+use ratelimit_protocol::Algorithm;
+use super::duration::Seconds;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Most rules one configuration may hold; more make every request slower to match.
+pub const MAX_RULES: usize = 1024;
+/// Most limits one rule may hold; they share one shared-data entry.
+pub const MAX_LIMITS_PER_RULE: usize = 8;
+/// Most key parts one rule may hold.
+pub const MAX_KEY_PARTS: usize = 8;
+/// Largest `requests` of one limit.
+pub const MAX_REQUESTS: u64 = 1_000_000_000;
+/// Largest request cost.
+pub const MAX_COST: u64 = 1_000_000;
+/// Bounds of `max_buckets`.
+pub const MIN_BUCKETS: u64 = 64;
+/// Upper bound of `max_buckets`.
+pub const MAX_BUCKETS: u64 = 1 << 24;
+/// Default of `max_buckets`.
+pub const DEFAULT_BUCKETS: u64 = 65_536;
+/// Most trusted proxy hops.
+pub const MAX_TRUSTED_HOPS: u32 = 16;
+
+/// Why a configuration was refused; each names the field path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigError {
+    /// The bytes are not JSON.
+    NotJson(String),
+    /// A field is unknown, missing, of the wrong type or out of range.
+    Field {
+        /// Path such as `rules[1].limits[0].per`.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    pub(crate) fn field(path: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Field {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            ConfigError::NotJson(e) => write!(f, "configuration is not valid JSON: {e}"),
+            ConfigError::Field { path, reason } if path.is_empty() || path == "." => {
+                write!(f, "configuration: {reason}")
+            }
+            ConfigError::Field { path, reason } => write!(f, "{path}: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Namespace of this configuration's buckets; proxies with the same domain share limits.
+    pub domain: String,
+    /// Where the client's identity comes from.
+    #[serde(default)]
+    pub identity: Identity,
+    /// The rate-limit rules; every matching rule must pass.
+    pub rules: Vec<Rule>,
+    /// Request costs; the first match wins, default 1.
+    #[serde(default)]
+    pub costs: Vec<Cost>,
+    /// How denials and headers look.
+    #[serde(default)]
+    pub response: Response,
+    /// Bound on tracked (rule, key) buckets per proxy; see the README.
+    #[serde(default = "default_buckets")]
+    pub max_buckets: u64,
+    /// What to do when the shared state cannot be read or updated.
+    #[serde(default)]
+    pub on_error: OnError,
+    /// The gateway that decides `"scope": "global"` rules; required when any rule is global.
+    #[serde(default)]
+    pub global: Option<Global>,
+    /// Named tiers; clients get one from their credential, the static map or `identity.default_tier`.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, TierSpec>,
+    /// Commercial quotas, kept by the gateway.
+    #[serde(default)]
+    pub quotas: Vec<QuotaSpec>,
+}
+
+/// Where a rule is decided.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// In this proxy's shared data.
+    #[default]
+    Local,
+    /// By the gateway, across every proxy.
+    Global,
+}
+
+/// What a global rule does when the gateway cannot answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureMode {
+    /// Allow, and count it.
+    Open,
+    /// Answer 503 with a problem body and `Retry-After`.
+    Closed,
+    /// Decide in this proxy's shared data at its share of the limit,
+    /// `requests / (instances × per)`, with a bucket of at least one request.
+    #[default]
+    Local,
+}
+
+/// The gateway and how to treat its failures.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Global {
+    /// Envoy cluster of the gateway (in Istio `outbound|PORT||HOST`).
+    pub cluster: String,
+    /// `:authority` of the callout.
+    #[serde(default = "default_authority")]
+    pub authority: String,
+    /// Path of the check endpoint.
+    #[serde(default = "default_check_path")]
+    pub path: String,
+    /// Callout timeout; 0 is refused because Envoy treats it as no timeout.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Behaviour when the gateway or Redis fails.
+    #[serde(default)]
+    pub failure_mode: FailureMode,
+    /// Number of proxies sharing the limit, used by `failure_mode: local`.
+    #[serde(default = "default_instances")]
+    pub instances: u64,
+    /// Circuit breaker.
+    #[serde(default)]
+    pub circuit: Circuit,
+    /// Lease mode: spend batches of a global bucket's tokens locally; absent, one callout per request.
+    #[serde(default)]
+    pub lease: Option<Lease>,
+    /// Bearer token sent to the gateway (`authorization: Bearer <token>`);
+    /// prefer `token_env`, which keeps it out of the configuration.
+    #[serde(default)]
+    pub token: Option<Token>,
+    /// Name of an environment variable of the VM holding the token (Envoy
+    /// `vm_config.environment_variables`, Istio `WasmPlugin.spec.vmConfig.env`),
+    /// read when the plugin is configured.
+    #[serde(default)]
+    pub token_env: Option<String>,
+}
+
+/// A bearer token: never printed (`Debug` shows `***`).
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Token(pub String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(***)")
+    }
+}
+
+/// Longest bearer token accepted (the gateway's bound too).
+pub const MAX_TOKEN_LEN: usize = 4096;
+
+/// True for an RFC 6750 `b64token` of at most [`MAX_TOKEN_LEN`] bytes:
+/// `1*( ALPHA / DIGIT / "-" / "." / "_" / "~" / "+" / "/" ) *"="`. Nothing
+/// else can reach the `authorization` header (no space, CR, LF).
+pub fn is_b64token(s: &str) -> bool {
+    let body = s.trim_end_matches('=');
+    s.len() <= MAX_TOKEN_LEN
+        && !body.is_empty()
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~+/".contains(&b))
+}
+
+/// True for a POSIX-style environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, ≤ 256 bytes.
+pub(super) fn is_env_name(s: &str) -> bool {
+    s.len() <= 256
+        && s.bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+impl Global {
+    /// The `authorization` header value of the callouts (`Bearer <token>`),
+    /// from `token` or from the environment variable `token_env` looked up
+    /// with `env` (`std::env::var` in the filter: Envoy hands the VM's
+    /// `environment_variables` to the module as its WASI environment).
+    /// `None` when neither is set. The error never holds the token.
+    pub fn bearer(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, ConfigError> {
+        let token = match (&self.token, &self.token_env) {
+            (Some(t), None) => t.0.clone(),
+            (None, Some(name)) => {
+                let value = env(name).ok_or_else(|| {
+                    ConfigError::field(
+                        "global.token_env",
+                        format!(
+                            "the VM has no environment variable {name:?} (Envoy: \
+                             vm_config.environment_variables; Istio: WasmPlugin vmConfig.env)"
+                        ),
+                    )
+                })?;
+                if !is_b64token(&value) {
+                    return Err(ConfigError::field(
+                        "global.token_env",
+                        format!(
+                            "the value of {name:?} is not an RFC 6750 b64token of at most \
+                             {MAX_TOKEN_LEN} bytes"
+                        ),
+                    ));
+                }
+                value
+            }
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::field(
+                    "global.token",
+                    "give token or token_env, not both",
+                ))
+            }
+        };
+        Ok(Some(format!("Bearer {token}")))
+    }
+}
+
+/// Lease mode of global token-bucket rules.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lease {
+    /// Share of the smallest limit reserved per batch (at least one token).
+    pub fraction: f64,
+    /// Longest a request waits for a batch: the timeout of a lease callout.
+    #[serde(default = "default_lease_wait_ms")]
+    pub max_wait_ms: u64,
+    /// How long a batch may be spent; unspent tokens are given back with the next batch.
+    #[serde(default = "default_lease_ttl_ms")]
+    pub ttl_ms: u64,
+    /// Path of the gateway's lease endpoint.
+    #[serde(default = "default_lease_path")]
+    pub path: String,
+    /// Bound on leases held per proxy (one shared-data key each).
+    #[serde(default = "default_max_leases")]
+    pub max_leases: u64,
+}
+
+fn default_lease_wait_ms() -> u64 {
+    20
+}
+fn default_lease_ttl_ms() -> u64 {
+    2000
+}
+fn default_lease_path() -> String {
+    "/v1/lease".into()
+}
+fn default_max_leases() -> u64 {
+    4096
+}
+
+/// Circuit-breaker settings, shared by all workers of a proxy.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Circuit {
+    /// Consecutive failures (or slow answers) that open the circuit.
+    #[serde(default = "default_failures")]
+    pub failures: u32,
+    /// A callout slower than this counts towards opening; 0 turns the latency trigger off.
+    #[serde(default)]
+    pub latency_ms: u64,
+    /// How long the circuit stays open before one probe is let through.
+    #[serde(default = "default_cooldown_ms")]
+    pub cooldown_ms: u64,
+}
+
+impl Default for Circuit {
+    fn default() -> Self {
+        Circuit {
+            failures: default_failures(),
+            latency_ms: 0,
+            cooldown_ms: default_cooldown_ms(),
+        }
+    }
+}
+
+fn default_authority() -> String {
+    "ratelimit-gateway".into()
+}
+fn default_check_path() -> String {
+    "/v1/check".into()
+}
+fn default_timeout_ms() -> u64 {
+    50
+}
+fn default_instances() -> u64 {
+    1
+}
+fn default_failures() -> u32 {
+    5
+}
+fn default_cooldown_ms() -> u64 {
+    2000
+}
+
+fn default_buckets() -> u64 {
+    DEFAULT_BUCKETS
+}
+
+/// Identity sources.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Identity {
+    /// Header carrying the authenticated client id, set by the layer in front.
+    #[serde(default = "default_client_header")]
+    pub client_id_header: String,
+    /// How many proxies in front append to `X-Forwarded-For`; 0 uses the peer address.
+    #[serde(default)]
+    pub trusted_proxy_hops: u32,
+    /// Path under Envoy's `metadata.filter_metadata` holding the authenticated
+    /// client id; when set, `client_id_header` is not consulted.
+    #[serde(default)]
+    pub client_id_metadata: Option<Vec<String>>,
+    /// Path under `metadata.filter_metadata` holding the client's tier.
+    #[serde(default)]
+    pub tier_metadata: Option<Vec<String>>,
+    /// Header holding the client's tier (only safe when the layer in front overwrites it).
+    #[serde(default)]
+    pub tier_header: Option<String>,
+    /// Tier of clients whose tier is not known otherwise; required when `tiers` is set.
+    #[serde(default)]
+    pub default_tier: Option<String>,
+    /// Static per-client settings, by client id.
+    #[serde(default)]
+    pub clients: BTreeMap<String, ClientSpec>,
+}
+
+impl Default for Identity {
+    fn default() -> Self {
+        Identity {
+            client_id_header: default_client_header(),
+            trusted_proxy_hops: 0,
+            client_id_metadata: None,
+            tier_metadata: None,
+            tier_header: None,
+            default_tier: None,
+            clients: BTreeMap::new(),
+        }
+    }
+}
+
+fn default_client_header() -> String {
+    "x-client-id".into()
+}
+
+/// Settings for one known client.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientSpec {
+    /// The client's tier, over any tier its credential claims.
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Never limited.
+    #[serde(default)]
+    pub unlimited: bool,
+    /// Never rejected: every rule acts as `"mode": "shadow"` for this client.
+    #[serde(default)]
+    pub soft: bool,
+    /// Limits that supersede the tier's, by rule name.
+    #[serde(default)]
+    pub limits: BTreeMap<String, Vec<LimitSpec>>,
+    /// Quota amounts that supersede the tier's, by quota name.
+    #[serde(default)]
+    pub quotas: BTreeMap<String, u64>,
+}
+
+/// A tier's settings.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierSpec {
+    /// Clients of this tier are never limited.
+    #[serde(default)]
+    pub unlimited: bool,
+}
+
+/// Whether a rule rejects.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Deny over the limit.
+    #[default]
+    Enforce,
+    /// Count, log and add headers, never reject.
+    Shadow,
+}
+
+/// Graduated response: warn, then delay, then reject, then block.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Graduated {
+    /// Share of the limit used from which a warning header is added.
+    #[serde(default)]
+    pub warn_at: Option<f64>,
+    /// Share of the limit beyond which each request is held `delay_ms`.
+    #[serde(default)]
+    pub delay_at: Option<f64>,
+    /// How long a delayed request is held.
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
+    /// Share of the limit beyond which requests get 429.
+    #[serde(default = "default_reject_at")]
+    pub reject_at: f64,
+    /// Share of the limit that the client's demand (denied requests included) may reach before a block.
+    #[serde(default)]
+    pub block_at: Option<f64>,
+    /// How long a block lasts.
+    #[serde(default)]
+    pub block_for: Option<Seconds>,
+}
+
+fn default_reject_at() -> f64 {
+    1.0
+}
+
+/// Calendar period of a quota, in UTC: the protocol crate's vocabulary,
+/// written once for the filter and the gateway.
+pub use ratelimit_protocol::Period;
+
+/// What a quota counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QuotaCount {
+    /// Each request counts 1.
+    #[default]
+    Requests,
+    /// Each request counts its cost.
+    Cost,
+}
+
+/// A commercial quota kept by the gateway.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSpec {
+    /// Name, reported in the 403 body.
+    pub name: String,
+    /// Which requests count; absent means all.
+    #[serde(default, rename = "match")]
+    pub matches: Option<Match>,
+    /// Parts of the quota's key, as for rules.
+    #[serde(default)]
+    pub key: Vec<String>,
+    /// Calendar period.
+    pub period: Period,
+    /// Amount per period by tier.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, u64>,
+    /// Amount for tiers not listed (absent: those tiers have no quota).
+    #[serde(default)]
+    pub limit: Option<u64>,
+    /// Where clients can buy more; in the 403 body and a `Link` header.
+    pub upgrade_url: String,
+    /// What counts.
+    #[serde(default)]
+    pub count: QuotaCount,
+}
+
+/// One rule: which requests, keyed how, limited to what.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    /// Name reported in headers and `violated-policies`.
+    pub name: String,
+    /// Which requests the rule applies to; absent means all.
+    #[serde(default, rename = "match")]
+    pub matches: Option<Match>,
+    /// Parts of the bucket key; empty means one bucket for all matching requests.
+    #[serde(default)]
+    pub key: Vec<String>,
+    /// Limits that must all pass; required unless `tiers` covers every tier.
+    #[serde(default)]
+    pub limits: Vec<LimitSpec>,
+    /// Limits per tier, over `limits`.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, Vec<LimitSpec>>,
+    /// How the limits count.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// Decided in this proxy or by the gateway.
+    #[serde(default)]
+    pub scope: Scope,
+    /// Enforce, or only watch.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Cost of a request for this rule, over `costs`.
+    #[serde(default)]
+    pub cost: Option<u64>,
+    /// Warn, delay, reject and block stages.
+    #[serde(default)]
+    pub graduated: Option<Graduated>,
+}
+
+/// A request predicate; all present conditions must hold.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Match {
+    /// The path (without query) starts with this.
+    #[serde(default)]
+    pub path_prefix: Option<String>,
+    /// The path (without query) equals this.
+    #[serde(default)]
+    pub path_exact: Option<String>,
+    /// The method is one of these.
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// Each named header is present with exactly this value.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// `requests` per `per`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    /// Bucket capacity.
+    pub requests: u64,
+    /// Time to refill the whole bucket.
+    pub per: Seconds,
+}
+
+/// A cost for matching requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cost {
+    /// Which requests.
+    #[serde(rename = "match")]
+    pub matches: Match,
+    /// Tokens they spend.
+    pub cost: u64,
+}
+
+/// Response settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Response {
+    /// Which rate-limit headers to send.
+    #[serde(default)]
+    pub headers: HeaderStyle,
+    /// `type` of the problem+json body.
+    #[serde(default = "default_problem_type")]
+    pub problem_type: String,
+    /// `type` of the 403 body when a quota is spent.
+    #[serde(default = "default_quota_problem_type")]
+    pub quota_problem_type: String,
+    /// Random spread of `Retry-After` values and block releases, as a share,
+    /// upwards only: no client is told to come back before it would pass.
+    #[serde(default = "default_jitter")]
+    pub retry_jitter: f64,
+}
+
+/// Default problem type for a quota 403.
+pub const DEFAULT_QUOTA_PROBLEM_TYPE: &str = "tag:ratelimit-wasm,2026:quota-exhausted";
+
+fn default_quota_problem_type() -> String {
+    DEFAULT_QUOTA_PROBLEM_TYPE.into()
+}
+
+fn default_jitter() -> f64 {
+    0.1
+}
+
+impl Default for Response {
+    fn default() -> Self {
+        Response {
+            headers: HeaderStyle::default(),
+            problem_type: default_problem_type(),
+            quota_problem_type: default_quota_problem_type(),
+            retry_jitter: default_jitter(),
+        }
+    }
+}
+
+/// Default problem type for a 429.
+pub const DEFAULT_PROBLEM_TYPE: &str =
+    "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
+fn default_problem_type() -> String {
+    DEFAULT_PROBLEM_TYPE.into()
+}
+
+/// Which rate-limit header families are sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeaderStyle {
+    /// `X-RateLimit-*` and the IETF `RateLimit` / `RateLimit-Policy`.
+    #[default]
+    Both,
+    /// Only `X-RateLimit-*`.
+    Legacy,
+    /// Only `RateLimit` / `RateLimit-Policy`.
+    Ietf,
+    /// None.
+    None,
+}
+
+/// Behaviour when the shared state fails (never expected in Envoy; contention past the retry budget).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// Let the request through and count the error (as Envoy's own limiters do by default).
+    #[default]
+    Allow,
+    /// Answer 429.
+    Deny,
+}

@@ -1,0 +1,433 @@
+//! Unit tests of parsing, defaults and validation.
+
+use super::duration::Seconds;
+use super::*;
+use serde_json::json;
+
+fn err(v: serde_json::Value) -> String {
+    parse(v.to_string().as_bytes()).unwrap_err().to_string()
+}
+
+fn base() -> serde_json::Value {
+    json!({
+        "domain": "demo",
+        "rules": [{ "name": "r", "key": ["client"], "limits": [{ "requests": 5, "per": "1m" }] }]
+    })
+}
+
+#[test]
+fn the_issue_example_parses_with_defaults() {
+    let c = parse(
+        br#"{
+          "domain": "demo",
+          "identity": { "client_id_header": "x-client-id", "trusted_proxy_hops": 0 },
+          "rules": [
+            { "name": "per-client", "key": ["client"],
+              "limits": [ { "requests": 60, "per": "1m" }, { "requests": 10, "per": "1s" } ] },
+            { "name": "uploads", "match": { "path_prefix": "/upload", "methods": ["POST"] },
+              "key": ["client", "path"], "limits": [ { "requests": 5, "per": "1m" } ] },
+            { "name": "per-ip", "key": ["ip"], "limits": [ { "requests": 50, "per": "1s" } ] }
+          ],
+          "costs": [ { "match": { "path_prefix": "/search" }, "cost": 5 },
+                     { "match": { "path_prefix": "/export" }, "cost": 50 } ],
+          "response": { "headers": "both", "problem_type": "https://iana.org/assignments/http-problem-types#quota-exceeded" }
+        }"#,
+    )
+    .unwrap();
+    assert_eq!(c.rules.len(), 3);
+    assert_eq!(c.rules[0].limits[1].per, Seconds(1));
+    assert_eq!(c.max_buckets, DEFAULT_BUCKETS);
+    assert_eq!(c.on_error, OnError::Allow);
+    let d = parse(base().to_string().as_bytes()).unwrap();
+    assert_eq!(d.identity.client_id_header, "x-client-id");
+    assert_eq!(d.response.headers, HeaderStyle::Both);
+    assert_eq!(d.response.problem_type, DEFAULT_PROBLEM_TYPE);
+}
+
+#[test]
+fn bad_duration_names_its_path() {
+    let mut v = base();
+    v["rules"][0]["limits"][0]["per"] = json!("10x");
+    assert_eq!(err(v), r#"rules[0].limits[0].per: "10x" is not a duration"#);
+}
+
+#[test]
+fn unknown_fields_are_refused_with_their_path() {
+    let mut v = base();
+    v["rules"][0]["limitz"] = json!([]);
+    let e = err(v);
+    assert!(
+        e.starts_with("rules[0].limitz: unknown field `limitz`"),
+        "{e}"
+    );
+    let mut top = base();
+    top["extra"] = json!(1);
+    assert!(err(top).contains("unknown field `extra`"));
+}
+
+#[test]
+fn semantic_errors_name_their_path() {
+    let cases = [
+        ("/rules/0/limits/0/requests", json!(0), "rules[0].limits[0].requests: must be between 1 and 1000000000"),
+        ("/rules/0/key/0", json!("cookie"), r#"rules[0].key[0]: "cookie" is not a key part (client, ip, method, path or header:<name>)"#),
+        ("/rules/0/name", json!("has space"), r#"rules[0].name: "has space" must be 1-64 characters of A-Z a-z 0-9 - _ . :"#),
+        ("/max_buckets", json!(1), "max_buckets: must be between 64 and 16777216"),
+        ("/response/headers", json!("all"), "response.headers: unknown variant `all`, expected one of `both`, `legacy`, `ietf`, `none`"),
+        ("/rules/0/limits", json!([]), "rules[0].limits: must hold 1 to 8 limits"),
+        ("/identity", json!({"trusted_proxy_hops": 99}), "identity.trusted_proxy_hops: must be at most 16"),
+    ];
+    for (ptr, value, want) in cases {
+        let mut v = base();
+        let mut slot = &mut v;
+        for seg in ptr.split('/').skip(1) {
+            slot = match seg.parse::<usize>() {
+                Ok(i) if slot.is_array() => &mut slot[i],
+                _ => &mut slot[seg],
+            };
+        }
+        *slot = value;
+        assert_eq!(err(v), want, "{ptr}");
+    }
+}
+
+#[test]
+fn duplicate_rule_names_and_bad_matches_are_refused() {
+    let mut v = base();
+    let r = v["rules"][0].clone();
+    v["rules"].as_array_mut().unwrap().push(r);
+    assert_eq!(err(v), r#"rules[1].name: "r" is used by an earlier rule"#);
+    let mut m = base();
+    m["rules"][0]["match"] = json!({"path_prefix": "api"});
+    assert_eq!(
+        err(m),
+        r#"rules[0].match.path_prefix: "api" must start with /"#
+    );
+    let mut c = base();
+    c["costs"] = json!([{"match": {"path_prefix": "/x"}, "cost": 0}]);
+    assert_eq!(err(c), "costs[0].cost: must be between 1 and 1000000");
+}
+
+#[test]
+fn too_many_rules_names_the_limit() {
+    let mut v = base();
+    let rules: Vec<_> = (0..=MAX_RULES)
+        .map(|i| json!({"name": format!("r{i}"), "limits": [{"requests": 1, "per": 1}]}))
+        .collect();
+    v["rules"] = json!(rules);
+    assert_eq!(err(v), "rules: 1025 rules exceed the maximum of 1024");
+}
+
+#[test]
+fn not_json_and_wrong_types() {
+    assert!(parse(b"{")
+        .unwrap_err()
+        .to_string()
+        .starts_with("configuration is not valid JSON"));
+    assert_eq!(
+        err(json!({"domain": "d", "rules": "x"})),
+        "rules: invalid type: string \"x\", expected a sequence"
+    );
+    assert_eq!(
+        err(json!({"rules": []})),
+        "configuration: missing field `domain`"
+    );
+}
+
+#[test]
+fn policy_fields_are_checked_with_their_paths() {
+    let cases = [
+        (json!({"tiers": {"free": {}}}), "identity.default_tier: required when tiers are declared"),
+        (
+            json!({"tiers": {"free": {}}, "identity": {"default_tier": "gold"}}),
+            r#"identity.default_tier: "gold" is not a tier declared in tiers"#,
+        ),
+        (
+            json!({"identity": {"clients": {"a": {"limits": {"nope": []}}}}}),
+            r#"identity.clients.a.limits: "nope" is not a rule name"#,
+        ),
+        (
+            json!({"quotas": [{"name": "q", "period": "month", "upgrade_url": "https://x"}]}),
+            "quotas: need global: the gateway keeps quotas",
+        ),
+        (
+            json!({"quotas": [{"name": "q", "period": "week", "upgrade_url": "https://x"}], "global": {"cluster": "gw"}}),
+            "quotas[0].period: unknown variant `week`, expected one of `minute`, `hour`, `day`, `month`",
+        ),
+        (json!({"response": {"retry_jitter": 0.9}}), "response.retry_jitter: must be between 0 and 0.5"),
+    ];
+    for (extra, want) in cases {
+        let mut v = base();
+        for (k, val) in extra.as_object().unwrap() {
+            v[k] = val.clone();
+        }
+        assert_eq!(err(v), want);
+    }
+}
+
+#[test]
+fn graduated_and_shadow_constraints() {
+    let mut v = base();
+    v["rules"][0]["graduated"] = json!({"delay_at": 1.0});
+    assert_eq!(
+        err(v),
+        "rules[0].graduated.delay_ms: required with delay_at"
+    );
+    let mut v = base();
+    v["rules"][0]["graduated"] = json!({"reject_at": 1.2, "block_at": 1.1, "block_for": "1m"});
+    assert_eq!(
+        err(v),
+        "rules[0].graduated.block_at: must not be below reject_at"
+    );
+    let mut v = base();
+    v["rules"][0]["limits"] = json!([{"requests": 1, "per": 1}, {"requests": 2, "per": 2}]);
+    v["rules"][0]["graduated"] = json!({"warn_at": 0.5});
+    assert_eq!(
+        err(v),
+        "rules[0].limits: needs exactly one limit: the rule is graduated, its stages are shares of it"
+    );
+    let mut v = base();
+    v["rules"][0]["algorithm"] = json!("sliding_window");
+    v["rules"][0]["graduated"] = json!({"warn_at": 0.5});
+    assert_eq!(
+        err(v),
+        r#"rules[0].graduated: needs "algorithm": "token_bucket""#
+    );
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw"});
+    v["rules"][0]["scope"] = json!("global");
+    v["rules"][0]["mode"] = json!("shadow");
+    assert_eq!(
+        err(v),
+        "rules[0].mode: shadow is supported for local rules only"
+    );
+    let mut v = base();
+    v["rules"][0]["scope"] = json!("global");
+    assert_eq!(
+        err(v),
+        r#"global: required because rules[0] has "scope": "global""#
+    );
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw", "timeout_ms": 0});
+    assert_eq!(
+        err(v),
+        "global.timeout_ms: must be between 1 and 60000 (Envoy treats 0 as no timeout)"
+    );
+}
+
+#[test]
+fn lease_settings_are_checked_with_their_paths() {
+    let cases = [
+        (json!({"fraction": 0}), "global.lease.fraction: 0 must be above 0 and at most 1"),
+        (json!({"fraction": 1.5}), "global.lease.fraction: 1.5 must be above 0 and at most 1"),
+        (
+            json!({"fraction": 0.1, "max_wait_ms": 0}),
+            "global.lease.max_wait_ms: must be between 1 and 60000 (Envoy treats 0 as no timeout)",
+        ),
+        (json!({"fraction": 0.1, "ttl_ms": 5}), "global.lease.ttl_ms: must be between 10 and 3600000"),
+        (json!({"fraction": 0.1, "path": "x"}), r#"global.lease.path: "x" is not an absolute path of RFC 3986 characters"#),
+        (json!({"fraction": 0.1, "max_leases": 0}), "global.lease.max_leases: must be between 1 and 1048576"),
+        (json!({"fraction": 0.1, "size": 3}), "global.lease.size: unknown field `size`, expected one of `fraction`, `max_wait_ms`, `ttl_ms`, `path`, `max_leases`"),
+    ];
+    for (lease, want) in cases {
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw", "lease": lease});
+        assert_eq!(err(v), want);
+    }
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw", "lease": {"fraction": 0.05}});
+    let c = parse(v.to_string().as_bytes()).unwrap();
+    let l = c.global.unwrap().lease.unwrap();
+    assert_eq!(
+        (l.max_wait_ms, l.ttl_ms, l.path.as_str(), l.max_leases),
+        (20, 2000, "/v1/lease", 4096)
+    );
+}
+
+#[test]
+fn tiers_may_replace_the_rule_limits() {
+    let mut v = base();
+    v["tiers"] = json!({"free": {}, "pro": {}});
+    v["identity"] = json!({"default_tier": "free"});
+    v["rules"][0]["limits"] = json!([]);
+    v["rules"][0]["tiers"] = json!({"free": [{"requests": 1, "per": 1}]});
+    assert_eq!(err(v.clone()), "rules[0].limits: must hold 1 to 8 limits");
+    v["rules"][0]["tiers"]["pro"] = json!([{"requests": 5, "per": 1}]);
+    assert!(parse(v.to_string().as_bytes()).is_ok());
+}
+
+/// 10^6 per 366 d is 3.2 × 10^16 ms, past 2^53: the gateway would answer
+/// 400 to every request and each would take the failure mode.
+fn year() -> serde_json::Value {
+    json!([{"requests": 1_000_000, "per": "366d"}])
+}
+
+fn two_global_rules() -> serde_json::Value {
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw"});
+    v["rules"] = json!([
+        {"name": "l", "limits": [{"requests": 1, "per": 1}]},
+        {"name": "g", "scope": "global", "key": ["client"], "limits": [{"requests": 5, "per": "1m"}]}
+    ]);
+    v
+}
+
+#[test]
+fn the_global_exactness_bound_holds_in_every_limit_set() {
+    let reason = "requests × per must stay under 2^53 milliseconds for a global rule";
+    let mut own = two_global_rules();
+    own["rules"][1]["limits"] = year();
+    assert_eq!(err(own), format!("rules[1].limits[0].per: {reason}"));
+    let mut tier = two_global_rules();
+    tier["tiers"] = json!({"free": {}, "gold": {}});
+    tier["identity"] = json!({"default_tier": "free"});
+    tier["rules"][1]["tiers"] = json!({"gold": year()});
+    assert_eq!(err(tier), format!("rules[1].tiers.gold[0].per: {reason}"));
+    let mut client = two_global_rules();
+    client["identity"] = json!({"clients": {"acme": {"limits": {"g": year()}}}});
+    assert_eq!(
+        err(client),
+        format!("identity.clients.acme.limits.g[0].per: {reason}")
+    );
+    // A local rule never reaches the gateway: the same figure is fine there.
+    let mut local = two_global_rules();
+    local["identity"] = json!({"clients": {"acme": {"limits": {"l": year()}}}});
+    local["rules"][0]["limits"] = year();
+    assert!(parse(local.to_string().as_bytes()).is_ok());
+    // Each limit set is held to the same count and range checks.
+    let mut zero = two_global_rules();
+    zero["identity"] =
+        json!({"clients": {"acme": {"limits": {"g": [{"requests": 0, "per": 1}]}}}});
+    assert_eq!(
+        err(zero),
+        "identity.clients.acme.limits.g[0].requests: must be between 1 and 1000000000"
+    );
+}
+
+#[test]
+fn strings_that_reach_a_header_or_a_body_are_checked_as_what_they_are() {
+    let quota = |url: &str| {
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw"});
+        v["quotas"] = json!([{"name": "q", "period": "month", "limit": 5, "upgrade_url": url}]);
+        v
+    };
+    let url_reason = "is not an absolute http(s) URL of RFC 3986 characters";
+    for bad in [
+        "https://x/\r\nSet-Cookie:session=evil\r\nX-A:\u{1}",
+        "https://x/a b",
+        "https://x/<a>",
+        "javascript:alert(1)",
+        "/upgrade",
+        "https://",
+        "https://x/%zz",
+        "https://x/\u{e9}",
+    ] {
+        assert_eq!(
+            err(quota(bad)),
+            format!("quotas[0].upgrade_url: {bad:?} {url_reason}")
+        );
+    }
+    for good in [
+        "https://example.com/upgrade",
+        "HTTP://e.com:8080/up?plan=pro&from=a%20b#top",
+        "https://[::1]/x",
+    ] {
+        assert!(parse(quota(good).to_string().as_bytes()).is_ok(), "{good}");
+    }
+    let uri_reason = "is not an absolute URI of RFC 3986 characters";
+    for (field, bad) in [
+        ("problem_type", "https://e.com/p\n"),
+        ("problem_type", "no-scheme"),
+        ("problem_type", "1x:y"),
+        ("quota_problem_type", "tag:a b"),
+        ("quota_problem_type", ""),
+    ] {
+        let mut v = base();
+        v["response"] = json!({ field: bad });
+        assert_eq!(err(v), format!("response.{field}: {bad:?} {uri_reason}"));
+    }
+    let mut v = base();
+    v["response"] =
+        json!({"problem_type": "about:blank", "quota_problem_type": "urn:example:quota"});
+    assert!(parse(v.to_string().as_bytes()).is_ok());
+    // The callout's :authority and :path headers.
+    let global = |g: serde_json::Value| {
+        let mut v = base();
+        v["global"] = g;
+        err(v)
+    };
+    assert_eq!(
+        global(json!({"cluster": "gw", "authority": "gw\r\nx-a: 1"})),
+        r#"global.authority: "gw\r\nx-a: 1" is not a host with an optional port"#
+    );
+    assert_eq!(
+        global(json!({"cluster": "gw", "path": "/v1/check\n"})),
+        r#"global.path: "/v1/check\n" is not an absolute path of RFC 3986 characters"#
+    );
+    assert_eq!(
+        global(json!({"cluster": "gw", "lease": {"fraction": 0.1, "path": "/v1/lease x"}})),
+        r#"global.lease.path: "/v1/lease x" is not an absolute path of RFC 3986 characters"#
+    );
+    assert_eq!(
+        global(json!({"cluster": "gw\n"})),
+        r#"global.cluster: "gw\n" must name an Envoy cluster in visible ASCII"#
+    );
+    let mut v = base();
+    v["global"] = json!({"cluster": "outbound|8080||gw.ns.svc.cluster.local",
+        "authority": "gw.ns.svc.cluster.local:8080", "path": "/v1/check?x=1"});
+    assert!(parse(v.to_string().as_bytes()).is_ok());
+}
+
+#[test]
+fn the_gateway_token_is_a_b64token_from_the_config_or_the_environment() {
+    let global = |g: serde_json::Value| {
+        let mut v = base();
+        v["global"] = g;
+        parse(v.to_string().as_bytes())
+    };
+    let err = |g| global(g).unwrap_err().to_string();
+    assert_eq!(
+        err(json!({"cluster": "gw", "token": "a b"})),
+        "global.token: not an RFC 6750 b64token of at most 4096 bytes"
+    );
+    assert_eq!(
+        err(json!({"cluster": "gw", "token": "x\r\nevil: 1"})),
+        "global.token: not an RFC 6750 b64token of at most 4096 bytes"
+    );
+    assert_eq!(
+        err(json!({"cluster": "gw", "token": "abc", "token_env": "T"})),
+        "global.token: give token or token_env, not both"
+    );
+    assert_eq!(
+        err(json!({"cluster": "gw", "token_env": "1T"})),
+        r#"global.token_env: "1T" is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"#
+    );
+    let inline = global(json!({"cluster": "gw", "token": "s3cr3t.A/b+c=="})).unwrap();
+    let g = inline.global.unwrap();
+    assert_eq!(
+        g.bearer(|_| None).unwrap().as_deref(),
+        Some("Bearer s3cr3t.A/b+c==")
+    );
+    assert!(
+        !format!("{g:?}").contains("s3cr3t"),
+        "Debug shows the token"
+    );
+    let from_env = global(json!({"cluster": "gw", "token_env": "RL_TOKEN"})).unwrap();
+    let g = from_env.global.unwrap();
+    let env = |v: &'static str| move |n: &str| (n == "RL_TOKEN").then(|| v.to_string());
+    assert_eq!(
+        g.bearer(env("tok-1")).unwrap().as_deref(),
+        Some("Bearer tok-1")
+    );
+    let bad = g.bearer(env("tok 1")).unwrap_err().to_string();
+    assert_eq!(
+        bad,
+        r#"global.token_env: the value of "RL_TOKEN" is not an RFC 6750 b64token of at most 4096 bytes"#
+    );
+    assert_eq!(
+        g.bearer(|_| None).unwrap_err().to_string(),
+        r#"global.token_env: the VM has no environment variable "RL_TOKEN" (Envoy: vm_config.environment_variables; Istio: WasmPlugin vmConfig.env)"#
+    );
+    let none = global(json!({"cluster": "gw"})).unwrap().global.unwrap();
+    assert_eq!(none.bearer(|_| Some("x".into())).unwrap(), None);
+}

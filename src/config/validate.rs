@@ -1,0 +1,494 @@
+//! Parsing and validation of a configuration: every error names the field
+//! path, e.g. `rules[1].limits[0].per: "10x" is not a duration`. The rules,
+//! limits, graduated stages, identity and quotas are checked here; the gateway
+//! settings in [`super::validate_global`].
+
+use super::syntax::*;
+use super::*;
+use ratelimit_protocol::Algorithm;
+use std::collections::HashSet;
+
+/// Parses and validates a configuration.
+pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| ConfigError::NotJson(e.to_string()))?;
+    let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        ConfigError::field(path, e.into_inner().to_string())
+    })?;
+    config.validate()?;
+    Ok(config)
+}
+
+/// Known key parts, besides `header:<name>`.
+pub const KEY_PARTS: [&str; 4] = ["client", "ip", "method", "path"];
+
+impl Config {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !is_plain_name(&self.domain) {
+            return Err(ConfigError::field(
+                "domain",
+                format!(
+                    "{:?} must be 1-64 characters of A-Z a-z 0-9 - _ . :",
+                    self.domain
+                ),
+            ));
+        }
+        let id = &self.identity;
+        if !is_token(&id.client_id_header) {
+            return Err(ConfigError::field(
+                "identity.client_id_header",
+                format!("{:?} is not a header name", id.client_id_header),
+            ));
+        }
+        if id.trusted_proxy_hops > MAX_TRUSTED_HOPS {
+            return Err(ConfigError::field(
+                "identity.trusted_proxy_hops",
+                format!("must be at most {MAX_TRUSTED_HOPS}"),
+            ));
+        }
+        if self.rules.is_empty() {
+            return Err(ConfigError::field("rules", "at least one rule is required"));
+        }
+        if self.rules.len() > MAX_RULES {
+            return Err(ConfigError::field(
+                "rules",
+                format!(
+                    "{} rules exceed the maximum of {MAX_RULES}",
+                    self.rules.len()
+                ),
+            ));
+        }
+        let mut names = HashSet::new();
+        for (i, rule) in self.rules.iter().enumerate() {
+            let at = format!("rules[{i}]");
+            if !is_plain_name(&rule.name) {
+                return Err(ConfigError::field(
+                    format!("{at}.name"),
+                    format!(
+                        "{:?} must be 1-64 characters of A-Z a-z 0-9 - _ . :",
+                        rule.name
+                    ),
+                ));
+            }
+            if !names.insert(rule.name.as_str()) {
+                return Err(ConfigError::field(
+                    format!("{at}.name"),
+                    format!("{:?} is used by an earlier rule", rule.name),
+                ));
+            }
+            if let Some(m) = &rule.matches {
+                m.validate(&format!("{at}.match"))?;
+            }
+            validate_key(&format!("{at}.key"), &rule.key)?;
+            let covered =
+                !self.tiers.is_empty() && self.tiers.keys().all(|t| rule.tiers.contains_key(t));
+            validate_limits(&format!("{at}.limits"), &rule.limits, rule, covered)?;
+            for (tier, limits) in &rule.tiers {
+                if !self.tiers.contains_key(tier) {
+                    return Err(ConfigError::field(
+                        format!("{at}.tiers"),
+                        format!("{tier:?} is not a tier declared in tiers"),
+                    ));
+                }
+                validate_limits(&format!("{at}.tiers.{tier}"), limits, rule, false)?;
+            }
+            if let Some(cost) = rule.cost {
+                check_cost(&format!("{at}.cost"), cost)?;
+            }
+            if rule.mode == Mode::Shadow && rule.scope == Scope::Global {
+                return Err(ConfigError::field(
+                    format!("{at}.mode"),
+                    "shadow is supported for local rules only",
+                ));
+            }
+            if let Some(g) = &rule.graduated {
+                validate_graduated(&format!("{at}.graduated"), rule, g)?;
+            }
+        }
+        self.validate_global()?;
+        self.validate_identity()?;
+        self.validate_quotas()?;
+        for (i, cost) in self.costs.iter().enumerate() {
+            cost.matches.validate(&format!("costs[{i}].match"))?;
+            check_cost(&format!("costs[{i}].cost"), cost.cost)?;
+        }
+        if !(0.0..=0.5).contains(&self.response.retry_jitter) {
+            return Err(ConfigError::field(
+                "response.retry_jitter",
+                "must be between 0 and 0.5",
+            ));
+        }
+        for (field, value) in [
+            ("problem_type", &self.response.problem_type),
+            ("quota_problem_type", &self.response.quota_problem_type),
+        ] {
+            if !is_absolute_uri(value) {
+                return Err(ConfigError::field(
+                    format!("response.{field}"),
+                    format!("{value:?} is not an absolute URI of RFC 3986 characters"),
+                ));
+            }
+        }
+        if !(MIN_BUCKETS..=MAX_BUCKETS).contains(&self.max_buckets) {
+            return Err(ConfigError::field(
+                "max_buckets",
+                format!("must be between {MIN_BUCKETS} and {MAX_BUCKETS}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn validate_key(at: &str, key: &[String]) -> Result<(), ConfigError> {
+    if key.len() > MAX_KEY_PARTS {
+        return Err(ConfigError::field(
+            at,
+            format!("at most {MAX_KEY_PARTS} parts"),
+        ));
+    }
+    for (k, part) in key.iter().enumerate() {
+        let ok = KEY_PARTS.contains(&part.as_str())
+            || part.strip_prefix("header:").is_some_and(is_token);
+        if !ok {
+            return Err(ConfigError::field(
+                format!("{at}[{k}]"),
+                format!("{part:?} is not a key part (client, ip, method, path or header:<name>)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks one set of limits of `rule`, wherever it is written: the rule's own
+/// `limits`, a tier's, or a client's override. Every set of a rule takes the
+/// same path to the buckets and the gateway, so every check lives here once.
+fn validate_limits(
+    at: &str,
+    limits: &[LimitSpec],
+    rule: &Rule,
+    may_be_empty: bool,
+) -> Result<(), ConfigError> {
+    if (limits.is_empty() && !may_be_empty) || limits.len() > MAX_LIMITS_PER_RULE {
+        return Err(ConfigError::field(
+            at,
+            format!("must hold 1 to {MAX_LIMITS_PER_RULE} limits"),
+        ));
+    }
+    if rule.graduated.is_some() && limits.len() > 1 {
+        return Err(ConfigError::field(
+            at,
+            "needs exactly one limit: the rule is graduated, its stages are shares of it",
+        ));
+    }
+    for (l, limit) in limits.iter().enumerate() {
+        if limit.requests == 0 || limit.requests > MAX_REQUESTS {
+            return Err(ConfigError::field(
+                format!("{at}[{l}].requests"),
+                format!("must be between 1 and {MAX_REQUESTS}"),
+            ));
+        }
+        let product = limit
+            .requests
+            .saturating_mul(limit.per.0.saturating_mul(1000));
+        if rule.scope == Scope::Global && product > MAX_GLOBAL_PRODUCT {
+            return Err(ConfigError::field(
+                format!("{at}[{l}].per"),
+                "requests × per must stay under 2^53 milliseconds for a global rule",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_cost(at: &str, cost: u64) -> Result<(), ConfigError> {
+    if cost == 0 || cost > MAX_COST {
+        return Err(ConfigError::field(
+            at,
+            format!("must be between 1 and {MAX_COST}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Most a graduated share may be.
+pub const MAX_SHARE: f64 = 100.0;
+
+fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), ConfigError> {
+    if rule.algorithm != Algorithm::TokenBucket {
+        return Err(ConfigError::field(
+            at,
+            "needs \"algorithm\": \"token_bucket\"",
+        ));
+    }
+    if rule.scope != Scope::Local {
+        return Err(ConfigError::field(at, "is supported for local rules only"));
+    }
+    let share = |name: &str, v: f64, min: f64| -> Result<(), ConfigError> {
+        if !v.is_finite() || v < min || v > MAX_SHARE {
+            return Err(ConfigError::field(
+                format!("{at}.{name}"),
+                format!("must be between {min} and {MAX_SHARE}"),
+            ));
+        }
+        Ok(())
+    };
+    share("reject_at", g.reject_at, 1.0)?;
+    if let Some(w) = g.warn_at {
+        share("warn_at", w, 0.01)?;
+        if w > g.reject_at {
+            return Err(ConfigError::field(
+                format!("{at}.warn_at"),
+                "must not exceed reject_at",
+            ));
+        }
+    }
+    match (g.delay_at, g.delay_ms) {
+        (None, None) => {}
+        (Some(d), Some(ms)) => {
+            share("delay_at", d, 0.01)?;
+            if d >= g.reject_at {
+                return Err(ConfigError::field(
+                    format!("{at}.delay_at"),
+                    "must be below reject_at",
+                ));
+            }
+            if !(1..=60_000).contains(&ms) {
+                return Err(ConfigError::field(
+                    format!("{at}.delay_ms"),
+                    "must be between 1 and 60000",
+                ));
+            }
+        }
+        (Some(_), None) => {
+            return Err(ConfigError::field(
+                format!("{at}.delay_ms"),
+                "required with delay_at",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::field(
+                format!("{at}.delay_at"),
+                "required with delay_ms",
+            ))
+        }
+    }
+    match (g.block_at, g.block_for) {
+        (None, None) => {}
+        (Some(b), Some(_)) => {
+            share("block_at", b, 1.0)?;
+            if b < g.reject_at {
+                return Err(ConfigError::field(
+                    format!("{at}.block_at"),
+                    "must not be below reject_at",
+                ));
+            }
+        }
+        (Some(_), None) => {
+            return Err(ConfigError::field(
+                format!("{at}.block_for"),
+                "required with block_at",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::field(
+                format!("{at}.block_at"),
+                "required with block_for",
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// Largest quota amount.
+pub const MAX_QUOTA: u64 = 1 << 50;
+
+impl Config {
+    fn validate_identity(&self) -> Result<(), ConfigError> {
+        let id = &self.identity;
+        for (i, name) in self.tiers.keys().enumerate() {
+            if !is_plain_name(name) {
+                return Err(ConfigError::field(
+                    "tiers",
+                    format!("tier {i} {name:?} must be 1-64 characters of A-Z a-z 0-9 - _ . :"),
+                ));
+            }
+        }
+        match (&id.default_tier, self.tiers.is_empty()) {
+            (None, false) => {
+                return Err(ConfigError::field(
+                    "identity.default_tier",
+                    "required when tiers are declared",
+                ))
+            }
+            (Some(t), _) if !self.tiers.contains_key(t) => {
+                return Err(ConfigError::field(
+                    "identity.default_tier",
+                    format!("{t:?} is not a tier declared in tiers"),
+                ))
+            }
+            _ => {}
+        }
+        if let Some(h) = &id.tier_header {
+            if !is_token(h) {
+                return Err(ConfigError::field(
+                    "identity.tier_header",
+                    format!("{h:?} is not a header name"),
+                ));
+            }
+        }
+        for (field, path) in [
+            ("client_id_metadata", &id.client_id_metadata),
+            ("tier_metadata", &id.tier_metadata),
+        ] {
+            if let Some(path) = path {
+                if path.is_empty() || path.len() > 8 || path.iter().any(|p| p.is_empty()) {
+                    return Err(ConfigError::field(
+                        format!("identity.{field}"),
+                        "must be 1 to 8 non-empty names: filter name, then the fields inside its metadata",
+                    ));
+                }
+            }
+        }
+        for (client, spec) in &id.clients {
+            let at = format!("identity.clients.{client}");
+            if client.is_empty() {
+                return Err(ConfigError::field(
+                    "identity.clients",
+                    "a client id must not be empty",
+                ));
+            }
+            if let Some(t) = &spec.tier {
+                if !self.tiers.contains_key(t) {
+                    return Err(ConfigError::field(
+                        format!("{at}.tier"),
+                        format!("{t:?} is not a tier declared in tiers"),
+                    ));
+                }
+            }
+            for (rule, limits) in &spec.limits {
+                let Some(r) = self.rules.iter().find(|r| r.name == *rule) else {
+                    return Err(ConfigError::field(
+                        format!("{at}.limits"),
+                        format!("{rule:?} is not a rule name"),
+                    ));
+                };
+                validate_limits(&format!("{at}.limits.{rule}"), limits, r, false)?;
+            }
+            for (quota, amount) in &spec.quotas {
+                if !self.quotas.iter().any(|q| q.name == *quota) {
+                    return Err(ConfigError::field(
+                        format!("{at}.quotas"),
+                        format!("{quota:?} is not a quota name"),
+                    ));
+                }
+                if *amount > MAX_QUOTA {
+                    return Err(ConfigError::field(
+                        format!("{at}.quotas.{quota}"),
+                        format!("must be at most {MAX_QUOTA}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_quotas(&self) -> Result<(), ConfigError> {
+        if !self.quotas.is_empty() && self.global.is_none() {
+            return Err(ConfigError::field(
+                "quotas",
+                "need global: the gateway keeps quotas",
+            ));
+        }
+        let mut names = HashSet::new();
+        for (i, q) in self.quotas.iter().enumerate() {
+            let at = format!("quotas[{i}]");
+            if !is_plain_name(&q.name)
+                || !names.insert(q.name.as_str())
+                || self.rules.iter().any(|r| r.name == q.name)
+            {
+                return Err(ConfigError::field(
+                    format!("{at}.name"),
+                    format!("{:?} must be a unique name of 1-64 characters of A-Z a-z 0-9 - _ . : (not a rule's)", q.name),
+                ));
+            }
+            if let Some(m) = &q.matches {
+                m.validate(&format!("{at}.match"))?;
+            }
+            validate_key(&format!("{at}.key"), &q.key)?;
+            if !is_http_url(&q.upgrade_url) {
+                return Err(ConfigError::field(
+                    format!("{at}.upgrade_url"),
+                    format!(
+                        "{:?} is not an absolute http(s) URL of RFC 3986 characters",
+                        q.upgrade_url
+                    ),
+                ));
+            }
+            for (tier, amount) in &q.tiers {
+                if !self.tiers.contains_key(tier) {
+                    return Err(ConfigError::field(
+                        format!("{at}.tiers"),
+                        format!("{tier:?} is not a tier declared in tiers"),
+                    ));
+                }
+                if *amount > MAX_QUOTA {
+                    return Err(ConfigError::field(
+                        format!("{at}.tiers.{tier}"),
+                        format!("must be at most {MAX_QUOTA}"),
+                    ));
+                }
+            }
+            if q.limit.is_some_and(|l| l > MAX_QUOTA) {
+                return Err(ConfigError::field(
+                    format!("{at}.limit"),
+                    format!("must be at most {MAX_QUOTA}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Match {
+    fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        for (field, path) in [
+            ("path_prefix", &self.path_prefix),
+            ("path_exact", &self.path_exact),
+        ] {
+            if let Some(p) = path {
+                if !p.starts_with('/') {
+                    return Err(ConfigError::field(
+                        format!("{at}.{field}"),
+                        format!("{p:?} must start with /"),
+                    ));
+                }
+            }
+        }
+        if let Some(methods) = &self.methods {
+            if methods.is_empty() {
+                return Err(ConfigError::field(
+                    format!("{at}.methods"),
+                    "must not be empty",
+                ));
+            }
+            for (i, m) in methods.iter().enumerate() {
+                if !is_token(m) {
+                    return Err(ConfigError::field(
+                        format!("{at}.methods[{i}]"),
+                        format!("{m:?} is not a method"),
+                    ));
+                }
+            }
+        }
+        for name in self.headers.keys() {
+            if !is_token(name) {
+                return Err(ConfigError::field(
+                    format!("{at}.headers"),
+                    format!("{name:?} is not a header name"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

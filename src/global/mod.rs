@@ -1,0 +1,10 @@
+//! Limits shared by every proxy, decided by the gateway: the callout's
+//! bodies and the distrustful reading of its answers ([`callout`]), the
+//! circuit breaker in front of it, shared by every worker ([`circuit`]), and
+//! lease mode, where a proxy spends a batch of a global bucket's tokens
+//! locally ([`lease`]). Pure: the host layer only dispatches the callouts.
+//! Open this folder to change the wire protocol or the failure handling.
+
+pub mod callout;
+pub mod circuit;
+pub mod lease;

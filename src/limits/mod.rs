@@ -1,0 +1,16 @@
+//! How to count, whatever is counted: the token bucket and the sliding
+//! window behind one [`algorithm`] interface, the bounded [`table`] of
+//! buckets in shared data (its layout, placement and encoding), the one
+//! read-modify-CAS helper [`update::update`] that every other shared-data
+//! writer goes through, the all-or-nothing charge of a request's buckets
+//! ([`limiter`]), and the [`store`] trait over Envoy's shared data. Nothing
+//! here knows how a configuration is compiled: the charge reads rules
+//! through [`limiter::Rules`], which the policy's plan implements.
+
+pub mod algorithm;
+pub mod limiter;
+pub mod sliding_window;
+pub mod store;
+pub mod table;
+pub mod token_bucket;
+pub mod update;
