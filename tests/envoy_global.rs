@@ -67,44 +67,22 @@ fn global_config(domain: &str, rule: &str, requests: u64, mut global: Value) -> 
     .to_string()
 }
 
-fn get(c: &Client, client_id: &str) -> Response {
-    match c.get("/", &[("x-client-id", client_id)]) {
-        Ok(r) => r,
-        Err(e) => panic!("GET / as {client_id}: {e:#}"),
-    }
-}
-
-fn header<'a>(r: &'a Response, name: &str) -> &'a str {
-    r.header(name)
-        .unwrap_or_else(|| panic!("no {name} header in {r:#?}"))
-}
-
-fn int_header(r: &Response, name: &str) -> u64 {
-    let v = header(r, name);
-    v.parse()
-        .unwrap_or_else(|_| panic!("{name}: {v:?} is not an integer in {r:#?}"))
-}
-
-fn json_body(r: &Response) -> Value {
-    serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {r:#?}"))
-}
-
 /// Checks a 429 from the filter: problem+json naming `violated`, a
 /// `Retry-After` of at most `wait` seconds (the time one token takes to come
 /// back) plus the default `response.retry_jitter` of 10%,
 /// `x-ratelimit-limit` = `limit` and nothing remaining.
 fn assert_429(r: &Response, violated: &str, limit: u64, wait: u64) {
     assert_eq!(r.status, 429, "{r:#?}");
-    assert_eq!(header(r, "content-type"), "application/problem+json");
+    assert_eq!(r.expect_header("content-type"), "application/problem+json");
     let max_retry = wait + wait.div_ceil(10);
-    let retry_after = int_header(r, "retry-after");
+    let retry_after = r.int_header("retry-after");
     assert!(
         (1..=max_retry).contains(&retry_after),
         "retry-after {retry_after} outside 1..={max_retry}: {r:#?}"
     );
-    assert_eq!(int_header(r, "x-ratelimit-limit"), limit, "{r:#?}");
-    assert_eq!(int_header(r, "x-ratelimit-remaining"), 0, "{r:#?}");
-    let body = json_body(r);
+    assert_eq!(r.int_header("x-ratelimit-limit"), limit, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 0, "{r:#?}");
+    let body = r.json();
     assert_eq!(body["type"], PROBLEM_TYPE, "{body}");
     assert_eq!(body["title"], "Too Many Requests", "{body}");
     assert_eq!(body["status"], 429, "{body}");
@@ -251,17 +229,17 @@ fn two_proxies_share_one_global_limit() {
             200 => {
                 per_proxy[*proxy][0] += 1;
                 assert_eq!(
-                    header(r, "ratelimit-policy"),
+                    r.expect_header("ratelimit-policy"),
                     "\"shared\";q=60;w=3600",
                     "request {i}"
                 );
-                assert_eq!(int_header(r, "x-ratelimit-limit"), LIMIT, "request {i}");
-                let left = int_header(r, "x-ratelimit-remaining");
+                assert_eq!(r.int_header("x-ratelimit-limit"), LIMIT, "request {i}");
+                let left = r.int_header("x-ratelimit-remaining");
                 assert_eq!(
-                    header(r, "ratelimit"),
+                    r.expect_header("ratelimit"),
                     format!(
                         "\"shared\";r={left};t={}",
-                        int_header(r, "x-ratelimit-reset")
+                        r.int_header("x-ratelimit-reset")
                     ),
                     "request {i}"
                 );
@@ -350,12 +328,12 @@ fn two_proxies_in_lease_mode_stay_within_limit_plus_one_lease_each() {
             200 => {
                 allowed[*proxy] += 1;
                 assert_eq!(
-                    header(r, "ratelimit-policy"),
+                    r.expect_header("ratelimit-policy"),
                     "\"shared\";q=100;w=3600",
                     "request {i}"
                 );
                 assert!(
-                    int_header(r, "x-ratelimit-remaining") <= LIMIT,
+                    r.int_header("x-ratelimit-remaining") <= LIMIT,
                     "request {i}: {r:#?}"
                 );
             }
@@ -581,14 +559,14 @@ fn decided_by_gateway(r: &Response) -> bool {
 /// Checks a 200 decided by the gateway with `left` requests remaining.
 fn assert_gateway_200(r: &Response, left: u64, what: &str) {
     assert_eq!(r.status, 200, "{what}: {r:#?}");
-    assert_eq!(int_header(r, "x-ratelimit-limit"), LIMIT, "{what}: {r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-limit"), LIMIT, "{what}: {r:#?}");
     assert_eq!(
-        int_header(r, "x-ratelimit-remaining"),
+        r.int_header("x-ratelimit-remaining"),
         left,
         "{what}: {r:#?}"
     );
     assert_eq!(
-        header(r, "ratelimit-policy"),
+        r.expect_header("ratelimit-policy"),
         format!("\"{RULE}\";q={LIMIT};w=3600"),
         "{what}"
     );
@@ -613,10 +591,10 @@ fn assert_failure_mode(mode: Mode, r: &Response, local_left: u64, what: &str) {
         }
         Mode::Closed => {
             assert_eq!(r.status, 503, "{what}: {r:#?}");
-            assert_eq!(header(r, "content-type"), "application/problem+json");
+            assert_eq!(r.expect_header("content-type"), "application/problem+json");
             let retry = COOLDOWN_MS.div_ceil(1000);
-            assert_eq!(int_header(r, "retry-after"), retry, "{what}");
-            let body = json_body(r);
+            assert_eq!(r.int_header("retry-after"), retry, "{what}");
+            let body = r.json();
             assert_eq!(body["type"], "about:blank", "{body}");
             assert_eq!(body["title"], "Service Unavailable", "{body}");
             assert_eq!(body["status"], 503, "{body}");
@@ -629,14 +607,14 @@ fn assert_failure_mode(mode: Mode, r: &Response, local_left: u64, what: &str) {
         Mode::Local => {
             if local_left > 0 {
                 assert_eq!(r.status, 200, "{what}: within the local share: {r:#?}");
-                assert_eq!(int_header(r, "x-ratelimit-limit"), SHARE, "{what}");
+                assert_eq!(r.int_header("x-ratelimit-limit"), SHARE, "{what}");
                 assert_eq!(
-                    int_header(r, "x-ratelimit-remaining"),
+                    r.int_header("x-ratelimit-remaining"),
                     local_left - 1,
                     "{what}"
                 );
                 assert_eq!(
-                    header(r, "ratelimit-policy"),
+                    r.expect_header("ratelimit-policy"),
                     format!("\"{RULE}\";q={SHARE};w=3600"),
                     "{what}"
                 );
@@ -674,7 +652,7 @@ fn run_phase(rig: &mut Rig, phase: &Phase) -> Observed {
 
     // 1. The gateway decides.
     for i in 1..=BEFORE {
-        let r = get(&rig.client, &client_id);
+        let r = rig.client.get_as("/", &client_id);
         assert_gateway_200(
             &r,
             LIMIT - i,
@@ -698,7 +676,7 @@ fn run_phase(rig: &mut Rig, phase: &Phase) -> Observed {
     let mut during = Vec::new();
     let mut opened_at = Instant::now();
     for i in 0..DURING {
-        during.push(get(&rig.client, &client_id));
+        during.push(rig.client.get_as("/", &client_id));
         if i as u64 + 1 == FAILURES {
             opened_at = Instant::now();
         }
@@ -715,7 +693,7 @@ fn run_phase(rig: &mut Rig, phase: &Phase) -> Observed {
         if usable && (i as u64) < FAILURES {
             // The stub's valid answer: allowed, 5 remaining.
             assert_eq!(r.status, 200, "{what}: {r:#?}");
-            assert_eq!(int_header(r, "x-ratelimit-remaining"), 5, "{what}");
+            assert_eq!(r.int_header("x-ratelimit-remaining"), 5, "{what}");
             continue;
         }
         assert_failure_mode(mode, r, share, &what);
@@ -807,7 +785,7 @@ fn run_phase(rig: &mut Rig, phase: &Phase) -> Observed {
     let deadline = Duration::from_millis(COOLDOWN_MS + 3000);
     let mut polls = 0;
     let first = loop {
-        let r = get(&rig.client, &client_id);
+        let r = rig.client.get_as("/", &client_id);
         polls += 1;
         if decided_by_gateway(&r) {
             break r;
@@ -839,10 +817,10 @@ fn run_phase(rig: &mut Rig, phase: &Phase) -> Observed {
 
     // 5. The exact global count resumes: `left` more, then 429 from the gateway.
     for i in (0..left).rev() {
-        let r = get(&rig.client, &client_id);
+        let r = rig.client.get_as("/", &client_id);
         assert_gateway_200(&r, i, &label("after recovery"));
     }
-    let denied = get(&rig.client, &client_id);
+    let denied = rig.client.get_as("/", &client_id);
     assert_429(&denied, RULE, LIMIT, 3600 / LIMIT);
     let m = delta(&recovered, &counters(&rig.envoy));
     assert_eq!(
@@ -1049,7 +1027,7 @@ fn two_proxies_with_tokens_share_one_global_limit_exactly() {
         match r.status {
             200 => {
                 per_proxy[*proxy][0] += 1;
-                remaining.push(int_header(r, "x-ratelimit-remaining"));
+                remaining.push(r.int_header("x-ratelimit-remaining"));
             }
             429 => per_proxy[*proxy][1] += 1,
             other => panic!("request {i} via proxy {proxy}: status {other}: {r:#?}"),
@@ -1184,10 +1162,10 @@ fn an_envoy_with_a_client_certificate_reaches_the_gateway_over_mutual_tls() {
         "starting two Envoys",
     );
     let c = envoys[0].client(ConnectionMode::NewPerRequest);
-    let statuses: Vec<u16> = (0..8).map(|_| get(&c, "alice").status).collect();
+    let statuses: Vec<u16> = (0..8).map(|_| c.get_as("/", "alice").status).collect();
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429, 429]);
     let c = envoys[1].client(ConnectionMode::NewPerRequest);
-    let statuses: Vec<u16> = (0..3).map(|_| get(&c, "bob").status).collect();
+    let statuses: Vec<u16> = (0..3).map(|_| c.get_as("/", "bob").status).collect();
     assert_eq!(statuses, [503, 503, 503]);
     // testkit reads /metrics over plain HTTP: the listener is TLS only.
     assert!(
@@ -1230,21 +1208,17 @@ fn a_proxy_configured_above_the_gateways_policy_gets_the_policy() {
     let before = counters(&envoy);
     let (mut allowed, mut denied) = (0, 0);
     for i in 0..REQUESTS {
-        let r = get(&client, "drifter");
+        let r = client.get_as("/", "drifter");
         match r.status {
             200 => {
                 allowed += 1;
                 assert_eq!(
-                    header(&r, "ratelimit-policy"),
+                    r.expect_header("ratelimit-policy"),
                     "\"shared\";q=30;w=3600",
                     "request {i}"
                 );
-                assert_eq!(int_header(&r, "x-ratelimit-limit"), 30, "request {i}");
-                assert_eq!(
-                    int_header(&r, "x-ratelimit-remaining"),
-                    29 - i,
-                    "request {i}"
-                );
+                assert_eq!(r.int_header("x-ratelimit-limit"), 30, "request {i}");
+                assert_eq!(r.int_header("x-ratelimit-remaining"), 29 - i, "request {i}");
             }
             429 => {
                 denied += 1;
@@ -1281,7 +1255,7 @@ fn a_proxy_configured_above_the_gateways_policy_gets_the_policy() {
 fn a_redis_turned_replica_leaves_requests_to_the_failure_mode() {
     let rig = Rig::start(Mode::Open, SUITE);
     let other = ok(Redis::start(), "starting a second redis-server");
-    let first = get(&rig.client, "replica");
+    let first = rig.client.get_as("/", "replica");
     assert_gateway_200(&first, LIMIT - 1, "before REPLICAOF");
 
     let port = other.port().to_string();
@@ -1294,7 +1268,7 @@ fn a_redis_turned_replica_leaves_requests_to_the_failure_mode() {
     assert_eq!(status, 503, "/healthz after REPLICAOF");
     for i in 0..DURING {
         let started = Instant::now();
-        let r = get(&rig.client, "replica");
+        let r = rig.client.get_as("/", "replica");
         assert_failure_mode(Mode::Open, &r, 0, &format!("request {i} after REPLICAOF"));
         assert!(
             started.elapsed() < Duration::from_millis(SUITE.timeout_ms),
@@ -1317,7 +1291,7 @@ fn a_redis_turned_replica_leaves_requests_to_the_failure_mode() {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         std::thread::sleep(Duration::from_millis(50));
-        let r = get(&rig.client, "replica-after");
+        let r = rig.client.get_as("/", "replica-after");
         if decided_by_gateway(&r) {
             // A new client on the promoted server (now empty: the other's data).
             assert_gateway_200(&r, LIMIT - 1, "after REPLICAOF NO ONE");

@@ -45,31 +45,13 @@ fn client(envoy: &Envoy) -> Client {
     envoy.client(ConnectionMode::NewPerRequest)
 }
 
-fn get(c: &Client, path: &str, client_id: &str) -> Response {
-    match c.get(path, &[("x-client-id", client_id)]) {
-        Ok(r) => r,
-        Err(e) => panic!("GET {path} as {client_id}: {e:#}"),
-    }
-}
-
-fn header<'a>(r: &'a Response, name: &str) -> &'a str {
-    r.header(name)
-        .unwrap_or_else(|| panic!("no {name} header in {r:#?}"))
-}
-
-fn int_header(r: &Response, name: &str) -> u64 {
-    let v = header(r, name);
-    v.parse()
-        .unwrap_or_else(|_| panic!("{name}: {v:?} is not an integer"))
-}
-
 /// Checks a 429: Retry-After, problem+json body naming `violated`; returns
 /// the Retry-After seconds.
 fn assert_problem(r: &Response, violated: &[&str]) -> u64 {
     assert_eq!(r.status, 429, "{r:#?}");
-    let retry_after = int_header(r, "retry-after");
+    let retry_after = r.int_header("retry-after");
     assert!(retry_after >= 1, "retry-after {retry_after}");
-    assert_eq!(header(r, "content-type"), "application/problem+json");
+    assert_eq!(r.expect_header("content-type"), "application/problem+json");
     let body: Value = serde_json::from_str(&r.body)
         .unwrap_or_else(|e| panic!("429 body is not JSON ({e}): {:?}", r.body));
     assert_eq!(body["type"], PROBLEM_TYPE, "{body}");
@@ -89,56 +71,59 @@ fn limits_a_client_with_headers_and_a_problem_body() {
     let envoy = start(&per_client("per-client", 5, "1h"));
     let c = client(&envoy);
     for i in 1..=5u64 {
-        let r = get(&c, "/", "alice");
+        let r = c.get_as("/", "alice");
         assert_eq!(r.status, 200, "request {i}: {r:#?}");
         assert_eq!(r.body, "ok\n", "the upstream's body");
         let remaining = 5 - i;
-        assert_eq!(header(&r, "x-ratelimit-limit"), "5", "request {i}");
+        assert_eq!(r.expect_header("x-ratelimit-limit"), "5", "request {i}");
         assert_eq!(
-            int_header(&r, "x-ratelimit-remaining"),
+            r.int_header("x-ratelimit-remaining"),
             remaining,
             "request {i}"
         );
-        let reset = int_header(&r, "x-ratelimit-reset");
+        let reset = r.int_header("x-ratelimit-reset");
         assert!(reset <= 3600, "x-ratelimit-reset {reset}");
-        assert_eq!(header(&r, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
         assert_eq!(
-            header(&r, "ratelimit"),
+            r.expect_header("ratelimit-policy"),
+            "\"per-client\";q=5;w=3600"
+        );
+        assert_eq!(
+            r.expect_header("ratelimit"),
             format!("\"per-client\";r={remaining};t={reset}"),
             "request {i}"
         );
     }
-    let denied = get(&c, "/", "alice");
+    let denied = c.get_as("/", "alice");
     let retry_after = assert_problem(&denied, &["per-client"]);
     // One token comes back every 3600 / 5 = 720 s; the default jitter adds up to 10%, never less.
     assert!(
         (720..=792).contains(&retry_after),
         "retry-after {retry_after}"
     );
-    assert_eq!(int_header(&denied, "x-ratelimit-remaining"), 0);
-    assert_eq!(header(&denied, "x-ratelimit-limit"), "5");
+    assert_eq!(denied.int_header("x-ratelimit-remaining"), 0);
+    assert_eq!(denied.expect_header("x-ratelimit-limit"), "5");
 
-    let other = get(&c, "/", "bob");
+    let other = c.get_as("/", "bob");
     assert_eq!(
         other.status, 200,
         "another client has its own bucket: {other:#?}"
     );
-    assert_eq!(int_header(&other, "x-ratelimit-remaining"), 4);
+    assert_eq!(other.int_header("x-ratelimit-remaining"), 4);
 }
 
 #[test]
 fn refills_over_time() {
     let envoy = start(&per_client("fast", 2, "1s"));
     let c = client(&envoy);
-    assert_eq!(get(&c, "/", "alice").status, 200);
-    assert_eq!(get(&c, "/", "alice").status, 200);
-    let denied = get(&c, "/", "alice");
+    assert_eq!(c.get_as("/", "alice").status, 200);
+    assert_eq!(c.get_as("/", "alice").status, 200);
+    let denied = c.get_as("/", "alice");
     assert_problem(&denied, &["fast"]);
     // 0.5 s rounded up to 1, plus at most 10% jitter rounded up.
-    let retry = int_header(&denied, "retry-after");
+    let retry = denied.int_header("retry-after");
     assert!((1..=2).contains(&retry), "retry-after {retry}");
     std::thread::sleep(Duration::from_millis(1100));
-    let again = get(&c, "/", "alice");
+    let again = c.get_as("/", "alice");
     assert_eq!(
         again.status, 200,
         "after 1.1 s the bucket has refilled: {again:#?}"
@@ -189,13 +174,13 @@ fn costs_spend_more_tokens() {
     );
     let envoy = start(&config);
     let c = client(&envoy);
-    let first = get(&c, "/search?q=a", "alice");
+    let first = c.get_as("/search?q=a", "alice");
     assert_eq!(first.status, 200, "{first:#?}");
-    assert_eq!(int_header(&first, "x-ratelimit-remaining"), 5);
-    let second = get(&c, "/search?q=b", "alice");
+    assert_eq!(first.int_header("x-ratelimit-remaining"), 5);
+    let second = c.get_as("/search?q=b", "alice");
     assert_eq!(second.status, 200, "{second:#?}");
-    assert_eq!(int_header(&second, "x-ratelimit-remaining"), 0);
-    let third = get(&c, "/search?q=c", "alice");
+    assert_eq!(second.int_header("x-ratelimit-remaining"), 0);
+    let third = c.get_as("/search?q=c", "alice");
     assert_problem(&third, &["per-client"]);
 }
 
@@ -214,13 +199,13 @@ fn metrics_count_allowed_and_denied_requests() {
     let c = client(&envoy);
     let mut statuses = Vec::new();
     for _ in 0..5 {
-        statuses.push(get(&c, "/api/items", "alice").status);
+        statuses.push(c.get_as("/api/items", "alice").status);
     }
-    statuses.push(get(&c, "/api/items", "bob").status);
+    statuses.push(c.get_as("/api/items", "bob").status);
     assert_eq!(statuses, [200, 200, 200, 429, 429, 200]);
     // Requests that match no rule are neither counted nor decorated.
     for _ in 0..4 {
-        let r = get(&c, "/public", "alice");
+        let r = c.get_as("/public", "alice");
         assert_eq!(r.status, 200);
         assert_eq!(r.header("x-ratelimit-limit"), None, "{r:#?}");
         assert_eq!(r.header("ratelimit"), None, "{r:#?}");

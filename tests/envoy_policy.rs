@@ -142,8 +142,7 @@ fn get(c: &Client, path: &str, token: Option<&str>, extra: &[(&str, &str)]) -> R
     if let Some(b) = &bearer {
         headers.push(("authorization", b));
     }
-    c.get(path, &headers)
-        .unwrap_or_else(|e| panic!("GET {path}: {e:#}"))
+    c.must_get(path, &headers)
 }
 
 /// GET `path` and how long it took.
@@ -151,21 +150,6 @@ fn timed(c: &Client, path: &str, token: &str) -> (Response, Duration) {
     let started = Instant::now();
     let r = get(c, path, Some(token), &[]);
     (r, started.elapsed())
-}
-
-fn header<'a>(r: &'a Response, name: &str) -> &'a str {
-    r.header(name)
-        .unwrap_or_else(|| panic!("no {name} header in {r:#?}"))
-}
-
-fn int_header(r: &Response, name: &str) -> u64 {
-    let v = header(r, name);
-    v.parse()
-        .unwrap_or_else(|_| panic!("{name}: {v:?} is not an integer in {r:#?}"))
-}
-
-fn json_body(r: &Response) -> Value {
-    serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {r:#?}"))
 }
 
 /// ceil(1.1 × `secs`): the most the default `retry_jitter` (10%, upwards
@@ -179,14 +163,14 @@ fn jitter_bound(secs: u64) -> u64 {
 fn assert_passes(r: &Response, policy: &str, limit: u64, window: u64, remaining: u64, what: &str) {
     assert_eq!(r.status, 200, "{what}: {r:#?}");
     assert_eq!(r.body, "ok\n", "{what}: the upstream's body");
-    assert_eq!(int_header(r, "x-ratelimit-limit"), limit, "{what}: {r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-limit"), limit, "{what}: {r:#?}");
     assert_eq!(
-        int_header(r, "x-ratelimit-remaining"),
+        r.int_header("x-ratelimit-remaining"),
         remaining,
         "{what}: {r:#?}"
     );
     assert_eq!(
-        header(r, "ratelimit-policy"),
+        r.expect_header("ratelimit-policy"),
         format!("\"{policy}\";q={limit};w={window}"),
         "{what}"
     );
@@ -195,10 +179,10 @@ fn assert_passes(r: &Response, policy: &str, limit: u64, window: u64, remaining:
 /// A 429 from the filter naming `violated`; returns its `Retry-After`.
 fn assert_429(r: &Response, violated: &[&str], what: &str) -> u64 {
     assert_eq!(r.status, 429, "{what}: {r:#?}");
-    assert_eq!(header(r, "content-type"), "application/problem+json");
-    let retry_after = int_header(r, "retry-after");
+    assert_eq!(r.expect_header("content-type"), "application/problem+json");
+    let retry_after = r.int_header("retry-after");
     assert!(retry_after >= 1, "{what}: retry-after {retry_after}");
-    let body = json_body(r);
+    let body = r.json();
     assert_eq!(body["type"], PROBLEM_TYPE, "{what}: {body}");
     assert_eq!(body["status"], 429, "{what}: {body}");
     assert_eq!(
@@ -251,7 +235,7 @@ fn free_and_pro_tokens_get_exactly_their_own_limits() {
     // One of 3 per hour comes back in 1200 s (no jitter); a few ms have passed.
     let retry = assert_429(&denied, &["per-client"], "free #4");
     assert_eq!(retry, 1200, "{denied:#?}");
-    assert_eq!(int_header(&denied, "x-ratelimit-limit"), 3);
+    assert_eq!(denied.int_header("x-ratelimit-limit"), 3);
 
     for i in 0..6 {
         let r = get(&c, "/", Some(&bob), &[]);
@@ -260,7 +244,7 @@ fn free_and_pro_tokens_get_exactly_their_own_limits() {
     let denied = get(&c, "/", Some(&bob), &[]);
     let retry = assert_429(&denied, &["per-client"], "pro #7");
     assert_eq!(retry, 600, "{denied:#?}");
-    assert_eq!(int_header(&denied, "x-ratelimit-limit"), 6);
+    assert_eq!(denied.int_header("x-ratelimit-limit"), 6);
 
     // Another free client has a bucket of its own.
     let r = get(&c, "/", Some(&token("carol", "free")), &[]);
@@ -509,7 +493,7 @@ fn graduated_rule_warns_delays_rejects_blocks_and_releases() {
     );
     let r = get(&c, "/fast", Some(&gus), &[]);
     assert_eq!(r.status, 200, "grad-fast after its block: {r:#?}");
-    assert_eq!(header(&r, "ratelimit-policy"), "\"grad-fast\";q=5;w=5");
+    assert_eq!(r.expect_header("ratelimit-policy"), "\"grad-fast\";q=5;w=5");
     let r = get(&c, "/grad", Some(&gus), &[]);
     let after = assert_429(&r, &["grad"], "grad after its block");
     assert_eq!(
@@ -653,14 +637,14 @@ fn quota_stack(config: &str) -> (Redis, Gateway, Envoy) {
 /// no `Retry-After`. Returns the seconds until the quota renews (from `detail`).
 fn assert_403(r: &Response, name: &str, what: &str) -> u64 {
     assert_eq!(r.status, 403, "{what}: {r:#?}");
-    assert_eq!(header(r, "content-type"), "application/problem+json");
+    assert_eq!(r.expect_header("content-type"), "application/problem+json");
     assert_eq!(
-        header(r, "link"),
+        r.expect_header("link"),
         format!("<{UPGRADE}>; rel=\"payment\""),
         "{what}"
     );
     assert_eq!(r.header("retry-after"), None, "{what}: {r:#?}");
-    let body = json_body(r);
+    let body = r.json();
     assert_eq!(body["type"], QUOTA_PROBLEM_TYPE, "{what}: {body}");
     assert_eq!(body["title"], "Quota Exhausted", "{what}: {body}");
     assert_eq!(body["status"], 403, "{what}: {body}");
@@ -697,7 +681,7 @@ fn a_monthly_quota_is_a_403_survives_a_gateway_restart_and_yields_to_429() {
         let r = get(&c, "/", Some(&fay), &[]);
         let renews = assert_403(&r, "monthly", &format!("free #{i}"));
         assert!((1..=31 * 86_400).contains(&renews), "renews in {renews} s");
-        assert_eq!(int_header(&r, "x-ratelimit-limit"), 5, "{r:#?}");
+        assert_eq!(r.int_header("x-ratelimit-limit"), 5, "{r:#?}");
     }
     // Over the rate limit too (/heavy costs 3): 429, not 403. Its Retry-After shows that
     // the 403s took nothing: with 2 of 5 left, one token (720 s, no jitter) must come
@@ -705,7 +689,7 @@ fn a_monthly_quota_is_a_403_survives_a_gateway_restart_and_yields_to_429() {
     let r = get(&c, "/heavy", Some(&fay), &[]);
     let retry = assert_429(&r, &["api"], "free, over the rate limit and the quota");
     assert_eq!(retry, 720, "{r:#?}");
-    assert_eq!(int_header(&r, "x-ratelimit-remaining"), 2, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 2, "{r:#?}");
     // A pro client's quota is 100.
     for i in 0..4u64 {
         let r = get(&c, "/", Some(&pat), &[]);
@@ -718,7 +702,7 @@ fn a_monthly_quota_is_a_403_survives_a_gateway_restart_and_yields_to_429() {
     let r = get(&c, "/", Some(&fay), &[]);
     assert_eq!(r.status, 503, "gateway down: {r:#?}");
     // Retry-After: the circuit's cooldown, 1 s.
-    assert_eq!(header(&r, "retry-after"), "1", "{r:#?}");
+    assert_eq!(r.expect_header("retry-after"), "1", "{r:#?}");
     // ... and once it is back on the same port, the count kept in Redis still holds.
     ok(gateway.restart(), "restarting ratelimit-gateway");
     let r = get(&c, "/", Some(&fay), &[]);

@@ -63,6 +63,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 use testkit::redis::Redis;
+// SplitMix64: a small seeded generator, enough for a fault schedule.
+use testkit::rng::Rng;
 use testkit::{
     Client, ConnectionMode, Envoy, EnvoyOptions, Gateway, GatewayOptions, Request, Response,
 };
@@ -124,30 +126,6 @@ fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
-}
-
-/// SplitMix64: a small seeded generator, enough for a fault schedule.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
-        lo + (hi - lo).mul_f64(self.unit())
-    }
 }
 
 fn plugin_config() -> String {
@@ -260,7 +238,7 @@ fn load(
             next = now;
         }
         next += interval;
-        let proxy = (rng.next() % urls.len() as u64) as usize;
+        let proxy = (rng.next_u64() % urls.len() as u64) as usize;
         let path = if rng.unit() < spec.static_share {
             Path::Static
         } else {
@@ -674,7 +652,7 @@ fn run(s: &Settings) -> Run {
         // memory to be judged on its own.
         let mut first_kinds = vec![Kind::Redis, Kind::Gateway, Kind::Both];
         for i in (1..first_kinds.len()).rev() {
-            first_kinds.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+            first_kinds.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
         }
         // No new fault after this, except the planned kinds of a short run.
         let last_fault_start = duration.saturating_sub(s.fault.1 + RECOVERY_ROOM);
@@ -711,7 +689,7 @@ fn run(s: &Settings) -> Run {
                         if now - start >= gateway_kills_until {
                             return Kind::Redis;
                         }
-                        match rng.next() % 4 {
+                        match rng.next_u64() % 4 {
                             0 | 1 => Kind::Redis,
                             2 => Kind::Gateway,
                             _ => Kind::Both,

@@ -82,6 +82,27 @@ impl Response {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The first value of header `name`; panics, showing the response, when
+    /// it has none (an assertion for tests).
+    pub fn expect_header(&self, name: &str) -> &str {
+        self.header(name)
+            .unwrap_or_else(|| panic!("no {name} header in {self:#?}"))
+    }
+
+    /// Header `name` as an integer; panics, showing the response, when it is
+    /// missing or not one.
+    pub fn int_header(&self, name: &str) -> u64 {
+        let v = self.expect_header(name);
+        v.parse()
+            .unwrap_or_else(|_| panic!("{name}: {v:?} is not an integer in {self:#?}"))
+    }
+
+    /// The body as JSON; panics, showing the response, when it is not JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {self:#?}"))
+    }
+
     /// Every value of header `name` (case-insensitive).
     pub fn header_all(&self, name: &str) -> Vec<&str> {
         let name = name.to_ascii_lowercase();
@@ -151,6 +172,20 @@ impl Client {
             r = r.header(n, v);
         }
         self.send(&r)
+    }
+
+    /// `GET path` with extra headers; panics, naming the request, when it
+    /// fails at the transport level (for tests, where that is a failure).
+    pub fn must_get(&self, path: &str, headers: &[(&str, &str)]) -> Response {
+        self.get(path, headers)
+            .unwrap_or_else(|e| panic!("GET {path} {headers:?}: {e:#}"))
+    }
+
+    /// `GET path` as client `client_id` (the `x-client-id` header that the
+    /// demo configuration `envoy/ratelimit.json` and the tests key on);
+    /// panics like [`Client::must_get`].
+    pub fn get_as(&self, path: &str, client_id: &str) -> Response {
+        self.must_get(path, &[("x-client-id", client_id)])
     }
 
     /// Sends `req`.

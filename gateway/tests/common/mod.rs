@@ -390,27 +390,7 @@ pub async fn burst(base: &str, body: Value, clients: usize, total: usize) -> (u6
 }
 
 /// splitmix64: seeded, reproducible test input.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-
-    /// One of `items`.
-    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[(self.next() % items.len() as u64) as usize]
-    }
-}
+pub use testkit::rng::Rng;
 
 /// The policy this process's requests made, as a gateway started now loads it.
 pub fn current_policy() -> ratelimit_gateway::policy::Policy {
