@@ -66,10 +66,10 @@ test: deps
 	cargo test --workspace
 
 demo: deps build
-	cargo run --quiet -p testkit --bin demo
+	cargo run --quiet -p tools --bin demo
 
 validate-configs: deps wasm
-	cargo run --quiet -p testkit --bin validate-configs
+	cargo run --quiet -p tools --bin validate-configs
 
 # Needs a Docker engine (none runs on the CI machines; no test needs this).
 images: wasm
@@ -142,5 +142,5 @@ bench: deps
 	BENCH_WASM_OUT=$(BENCH_WASM_OUT) cargo test --test bench_fuel -- --include-ignored --nocapture
 	BENCH_COMMAND='$(strip make bench BENCH_REPEATS=$(BENCH_REPEATS) BENCH_SECONDS=$(BENCH_SECONDS) BENCH_WAIT_QUIET=$(BENCH_WAIT_QUIET) $(BENCH_ARGS))' \
 	RATELIMIT_GATEWAY_BIN=$(CURDIR)/target/release/ratelimit-gateway \
-	  cargo run --quiet -p testkit --bin bench -- --publish --wasm-results $(BENCH_WASM_OUT) \
+	  cargo run --quiet -p tools --bin bench -- --publish --wasm-results $(BENCH_WASM_OUT) \
 	  --repeats $(BENCH_REPEATS) --seconds $(BENCH_SECONDS) --wait-quiet $(BENCH_WAIT_QUIET) $(BENCH_ARGS)

@@ -10,7 +10,7 @@
 //!   `return` and `unreachable` are free; a `memory.copy` is one, whatever
 //!   its length), so fuel consumed = wasm instructions executed; time spent
 //!   in host functions is not counted. The plugin configurations are the
-//!   bench's own (`testkit/src/bin/bench/c1.json`, `c4.json`), so the numbers
+//!   bench's own (`tools/src/bin/bench/c1.json`, `c4.json`), so the numbers
 //!   belong to the same 1-rule and 4-rule variants `make bench` loads into
 //!   Envoy.
 //! * **Shared-data footprint** with 1,000,000 distinct client keys: the
@@ -44,8 +44,8 @@ use ratelimit_wasm::limits::store::MemoryStore;
 use serde_json::{json, Value};
 use wasmtime::{Engine, Instance, Module, Store};
 
-const C1: &str = include_str!("../testkit/src/bin/bench/c1.json");
-const C4: &str = include_str!("../testkit/src/bin/bench/c4.json");
+const C1: &str = include_str!("../tools/src/bin/bench/c1.json");
+const C4: &str = include_str!("../tools/src/bin/bench/c4.json");
 
 /// Requests measured per configuration (after [`WARMUP`] unmeasured ones).
 const MEASURED: u32 = 400;

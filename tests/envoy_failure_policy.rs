@@ -1,7 +1,7 @@
 //! What Envoy 1.40 does when the Wasm VM traps, under the `failure_policy`
 //! that `envoy/envoy.yaml` ships (`FAIL_RELOAD`).
 //!
-//! The module is `fixtures/trap-filter` (build it with `cargo build --release
+//! The module is `tests/fixtures/trap-filter` (build it with `cargo build --release
 //! --target wasm32-wasip1 -p trap-filter`): it panics in
 //! `on_http_request_headers` on `x-trap: 1` (a panic aborts on
 //! `wasm32-wasip1`, which traps the VM, exactly as a panic in the real filter

@@ -1,4 +1,4 @@
--- wrk script of `make bench` (testkit/src/bin/bench.rs): GET / with an
+-- wrk script of `make bench` (tools/src/bin/bench.rs): GET / with an
 -- `x-client-id` header, cycling through the ids c0 .. c<clients-1>.
 -- Arguments (after `--`): mode, clients (default "spread", 1000).
 -- Mode "half": every other request is from client "over" instead, whom every
