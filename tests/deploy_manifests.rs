@@ -29,9 +29,9 @@
 //! * the Dockerfiles build what they say (pinned bases, non-root gateway, a
 //!   one-file `plugin.wasm` image) from a context that keeps every workspace
 //!   member;
-//! * every metric the Grafana dashboard queries exists (README "Metrics" or
+//! * every metric the Grafana dashboard queries exists (docs/operations.md "Metrics" or
 //!   `gateway/src`), and `docs/clients.md` explains every header of the
-//!   README's "What clients see".
+//!   "What clients see" of docs/configuration.md.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -1531,13 +1531,13 @@ fn workspace_members() -> Vec<String> {
 // Observability
 // ---------------------------------------------------------------------------
 
-/// Metric names of the README's "Metrics" table.
+/// Metric names of the "Metrics" table of `docs/operations.md`.
 fn readme_metrics() -> BTreeSet<String> {
-    let readme = read("README.md");
+    let readme = read("docs/operations.md");
     let section = readme
         .split("\n## Metrics")
         .nth(1)
-        .expect("README has a Metrics section");
+        .expect("docs/operations.md has a Metrics section");
     let section = section.split("\n## ").next().unwrap_or(section);
     let names: BTreeSet<String> = section
         .lines()
@@ -1546,7 +1546,7 @@ fn readme_metrics() -> BTreeSet<String> {
         .collect();
     assert!(
         names.len() >= 10,
-        "README metrics table not found: {names:?}"
+        "docs/operations.md metrics table not found: {names:?}"
     );
     names
 }
@@ -1626,7 +1626,7 @@ fn dashboard_queries_only_metrics_that_exist() {
                 .to_string();
             assert!(
                 exists(&base),
-                "the dashboard queries {name}, which is neither in the README's metrics \
+                "the dashboard queries {name}, which is neither in docs/operations.md's metrics \
                  table nor in gateway/src"
             );
             used.insert(base);
@@ -1679,18 +1679,21 @@ fn metric_name_extraction() {
 
 #[test]
 fn client_docs_cover_every_header_clients_see() {
-    let readme = read("README.md");
+    let readme = read("docs/configuration.md");
     let section = readme
         .split("\n## What clients see")
         .nth(1)
-        .expect("README has a What clients see section");
+        .expect("docs/configuration.md has a What clients see section");
     let section = section.split("\n## ").next().unwrap_or(section);
     let headers: Vec<&str> = section
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split_once('`').map(|(h, _)| h))
         .collect();
-    assert!(headers.len() >= 5, "README header table not found");
+    assert!(
+        headers.len() >= 5,
+        "docs/configuration.md header table not found"
+    );
     let docs = read("docs/clients.md");
     for h in headers.iter().chain(["Retry-After"].iter()) {
         assert!(

@@ -1,6 +1,7 @@
-//! The README's reference tables say what the code does: the metrics table
-//! lists exactly the filter's metrics, and the configuration reference gives
-//! the defaults the parser really applies.
+//! The docs' reference tables say what the code does: the metrics table
+//! (`docs/operations.md`) lists exactly the filter's metrics, and the
+//! configuration reference (`docs/configuration.md`) lists exactly the fields
+//! the parser accepts, with the defaults it really applies.
 
 use std::path::PathBuf;
 
@@ -11,15 +12,18 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
 }
 
-/// The lines of the README section `## <heading>`.
-fn section(heading: &str) -> String {
-    let readme = read("README.md");
-    let rest = readme
+/// The lines of the section `## <heading>` of the Markdown file `file`.
+fn section(file: &str, heading: &str) -> String {
+    let text = read(file);
+    let rest = text
         .split(&format!("\n## {heading}\n"))
         .nth(1)
-        .unwrap_or_else(|| panic!("README has no section {heading}"));
+        .unwrap_or_else(|| panic!("{file} has no section {heading}"));
     rest.split("\n## ").next().unwrap_or(rest).to_string()
 }
+
+/// Where every configuration field is documented.
+const CONFIGURATION: &str = "docs/configuration.md";
 
 /// The cells of a Markdown table row, split on `|` that are not escaped.
 fn cells(row: &str) -> Vec<String> {
@@ -68,13 +72,16 @@ fn snake(debug: String) -> String {
 
 #[test]
 fn the_metrics_table_lists_exactly_the_filters_metrics() {
-    let documented: Vec<String> = section("Metrics")
+    let documented: Vec<String> = section("docs/operations.md", "Metrics")
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split_once('`').map(|(name, _)| name.to_string()))
         .collect();
     let code: Vec<String> = Metric::ALL.iter().map(|m| m.name().to_string()).collect();
-    assert_eq!(documented, code, "README Metrics table vs src/metrics.rs");
+    assert_eq!(
+        documented, code,
+        "docs/operations.md Metrics table vs src/metrics.rs"
+    );
 }
 
 #[test]
@@ -152,20 +159,247 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
     ];
     assert_eq!(graduated.reject_at, 1.0);
     assert!(
-        section("Graduated response").contains("`reject_at` (default 1.0)"),
-        "README Graduated response does not give reject_at's default"
+        section(CONFIGURATION, "Graduated response").contains("`reject_at` (default 1.0)"),
+        "docs/configuration.md Graduated response does not give reject_at's default"
     );
-    let table = section("Configuration reference");
+    let table = section(CONFIGURATION, "Configuration reference");
     for (field, value) in actual {
         let row = table
             .lines()
             .find(|l| l.starts_with(&format!("| `{field}` |")))
-            .unwrap_or_else(|| panic!("README reference has no row for {field}"));
+            .unwrap_or_else(|| panic!("{CONFIGURATION} has no row for {field}"));
         let cells = cells(row);
         let default = cells
             .get(2)
             .and_then(|c| first_code(c))
             .unwrap_or_else(|| panic!("no default in the row of {field}: {row}"));
-        assert_eq!(default, value, "README default of {field}");
+        assert_eq!(default, value, "{CONFIGURATION}: the default of {field}");
+    }
+}
+
+/// A configuration that sets every field the parser accepts (twice: `global.token`
+/// and `global.token_env` exclude each other). A field added to the parser
+/// must be added here, which `every_object_of_the_example_refuses_an_unknown_field`
+/// cannot see, but the parser's `deny_unknown_fields` on every object keeps
+/// the reverse honest: nothing here is accepted by accident.
+fn maximal_configs() -> Vec<serde_json::Value> {
+    let config = serde_json::json!({
+        "domain": "d",
+        "identity": {
+            "client_id_header": "x-client-id",
+            "client_id_metadata": ["envoy.filters.http.jwt_authn", "payload", "sub"],
+            "tier_metadata": ["envoy.filters.http.jwt_authn", "payload", "tier"],
+            "tier_header": "x-tier",
+            "default_tier": "free",
+            "trusted_proxy_hops": 1,
+            "clients": { "acme": {
+                "tier": "pro", "unlimited": false, "soft": true,
+                "limits": { "local": [{ "requests": 5, "per": "1s" }] },
+                "quotas": { "monthly": 7 }
+            } }
+        },
+        "tiers": { "free": {}, "pro": { "unlimited": false } },
+        "rules": [
+            { "name": "local",
+              "match": { "path_prefix": "/a", "path_exact": "/a/b", "methods": ["GET"],
+                         "headers": { "x-k": "v" } },
+              "key": ["client", "ip", "method", "path", "header:x-k"],
+              "limits": [{ "requests": 10, "per": "1m" }],
+              "tiers": { "pro": [{ "requests": 20, "per": "1m" }] },
+              "algorithm": "token_bucket", "scope": "local", "mode": "enforce", "cost": 2,
+              "graduated": { "warn_at": 0.8, "delay_at": 1.0, "delay_ms": 100,
+                             "reject_at": 1.2, "block_at": 2.0, "block_for": "5m" } },
+            { "name": "global", "scope": "global", "key": ["client"],
+              "limits": [{ "requests": 100, "per": "1m" }] }
+        ],
+        "costs": [{ "match": { "path_prefix": "/s" }, "cost": 5 }],
+        "response": { "headers": "both", "problem_type": "https://example.com/p",
+                      "quota_problem_type": "https://example.com/q", "retry_jitter": 0.1 },
+        "quotas": [{ "name": "monthly", "match": { "path_prefix": "/" }, "key": ["client"],
+                     "period": "month", "tiers": { "free": 10 }, "limit": 5,
+                     "upgrade_url": "https://example.com/up", "count": "cost" }],
+        "max_buckets": 1024,
+        "on_error": "deny",
+        "global": {
+            "cluster": "gw", "authority": "ratelimit-gateway", "path": "/v1/check",
+            "timeout_ms": 50, "failure_mode": "local", "instances": 2,
+            "circuit": { "failures": 5, "latency_ms": 5, "cooldown_ms": 2000 },
+            "lease": { "fraction": 0.1, "max_wait_ms": 20, "ttl_ms": 2000,
+                       "path": "/v1/lease", "max_leases": 64 },
+            "token": "abc"
+        }
+    });
+    let mut with_env = config.clone();
+    if let Some(global) = with_env["global"].as_object_mut() {
+        global.remove("token");
+        global.insert("token_env".into(), "RATELIMIT_GATEWAY_TOKEN".into());
+    }
+    vec![config, with_env]
+}
+
+/// Maps whose keys the user names: the placeholder the reference writes for a key.
+const NAMED_KEYS: [(&str, &str); 2] = [("identity.clients", "<id>"), ("tiers", "<tier>")];
+
+/// Maps and lists documented as one field (their entries are described in
+/// the field's row, or are limits as in `rules[].limits`).
+const WHOLE: [&str; 5] = [
+    "rules[].tiers",
+    "quotas[].tiers",
+    "match.headers",
+    "identity.clients.<id>.limits",
+    "identity.clients.<id>.quotas",
+];
+
+/// Every field path of `v` under `prefix` as the reference writes it: `[]`
+/// for list entries, placeholders for user-named keys, and `match.*` once
+/// for every `match` object. `leaves` gets the fields that hold values,
+/// `all` also the objects that group them.
+fn field_paths(
+    v: &serde_json::Value,
+    prefix: &str,
+    all: &mut std::collections::BTreeSet<String>,
+    leaves: &mut std::collections::BTreeSet<String>,
+) {
+    match v {
+        serde_json::Value::Object(map) if !WHOLE.contains(&prefix) => {
+            let named = NAMED_KEYS.iter().find(|(p, _)| *p == prefix);
+            for (k, child) in map {
+                let k = named.map_or(k.as_str(), |(_, placeholder)| placeholder);
+                let path = if prefix.is_empty() {
+                    k.to_string()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                all.insert(path.clone());
+                // `match` has the same fields in rules, quotas and costs.
+                let below = if k == "match" {
+                    "match".to_string()
+                } else {
+                    path
+                };
+                field_paths(child, &below, all, leaves);
+            }
+        }
+        serde_json::Value::Array(items)
+            if items.iter().all(|i| i.is_object())
+                && !items.is_empty()
+                && !WHOLE.contains(&prefix) =>
+        {
+            for item in items {
+                field_paths(item, &format!("{prefix}[]"), all, leaves);
+            }
+        }
+        _ => {
+            all.insert(prefix.to_string());
+            leaves.insert(prefix.to_string());
+        }
+    }
+}
+
+/// The field of every row of the reference table.
+fn reference_rows() -> Vec<String> {
+    section(CONFIGURATION, "Configuration reference")
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .filter_map(|l| cells(l).first().and_then(|c| first_code(c)))
+        .collect()
+}
+
+#[test]
+fn the_reference_lists_exactly_the_fields_the_parser_accepts() {
+    let (mut all, mut leaves) = Default::default();
+    for config in maximal_configs() {
+        if let Err(e) = ratelimit_wasm::config::parse(config.to_string().as_bytes()) {
+            panic!("the maximal configuration does not parse: {e}\n{config:#}");
+        }
+        field_paths(&config, "", &mut all, &mut leaves);
+    }
+    let rows = reference_rows();
+    let missing: Vec<&String> = leaves.iter().filter(|f| !rows.contains(f)).collect();
+    assert!(
+        missing.is_empty(),
+        "{CONFIGURATION} has no row for these fields the parser accepts: {missing:?}"
+    );
+    let unknown: Vec<&String> = rows.iter().filter(|r| !all.contains(*r)).collect();
+    assert!(
+        unknown.is_empty(),
+        "{CONFIGURATION} documents fields the parser refuses: {unknown:?}"
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    let twice: Vec<&String> = rows.iter().filter(|r| !seen.insert(*r)).collect();
+    assert!(
+        twice.is_empty(),
+        "{CONFIGURATION} lists fields twice: {twice:?}"
+    );
+}
+
+/// Every object of the maximal configurations refuses a field it does not
+/// know, naming it: so a field accepted by the parser is one it declares.
+#[test]
+fn every_object_of_the_example_refuses_an_unknown_field() {
+    fn objects(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                out.push(at.clone());
+                for (k, child) in map {
+                    objects(child, format!("{at}/{k}"), out);
+                }
+            }
+            serde_json::Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    objects(item, format!("{at}/{i}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let config = maximal_configs().swap_remove(0);
+    let mut pointers = Vec::new();
+    objects(&config, String::new(), &mut pointers);
+    let mut checked = 0;
+    for pointer in pointers {
+        // A user-named map takes any key: adding one there is not an unknown field.
+        // (The client's limits are checked as the rules' limits.)
+        let is_named_map = [
+            "/identity/clients",
+            "/tiers",
+            "/headers",
+            "/limits",
+            "/quotas",
+        ]
+        .iter()
+        .any(|m| pointer.ends_with(m))
+            || pointer.starts_with("/identity/clients/acme/limits");
+        if is_named_map {
+            continue;
+        }
+        let mut bad = config.clone();
+        if let Some(obj) = bad.pointer_mut(&pointer).and_then(|o| o.as_object_mut()) {
+            obj.insert("zz_not_a_field".into(), 1.into());
+        }
+        match ratelimit_wasm::config::parse(bad.to_string().as_bytes()) {
+            Ok(_) => panic!("the object at {pointer:?} accepts an unknown field"),
+            Err(e) => assert!(
+                e.to_string().contains("zz_not_a_field"),
+                "{pointer:?}: the error does not name the field: {e}"
+            ),
+        }
+        checked += 1;
+    }
+    assert!(checked >= 15, "only {checked} objects checked");
+}
+
+/// README's 20-line example is a configuration the filter accepts.
+#[test]
+fn the_readme_example_parses() {
+    let readme = read("README.md");
+    let example = readme
+        .split("```json\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .unwrap_or_else(|| panic!("README.md has no json example"));
+    assert!(example.lines().count() <= 20, "{example}");
+    if let Err(e) = ratelimit_wasm::config::parse(example.as_bytes()) {
+        panic!("README.md's example does not parse: {e}\n{example}");
     }
 }
