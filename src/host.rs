@@ -1,15 +1,23 @@
 //! The thin proxy-wasm layer: fetch the request, call [`decide`], carry out
 //! the verdict. Hostcalls go through `hostcalls` directly so that a host error
 //! becomes a handled `Err`, never the SDK traits' `unwrap`.
+//!
+//! The only file that names `proxy_wasm` (`tests/module_graph.rs` holds it);
+//! everything it can hand to a pure module (the per-VM helpers in
+//! [`crate::vm`], the decisions in [`crate::decide`]) lives there, tested on
+//! the host. About 700 lines: the root and HTTP contexts, the raw hostcalls
+//! and the callouts stay together because each one is a thin wrapper that
+//! only makes sense beside the host state it touches.
 
-use crate::global::circuit::Transition;
 use crate::config;
 use crate::decide::{self, Outcome, Pending, Refresh, Step, Verdict};
+use crate::global::circuit::Transition;
 use crate::global::lease::{Lease, Watched};
+use crate::limits::store::{SharedStore, StoreError, KEY_PREFIX};
 use crate::metrics::Metric;
-use crate::policy::plan::{Plan, SourceNeed, KEY_PREFIX};
+use crate::policy::plan::{Plan, SourceNeed};
 use crate::policy::request::RequestInfo;
-use crate::limits::store::{SharedStore, StoreError, CREATE_ONLY};
+use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
@@ -26,39 +34,6 @@ proxy_wasm::main! {{
     }));
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
-
-/// Shared-data key of the hash seed, shared by every worker of the proxy.
-const SEED_KEY: &str = "ratelimit-wasm/seed";
-/// Least time between two log lines of one kind from one worker: a flood of
-/// bad input, gateway failures or shadow denials must not flood the log.
-const LOG_EVERY_NS: u64 = 1_000_000_000;
-
-/// Lets one log line of a kind through per [`LOG_EVERY_NS`], counting the rest.
-#[derive(Default)]
-struct LogGate {
-    last_ns: Cell<u64>,
-    suppressed: Cell<u64>,
-}
-
-impl LogGate {
-    /// `Some(lines suppressed since the last one)` when a line may be written now.
-    fn open(&self, now: u64) -> Option<u64> {
-        if self.last_ns.get() != 0 && now.saturating_sub(self.last_ns.get()) < LOG_EVERY_NS {
-            self.suppressed.set(self.suppressed.get() + 1);
-            return None;
-        }
-        self.last_ns.set(now);
-        Some(self.suppressed.replace(0))
-    }
-}
-
-/// The per-worker log gates.
-#[derive(Default)]
-struct LogGates {
-    bad_input: LogGate,
-    gateway: LogGate,
-    shadow: LogGate,
-}
 
 /// Envoy's shared data.
 struct HostStore;
@@ -81,9 +56,6 @@ impl SharedStore for HostStore {
         }
     }
 }
-
-/// Shared-data key of the clock's epoch offset, shared by every worker of the proxy.
-const CLOCK_KEY: &str = "ratelimit-wasm/clock";
 
 /// The raw imports behind the SDK's wrappers, which panic on any status but Ok
 /// (a trap kills the worker's VM); these hand the status back instead.
@@ -214,29 +186,6 @@ fn now_ns() -> u64 {
     }
 }
 
-/// Reads (or creates, race-free as the seed) the shared offset of the
-/// monotonic clock from the epoch; `None` when the host has no monotonic clock.
-fn shared_epoch_offset(store: &impl SharedStore) -> Result<Option<u64>, String> {
-    let Some(mono) = monotonic_ns() else {
-        return Ok(None);
-    };
-    for _ in 0..4 {
-        let found = store.get(CLOCK_KEY).map_err(|e| e.to_string())?;
-        let (stored, cas) = match found {
-            Some((bytes, cas)) => (<[u8; 8]>::try_from(bytes.as_slice()).ok(), cas.max(1)),
-            None => (None, CREATE_ONLY),
-        };
-        if let Some(offset) = stored {
-            return Ok(Some(u64::from_le_bytes(offset)));
-        }
-        let offset = wall_ns().saturating_sub(mono);
-        store
-            .compare_and_set(CLOCK_KEY, &offset.to_le_bytes(), cas)
-            .map_err(|e| e.to_string())?;
-    }
-    Err(format!("could not settle the shared key {CLOCK_KEY}"))
-}
-
 /// Counter ids from `define_metric`, `None` where the host refused one.
 #[derive(Default)]
 struct Metrics([Option<u32>; Metric::ALL.len()]);
@@ -259,28 +208,15 @@ impl Metrics {
     }
 }
 
-/// The seed every worker hashes keys with: created once per proxy, race-free
-/// (a creation never overwrites), then read back so all workers agree.
-fn shared_seed(store: &impl SharedStore) -> Result<[u8; 16], String> {
-    for _ in 0..4 {
-        match store.get(SEED_KEY).map_err(|e| e.to_string())? {
-            Some((bytes, cas)) => match <[u8; 16]>::try_from(bytes.as_slice()) {
-                Ok(seed) => return Ok(seed),
-                // Not ours or damaged: replace it, with CAS so all workers settle on one.
-                Err(_) => {
-                    store
-                        .compare_and_set(SEED_KEY, &random_seed()?, cas.max(1))
-                        .map_err(|e| e.to_string())?;
-                }
-            },
-            None => {
-                store
-                    .compare_and_set(SEED_KEY, &random_seed()?, CREATE_ONLY)
-                    .map_err(|e| e.to_string())?;
-            }
-        }
-    }
-    Err(format!("could not settle the shared key {SEED_KEY}"))
+/// A per-worker jitter source seeded from the host's randomness (the clock
+/// when there is none: jitter needs spread, not secrecy).
+fn seeded_jitter() -> Jitter {
+    let mut bytes = [0u8; 8];
+    let seed = match getrandom::fill(&mut bytes) {
+        Ok(()) => u64::from_le_bytes(bytes),
+        Err(_) => now_ns(),
+    };
+    Jitter::new(seed)
 }
 
 fn random_seed() -> Result<[u8; 16], String> {
@@ -391,14 +327,20 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let seed = match shared_seed(&HostStore) {
+        let seed = match shared_seed(&HostStore, random_seed) {
             Ok(s) => s,
             Err(e) => {
                 log::error!("ratelimit-wasm: {e}");
                 return false;
             }
         };
-        match shared_epoch_offset(&HostStore) {
+        let epoch = match monotonic_ns() {
+            Some(mono) => {
+                shared_epoch_offset(&HostStore, || wall_ns().saturating_sub(mono)).map(Some)
+            }
+            None => Ok(None),
+        };
+        match epoch {
             Ok(Some(offset)) => {
                 EPOCH_OFFSET.with(|o| o.set(Some(offset)));
                 log::info!("ratelimit-wasm: timing on the host's monotonic clock");
@@ -428,7 +370,7 @@ impl RootContext for Root {
             "ratelimit-wasm: configured domain {:?}: {} rules, {} bucket sets under {KEY_PREFIX}",
             config.domain,
             plan.rules.len(),
-            plan.sets
+            plan.table.sets
         );
         let delays = plan
             .rules
@@ -443,7 +385,7 @@ impl RootContext for Root {
         }
         self.plan = Some(Rc::new(plan));
         self.metrics = Rc::new(Metrics::define());
-        self.jitter = Rc::new(Jitter::seeded());
+        self.jitter = Rc::new(seeded_jitter());
         true
     }
 
@@ -560,36 +502,6 @@ fn call_response(num_headers: usize, body_size: usize) -> (Option<Vec<u8>>, Vec<
 fn property(path: &Option<Vec<String>>) -> Option<Vec<u8>> {
     let path: Vec<&str> = path.as_ref()?.iter().map(String::as_str).collect();
     hostcalls::get_property(path).ok().flatten()
-}
-
-/// Per-worker random numbers for jitter: splitmix64 seeded once from the
-/// host, so a request costs no `random_get` hostcall. Jitter only needs spread,
-/// not secrecy.
-#[derive(Default)]
-struct Jitter(Cell<u64>);
-
-impl Jitter {
-    fn seeded() -> Jitter {
-        let mut bytes = [0u8; 8];
-        let seed = match getrandom::fill(&mut bytes) {
-            Ok(()) => u64::from_le_bytes(bytes),
-            Err(_) => now_ns(),
-        };
-        Jitter(Cell::new(seed))
-    }
-
-    fn next(&self, plan: &Plan) -> u64 {
-        if plan.retry_jitter <= 0.0 {
-            // No spread: waits stay as computed.
-            return 0;
-        }
-        let state = self.0.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
-        self.0.set(state);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
 }
 
 impl Http {

@@ -38,9 +38,9 @@ use harness::host::{self, HostState, StreamState};
 use harness::{Harness, Options, Request, StreamPhase, ROOT_CONTEXT_ID};
 use ratelimit_wasm::config;
 use ratelimit_wasm::decide::{self, Step, Verdict};
+use ratelimit_wasm::limits::store::MemoryStore;
 use ratelimit_wasm::policy::plan::Plan;
 use ratelimit_wasm::policy::request::RequestInfo;
-use ratelimit_wasm::limits::store::MemoryStore;
 use serde_json::{json, Value};
 use wasmtime::{Engine, Instance, Module, Store};
 
@@ -411,9 +411,9 @@ fn request_info(plan: &Plan, client: &[u8]) -> RequestInfo {
 /// `ways` buckets of 33 bytes plus 16 per extra limit, after a 2-byte header
 /// (README, *Shared state and its bounds*).
 fn bound(plan: &Plan, max_limits: usize) -> usize {
-    let key = plan.set_key(plan.sets - 1).len();
+    let key = plan.table.set_key(plan.table.sets - 1).len();
     let per_bucket = 33 + 16 * (max_limits - 1);
-    plan.sets as usize * (key + 2 + ratelimit_wasm::limits::table::WAYS * per_bucket)
+    plan.table.sets as usize * (key + 2 + ratelimit_wasm::limits::table::WAYS * per_bucket)
 }
 
 /// Decides one request for each of `clients` distinct clients over a
@@ -444,7 +444,7 @@ fn footprint(name: &str, plugin_config: &str, max_limits: usize, clients: u64) -
     json!({
         "config": name,
         "clients": clients,
-        "max_buckets": plan.sets as usize * ratelimit_wasm::limits::table::WAYS,
+        "max_buckets": plan.table.sets as usize * ratelimit_wasm::limits::table::WAYS,
         "keys": store.len(),
         "bytes": store.bytes(),
         "bound_bytes": bound,

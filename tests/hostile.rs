@@ -6,9 +6,9 @@ mod harness;
 use harness::{Harness, Request};
 use ratelimit_wasm::config;
 use ratelimit_wasm::decide::{self, Step, Verdict};
+use ratelimit_wasm::limits::store::MemoryStore;
 use ratelimit_wasm::policy::plan::Plan;
 use ratelimit_wasm::policy::request::RequestInfo;
-use ratelimit_wasm::limits::store::MemoryStore;
 use serde_json::json;
 
 const SEC: u64 = 1_000_000_000;
@@ -73,10 +73,10 @@ fn a_million_distinct_clients_stay_within_the_bound_and_a_hot_client_is_still_li
         }
     }
     // One shared-data key per set, whatever the number of clients.
-    assert_eq!(store.len() as u64, plan.sets);
-    assert_eq!(plan.sets, 1024);
+    assert_eq!(store.len() as u64, plan.table.sets);
+    assert_eq!(plan.table.sets, 1024);
     // Each set holds at most 4 one-limit buckets: 2 + 4 × 33 bytes, plus its key.
-    let key_len = plan.set_key(plan.sets - 1).len();
+    let key_len = plan.table.set_key(plan.table.sets - 1).len();
     assert!(
         store.bytes() <= 1024 * (2 + 4 * 33 + key_len),
         "{} bytes",

@@ -22,7 +22,7 @@ pub fn run(data: &[u8]) {
     };
     let plan = Plan::compile(&cfg, [0; 16]);
     assert_eq!(plan.header_names[..2], [":method", ":path"]);
-    assert!(plan.sets >= 1);
+    assert!(plan.table.sets >= 1);
     let mut inp = Input::new(rest);
     let req = request_gen::request(&plan, &mut inp);
     let eval = plan.evaluate(&req);
@@ -36,7 +36,7 @@ pub fn run(data: &[u8]) {
         let rule = &plan.rules[b.rule];
         assert_eq!(rule.scope, Scope::Local, "{b:?}");
         assert!(b.variant < rule.variants.len(), "{b:?}");
-        assert!(b.set < plan.sets, "{b:?}");
+        assert!(b.set < plan.table.sets, "{b:?}");
         assert!(b.cost >= 1, "{b:?}");
     }
     for g in &eval.global {

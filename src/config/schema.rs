@@ -2,8 +2,8 @@
 //! its default, and the bounds the validation holds them to. Field names are a
 //! public contract: unknown fields are refused.
 
-use ratelimit_protocol::Algorithm;
 use super::duration::Seconds;
+use ratelimit_protocol::Algorithm;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;

@@ -295,8 +295,7 @@ fn the_global_exactness_bound_holds_in_every_limit_set() {
     assert!(parse(local.to_string().as_bytes()).is_ok());
     // Each limit set is held to the same count and range checks.
     let mut zero = two_global_rules();
-    zero["identity"] =
-        json!({"clients": {"acme": {"limits": {"g": [{"requests": 0, "per": 1}]}}}});
+    zero["identity"] = json!({"clients": {"acme": {"limits": {"g": [{"requests": 0, "per": 1}]}}}});
     assert_eq!(
         err(zero),
         "identity.clients.acme.limits.g[0].requests: must be between 1 and 1000000000"

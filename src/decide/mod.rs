@@ -7,18 +7,19 @@
 //! consumes nothing anywhere. Shadow rules (and every rule, for a soft client)
 //! are charged as if enforced but never reject.
 
+use crate::config::{FailureMode, OnError};
 use crate::global::callout::{self, Answer, AnswerError, QuotaReport};
 use crate::global::circuit::{self, CallResult, Gate, Transition};
-use crate::config::{FailureMode, OnError};
-use crate::respond::headers;
-use crate::policy::key::BadInput;
 use crate::global::lease::{self, Claim, Lease, Take};
+use crate::limits::limiter::Bucket;
 use crate::limits::limiter::{self, Decision, LimitError, Report, Stats};
-use crate::metrics::Metric;
-use crate::policy::plan::{Bucket, Evaluation, GlobalPlan, Plan};
-use crate::respond::problem;
-use crate::policy::request::RequestInfo;
 use crate::limits::store::SharedStore;
+use crate::metrics::Metric;
+use crate::policy::key::BadInput;
+use crate::policy::plan::{Evaluation, GlobalPlan, Plan};
+use crate::policy::request::RequestInfo;
+use crate::respond::headers;
+use crate::respond::problem;
 
 /// Header lines to send.
 pub type HeaderLines = Vec<(&'static str, String)>;
@@ -1462,6 +1463,9 @@ mod tests {
         // Ann's slot still holds the token given back: 1 left.
         let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
         let (bytes, _) = s.get(&l.slot_key).unwrap().unwrap();
-        assert_eq!(crate::global::lease::Slot::decode(&bytes).unwrap().tokens, 1);
+        assert_eq!(
+            crate::global::lease::Slot::decode(&bytes).unwrap().tokens,
+            1
+        );
     }
 }

@@ -5,8 +5,8 @@
 
 use crate::global::lease::Lease;
 use crate::limits::limiter::{Enforced, Report};
-use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use crate::limits::token_bucket::Check;
+use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use ratelimit_protocol::{
     BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_LIMITS,
     MAX_QUOTA_LIMIT,

@@ -11,10 +11,11 @@
 //! cooldown.
 
 use crate::config::Circuit;
-use crate::limits::store::{SharedStore, CREATE_ONLY};
+use crate::limits::store::SharedStore;
+use crate::limits::update::{update, UpdateError};
 
 const MS: u64 = 1_000_000;
-const ATTEMPTS: usize = 8;
+const ATTEMPTS: u32 = 8;
 /// How long past its callout's timeout a probe keeps the half-open slot.
 const PROBE_MARGIN_NS: u64 = 100 * MS;
 
@@ -103,14 +104,6 @@ pub enum Transition {
     Closed,
 }
 
-fn read(store: &impl SharedStore, key: &str) -> Option<(State, u32)> {
-    match store.get(key) {
-        Ok(Some((bytes, cas))) => Some((State::decode(&bytes), cas)),
-        Ok(None) => Some((State::default(), CREATE_ONLY)),
-        Err(_) => None,
-    }
-}
-
 /// Decides whether this request may call the gateway. A probe it claims
 /// holds the half-open slot for `timeout_ms` plus a margin; `longest_timeout_ms`
 /// is the longest any caller claims it for (it bounds a stored claim).
@@ -126,38 +119,32 @@ pub fn gate(
         .max(timeout_ms)
         .saturating_mul(MS)
         .saturating_add(PROBE_MARGIN_NS);
-    for _ in 0..ATTEMPTS {
-        let Some((state, cas)) = read(store, key) else {
-            return Gate::Call;
-        };
+    let gate = update(store, key, ATTEMPTS, |bytes| {
+        let state = bytes.map(State::decode).unwrap_or_default();
         if state.open_until_ns == 0 {
-            return Gate::Call;
+            return (None, Gate::Call);
         }
+        // Written back when the bound binds, so that it counts from the clock
+        // step and does not slide with now.
         let bounded = state.bounded(now_ns, cfg.cooldown_ms.saturating_mul(MS), probe_ns);
-        if bounded != state {
-            // Stored, so that the bound counts from the step and does not slide with now.
-            match store.compare_and_set(key, &bounded.encode(), cas) {
-                Ok(_) => continue,
-                Err(_) => return Gate::Call,
-            }
-        }
-        if now_ns < state.open_until_ns || now_ns < state.probe_until_ns {
-            return Gate::Open;
+        if now_ns < bounded.open_until_ns || now_ns < bounded.probe_until_ns {
+            return ((bounded != state).then(|| bounded.encode()), Gate::Open);
         }
         // Cooldown over and no probe in flight: claim the probe.
         let claimed = State {
             probe_until_ns: now_ns
                 .saturating_add(timeout_ms.saturating_mul(MS))
                 .saturating_add(PROBE_MARGIN_NS),
-            ..state
+            ..bounded
         };
-        match store.compare_and_set(key, &claimed.encode(), cas) {
-            Ok(true) => return Gate::Probe,
-            Ok(false) => continue,
-            Err(_) => return Gate::Call,
-        }
+        (Some(claimed.encode()), Gate::Probe)
+    });
+    match gate {
+        Ok(g) => g,
+        // Shared data failing says nothing about the gateway: call it.
+        Err(UpdateError::Store(_)) => Gate::Call,
+        Err(UpdateError::Contention) => Gate::Open,
     }
-    Gate::Open
 }
 
 /// Records a callout's result and opens or closes the breaker.
@@ -169,10 +156,8 @@ pub fn record(
     result: CallResult,
     probe: bool,
 ) -> Transition {
-    for _ in 0..ATTEMPTS {
-        let Some((state, cas)) = read(store, key) else {
-            return Transition::None;
-        };
+    let transition = update(store, key, ATTEMPTS, |bytes| {
+        let state = bytes.map(State::decode).unwrap_or_default();
         let was_open = state.open_until_ns != 0;
         let slow = match result {
             CallResult::Answered { latency_ns } => {
@@ -201,24 +186,19 @@ pub fn record(
             };
         } else if was_open && !probe {
             // A late answer to a call made before the breaker opened changes nothing.
-            return Transition::None;
+            return (None, Transition::None);
         }
         if next == state {
-            return Transition::None;
+            return (None, Transition::None);
         }
-        match store.compare_and_set(key, &next.encode(), cas) {
-            Ok(true) => {
-                return match (trips, was_open) {
-                    (true, _) => Transition::Opened,
-                    (false, true) => Transition::Closed,
-                    (false, false) => Transition::None,
-                }
-            }
-            Ok(false) => continue,
-            Err(_) => return Transition::None,
-        }
-    }
-    Transition::None
+        let transition = match (trips, was_open) {
+            (true, _) => Transition::Opened,
+            (false, true) => Transition::Closed,
+            (false, false) => Transition::None,
+        };
+        (Some(next.encode()), transition)
+    });
+    transition.unwrap_or(Transition::None)
 }
 
 /// How long clients should wait while the breaker is open, in whole seconds.

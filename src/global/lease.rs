@@ -19,50 +19,11 @@
 //! counted from the step, not for the step on top.
 
 use crate::limits::algorithm::Algorithm;
-use crate::config;
 use crate::limits::limiter::{LimitError, Report, MAX_ATTEMPTS};
-use crate::policy::plan::{GlobalBucket, Plan};
-use crate::limits::store::{SharedStore, CREATE_ONLY};
+use crate::limits::store::SharedStore;
 use crate::limits::token_bucket::Check;
-use siphasher::sip::SipHasher13;
-use std::hash::Hasher;
-
-/// Lease settings, compiled.
-#[derive(Debug, Clone)]
-pub struct LeasePlan {
-    /// Share of the smallest limit reserved per batch.
-    pub fraction: f64,
-    /// Timeout of a lease callout.
-    pub max_wait_ms: u64,
-    /// How long a batch may be spent.
-    pub ttl_ns: u64,
-    /// Path of the gateway's lease endpoint.
-    pub path: String,
-    /// Number of slots (shared-data keys).
-    pub slots: u64,
-    /// Prefix of the slot keys, ending in `/`.
-    pub key_prefix: String,
-    hasher: SipHasher13,
-}
-
-impl LeasePlan {
-    /// Compiles the settings; `keys` is the proxy's seed, so clients cannot aim at another's slot.
-    pub fn new(l: &config::Lease, domain: &str, keys: (u64, u64)) -> LeasePlan {
-        LeasePlan {
-            fraction: l.fraction,
-            max_wait_ms: l.max_wait_ms,
-            ttl_ns: l.ttl_ms.saturating_mul(1_000_000),
-            path: l.path.clone(),
-            slots: l.max_leases.max(1),
-            key_prefix: format!(
-                "{}lease/{domain}/{}/",
-                crate::policy::plan::KEY_PREFIX,
-                l.max_leases
-            ),
-            hasher: SipHasher13::new_with_keys(keys.0, keys.1),
-        }
-    }
-}
+use crate::limits::update::update;
+use crate::policy::plan::{GlobalBucket, LeasePlan, Plan};
 
 /// Where one global bucket's lease lives, and its size.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -194,9 +155,7 @@ pub fn locate(plan: &Plan, g: &GlobalBucket) -> Option<Lease> {
     let smallest = limits.iter().map(|(l, _)| l.capacity).min()?;
     let longest = limits.iter().map(|(l, _)| l.period_ns).max()?;
     let size = ((smallest as f64 * lp.fraction).floor() as u64).clamp(1, smallest.max(1));
-    let mut h = lp.hasher;
-    h.write(g.key.as_bytes());
-    let hash = h.finish();
+    let hash = lp.hash(g.key.as_bytes());
     // The slot index and the fingerprint come from different bits of one hash.
     let slot = (hash >> 32) % lp.slots;
     Some(Lease {
@@ -228,54 +187,36 @@ pub enum Take {
     },
 }
 
-/// Reads the slot, or writes an empty one first (created only when missing,
-/// so two creators cannot overwrite a charged slot).
-fn read(store: &impl SharedStore, key: &str) -> Result<(Slot, u32), LimitError> {
-    for _ in 0..2 {
-        match store.get(key)? {
-            Some((bytes, cas)) => return Ok((Slot::decode(&bytes).unwrap_or_default(), cas)),
-            None => {
-                store.compare_and_set(key, &Slot::default().encode(), CREATE_ONLY)?;
-            }
-        }
-    }
-    Err(LimitError::Vanished)
-}
-
-/// Read-modify-write of a slot with CAS; `change` returns the new slot and a
-/// result, or only a result to leave the slot as it is. With `now_ns`,
-/// `change` sees the slot bounded at that time, and a slot the bound changed
-/// is written back even when `change` leaves it, so that the bound counts from
-/// the clock step instead of sliding with the clock.
-fn update<T>(
+/// Read-modify-write of a slot ([`update`]); `change` returns the new slot
+/// and a result, or only a result to leave the slot as it is. A slot never
+/// written reads as empty. With `now_ns`, `change` sees the slot bounded at
+/// that time, and a slot the bound changed is written back even when `change`
+/// leaves it, so that the bound counts from the clock step instead of sliding
+/// with the clock.
+fn update_slot<T>(
     store: &impl SharedStore,
     lease: &Lease,
     now_ns: Option<u64>,
     mut change: impl FnMut(Slot) -> (Option<Slot>, T),
 ) -> Result<T, LimitError> {
-    let key = &lease.slot_key;
-    for _ in 0..MAX_ATTEMPTS {
-        let (stored, cas) = read(store, key)?;
+    let out = update(store, &lease.slot_key, MAX_ATTEMPTS, |bytes| {
+        let stored = bytes.and_then(Slot::decode).unwrap_or_default();
         let slot = match now_ns {
             Some(now) => stored.clone().bounded(now, &lease.spans),
             None => stored.clone(),
         };
         let bounded = slot != stored;
         let (new, out) = change(slot.clone());
-        let Some(new) = new.or_else(|| bounded.then_some(slot)) else {
-            return Ok(out);
-        };
-        if store.compare_and_set(key, &new.encode(), cas)? {
-            return Ok(out);
-        }
-    }
-    Err(LimitError::Contention)
+        let new = new.or_else(|| bounded.then_some(slot));
+        (new.map(|s| s.encode()), out)
+    })?;
+    Ok(out)
 }
 
 /// Spends `lease.bucket.cost` tokens from the lease.
 pub fn take(store: &impl SharedStore, lease: &Lease, now_ns: u64) -> Result<Take, LimitError> {
     let cost = lease.bucket.cost;
-    update(store, lease, Some(now_ns), |mut s| {
+    update_slot(store, lease, Some(now_ns), |mut s| {
         let ours = s.fingerprint == lease.fingerprint;
         if ours && s.live(now_ns) && s.tokens >= cost {
             s.tokens -= cost;
@@ -297,7 +238,7 @@ pub fn take(store: &impl SharedStore, lease: &Lease, now_ns: u64) -> Result<Take
 
 /// Gives `tokens` back to the lease (a request it served was denied elsewhere).
 pub fn give_back(store: &impl SharedStore, lease: &Lease, tokens: u64) -> Result<(), LimitError> {
-    update(store, lease, None, |mut s| {
+    update_slot(store, lease, None, |mut s| {
         if s.fingerprint != lease.fingerprint {
             return (None, ());
         }
@@ -318,7 +259,7 @@ pub fn claim(
     refresh: bool,
 ) -> Result<Option<Claim>, LimitError> {
     let until = now_ns.saturating_add(lp.max_wait_ms.saturating_mul(1_000_000));
-    update(store, lease, Some(now_ns), |mut s| {
+    update_slot(store, lease, Some(now_ns), |mut s| {
         let ours = s.fingerprint == lease.fingerprint;
         if s.fetching(now_ns) || (!ours && s.live(now_ns)) {
             return (None, None);
@@ -375,7 +316,7 @@ pub fn store_grant(
     empty_ns: u64,
     now_ns: u64,
 ) -> Result<Slot, LimitError> {
-    update(store, lease, Some(now_ns), |mut s| {
+    update_slot(store, lease, Some(now_ns), |mut s| {
         if s.fingerprint != lease.fingerprint {
             // Another bucket took the slot meanwhile: the rest is lost, which errs on the strict side.
             return (None, s);
@@ -396,7 +337,7 @@ pub fn store_grant(
 
 /// Ends a failed callout: the slot may be claimed again at once.
 pub fn release(store: &impl SharedStore, lease: &Lease) -> Result<(), LimitError> {
-    update(store, lease, None, |mut s| {
+    update_slot(store, lease, None, |mut s| {
         if s.fingerprint != lease.fingerprint || s.fetching_until_ns == 0 {
             return (None, ());
         }
@@ -488,6 +429,7 @@ impl Watched {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config;
     use crate::limits::store::MemoryStore;
 
     const MS: u64 = 1_000_000;

@@ -7,14 +7,75 @@
 //! conflict can cost a retry or (briefly) a too-strict answer, never an extra
 //! admission.
 
-use crate::limits::algorithm::{Algorithm, Counting};
-use crate::policy::plan::{Bucket, Plan};
-use crate::limits::store::{SharedStore, StoreError, CREATE_ONLY};
-use crate::limits::table::{Placement, Set};
-use crate::limits::token_bucket::{Check, Limit};
+use super::algorithm::{Algorithm, Counting};
+use super::store::{SharedStore, StoreError, CREATE_ONLY};
+use super::table::{Placement, Set};
+use super::token_bucket::{Check, Limit};
+use super::update::{update, UpdateError};
 
 /// Whole-request attempts before giving up under contention.
 pub const MAX_ATTEMPTS: u32 = 32;
+
+/// One bucket a request must pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    /// Index of the rule in the plan.
+    pub rule: usize,
+    /// Index into the rule's variants.
+    pub variant: usize,
+    /// Identity of the bucket inside its set.
+    pub fingerprint: u64,
+    /// Which set (shared-data key) holds it.
+    pub set: u64,
+    /// Tokens the request spends in it.
+    pub cost: u64,
+}
+
+/// Graduated stages of a rule, as shares of its (single) limit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GraduatedPlan {
+    /// Warn from this share used.
+    pub warn_at: Option<f64>,
+    /// Delay beyond this share used.
+    pub delay_at: Option<f64>,
+    /// How long to delay.
+    pub delay_ms: u64,
+    /// Demand share that blocks the client.
+    pub block_at: Option<f64>,
+    /// How long a block lasts (ns).
+    pub block_for_ns: u64,
+}
+
+/// What the charge needs of one rule's variant.
+#[derive(Debug, Clone, Copy)]
+pub struct RuleLimits<'a> {
+    /// How the limits count.
+    pub algorithm: Algorithm,
+    /// `requests` per `per` for each limit, and `per` in seconds.
+    pub limits: &'a [(Limit, u64)],
+    /// Warn, delay and block stages.
+    pub graduated: Option<&'a GraduatedPlan>,
+}
+
+impl RuleLimits<'_> {
+    /// Number of states a bucket keeps: one per limit, plus the demand and
+    /// the end of a block for a graduated rule.
+    pub fn states(&self) -> usize {
+        self.limits.len() + if self.graduated.is_some() { 2 } else { 0 }
+    }
+}
+
+/// What the limiter reads of the compiled configuration. The policy's plan
+/// implements it; counting does not depend on how rules are compiled.
+pub trait Rules {
+    /// The limits of `rule`'s `variant` (an unknown variant has none);
+    /// `None` for an unknown rule.
+    fn rule(&self, rule: usize, variant: usize) -> Option<RuleLimits<'_>>;
+    /// Share of random spread on block releases, upwards only.
+    fn retry_jitter(&self) -> f64;
+    /// The shared-data key of bucket set `index`.
+    fn set_key(&self, index: u64) -> String;
+}
 
 /// One limit's result, for headers and problem bodies.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,6 +178,15 @@ impl From<StoreError> for LimitError {
     }
 }
 
+impl From<UpdateError> for LimitError {
+    fn from(e: UpdateError) -> Self {
+        match e {
+            UpdateError::Store(e) => LimitError::Store(e),
+            UpdateError::Contention => LimitError::Contention,
+        }
+    }
+}
+
 /// Counts of what happened on the way, for metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -151,7 +221,7 @@ struct Write {
 /// `spread` (in `[0, 1)`) places a new block's end within `retry_jitter`.
 pub fn check_and_consume(
     store: &impl SharedStore,
-    plan: &Plan,
+    plan: &impl Rules,
     buckets: &[Bucket],
     now_ns: u64,
     spread: f64,
@@ -174,12 +244,12 @@ pub fn check_and_consume(
             let Some(sw) = work.get_mut(w) else {
                 return Err(LimitError::Vanished);
             };
-            let Some(rule) = plan.rules.get(b.rule) else {
+            let Some(rule) = plan.rule(b.rule, b.variant) else {
                 continue;
             };
             let placement = sw
                 .set
-                .place(b.fingerprint, rule.states(b.variant), now_ns, &sw.pinned);
+                .place(b.fingerprint, rule.states(), now_ns, &sw.pinned);
             if matches!(placement, Placement::Evicted(_)) {
                 evictions += 1;
             }
@@ -190,8 +260,8 @@ pub fn check_and_consume(
                 return Err(LimitError::Vanished);
             };
             let state = |i: usize| entry.tats.get(i).copied().filter(|_| !fresh);
-            let limits = rule.limits(b.variant);
-            if let Some(g) = &rule.graduated {
+            let limits = rule.limits;
+            if let Some(g) = rule.graduated {
                 let stored_until =
                     state(limits.len() + 1).map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
                 // A block longer than its longest span (block_for plus the most jitter)
@@ -199,7 +269,7 @@ pub fn check_and_consume(
                 // at most that span after the step.
                 let longest = g
                     .block_for_ns
-                    .saturating_add((g.block_for_ns as f64 * plan.retry_jitter.max(0.0)) as u64);
+                    .saturating_add((g.block_for_ns as f64 * plan.retry_jitter().max(0.0)) as u64);
                 let blocked_until = stored_until.min(now_ns.saturating_add(longest));
                 if blocked_until > now_ns {
                     denied = true;
@@ -230,7 +300,8 @@ pub fn check_and_consume(
                     };
                     let d_index = limits.len();
                     if demand_limit.used_share(demand, now_ns) >= block_at {
-                        let spread_ns = (g.block_for_ns as f64 * plan.retry_jitter * spread) as u64;
+                        let spread_ns =
+                            (g.block_for_ns as f64 * plan.retry_jitter() * spread) as u64;
                         let until = now_ns
                             .saturating_add(g.block_for_ns)
                             .saturating_add(spread_ns);
@@ -346,7 +417,7 @@ fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
 /// creation carries no charge, so two workers creating it at once lose nothing.
 fn read_set(
     store: &impl SharedStore,
-    plan: &Plan,
+    plan: &impl Rules,
     index: u64,
     stats: &mut Stats,
 ) -> Result<SetWork, LimitError> {
@@ -396,7 +467,7 @@ fn apply(work: &mut [SetWork], writes: &[Write]) -> Vec<bool> {
 /// `now_ns`) in those already written and returns false.
 fn write_all(
     store: &impl SharedStore,
-    plan: &Plan,
+    plan: &impl Rules,
     work: &[SetWork],
     touched: &[bool],
     refundable: &[Bucket],
@@ -424,7 +495,7 @@ fn write_all(
 /// `now_ns` of that charge: a sliding window gives back only in its window.
 pub fn refund(
     store: &impl SharedStore,
-    plan: &Plan,
+    plan: &impl Rules,
     buckets: &[Bucket],
     charged_at_ns: u64,
 ) -> Result<(), LimitError> {
@@ -441,21 +512,19 @@ pub fn refund(
 /// than was admitted; a refund lost to a bucket eviction is simply dropped.
 fn refund_set(
     store: &impl SharedStore,
-    plan: &Plan,
+    plan: &impl Rules,
     set_index: u64,
     buckets: &[Bucket],
     charged_at_ns: u64,
 ) -> Result<(), LimitError> {
     let key = plan.set_key(set_index);
-    for _ in 0..MAX_ATTEMPTS {
-        let Some((bytes, cas)) = store.get(&key)? else {
-            return Ok(());
-        };
-        let Ok(mut set) = Set::decode(&bytes) else {
-            return Ok(());
+    update(store, &key, MAX_ATTEMPTS, |bytes| {
+        // A set never written, or unreadable, holds no charge to give back.
+        let Some(Ok(mut set)) = bytes.map(Set::decode) else {
+            return (None, ());
         };
         for b in buckets.iter().filter(|b| b.set == set_index) {
-            let Some(rule) = plan.rules.get(b.rule) else {
+            let Some(rule) = plan.rule(b.rule, b.variant) else {
                 continue;
             };
             if let Some(entry) = set
@@ -463,248 +532,16 @@ fn refund_set(
                 .iter_mut()
                 .find(|e| e.fingerprint == b.fingerprint)
             {
-                for ((limit, _), tat) in rule.limits(b.variant).iter().zip(entry.tats.iter_mut()) {
+                for ((limit, _), tat) in rule.limits.iter().zip(entry.tats.iter_mut()) {
                     *tat = rule.algorithm.refund(limit, *tat, b.cost, charged_at_ns);
                 }
             }
         }
-        if store.compare_and_set(&key, &set.encode(), cas)? {
-            return Ok(());
-        }
-    }
-    Err(LimitError::Contention)
+        (Some(set.encode()), ())
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config;
-    use crate::policy::plan::Bucket;
-    use crate::limits::store::MemoryStore;
-    use std::cell::Cell;
-
-    const SEC: u64 = 1_000_000_000;
-    const T0: u64 = 1_700_000_000 * SEC;
-
-    fn plan(json: &str) -> Plan {
-        Plan::compile(&config::parse(json.as_bytes()).unwrap(), [1; 16])
-    }
-
-    fn bucket(rule: usize, fp: u64, set: u64) -> Bucket {
-        Bucket {
-            rule,
-            variant: 0,
-            fingerprint: fp,
-            set,
-            cost: 1,
-        }
-    }
-
-    fn allowed(d: &Decision) -> bool {
-        matches!(d, Decision::Allowed(_))
-    }
-
-    const TWO_RULES: &str = r#"{"domain":"t","max_buckets":64,"rules":[
-        {"name":"a","limits":[{"requests":10,"per":"1h"}]},
-        {"name":"b","limits":[{"requests":3,"per":"1h"}]}]}"#;
-
-    #[test]
-    fn exact_count_then_deny_and_denials_charge_nothing() {
-        let p = plan(TWO_RULES);
-        let s = MemoryStore::default();
-        let mut st = Stats::default();
-        let both = [bucket(0, 1, 0), bucket(1, 2, 5)];
-        let n = (0..10)
-            .filter(|_| allowed(&check_and_consume(&s, &p, &both, T0, 0.0, &mut st).unwrap()))
-            .count();
-        assert_eq!(n, 3, "rule b holds three");
-        // Rule a was charged only for the three admitted requests.
-        let only_a = [bucket(0, 1, 0)];
-        let m = (0..20)
-            .filter(|_| allowed(&check_and_consume(&s, &p, &only_a, T0, 0.0, &mut st).unwrap()))
-            .count();
-        assert_eq!(m, 7);
-        assert_eq!(st, Stats::default());
-    }
-
-    #[test]
-    fn reports_cover_every_limit() {
-        let p = plan(
-            r#"{"domain":"t","rules":[{"name":"r","limits":[{"requests":60,"per":"1m"},{"requests":10,"per":"1s"}]}]}"#,
-        );
-        let s = MemoryStore::default();
-        let d =
-            check_and_consume(&s, &p, &[bucket(0, 9, 3)], T0, 0.0, &mut Stats::default()).unwrap();
-        let Decision::Allowed(r) = d else {
-            panic!("denied")
-        };
-        assert_eq!(
-            r.iter()
-                .map(|r| (r.limit, r.check.remaining))
-                .collect::<Vec<_>>(),
-            [(0, 59), (1, 9)]
-        );
-    }
-
-    /// A store that runs a closure just before the first N compare-and-sets on existing keys.
-    struct Racing<'a> {
-        inner: &'a MemoryStore,
-        before_set: Box<dyn Fn(&MemoryStore) + 'a>,
-        remaining: Cell<u32>,
-    }
-
-    impl SharedStore for Racing<'_> {
-        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
-            self.inner.get(key)
-        }
-        fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
-            if self.remaining.get() > 0 {
-                self.remaining.set(self.remaining.get() - 1);
-                (self.before_set)(self.inner);
-            }
-            self.inner.compare_and_set(key, value, cas)
-        }
-    }
-
-    #[test]
-    fn a_racing_writer_costs_a_retry_not_an_admission() {
-        let p =
-            plan(r#"{"domain":"t","rules":[{"name":"r","limits":[{"requests":5,"per":"1h"}]}]}"#);
-        let mem = MemoryStore::default();
-        let b = [bucket(0, 42, 1)];
-        let other = |m: &MemoryStore| {
-            check_and_consume(m, &p, &b, T0, 0.0, &mut Stats::default()).unwrap();
-        };
-        let racing = Racing {
-            inner: &mem,
-            before_set: Box::new(other),
-            remaining: Cell::new(3),
-        };
-        let mut st = Stats::default();
-        let mut admitted_here = 0;
-        for _ in 0..5 {
-            if allowed(&check_and_consume(&racing, &p, &b, T0, 0.0, &mut st).unwrap()) {
-                admitted_here += 1;
-            }
-        }
-        // Three racing requests were admitted by "the other worker" in between.
-        assert_eq!(admitted_here, 2);
-        assert!(st.cas_retries >= 2, "{st:?}");
-        assert!(!allowed(
-            &check_and_consume(&mem, &p, &b, T0, 0.0, &mut st).unwrap()
-        ));
-    }
-
-    #[test]
-    fn first_insert_race_loses_nothing() {
-        // The other worker creates the set and charges it between our "missing" read and our create.
-        let p =
-            plan(r#"{"domain":"t","rules":[{"name":"r","limits":[{"requests":2,"per":"1h"}]}]}"#);
-        let mem = MemoryStore::default();
-        let b = [bucket(0, 42, 1)];
-        let other = |m: &MemoryStore| {
-            assert!(allowed(
-                &check_and_consume(m, &p, &b, T0, 0.0, &mut Stats::default()).unwrap()
-            ));
-        };
-        let racing = Racing {
-            inner: &mem,
-            before_set: Box::new(other),
-            remaining: Cell::new(1),
-        };
-        let mut st = Stats::default();
-        assert!(allowed(
-            &check_and_consume(&racing, &p, &b, T0, 0.0, &mut st).unwrap()
-        ));
-        assert!(!allowed(
-            &check_and_consume(&mem, &p, &b, T0, 0.0, &mut st).unwrap()
-        ));
-    }
-
-    #[test]
-    fn conflict_on_the_second_set_refunds_the_first() {
-        let p = plan(TWO_RULES);
-        let mem = MemoryStore::default();
-        let both = [bucket(0, 1, 0), bucket(1, 2, 5)];
-        // Prime both sets so that both exist.
-        check_and_consume(&mem, &p, &both, T0, 0.0, &mut Stats::default()).unwrap();
-        let set5 = p.set_key(5);
-        let calls = Cell::new(0);
-        let bump = |m: &MemoryStore| {
-            calls.set(calls.get() + 1);
-            if calls.get() == 2 {
-                // Touch set 5 (without charging) just before our write to it.
-                let (v, cas) = m.get(&set5).unwrap().unwrap();
-                assert!(m.compare_and_set(&set5, &v, cas).unwrap());
-            }
-        };
-        let racing = Racing {
-            inner: &mem,
-            before_set: Box::new(bump),
-            remaining: Cell::new(2),
-        };
-        let mut st = Stats::default();
-        assert!(allowed(
-            &check_and_consume(&racing, &p, &both, T0, 0.0, &mut st).unwrap()
-        ));
-        assert_eq!(st.cas_retries, 1);
-        // Two admissions in all: rule a has 8 left, rule b 1.
-        let only_a = [bucket(0, 1, 0)];
-        let d = check_and_consume(&mem, &p, &only_a, T0, 0.0, &mut st).unwrap();
-        let Decision::Allowed(r) = d else { panic!() };
-        assert_eq!(r[0].check.remaining, 7);
-    }
-
-    #[test]
-    fn corrupt_sets_are_reset_not_fatal() {
-        let p =
-            plan(r#"{"domain":"t","rules":[{"name":"r","limits":[{"requests":1,"per":"1h"}]}]}"#);
-        let mem = MemoryStore::default();
-        mem.compare_and_set(&p.set_key(3), b"\x09garbage", 0)
-            .unwrap();
-        let mut st = Stats::default();
-        assert!(allowed(
-            &check_and_consume(&mem, &p, &[bucket(0, 5, 3)], T0, 0.0, &mut st).unwrap()
-        ));
-        assert_eq!(st.corrupt_sets, 1);
-        assert!(!allowed(
-            &check_and_consume(&mem, &p, &[bucket(0, 5, 3)], T0, 0.0, &mut st).unwrap()
-        ));
-    }
-
-    #[test]
-    fn table_stays_bounded_and_a_drained_client_is_never_the_one_evicted() {
-        let p = plan(
-            r#"{"domain":"t","max_buckets":64,"rules":[{"name":"r","key":["client"],"limits":[{"requests":5,"per":"1h"}]}]}"#,
-        );
-        let mem = MemoryStore::default();
-        let mut st = Stats::default();
-        let hot = [bucket(0, u64::MAX, 0)];
-        let mut hot_admitted = 0;
-        for _ in 0..6 {
-            if allowed(&check_and_consume(&mem, &p, &hot, T0, 0.0, &mut st).unwrap()) {
-                hot_admitted += 1;
-            }
-        }
-        for i in 0..20_000u64 {
-            if i % 100 == 0
-                && allowed(&check_and_consume(&mem, &p, &hot, T0 + i, 0.0, &mut st).unwrap())
-            {
-                hot_admitted += 1;
-            }
-            let b = [bucket(0, i, i % p.sets)];
-            assert!(allowed(
-                &check_and_consume(&mem, &p, &b, T0 + i, 0.0, &mut st).unwrap()
-            ));
-        }
-        assert_eq!(
-            mem.len() as u64,
-            p.sets,
-            "one key per set, whatever the number of clients"
-        );
-        // Sets evict the bucket nearest to full: the hot client, drained for an
-        // hour, outlives the thousands of one-request clients that share its set.
-        assert_eq!(hot_admitted, 5);
-        assert!(st.evictions > 19_000, "{st:?}");
-    }
-}
+#[path = "limiter_tests.rs"]
+mod tests;

@@ -1,8 +1,12 @@
-//! The two host services the limiter needs, as small traits, plus an
-//! in-memory store with Envoy's exact shared-data semantics for tests.
+//! Envoy's shared data as a small trait, the namespace of every key the
+//! filter writes in it, and an in-memory store with Envoy's exact semantics
+//! for tests.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+
+/// Prefix of every shared-data key the filter writes (Istio shares one namespace between plugins).
+pub const KEY_PREFIX: &str = "ratelimit-wasm/";
 
 /// A version number ("cas") that makes a write create the key only if it is
 /// missing. Envoy's host creates a missing key whatever the cas, and refuses a
@@ -29,12 +33,6 @@ pub trait SharedStore {
     /// missing); `Ok(false)` when another writer came first. `cas` must not be 0,
     /// which the host treats as an unconditional write.
     fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError>;
-}
-
-/// Wall-clock time shared by every worker.
-pub trait Clock {
-    /// Nanoseconds since the Unix epoch.
-    fn now_ns(&self) -> u64;
 }
 
 /// In-memory [`SharedStore`] with the semantics of proxy-wasm-cpp-host's `shared_data.cc`.

@@ -6,8 +6,47 @@
 //! set is read and written with one compare-and-swap, so finding, claiming and
 //! updating an entry is atomic and a bucket can never exist twice.
 
+use super::store::KEY_PREFIX;
+
 /// Entries per set before one must be evicted.
 pub const WAYS: usize = 4;
+
+/// Where a domain's buckets live: how many sets, and their shared-data keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Number of sets (shared-data keys) in the table.
+    pub sets: u64,
+    /// Prefix of the set keys, ending in `/`.
+    pub key_prefix: String,
+}
+
+impl Layout {
+    /// The table of `domain` holding about `max_buckets` buckets (at least one set).
+    pub fn new(domain: &str, max_buckets: u64) -> Layout {
+        let sets = (max_buckets / WAYS as u64).max(1);
+        Layout {
+            sets,
+            // The set count is part of the key: a resized table starts fresh
+            // instead of reading sets laid out for another size.
+            key_prefix: format!("{KEY_PREFIX}set/{domain}/{sets}/"),
+        }
+    }
+
+    /// The set that holds a bucket whose placement hash is `hash`.
+    pub fn set_of(&self, hash: u64) -> u64 {
+        hash % self.sets
+    }
+
+    /// The shared-data key of set `index`.
+    pub fn set_key(&self, index: u64) -> String {
+        let mut n = itoa::Buffer::new();
+        let index = n.format(index);
+        let mut key = String::with_capacity(self.key_prefix.len() + index.len());
+        key.push_str(&self.key_prefix);
+        key.push_str(index);
+        key
+    }
+}
 
 const VERSION: u8 = 1;
 

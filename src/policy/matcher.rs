@@ -32,7 +32,10 @@ impl Matcher {
 
     /// The headers this matcher reads (`:method` and `:path` included).
     pub fn reads(&self) -> impl Iterator<Item = HeaderId> + '_ {
-        let method = self.methods.is_some().then_some(crate::policy::request::METHOD);
+        let method = self
+            .methods
+            .is_some()
+            .then_some(crate::policy::request::METHOD);
         let path = (self.path_prefix.is_some() || self.path_exact.is_some())
             .then_some(crate::policy::request::PATH);
         method

@@ -2,23 +2,22 @@
 //! tiers and limits resolved once, so a request does no parsing, no map
 //! lookups but one for a known client, and reads only the headers it needs.
 
-use crate::limits::algorithm::Algorithm;
+use super::key::{BadInput, IpSource, KeyPart};
+use super::matcher::Matcher;
+use super::request::HeaderId;
 use crate::config::{
-    Circuit, Config, FailureMode, HeaderStyle, LimitSpec, Mode, OnError, Period, QuotaCount, Rule,
-    Scope,
+    self, Circuit, Config, FailureMode, HeaderStyle, LimitSpec, Mode, OnError, Period, QuotaCount,
+    Rule, Scope,
 };
-use crate::policy::key::{self, BadInput, IpSource, KeyPart};
-use crate::global::lease::LeasePlan;
-use crate::policy::matcher::Matcher;
-use crate::policy::request::{HeaderId, RequestInfo};
-use crate::limits::table::WAYS;
+use crate::limits::algorithm::Algorithm;
+use crate::limits::limiter::{Bucket, GraduatedPlan, RuleLimits, Rules};
+use crate::limits::store::KEY_PREFIX;
+use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
-use siphasher::sip128::{Hasher128, SipHasher13};
+use siphasher::sip::SipHasher13 as SipHasher64;
+use siphasher::sip128::SipHasher13;
 use std::collections::HashMap;
 use std::hash::Hasher;
-
-/// Prefix of every shared-data key the filter writes (Istio shares one namespace between plugins).
-pub const KEY_PREFIX: &str = "ratelimit-wasm/";
 
 /// One set of limits of a rule: the rule's own, a tier's, or a client's override.
 #[derive(Debug, Clone)]
@@ -26,24 +25,9 @@ pub struct Variant {
     /// `requests` per `per` for each limit, and `per` in seconds for headers.
     pub limits: Vec<(Limit, u64)>,
     /// Hash state after domain, rule, algorithm and limits: changing a limit starts fresh buckets.
-    hasher: SipHasher13,
+    pub(super) hasher: SipHasher13,
     /// How the gateway protocol names this set.
     pub wire: ratelimit_protocol::Variant,
-}
-
-/// Graduated stages of a rule, as shares of its (single) limit.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GraduatedPlan {
-    /// Warn from this share used.
-    pub warn_at: Option<f64>,
-    /// Delay beyond this share used.
-    pub delay_at: Option<f64>,
-    /// How long to delay.
-    pub delay_ms: u64,
-    /// Demand share that blocks the client.
-    pub block_at: Option<f64>,
-    /// How long a block lasts (ns).
-    pub block_for_ns: u64,
 }
 
 /// A compiled rule.
@@ -69,9 +53,9 @@ pub struct RulePlan {
     pub fallback: Option<usize>,
     /// True for the local stand-in of a global rule.
     pub stand_in: bool,
-    tier_variant: Vec<usize>,
-    matcher: Option<Matcher>,
-    key: Vec<KeyPart>,
+    pub(super) tier_variant: Vec<usize>,
+    pub(super) matcher: Option<Matcher>,
+    pub(super) key: Vec<KeyPart>,
 }
 
 impl RulePlan {
@@ -87,21 +71,6 @@ impl RulePlan {
     pub fn states(&self, variant: usize) -> usize {
         self.limits(variant).len() + if self.graduated.is_some() { 2 } else { 0 }
     }
-}
-
-/// One bucket a request must pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Bucket {
-    /// Index into [`Plan::rules`].
-    pub rule: usize,
-    /// Index into the rule's variants.
-    pub variant: usize,
-    /// Identity of the bucket inside its set.
-    pub fingerprint: u64,
-    /// Which set (shared-data key) holds it.
-    pub set: u64,
-    /// Tokens the request spends in it.
-    pub cost: u64,
 }
 
 /// One bucket the gateway decides.
@@ -168,24 +137,24 @@ pub struct QuotaPlan {
     pub period: Period,
     /// Where to buy more.
     pub upgrade_url: String,
-    count: QuotaCount,
+    pub(super) count: QuotaCount,
     /// Amount for a tier not listed, and for every client when no tiers are declared.
-    limit: Option<u64>,
-    by_tier: Vec<Option<u64>>,
-    matcher: Option<Matcher>,
-    key: Vec<KeyPart>,
+    pub(super) limit: Option<u64>,
+    pub(super) by_tier: Vec<Option<u64>>,
+    pub(super) matcher: Option<Matcher>,
+    pub(super) key: Vec<KeyPart>,
 }
 
 /// What the filter knows of one client from `identity.clients`.
 #[derive(Debug, Clone, Default)]
-struct ClientPlan {
-    tier: Option<usize>,
-    unlimited: bool,
-    soft: bool,
+pub(super) struct ClientPlan {
+    pub(super) tier: Option<usize>,
+    pub(super) unlimited: bool,
+    pub(super) soft: bool,
     /// (rule, variant) overrides.
-    variants: Vec<(usize, usize)>,
+    pub(super) variants: Vec<(usize, usize)>,
     /// (quota, amount) overrides.
-    quotas: Vec<(usize, u64)>,
+    pub(super) quotas: Vec<(usize, u64)>,
 }
 
 /// The gateway settings, as the request path needs them.
@@ -209,18 +178,18 @@ pub struct GlobalPlan {
     pub lease: Option<LeasePlan>,
     /// `authorization` of the callouts (`Bearer <token>`): the inline
     /// `global.token` here; the filter's `on_configure` resolves `token_env`.
-    pub authorization: Option<crate::config::Token>,
+    pub authorization: Option<config::Token>,
 }
 
 /// Where identity comes from.
 #[derive(Debug, Clone)]
-struct IdentityPlan {
-    client_header: HeaderId,
-    tier_header: Option<HeaderId>,
-    ip_source: IpSource,
-    tiers: Vec<(String, bool)>,
-    default_tier: Option<usize>,
-    clients: HashMap<Vec<u8>, ClientPlan>,
+pub(super) struct IdentityPlan {
+    pub(super) client_header: HeaderId,
+    pub(super) tier_header: Option<HeaderId>,
+    pub(super) ip_source: IpSource,
+    pub(super) tiers: Vec<(String, bool)>,
+    pub(super) default_tier: Option<usize>,
+    pub(super) clients: HashMap<Vec<u8>, ClientPlan>,
 }
 
 /// The compiled configuration.
@@ -252,16 +221,14 @@ pub struct Plan {
     pub retry_jitter: f64,
     /// What to do when shared data fails.
     pub on_error: OnError,
-    /// Number of sets (shared-data keys) in the bucket table.
-    pub sets: u64,
-    /// Prefix of the set keys, ending in `/`.
-    pub set_key_prefix: String,
+    /// Where the buckets live in shared data.
+    pub table: Layout,
     /// The gateway, when any rule is global.
     pub global: Option<GlobalPlan>,
     /// The configuration's domain.
     pub domain: String,
-    costs: Vec<(Matcher, u64)>,
-    identity: IdentityPlan,
+    pub(super) costs: Vec<(Matcher, u64)>,
+    pub(super) identity: IdentityPlan,
 }
 
 /// When a request's peer address is needed.
@@ -511,7 +478,6 @@ impl Plan {
             .iter()
             .map(|c| (Matcher::compile(&c.matches, |n| h.id(n)), c.cost))
             .collect();
-        let sets = (config.max_buckets / WAYS as u64).max(1);
         let (header_needed, source) = reads(
             h.0.len(),
             &identity,
@@ -534,8 +500,7 @@ impl Plan {
             quota_problem_type: config.response.quota_problem_type.clone(),
             retry_jitter: config.response.retry_jitter,
             on_error: config.on_error,
-            sets,
-            set_key_prefix: format!("{KEY_PREFIX}set/{}/{sets}/", config.domain),
+            table: Layout::new(&config.domain, config.max_buckets),
             global: config.global.as_ref().map(|g| GlobalPlan {
                 cluster: g.cluster.clone(),
                 authority: g.authority.clone(),
@@ -548,7 +513,7 @@ impl Plan {
                     .lease
                     .as_ref()
                     .map(|l| LeasePlan::new(l, &config.domain, keys)),
-                authorization: g.bearer(|_| None).ok().flatten().map(crate::config::Token),
+                authorization: g.bearer(|_| None).ok().flatten().map(config::Token),
             }),
             domain: config.domain.clone(),
             costs,
@@ -556,194 +521,68 @@ impl Plan {
         }
     }
 
-    /// The client id of `req`, from metadata or the header as configured; `None` when absent or empty.
-    pub fn client_id<'a>(&self, req: &'a RequestInfo) -> Option<&'a [u8]> {
-        match &self.client_id_property {
-            Some(_) => req.client_metadata.as_deref(),
-            None => req.header(self.identity.client_header),
-        }
-        .filter(|v| !v.is_empty())
-    }
-
-    /// The shared-data key of set `index`.
-    pub fn set_key(&self, index: u64) -> String {
-        let mut n = itoa::Buffer::new();
-        let index = n.format(index);
-        let mut key = String::with_capacity(self.set_key_prefix.len() + index.len());
-        key.push_str(&self.set_key_prefix);
-        key.push_str(index);
-        key
-    }
-
     /// The limits of a bucket's rule and variant.
     pub fn limits(&self, rule: usize, variant: usize) -> &[(Limit, u64)] {
         self.rules.get(rule).map_or(&[], |r| r.limits(variant))
     }
+}
 
-    /// Resolves the client: its id (`None`: the IP stands in), its static
-    /// settings and its tier. The static map's tier wins over the credential's,
-    /// which wins over the default.
-    fn client<'a>(
-        &'a self,
-        req: &'a RequestInfo,
-    ) -> (Option<&'a [u8]>, Option<&'a ClientPlan>, Option<usize>) {
-        let id = &self.identity;
-        let client_id = self.client_id(req);
-        let known = client_id.and_then(|c| id.clients.get(c));
-        let claimed = match (&self.tier_property, id.tier_header) {
-            (Some(_), _) => req.tier_metadata.as_deref(),
-            (None, Some(h)) => req.header(h),
-            (None, None) => None,
-        };
-        let tier = known
-            .and_then(|k| k.tier)
-            .or_else(|| claimed.and_then(|t| id.tiers.iter().position(|(n, _)| n.as_bytes() == t)))
-            .or(id.default_tier);
-        (client_id, known, tier)
+impl Rules for Plan {
+    fn rule(&self, rule: usize, variant: usize) -> Option<RuleLimits<'_>> {
+        let r = self.rules.get(rule)?;
+        Some(RuleLimits {
+            algorithm: r.algorithm,
+            limits: r.limits(variant),
+            graduated: r.graduated.as_ref(),
+        })
     }
 
-    /// Finds the cost and the buckets of every rule and quota that applies to `req`.
-    pub fn evaluate(&self, req: &RequestInfo) -> Evaluation {
-        let cost = self
-            .costs
-            .iter()
-            .find(|(m, _)| m.matches(req))
-            .map_or(1, |(_, c)| *c);
-        let (client_id, known, tier) = self.client(req);
-        let mut eval = Evaluation {
-            cost,
-            soft: known.is_some_and(|k| k.soft),
-            unlimited: known.is_some_and(|k| k.unlimited)
-                || tier
-                    .and_then(|t| self.identity.tiers.get(t))
-                    .is_some_and(|(_, u)| *u),
-            ..Evaluation::default()
-        };
-        if eval.unlimited {
-            return eval;
-        }
-        let ip = self.identity.ip_source;
-        for (i, rule) in self.rules.iter().enumerate() {
-            // Stand-ins are reached through their global rule only.
-            if rule.stand_in || !rule.matcher.as_ref().is_none_or(|m| m.matches(req)) {
-                continue;
-            }
-            let variant = known
-                .and_then(|k| k.variants.iter().find(|(r, _)| *r == i).map(|(_, v)| *v))
-                .or_else(|| tier.and_then(|t| rule.tier_variant.get(t).copied()))
-                .unwrap_or(0);
-            let Some(v) = rule.variants.get(variant) else {
-                continue;
-            };
-            let mut hash = v.hasher;
-            let mut stand_in = rule.fallback.and_then(|f| {
-                self.rules
-                    .get(f)
-                    .and_then(|r| r.variants.get(variant))
-                    .map(|v| (f, v.hasher))
-            });
-            let mut global =
-                (rule.scope == Scope::Global).then(|| (rule.name.clone(), String::new()));
-            let applies = key::write_key(
-                &rule.key,
-                req,
-                client_id,
-                ip,
-                &mut eval.bad_input,
-                &mut |tag, value| {
-                    hash_part(&mut hash, tag, value);
-                    if let Some((_, h)) = stand_in.as_mut() {
-                        hash_part(h, tag, value);
-                    }
-                    if let Some((k, t)) = global.as_mut() {
-                        key::encode_part(k, t.is_empty().then_some(t), tag, value);
-                    }
-                },
-            );
-            if !applies {
-                continue;
-            }
-            let cost = rule.cost.unwrap_or(cost);
-            match global {
-                Some((key, tag)) => {
-                    eval.global.push(GlobalBucket {
-                        rule: i,
-                        variant,
-                        key: key::bounded(key, &rule.name),
-                        tag,
-                        cost,
-                    });
-                    if let Some((f, h)) = stand_in {
-                        eval.fallback.push(self.bucket(f, variant, h, cost));
-                    }
-                }
-                None if rule.shadow || eval.soft => {
-                    eval.shadow.push(self.bucket(i, variant, hash, cost))
-                }
-                None => eval.buckets.push(self.bucket(i, variant, hash, cost)),
-            }
-        }
-        for (qi, q) in self.quotas.iter().enumerate() {
-            if !q.matcher.as_ref().is_none_or(|m| m.matches(req)) {
-                continue;
-            }
-            use ratelimit_protocol::Variant as Wire;
-            let by_client = known
-                .and_then(|k| k.quotas.iter().find(|(x, _)| *x == qi).map(|(_, a)| *a))
-                .zip(client_id);
-            let (limit, variant) = match (by_client, tier) {
-                (Some((a, c)), _) => (
-                    Some(a),
-                    Wire::Client(String::from_utf8_lossy(c).into_owned()),
-                ),
-                (None, Some(t)) => (
-                    q.by_tier.get(t).copied().flatten(),
-                    self.identity
-                        .tiers
-                        .get(t)
-                        .map_or(Wire::Default, |(n, _)| Wire::Tier(n.clone())),
-                ),
-                (None, None) => (q.limit, Wire::Default),
-            };
-            let Some(limit) = limit else { continue };
-            let (mut k, mut tag) = (q.name.clone(), String::new());
-            let applies = key::write_key(
-                &q.key,
-                req,
-                client_id,
-                ip,
-                &mut eval.bad_input,
-                &mut |t, value| {
-                    key::encode_part(&mut k, tag.is_empty().then_some(&mut tag), t, value);
-                },
-            );
-            if applies {
-                let amount = match q.count {
-                    QuotaCount::Requests => 1,
-                    QuotaCount::Cost => cost,
-                };
-                eval.quotas.push(QuotaBucket {
-                    quota: qi,
-                    key: key::bounded(k, &q.name),
-                    tag,
-                    limit,
-                    variant,
-                    amount,
-                });
-            }
-        }
-        eval
+    fn retry_jitter(&self) -> f64 {
+        self.retry_jitter
     }
 
-    fn bucket(&self, rule: usize, variant: usize, hasher: SipHasher13, cost: u64) -> Bucket {
-        let hash = hasher.finish128();
-        Bucket {
-            rule,
-            variant,
-            fingerprint: hash.h1,
-            set: hash.h2 % self.sets,
-            cost,
+    fn set_key(&self, index: u64) -> String {
+        self.table.set_key(index)
+    }
+}
+
+/// Lease settings, compiled.
+#[derive(Debug, Clone)]
+pub struct LeasePlan {
+    /// Share of the smallest limit reserved per batch.
+    pub fraction: f64,
+    /// Timeout of a lease callout.
+    pub max_wait_ms: u64,
+    /// How long a batch may be spent.
+    pub ttl_ns: u64,
+    /// Path of the gateway's lease endpoint.
+    pub path: String,
+    /// Number of slots (shared-data keys).
+    pub slots: u64,
+    /// Prefix of the slot keys, ending in `/`.
+    pub key_prefix: String,
+    hasher: SipHasher64,
+}
+
+impl LeasePlan {
+    /// Compiles the settings; `keys` is the proxy's seed, so clients cannot aim at another's slot.
+    pub fn new(l: &config::Lease, domain: &str, keys: (u64, u64)) -> LeasePlan {
+        LeasePlan {
+            fraction: l.fraction,
+            max_wait_ms: l.max_wait_ms,
+            ttl_ns: l.ttl_ms.saturating_mul(1_000_000),
+            path: l.path.clone(),
+            slots: l.max_leases.max(1),
+            key_prefix: format!("{KEY_PREFIX}lease/{domain}/{}/", l.max_leases),
+            hasher: SipHasher64::new_with_keys(keys.0, keys.1),
         }
+    }
+
+    /// The keyed hash of a global bucket's key, which places its lease.
+    pub fn hash(&self, key: &[u8]) -> u64 {
+        let mut h = self.hasher;
+        h.write(key);
+        h.finish()
     }
 }
 
@@ -778,8 +617,8 @@ fn reads(
         match part {
             KeyPart::Client => client = true,
             KeyPart::Ip => ip = true,
-            KeyPart::Method => mark(crate::policy::request::METHOD),
-            KeyPart::Path => mark(crate::policy::request::PATH),
+            KeyPart::Method => mark(super::request::METHOD),
+            KeyPart::Path => mark(super::request::PATH),
             KeyPart::Header(id) => mark(*id),
         }
     }
@@ -809,12 +648,6 @@ fn metadata_path(path: &[String]) -> Vec<String> {
     out
 }
 
-fn hash_part(h: &mut SipHasher13, tag: u8, value: &[u8]) {
-    h.write(&[tag]);
-    h.write(&(value.len() as u64).to_le_bytes());
-    h.write(value);
-}
-
 fn split_seed(seed: [u8; 16]) -> (u64, u64) {
     let (a, b) = seed.split_at(8);
     let k = |s: &[u8]| s.try_into().map(u64::from_le_bytes).unwrap_or_default();
@@ -822,394 +655,5 @@ fn split_seed(seed: [u8; 16]) -> (u64, u64) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config;
-
-    fn plan(json: &str) -> Plan {
-        Plan::compile(&config::parse(json.as_bytes()).unwrap(), [7; 16])
-    }
-
-    fn request(
-        plan: &Plan,
-        method: &str,
-        path: &str,
-        headers: &[(&str, &str)],
-        peer: &str,
-    ) -> RequestInfo {
-        let headers = plan
-            .header_names
-            .iter()
-            .map(|n| match n.as_str() {
-                ":method" => Some(method.as_bytes().to_vec()),
-                ":path" => Some(path.as_bytes().to_vec()),
-                n => headers
-                    .iter()
-                    .find(|(k, _)| *k == n)
-                    .map(|(_, v)| v.as_bytes().to_vec()),
-            })
-            .collect();
-        RequestInfo {
-            headers,
-            source_address: Some(peer.as_bytes().to_vec()),
-            ..RequestInfo::default()
-        }
-    }
-
-    const EXAMPLE: &str = r#"{
-      "domain": "demo",
-      "rules": [
-        { "name": "per-client", "key": ["client"], "limits": [ { "requests": 60, "per": "1m" }, { "requests": 10, "per": "1s" } ] },
-        { "name": "uploads", "match": { "path_prefix": "/upload", "methods": ["POST"] }, "key": ["client", "path"], "limits": [ { "requests": 5, "per": "1m" } ] },
-        { "name": "tenant", "key": ["header:X-Tenant"], "limits": [ { "requests": 5, "per": "1m" } ] }
-      ],
-      "costs": [ { "match": { "path_prefix": "/search" }, "cost": 5 }, { "match": { "path_prefix": "/s" }, "cost": 2 } ]
-    }"#;
-
-    #[test]
-    fn reads_only_needed_headers() {
-        let p = plan(EXAMPLE);
-        assert_eq!(
-            p.header_names,
-            [
-                ":method",
-                ":path",
-                "x-client-id",
-                "x-forwarded-for",
-                "x-tenant"
-            ]
-        );
-        // X-Forwarded-For is registered but not read without trusted hops.
-        assert_eq!(p.header_needed, [true, true, true, false, true]);
-        assert_eq!(p.source, SourceNeed::WithoutClient);
-        let only_client = plan(
-            r#"{"domain":"d","rules":[{"name":"r","key":["client"],"limits":[{"requests":1,"per":1}]}]}"#,
-        );
-        assert_eq!(only_client.header_needed, [false, false, true, false]);
-        let by_ip = plan(
-            r#"{"domain":"d","identity":{"trusted_proxy_hops":1},"rules":[{"name":"r","key":["ip"],"match":{"methods":["GET"]},"limits":[{"requests":1,"per":1}]}]}"#,
-        );
-        assert_eq!(by_ip.header_needed, [true, false, true, true]);
-        assert_eq!(by_ip.source, SourceNeed::Always);
-        assert_eq!(p.sets, 16_384);
-        assert_eq!(p.set_key(3), "ratelimit-wasm/set/demo/16384/3");
-    }
-
-    #[test]
-    fn matching_rules_and_first_cost_win() {
-        let p = plan(EXAMPLE);
-        let get = p.evaluate(&request(
-            &p,
-            "GET",
-            "/search?q",
-            &[("x-client-id", "a")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(get.cost, 5);
-        assert_eq!(
-            get.buckets
-                .iter()
-                .map(|b| (b.rule, b.cost))
-                .collect::<Vec<_>>(),
-            [(0, 5)]
-        );
-        let up = p.evaluate(&request(
-            &p,
-            "POST",
-            "/upload",
-            &[("x-tenant", "t")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(up.cost, 1);
-        assert_eq!(
-            up.buckets.iter().map(|b| b.rule).collect::<Vec<_>>(),
-            [0, 1, 2]
-        );
-    }
-
-    #[test]
-    fn buckets_differ_by_client_and_rule_and_are_stable() {
-        let p = plan(EXAMPLE);
-        let a1 = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "a")],
-            "1.1.1.1:1",
-        ));
-        let a2 = p.evaluate(&request(
-            &p,
-            "GET",
-            "/x",
-            &[("x-client-id", "a")],
-            "2.2.2.2:1",
-        ));
-        let b = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "b")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(a1.buckets, a2.buckets);
-        assert_ne!(a1.buckets[0].fingerprint, b.buckets[0].fingerprint);
-        let other_seed = Plan::compile(&config::parse(EXAMPLE.as_bytes()).unwrap(), [8; 16]);
-        let a3 = other_seed.evaluate(&request(
-            &other_seed,
-            "GET",
-            "/",
-            &[("x-client-id", "a")],
-            "1.1.1.1:1",
-        ));
-        assert_ne!(a1.buckets[0].fingerprint, a3.buckets[0].fingerprint);
-    }
-
-    const TIERS: &str = r#"{
-      "domain": "d",
-      "tiers": { "free": {}, "pro": {}, "staff": { "unlimited": true } },
-      "identity": { "default_tier": "free", "tier_header": "x-tier",
-        "clients": { "acme": { "tier": "pro", "limits": { "api": [ { "requests": 500, "per": "1m" } ] } },
-                     "root": { "unlimited": true }, "trial": { "soft": true } } },
-      "rules": [
-        { "name": "api", "key": ["client"], "limits": [ { "requests": 10, "per": "1m" } ],
-          "tiers": { "pro": [ { "requests": 100, "per": "1m" } ] }, "cost": 3 },
-        { "name": "watch", "mode": "shadow", "limits": [ { "requests": 1, "per": "1h" } ] }
-      ]
-    }"#;
-
-    fn capacity(p: &Plan, e: &Evaluation) -> u64 {
-        let b = e.buckets[0];
-        p.limits(b.rule, b.variant)[0].0.capacity
-    }
-
-    #[test]
-    fn tiers_come_from_the_static_map_then_the_credential_then_the_default() {
-        let p = plan(TIERS);
-        let free = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "x")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(capacity(&p, &free), 10);
-        let pro = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "x"), ("x-tier", "pro")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(capacity(&p, &pro), 100);
-        assert_ne!(free.buckets[0].fingerprint, pro.buckets[0].fingerprint);
-        let unknown = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "x"), ("x-tier", "gold")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(capacity(&p, &unknown), 10);
-        // acme is pro by the static map and has its own override.
-        let acme = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "acme"), ("x-tier", "free")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(capacity(&p, &acme), 500);
-        assert_eq!(acme.buckets[0].cost, 3, "the rule's cost overrides");
-        assert_eq!(acme.shadow.len(), 1, "shadow rules go aside");
-    }
-
-    #[test]
-    fn unlimited_and_soft_clients() {
-        let p = plan(TIERS);
-        let root = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "root")],
-            "1.1.1.1:1",
-        ));
-        assert!(root.unlimited && root.buckets.is_empty() && root.shadow.is_empty());
-        let staff = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-tier", "staff")],
-            "1.1.1.1:1",
-        ));
-        assert!(staff.unlimited);
-        let trial = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "trial")],
-            "1.1.1.1:1",
-        ));
-        assert!(trial.soft && trial.buckets.is_empty());
-        assert_eq!(trial.shadow.len(), 2);
-    }
-
-    #[test]
-    fn metadata_identity_ignores_headers() {
-        let json = r#"{"domain":"d","tiers":{"free":{},"pro":{}},
-            "identity":{"default_tier":"free","client_id_metadata":["envoy.filters.http.jwt_authn","payload","sub"],
-                        "tier_metadata":["envoy.filters.http.jwt_authn","payload","tier"]},
-            "rules":[{"name":"api","key":["client"],"limits":[{"requests":10,"per":"1m"}],"tiers":{"pro":[{"requests":100,"per":"1m"}]}}]}"#;
-        let p = plan(json);
-        assert_eq!(
-            p.client_id_property.as_deref().unwrap(),
-            [
-                "metadata",
-                "filter_metadata",
-                "envoy.filters.http.jwt_authn",
-                "payload",
-                "sub"
-            ]
-        );
-        let mut forged = request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "victim"), ("x-tier", "pro")],
-            "1.1.1.1:1",
-        );
-        let anonymous = p.evaluate(&forged);
-        assert_eq!(capacity(&p, &anonymous), 10);
-        let by_ip = p.evaluate(&request(&p, "GET", "/", &[], "1.1.1.1:1"));
-        assert_eq!(
-            anonymous.buckets, by_ip.buckets,
-            "a header id is not trusted"
-        );
-        forged.client_metadata = Some(b"alice".to_vec());
-        forged.tier_metadata = Some(b"pro".to_vec());
-        let alice = p.evaluate(&forged);
-        assert_eq!(capacity(&p, &alice), 100);
-    }
-
-    #[test]
-    fn a_quota_limit_applies_when_no_tiers_are_declared() {
-        let json = r#"{"domain":"d","global":{"cluster":"gw"},
-            "rules":[{"name":"api","key":["client"],"limits":[{"requests":10,"per":"1m"}]}],
-            "quotas":[{"name":"daily","key":["client"],"period":"day","limit":7,"upgrade_url":"https://e.com/up"}]}"#;
-        let p = plan(json);
-        let e = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "a")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(e.quotas.len(), 1);
-        assert_eq!(e.quotas[0].limit, 7);
-    }
-
-    #[test]
-    fn quotas_by_tier_and_client() {
-        let json = r#"{"domain":"d","tiers":{"free":{},"pro":{}},"global":{"cluster":"gw"},
-            "identity":{"default_tier":"free","tier_header":"x-tier","clients":{"big":{"quotas":{"monthly":5}}}},
-            "rules":[{"name":"api","key":["client"],"limits":[{"requests":10,"per":"1m"}]}],
-            "costs":[{"match":{"path_prefix":"/export"},"cost":50}],
-            "quotas":[{"name":"monthly","key":["client"],"period":"month","tiers":{"free":100,"pro":1000},
-                       "upgrade_url":"https://example.com/upgrade","count":"cost"}]}"#;
-        let p = plan(json);
-        let free = p.evaluate(&request(
-            &p,
-            "GET",
-            "/export",
-            &[("x-client-id", "a")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(
-            free.quotas,
-            [QuotaBucket {
-                quota: 0,
-                key: "monthly/c=a".into(),
-                tag: "c=a".into(),
-                limit: 100,
-                variant: ratelimit_protocol::Variant::Tier("free".into()),
-                amount: 50
-            }]
-        );
-        let pro = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "a"), ("x-tier", "pro")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!((pro.quotas[0].limit, pro.quotas[0].amount), (1000, 1));
-        let big = p.evaluate(&request(
-            &p,
-            "GET",
-            "/",
-            &[("x-client-id", "big")],
-            "1.1.1.1:1",
-        ));
-        assert_eq!(big.quotas[0].limit, 5);
-        // The gateway is told which amount applies, never the amount.
-        use ratelimit_protocol::Variant;
-        assert_eq!(pro.quotas[0].variant, Variant::Tier("pro".into()));
-        assert_eq!(big.quotas[0].variant, Variant::Client("big".into()));
-    }
-
-    /// The stand-in limit of a global rule with `requests` per `per` seconds
-    /// shared by `instances` proxies.
-    fn stand_in(requests: u64, per: u64, instances: u64, algorithm: &str) -> (Limit, u64) {
-        let p = plan(&format!(
-            r#"{{"domain":"d","global":{{"cluster":"gw","instances":{instances}}},
-                "rules":[{{"name":"g","scope":"global","algorithm":"{algorithm}",
-                           "limits":[{{"requests":{requests},"per":{per}}}]}}]}}"#
-        ));
-        let f = p.rules[0].fallback.unwrap();
-        assert!(p.rules[f].stand_in);
-        p.rules[f].limits(0)[0]
-    }
-
-    /// Admissions of one proxy that retries the moment its stand-in allows,
-    /// from a full bucket at 0 until `horizon_ns` included: the most it can admit.
-    fn greedy_admissions(limit: &Limit, horizon_ns: u64) -> u64 {
-        let (mut tat, mut now, mut admitted) = (None, 0, 0);
-        while now <= horizon_ns {
-            let c = limit.check(tat, now, 1);
-            if c.allowed {
-                tat = Some(c.new_state);
-                admitted += 1;
-            } else {
-                now += c.retry_after_ns.max(1);
-            }
-        }
-        admitted
-    }
-
-    #[test]
-    fn the_failure_mode_local_stand_in_keeps_the_exact_share_with_more_proxies_than_requests() {
-        const SEC: u64 = 1_000_000_000;
-        // 3/s over 10 proxies: one token per 10/3 s each, a bucket of one.
-        let (limit, window_secs) = stand_in(3, 1, 10, "token_bucket");
-        assert_eq!(
-            (limit.capacity, limit.period_ns, limit.burst),
-            (1, 3_333_333_334, 1)
-        );
-        assert_eq!(window_secs, 4, "RateLimit-Policy w: the period rounded up");
-        // Over 10 s (and 1 µs for the period's rounding to a whole ns): the
-        // bucket of 1 plus 3 per 10 s. The fleet: 10 × 4 = 40 = 3 × 10 + 10 × 1.
-        assert_eq!(greedy_admissions(&limit, 10 * SEC + 1_000), 4);
-        assert_eq!(greedy_admissions(&limit, 100 * SEC + 1_000), 31);
-        // Where the share divides evenly, the period is the rule's own.
-        let (limit, window_secs) = stand_in(4, 60, 2, "token_bucket");
-        assert_eq!(
-            (limit.capacity, limit.period_ns, window_secs),
-            (2, 60 * SEC, 60)
-        );
-        // 7/s over 2 proxies: 3 per 6/7 s each, rounded up to the ns (never above the share).
-        let (limit, _) = stand_in(7, 1, 2, "sliding_window");
-        assert_eq!((limit.capacity, limit.period_ns), (3, 857_142_858));
-        // The longest period the validation allows still fits: 1 per 366 d over 10^4 proxies.
-        let (limit, _) = stand_in(1, 366 * 86_400, 10_000, "token_bucket");
-        assert_eq!((limit.capacity, limit.period_ns), (1, u64::MAX));
-    }
-}
+#[path = "plan_tests.rs"]
+mod tests;

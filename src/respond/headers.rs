@@ -3,8 +3,8 @@
 
 use crate::config::HeaderStyle;
 use crate::limits::limiter::Report;
-use crate::policy::plan::Plan;
 use crate::limits::token_bucket::ceil_secs;
+use crate::policy::plan::Plan;
 
 /// The one limit a response reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
