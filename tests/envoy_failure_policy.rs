@@ -173,7 +173,7 @@ fn fail_reload_answers_503_then_a_fresh_vm_serves() {
     );
     assert!(
         rendered.contains("failure_policy: FAIL_RELOAD"),
-        "the template no longer ships FAIL_RELOAD; update this test, RELIABILITY.md and README"
+        "the template no longer ships FAIL_RELOAD; update this test, RELIABILITY.md and docs/operations.md"
     );
     let c = envoy.client(ConnectionMode::NewPerRequest);
 

@@ -90,7 +90,7 @@ fn template_variant(hcm: Hcm, dir: &std::path::Path) -> PathBuf {
         assert_eq!(
             text.matches(needle).count(),
             1,
-            "the shipped template must hold {needle:?} once: update this test and README \"Client identity\""
+            "the shipped template must hold {needle:?} once: update this test and docs/security.md \"Client identity\""
         );
     }
     let mut remote = format!("          use_remote_address: {}\n", hcm.use_remote_address);

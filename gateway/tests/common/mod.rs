@@ -390,6 +390,8 @@ pub async fn burst(base: &str, body: Value, clients: usize, total: usize) -> (u6
 }
 
 /// splitmix64: seeded, reproducible test input.
+// Each test binary compiles this module; not all of them draw random input.
+#[allow(unused_imports)]
 pub use testkit::rng::Rng;
 
 /// The policy this process's requests made, as a gateway started now loads it.
