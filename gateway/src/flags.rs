@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 
-use crate::redis_url::{RedisOptions, RedisTls, Secret};
 use crate::redis_store::Target;
+use crate::redis_url::{RedisOptions, RedisTls, Secret};
 use crate::tls::TlsFiles;
 
 /// ratelimit-gateway: a stateless HTTP service between the ratelimit-wasm
@@ -103,6 +103,28 @@ pub struct Args {
     /// After SIGTERM, how long requests in flight may finish (e.g. 10s, 500ms) before the process exits.
     #[arg(long, env = "RLGW_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+    /// Also serve Envoy's rate limit service (gRPC `envoy.service.ratelimit.v3.RateLimitService`, and gRPC health) on this address; with --rls-config.
+    #[arg(long, env = "RLGW_GRPC_LISTEN", requires = "rls_config")]
+    pub grpc_listen: Option<SocketAddr>,
+    /// envoyproxy/ratelimit's YAML configuration (a file, or a directory of *.yaml / *.yml), for --grpc-listen; repeatable; reloaded on SIGHUP and change.
+    #[arg(
+        long,
+        env = "RLGW_RLS_CONFIG",
+        value_delimiter = ',',
+        requires = "grpc_listen"
+    )]
+    pub rls_config: Vec<PathBuf>,
+    /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
+    #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
+    pub rls_near_limit_ratio: f64,
+}
+
+/// A number in 0..=1.
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?}: expected a number from 0 to 1, e.g. 0.8")),
+    }
 }
 
 /// `<n>s` or `<n>ms`.
@@ -149,6 +171,28 @@ impl Default for Bounds {
     }
 }
 
+/// Envoy's rate limit service (`crate::rls`): off unless `grpc_listen` is set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RlsOptions {
+    /// `--grpc-listen`.
+    pub grpc_listen: Option<SocketAddr>,
+    /// `--rls-config`: files and directories of YAML.
+    pub config: Vec<PathBuf>,
+    /// `--rls-near-limit-ratio`, in thousandths.
+    pub near_limit_permille: u32,
+}
+
+impl Default for RlsOptions {
+    /// Off; the flags' defaults.
+    fn default() -> Self {
+        RlsOptions {
+            grpc_listen: None,
+            config: Vec::new(),
+            near_limit_permille: 800,
+        }
+    }
+}
+
 /// What the server needs to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -170,6 +214,8 @@ pub struct Config {
     pub tls: Option<TlsFiles>,
     /// Timeouts, in-flight bound, drain deadline.
     pub bounds: Bounds,
+    /// Envoy's rate limit service over gRPC.
+    pub rls: RlsOptions,
 }
 
 impl Config {
@@ -192,6 +238,7 @@ impl Config {
             auth: Auth::Insecure,
             tls: None,
             bounds: Bounds::default(),
+            rls: RlsOptions::default(),
         }
     }
 }
@@ -282,6 +329,11 @@ impl TryFrom<Args> for Config {
                 body_timeout: Duration::from_millis(a.body_timeout_ms),
                 max_in_flight: usize::try_from(a.max_in_flight).unwrap_or(usize::MAX),
                 drain_timeout: a.drain_timeout,
+            },
+            rls: RlsOptions {
+                grpc_listen: a.grpc_listen,
+                config: a.rls_config,
+                near_limit_permille: (a.rls_near_limit_ratio * 1000.0).round() as u32,
             },
         })
     }

@@ -5,6 +5,8 @@
 //! by running the Lua scripts of [`script`] over the Redis connection of
 //! [`redis_store`], under the keys of [`keys`], all or nothing ([`orchestrate`]),
 //! counted in [`metrics`].
+//! [`rls`] serves Envoy's rate limit service over gRPC beside it
+//! (`--grpc-listen`), on the same Redis.
 //! `main.rs` only parses [`flags::Args`] and calls [`run`].
 #![cfg_attr(
     not(test),
@@ -28,6 +30,7 @@ pub mod protocol;
 pub mod redis_store;
 pub mod redis_url;
 pub mod reload;
+pub mod rls;
 pub mod script;
 pub mod sentinel;
 pub mod server;
@@ -42,9 +45,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 pub use auth::Caller;
-pub use flags::{Args, Auth, Bounds, Config};
-pub use server::App;
+pub use flags::{Args, Auth, Bounds, Config, RlsOptions};
 pub use redis_store::Target;
+pub use server::App;
 
 /// Builds the shared state: metrics, the Redis connection (made in the
 /// background) and the limiter. Must be called inside a Tokio runtime.
@@ -125,6 +128,55 @@ fn prepare(
     Ok((tls, watch))
 }
 
+/// The rate limit service of `config.rls` when `--grpc-listen` is given: its
+/// configuration loaded (an error fails the start, naming the file and
+/// field), its reload task added to `watch`, its address bound.
+async fn prepare_rls(
+    config: &Config,
+    app: &Arc<App>,
+    watch: &mut Vec<AbortOnDrop>,
+) -> Result<Option<(tokio::net::TcpListener, rls::Rls)>> {
+    let Some(addr) = config.rls.grpc_listen else {
+        return Ok(None);
+    };
+    let loaded = reload::Reloadable::load_files(
+        "rls_config",
+        config.rls.config.clone(),
+        &["yaml", "yml"],
+        Box::new(rls::config::parse),
+        app.metrics.clone(),
+    )
+    .map_err(|e| anyhow::anyhow!("--rls-config: {e}"))?;
+    tracing::info!(domains = ?loaded.current().domains(), "rls config loaded");
+    watch.push(AbortOnDrop(loaded.watch(reload::POLL)));
+    let service = rls::Rls::new(
+        Arc::clone(app),
+        loaded,
+        config.rls.near_limit_permille as f32 / 1000.0,
+        config.key_prefix.clone(),
+    )
+    .context("registering the rate limit service's metrics")?;
+    Ok(Some((rls::bind(addr).await?, service)))
+}
+
+/// Serves the rate limit service in a task until `stop` says so.
+fn spawn_rls(
+    grpc: Option<(tokio::net::TcpListener, rls::Rls)>,
+    app: &Arc<App>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Option<JoinHandle<()>> {
+    let (listener, service) = grpc?;
+    let app = Arc::clone(app);
+    Some(tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = rls::serve(listener, service, app, shutdown).await {
+            tracing::error!(error = %e, "the rate limit service (--grpc-listen) failed");
+        }
+    }))
+}
+
 /// Aborts a background task when dropped.
 struct AbortOnDrop(JoinHandle<()>);
 
@@ -140,20 +192,36 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let app = build(&config)?;
-    let (tls, _watch) = prepare(&config, &app)?;
+    let (tls, mut watch) = prepare(&config, &app)?;
+    let grpc = prepare_rls(&config, &app, &mut watch).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     tracing::info!(
         listen = %config.listen,
+        grpc_listen = ?config.rls.grpc_listen,
         target = ?config.target,
         tls = tls.is_some(),
         client_certificates = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
         "ratelimit-gateway listening"
     );
-    server::serve(listener, app, tls, shutdown)
-        .await
-        .context("serving")?;
+    // One shutdown signal for both listeners.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let grpc = spawn_rls(grpc, &app, stopped.clone());
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let mut http_stopped = stopped;
+    server::serve(listener, Arc::clone(&app), tls, async move {
+        let _ = http_stopped.wait_for(|s| *s).await;
+    })
+    .await
+    .context("serving")?;
+    if let Some(grpc) = grpc {
+        let _ = tokio::time::timeout(app.bounds.drain_timeout, grpc).await;
+    }
+    drop(watch);
     tracing::info!("ratelimit-gateway stopped");
     Ok(())
 }
@@ -164,6 +232,8 @@ pub struct Running {
     pub addr: SocketAddr,
     /// Its shared state.
     pub app: Arc<App>,
+    /// The address of the rate limit service (`--grpc-listen`), when served.
+    pub grpc_addr: Option<SocketAddr>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<std::io::Result<()>>>,
 }
@@ -199,22 +269,35 @@ impl Drop for Running {
 /// connection.
 pub async fn start(config: Config, connect_wait: std::time::Duration) -> Result<Running> {
     let app = build(&config)?;
-    let (tls, watch) = prepare(&config, &app)?;
+    let (tls, mut watch) = prepare(&config, &app)?;
+    let grpc = prepare_rls(&config, &app, &mut watch).await?;
+    let grpc_addr = match &grpc {
+        Some((l, _)) => Some(l.local_addr()?),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr()?;
     app.limiter.store().wait_connected(connect_wait).await;
     let (stop, stopped) = oneshot::channel::<()>();
+    let (grpc_stop, grpc_stopped) = tokio::sync::watch::channel(false);
+    let grpc = spawn_rls(grpc, &app, grpc_stopped);
     let served = server::serve(listener, Arc::clone(&app), tls, async move {
         let _ = stopped.await;
+        let _ = grpc_stop.send(true);
     });
     let task = tokio::spawn(async move {
         let _watch = watch;
-        served.await
+        let r = served.await;
+        if let Some(grpc) = grpc {
+            let _ = grpc.await;
+        }
+        r
     });
     Ok(Running {
         addr,
+        grpc_addr,
         app,
         stop: Some(stop),
         task: Some(task),

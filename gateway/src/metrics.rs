@@ -32,13 +32,22 @@ pub const WARNING_KINDS: [&str; 7] = [
     "readonly",
 ];
 /// Redis operations, as the `op` label.
-pub const OPS: [&str; 7] = ["check", "peek", "refund", "lease", "ping", "load", "health"];
+pub const OPS: [&str; 8] = [
+    "check",
+    "peek",
+    "refund",
+    "lease",
+    "ping",
+    "load",
+    "health",
+    "fixed_window",
+];
 /// Algorithms, as the `algorithm` label.
 pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
 /// Quota periods, as the `period` label.
 pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
 /// What a reload reads (`crate::reload`), as the `what` label.
-pub const RELOADED: [&str; 2] = ["policy", "auth_tokens"];
+pub const RELOADED: [&str; 3] = ["policy", "auth_tokens", "rls_config"];
 /// Why a call to `/v1/*` was refused (`crate::auth::REASONS`), as the `reason` label.
 pub use crate::auth::REASONS as AUTH_REASONS;
 /// What a 503 may have followed a committed charge after, as the `reason` label:
@@ -246,6 +255,11 @@ impl Metrics {
             charged_then_failed,
             read_timeouts,
         })
+    }
+
+    /// The registry, for the metrics of the rate limit service (`crate::rls`).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Counts one check by result.

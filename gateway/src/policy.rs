@@ -51,6 +51,9 @@ struct RulePolicy {
     tiers: HashMap<String, Vec<Limit>>,
     clients: HashMap<String, Vec<Limit>>,
     max_cost: u64,
+    /// The rule's key parts (`client`, `ip`, `method`, `path`,
+    /// `header:<name>`), to build its key for a native descriptor (`crate::rls`).
+    key: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -192,6 +195,7 @@ impl Domain {
                         .collect(),
                     clients,
                     max_cost: r.cost.unwrap_or(max_cost),
+                    key: r.key.clone(),
                 };
                 (r.name.clone(), policy)
             })
@@ -306,6 +310,59 @@ impl Policy {
             domain: req.domain.clone(),
             buckets,
             quotas,
+        })
+    }
+
+    /// The bucket of global rule `rule` of `domain` that a wasm filter with
+    /// this plugin configuration charges for a request whose key parts are
+    /// `values` (one per key part of the rule, in order), with the rule's own
+    /// limits: the same key and tag the filter writes, so the same Redis keys.
+    /// A `client` part is the client id (the filter's `c=` part). Used by the
+    /// rate limit service (`crate::rls`) for `rate_limit.shared`.
+    pub fn shared_bucket(
+        &self,
+        domain: &str,
+        rule: &str,
+        values: &[&str],
+        cost: u64,
+    ) -> Result<ResolvedBucket, String> {
+        use ratelimit_wasm::policy::key::{bounded, encode_part};
+        let d = self.domain(domain)?;
+        let r = d.rule("shared.rule", domain, rule)?;
+        if values.len() != r.key.len() {
+            return Err(format!(
+                "shared.entries: rule `{rule}` has {} key parts, the descriptor gave {}",
+                r.key.len(),
+                values.len()
+            ));
+        }
+        if cost > r.max_cost {
+            return Err(format!(
+                "hits_addend: {cost} is above {}, the largest cost the policy gives rule `{rule}`",
+                r.max_cost
+            ));
+        }
+        let (mut key, mut tag) = (rule.to_string(), String::new());
+        for (part, value) in r.key.iter().zip(values) {
+            let letter = match part.as_str() {
+                "client" => b'c',
+                "ip" => b'i',
+                "method" => b'm',
+                "path" => b'p',
+                _ => b'h',
+            };
+            encode_part(
+                &mut key,
+                tag.is_empty().then_some(&mut tag),
+                letter,
+                value.as_bytes(),
+            );
+        }
+        Ok(ResolvedBucket {
+            key: bounded(key, rule),
+            tag,
+            cost,
+            limits: r.limits.clone(),
         })
     }
 

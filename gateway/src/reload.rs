@@ -56,6 +56,8 @@ pub enum Outcome {
 pub struct Reloadable<T> {
     what: &'static str,
     paths: Vec<PathBuf>,
+    /// The file extensions read from a directory.
+    extensions: &'static [&'static str],
     parse: Box<Parse<T>>,
     current: ArcSwap<T>,
     /// What the last read found (files or a read error), to see a change.
@@ -72,11 +74,24 @@ impl<T: Send + Sync + 'static> Reloadable<T> {
         parse: Box<Parse<T>>,
         metrics: Metrics,
     ) -> Result<Arc<Self>, String> {
-        let sources = read_sources(&paths)?;
+        Self::load_files(what, paths, &["json"], parse, metrics)
+    }
+
+    /// As [`Reloadable::load`], reading the files of a directory whose
+    /// extension is one of `extensions` (e.g. `["yaml", "yml"]`).
+    pub fn load_files(
+        what: &'static str,
+        paths: Vec<PathBuf>,
+        extensions: &'static [&'static str],
+        parse: Box<Parse<T>>,
+        metrics: Metrics,
+    ) -> Result<Arc<Self>, String> {
+        let sources = read_sources_with(&paths, extensions)?;
         let value = parse(&sources)?;
         Ok(Arc::new(Reloadable {
             what,
             paths,
+            extensions,
             parse,
             current: ArcSwap::from_pointee(value),
             seen: Mutex::new(Ok(sources)),
@@ -92,7 +107,7 @@ impl<T: Send + Sync + 'static> Reloadable<T> {
     /// Reads the files again and, when they changed (or always, with
     /// `force`), parses them and puts the result in force. Logs and counts.
     pub fn reload(&self, force: bool) -> Outcome {
-        let read = read_sources(&self.paths);
+        let read = read_sources_with(&self.paths, self.extensions);
         {
             let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
             if !force && *seen == read {
@@ -154,16 +169,27 @@ impl<T: Send + Sync + 'static> Reloadable<T> {
 /// Every file of `paths`: a file as given, a directory's `*.json` in name
 /// order. A directory without one is an error (an empty policy refuses all).
 pub fn read_sources(paths: &[PathBuf]) -> Result<Vec<Source>, String> {
+    read_sources_with(paths, &["json"])
+}
+
+/// Every file of `paths`: a file as given, a directory's files with one of
+/// `extensions` in name order. A directory without one is an error.
+pub fn read_sources_with(paths: &[PathBuf], extensions: &[&str]) -> Result<Vec<Source>, String> {
     let mut out = Vec::new();
     for path in paths {
         if path.is_dir() {
             let mut files: Vec<PathBuf> = std::fs::read_dir(path)
                 .map_err(|e| format!("{}: {e}", path.display()))?
                 .filter_map(|entry| entry.ok().map(|e| e.path()))
-                .filter(|p| is_json_file(p))
+                .filter(|p| is_config_file(p, extensions))
                 .collect();
             if files.is_empty() {
-                return Err(format!("{}: no *.json file", path.display()));
+                let names: Vec<String> = extensions.iter().map(|e| format!("*.{e}")).collect();
+                return Err(format!(
+                    "{}: no {} file",
+                    path.display(),
+                    names.join(" or ")
+                ));
             }
             files.sort();
             for f in files {
@@ -176,12 +202,16 @@ pub fn read_sources(paths: &[PathBuf]) -> Result<Vec<Source>, String> {
     Ok(out)
 }
 
-fn is_json_file(p: &Path) -> bool {
+fn is_config_file(p: &Path, extensions: &[&str]) -> bool {
     let visible = p
         .file_name()
         .and_then(|n| n.to_str())
         .is_some_and(|n| !n.starts_with('.'));
-    visible && p.extension().is_some_and(|e| e == "json") && p.is_file()
+    visible
+        && p.extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| extensions.contains(&e))
+        && p.is_file()
 }
 
 fn read(path: &Path) -> Result<Source, String> {

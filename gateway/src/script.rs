@@ -15,6 +15,10 @@ use crate::policy::ResolvedLease;
 pub const CHECK_LUA: &str = concat!(include_str!("common.lua"), include_str!("check.lua"));
 /// The refund script, after `common.lua`.
 pub const REFUND_LUA: &str = concat!(include_str!("common.lua"), include_str!("refund.lua"));
+/// envoyproxy/ratelimit's fixed window for the rate limit service
+/// (`crate::rls`), after `common.lua`: every key counted on its own.
+pub const FIXED_WINDOW_LUA: &str =
+    concat!(include_str!("common.lua"), include_str!("fixed_window.lua"));
 /// The lease script, after `common.lua`.
 pub const LEASE_LUA: &str = concat!(include_str!("common.lua"), include_str!("lease.lua"));
 
@@ -45,6 +49,12 @@ pub fn refund() -> &'static LuaScript {
 pub fn lease() -> &'static LuaScript {
     static S: OnceLock<LuaScript> = OnceLock::new();
     S.get_or_init(|| LuaScript::new("lease", LEASE_LUA))
+}
+
+/// The fixed-window script of the rate limit service.
+pub fn fixed_window() -> &'static LuaScript {
+    static S: OnceLock<LuaScript> = OnceLock::new();
+    S.get_or_init(|| LuaScript::new("fixed_window", FIXED_WINDOW_LUA))
 }
 
 impl LuaScript {

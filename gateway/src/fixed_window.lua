@@ -1,0 +1,39 @@
+-- ratelimit-gateway: envoyproxy/ratelimit's fixed window, for the rate limit
+-- service (rls/): each key is counted on its own, never all or nothing.
+--
+-- KEYS[i]      one key base per descriptor, "<prefix>{<domain>|<entries>}|fixed_window|<unit s>";
+--              the key counted is "<base>|<window start, epoch s>" (same hash
+--              tag, so same slot), since only this script knows the time
+-- ARGV[1]      "" in production: time comes from Redis TIME. TEST ONLY: a time
+--              in ms overrides it, and then keys are written without an expiry
+-- ARGV[2i], ARGV[2i+1]
+--              per key i: the unit in seconds, the hits to add (>= 0)
+--
+-- Returns { now_ms, then per key: the count after the hits, ms until the window ends }.
+--
+-- As theirs (INCRBY, then compare): the hits are added whether or not they
+-- fit, so a client over the limit stays over until the window ends, and two
+-- gateways or one of theirs against the same counts agree. The window is
+-- floor(now / unit) in Redis time (theirs: the service's clock). The key
+-- expires when its window ends (theirs: EXPIRE unit after each hit); the
+-- counts are the same.
+--
+-- clock, divmod and fmt come from common.lua, which script.rs puts in front.
+
+local now, override = clock(ARGV[1])
+local sec = divmod(now, 1000)
+local out = { now }
+for i = 1, #KEYS do
+  local unit = tonumber(ARGV[2 * i])
+  local hits = tonumber(ARGV[2 * i + 1])
+  local start = sec - math.fmod(sec, unit)
+  local stop_ms = (start + unit) * 1000
+  local key = KEYS[i] .. '|' .. fmt(start)
+  local count = redis.call('INCRBY', key, fmt(hits))
+  if not override then
+    redis.call('PEXPIREAT', key, fmt(stop_ms))
+  end
+  out[#out + 1] = count
+  out[#out + 1] = stop_ms - now
+end
+return out

@@ -1,0 +1,634 @@
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+//!
+//! Each request descriptor is decided on its own, as envoyproxy/ratelimit
+//! does: its limit is found in `--rls-config` ([`super::config`]), limits
+//! named in another found limit's `replaces` are dropped, `unlimited` ones
+//! answer OK without Redis; the rest are counted in Redis with the
+//! descriptor's hits (its `hits_addend`, else the request's, else 1). The
+//! answer is `OVER_LIMIT` when any descriptor not in `shadow_mode` is over.
+//!
+//! * `fixed_window` descriptors: one `fixed_window.lua` call per cluster slot
+//!   group, every key counted even when over (theirs).
+//! * `token_bucket`, `sliding_window` and `shared` descriptors: one
+//!   `check.lua` call each through the HTTP side's [`crate::orchestrate`]: a
+//!   denied hit is not counted.
+//!
+//! Callers authenticate with `authorization: Bearer <token>` metadata
+//! (`--auth-tokens`, the same file as `/v1/*`): `UNAUTHENTICATED` without a
+//! known token, `PERMISSION_DENIED` for another domain; neither touches Redis.
+//! A Redis failure answers `UNKNOWN` (theirs), so the native filter's
+//! `failure_mode_deny` decides.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit as ProtoLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use redis::cluster_routing::Slot;
+use tonic::{Request, Response, Status};
+
+use super::config::{replaced, RateLimit, RlsAlgorithm, RlsConfig, Unit};
+use super::metrics::RlsMetrics;
+use crate::auth::{Caller, Refusal};
+use crate::keys;
+use crate::logging::Escaped;
+use crate::policy::{Resolved, ResolvedBucket};
+use crate::protocol::{Algorithm, Limit, MAX_EXACT};
+use crate::redis_store::StoreError;
+use crate::reload::Reloadable;
+use crate::script;
+use crate::server::App;
+
+/// Most descriptors in one request (Envoy sends one per matching action set).
+pub const MAX_DESCRIPTORS: usize = 64;
+
+/// Longest descriptor entries, as they go into a key, before they are hashed.
+pub const MAX_KEY_ENTRIES_BYTES: usize = 512;
+
+/// The rate limit service.
+pub struct Rls {
+    app: Arc<App>,
+    config: Arc<Reloadable<RlsConfig>>,
+    metrics: RlsMetrics,
+    near_limit_ratio: f32,
+    prefix: String,
+}
+
+impl Rls {
+    /// A service answering from `config`, counting in the Redis of `app`
+    /// under keys starting with `prefix`.
+    pub fn new(
+        app: Arc<App>,
+        config: Arc<Reloadable<RlsConfig>>,
+        near_limit_ratio: f32,
+        prefix: String,
+    ) -> Result<Rls, prometheus::Error> {
+        let metrics = RlsMetrics::new(app.metrics.registry())?;
+        Ok(Rls {
+            app,
+            config,
+            metrics,
+            near_limit_ratio,
+            prefix,
+        })
+    }
+
+    /// The metrics (for tests).
+    pub fn metrics(&self) -> &RlsMetrics {
+        &self.metrics
+    }
+}
+
+/// What one request descriptor asks for.
+enum Plan<'a> {
+    /// No limit found (or replaced): OK, nothing counted.
+    None,
+    /// `unlimited`: OK with `limit_remaining` 2^32 − 1.
+    Unlimited,
+    /// A limit to count `hits` in.
+    Count {
+        limit: std::borrow::Cow<'a, RateLimit>,
+        hits: u64,
+        /// The entries as they go into a fixed-window or native bucket key.
+        entries: String,
+    },
+}
+
+/// A fixed-window descriptor in a script call: (descriptor index, key
+/// base, unit in seconds, hits).
+type FixedKey = (usize, String, u64, u64);
+
+/// One descriptor's outcome, before shadow mode.
+struct Outcome {
+    over: bool,
+    remaining: u64,
+    /// Count before and after the hits (metrics).
+    before: u64,
+    after: u64,
+    reset_ms: u64,
+    current: ProtoLimit,
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let Ok(_permit) = Arc::clone(&self.app.in_flight).try_acquire_owned() else {
+            self.app.metrics.shed.inc();
+            return Err(self.refuse(
+                "error",
+                Status::unavailable("busy: too many requests in flight"),
+            ));
+        };
+        let caller = match &self.app.tokens {
+            None => Caller::anonymous(),
+            Some(tokens) => {
+                let value = request
+                    .metadata()
+                    .get("authorization")
+                    .map(|v| v.as_bytes());
+                match tokens.current().authenticate(value) {
+                    Ok(c) => c,
+                    Err(refusal) => {
+                        self.count_refusal(refusal);
+                        return Err(self.refuse(
+                            "unauthenticated",
+                            Status::unauthenticated(
+                                "authorization: a known bearer token is required",
+                            ),
+                        ));
+                    }
+                }
+            }
+        };
+        let req = request.into_inner();
+        // Theirs answers these with an error (UNKNOWN).
+        if req.domain.is_empty() {
+            return Err(self.refuse(
+                "invalid",
+                Status::unknown("rate limit domain must not be empty"),
+            ));
+        }
+        if req.descriptors.is_empty() {
+            return Err(self.refuse(
+                "invalid",
+                Status::unknown("rate limit descriptor list must not be empty"),
+            ));
+        }
+        if !caller.may_use(&req.domain) {
+            self.count_refusal(Refusal::WrongDomain);
+            return Err(self.refuse(
+                "permission_denied",
+                Status::permission_denied("authorization: this token may not act on this domain"),
+            ));
+        }
+        if req.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(self.refuse(
+                "invalid",
+                Status::invalid_argument(format!(
+                    "descriptors: at most {MAX_DESCRIPTORS}, got {}",
+                    req.descriptors.len()
+                )),
+            ));
+        }
+        let config = self.config.current();
+        let plans = match plan(&config, &req) {
+            Ok(p) => p,
+            Err(message) => return Err(self.refuse("invalid", Status::invalid_argument(message))),
+        };
+        let outcomes = match self.count(&req.domain, &plans).await {
+            Ok(o) => o,
+            Err(e) => return Err(self.failed(&req.domain, &e)),
+        };
+        let near_ratio = self.near_limit_ratio;
+        let mut overall = Code::Ok;
+        let mut statuses = Vec::with_capacity(plans.len());
+        for (p, outcome) in plans.iter().zip(outcomes) {
+            let status = match (p, outcome) {
+                (Plan::Count { limit, hits, .. }, Some(o)) => {
+                    let rpu = u64::from(limit.requests_per_unit);
+                    let near = (limit.requests_per_unit as f32 * near_ratio).floor() as u64;
+                    self.metrics.count(
+                        &[req.domain.as_str(), limit.path.as_str()],
+                        *hits,
+                        o.before,
+                        o.after,
+                        if limit.shared.is_some() {
+                            u64::from(o.current.requests_per_unit)
+                        } else {
+                            rpu
+                        },
+                        near,
+                        o.over,
+                        limit.shadow_mode,
+                    );
+                    let code = if o.over && !limit.shadow_mode {
+                        overall = Code::OverLimit;
+                        Code::OverLimit
+                    } else {
+                        Code::Ok
+                    };
+                    DescriptorStatus {
+                        code: code as i32,
+                        current_limit: Some(o.current),
+                        limit_remaining: u32::try_from(o.remaining).unwrap_or(u32::MAX),
+                        duration_until_reset: Some(ProtoDuration {
+                            seconds: i64::try_from(o.reset_ms.div_ceil(1000)).unwrap_or(i64::MAX),
+                            nanos: 0,
+                        }),
+                        quota: None,
+                    }
+                }
+                (Plan::Unlimited, _) => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    limit_remaining: u32::MAX,
+                    ..Default::default()
+                },
+                _ => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                },
+            };
+            statuses.push(status);
+        }
+        self.metrics
+            .requests
+            .with_label_values(&[if overall == Code::OverLimit {
+                "over_limit"
+            } else {
+                "ok"
+            }])
+            .inc();
+        Ok(Response::new(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            ..Default::default()
+        }))
+    }
+}
+
+impl Rls {
+    fn refuse(&self, code: &str, status: Status) -> Status {
+        self.metrics.requests.with_label_values(&[code]).inc();
+        status
+    }
+
+    fn count_refusal(&self, refusal: Refusal) {
+        self.app
+            .metrics
+            .auth_failures
+            .with_label_values(&[refusal.label()])
+            .inc();
+    }
+
+    /// Redis failed: counted, logged within the warnings' rate limit,
+    /// answered `UNKNOWN` as theirs does.
+    fn failed(&self, domain: &str, e: &StoreError) -> Status {
+        self.app.metrics.error(e.kind());
+        if let Some(suppressed) = self.app.warnings.allow(e.kind()) {
+            tracing::warn!(error = %Escaped(e), domain = %Escaped(domain), suppressed, "ShouldRateLimit failed");
+        }
+        self.refuse("error", Status::unknown(crate::protocol::STORE_UNAVAILABLE))
+    }
+
+    /// Counts every planned descriptor in Redis: `None` for the ones with no
+    /// count to make.
+    async fn count(
+        &self,
+        domain: &str,
+        plans: &[Plan<'_>],
+    ) -> Result<Vec<Option<Outcome>>, StoreError> {
+        let mut out: Vec<Option<Outcome>> = plans.iter().map(|_| None).collect();
+        // Fixed windows: one script call per slot group.
+        let mut groups: Vec<(Option<Slot>, Vec<FixedKey>)> = Vec::new();
+        for (i, p) in plans.iter().enumerate() {
+            if let Plan::Count {
+                limit,
+                hits,
+                entries,
+            } = p
+            {
+                if limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some() {
+                    continue;
+                }
+                let unit = limit.unit.unwrap_or(Unit::Second).seconds();
+                let base = format!(
+                    "{}{{{}|{}}}|fixed_window|{unit}",
+                    self.prefix,
+                    keys::escape(domain),
+                    entries
+                );
+                let slot = self
+                    .app
+                    .limiter
+                    .store()
+                    .is_cluster()
+                    .then(|| Slot::for_key(base.as_bytes()));
+                match groups.iter_mut().find(|(s, _)| *s == slot) {
+                    Some((_, g)) => g.push((i, base, unit, *hits)),
+                    None => groups.push((slot, vec![(i, base, unit, *hits)])),
+                }
+            }
+        }
+        let fixed = futures_util::future::join_all(groups.iter().map(|(_, g)| {
+            let keys: Vec<String> = g.iter().map(|(_, k, _, _)| k.clone()).collect();
+            let mut args = Vec::with_capacity(1 + 2 * g.len());
+            args.push(String::new());
+            for (_, _, unit, hits) in g {
+                args.push(unit.to_string());
+                args.push(hits.to_string());
+            }
+            async move {
+                self.app
+                    .limiter
+                    .store()
+                    .eval::<Vec<i64>>(script::fixed_window(), &keys, &args, "fixed_window")
+                    .await
+            }
+        }));
+        // Buckets: one all-or-nothing check per descriptor.
+        let buckets =
+            futures_util::future::join_all(plans.iter().enumerate().filter_map(|(i, p)| {
+                let Plan::Count {
+                    limit,
+                    hits,
+                    entries,
+                } = p
+                else {
+                    return None;
+                };
+                if limit.algorithm == RlsAlgorithm::FixedWindow && limit.shared.is_none() {
+                    return None;
+                }
+                let resolved = self.resolve(domain, limit, *hits, entries);
+                Some(async move {
+                    let resolved = resolved?;
+                    let answer = self.app.limiter.check(&resolved).await?;
+                    Ok::<_, StoreError>((i, answer))
+                })
+            }));
+        let (fixed, buckets) = tokio::join!(fixed, buckets);
+        for ((_, g), reply) in groups.iter().zip(fixed) {
+            let reply = reply?;
+            if reply.len() != 1 + 2 * g.len() {
+                return Err(StoreError::Reply(format!(
+                    "fixed_window script answered {} integers for {} keys",
+                    reply.len(),
+                    g.len()
+                )));
+            }
+            for ((i, _, _, hits), pair) in g
+                .iter()
+                .zip(reply.get(1..).unwrap_or_default().chunks_exact(2))
+            {
+                let [count, reset] = pair else { continue };
+                let Some(Plan::Count { limit, .. }) = plans.get(*i) else {
+                    continue;
+                };
+                let after = u64::try_from(*count).unwrap_or(0);
+                let rpu = u64::from(limit.requests_per_unit);
+                let over = after > rpu;
+                if let Some(slot) = out.get_mut(*i) {
+                    *slot = Some(Outcome {
+                        over,
+                        remaining: if over { 0 } else { rpu - after },
+                        before: after.saturating_sub(*hits),
+                        after,
+                        reset_ms: u64::try_from(*reset).unwrap_or(0),
+                        current: proto_limit(limit, rpu, limit.unit),
+                    });
+                }
+            }
+        }
+        for r in buckets {
+            let (i, answer) = r?;
+            let Some(Plan::Count { limit, hits, .. }) = plans.get(i) else {
+                continue;
+            };
+            let results = answer
+                .buckets
+                .first()
+                .map(|b| b.limits.as_slice())
+                .unwrap_or_default();
+            // The limit that binds: the fewest remaining.
+            let Some(binding) = results.iter().min_by_key(|l| l.remaining) else {
+                continue;
+            };
+            let over = !answer.allowed;
+            let reset_ms = if over {
+                results
+                    .iter()
+                    .filter(|l| !l.allowed)
+                    .map(|l| l.retry_after_ms)
+                    .max()
+                    .unwrap_or(binding.retry_after_ms)
+            } else {
+                binding.reset_ms
+            };
+            let requests = binding.requests;
+            let unit = match &limit.shared {
+                Some(_) => Unit::of_window_ms(binding.window_ms),
+                None => limit.unit,
+            };
+            // What was used of the binding limit, after and before the hits.
+            let after = requests.saturating_sub(binding.remaining);
+            let before = if over {
+                after
+            } else {
+                after.saturating_sub(*hits)
+            };
+            let after = if over {
+                after.saturating_add(*hits)
+            } else {
+                after
+            };
+            if let Some(slot) = out.get_mut(i) {
+                *slot = Some(Outcome {
+                    over,
+                    remaining: if over { 0 } else { binding.remaining },
+                    before,
+                    after,
+                    reset_ms,
+                    current: proto_limit(limit, requests, unit),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The one-bucket check a token-bucket, sliding-window or shared
+    /// descriptor makes. A shared one is the policy's bucket; a policy that
+    /// lacks it is a configuration error, answered as a Redis failure is
+    /// (logged with the reason), so that `failure_mode_deny` decides.
+    fn resolve(
+        &self,
+        domain: &str,
+        limit: &RateLimit,
+        hits: u64,
+        entries: &str,
+    ) -> Result<Resolved, StoreError> {
+        if let Some(shared) = &limit.shared {
+            let values = shared_values(limit, entries);
+            let bucket = self
+                .app
+                .policy
+                .current()
+                .shared_bucket(&shared.domain, &shared.rule, &values, hits)
+                .map_err(|e| StoreError::Reply(format!("rls_config shared: {e}")))?;
+            return Ok(Resolved {
+                domain: shared.domain.clone(),
+                buckets: vec![bucket],
+                quotas: vec![],
+            });
+        }
+        let unit = limit.unit.unwrap_or(Unit::Second);
+        let algorithm = match limit.algorithm {
+            RlsAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
+            _ => Algorithm::TokenBucket,
+        };
+        // A domain of its own (`|rls` cannot end an escaped policy domain's
+        // hash tag part the same way), so native buckets never meet a filter's.
+        Ok(Resolved {
+            domain: format!("{domain}|rls"),
+            buckets: vec![ResolvedBucket {
+                key: entries.to_string(),
+                tag: entries.to_string(),
+                cost: hits,
+                limits: vec![Limit {
+                    requests: u64::from(limit.requests_per_unit),
+                    window_ms: unit.seconds().saturating_mul(1000),
+                    algorithm,
+                }],
+            }],
+            quotas: vec![],
+        })
+    }
+}
+
+/// The values of the entries a shared limit names, from the encoded entries
+/// (`key=value|…`, as [`entries_key`] wrote them, before any hashing).
+fn shared_values<'a>(limit: &RateLimit, entries: &'a str) -> Vec<&'a str> {
+    let Some(shared) = &limit.shared else {
+        return Vec::new();
+    };
+    shared
+        .entries
+        .iter()
+        .map(|want| {
+            entries
+                .split('\u{1f}')
+                .find_map(|kv| {
+                    kv.split_once('\u{1e}')
+                        .filter(|(k, _)| k == want)
+                        .map(|(_, v)| v)
+                })
+                .unwrap_or("")
+        })
+        .collect()
+}
+
+fn proto_limit(limit: &RateLimit, requests: u64, unit: Option<Unit>) -> ProtoLimit {
+    ProtoLimit {
+        name: limit.name.clone().unwrap_or_default(),
+        requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
+        unit: unit.map_or(0, Unit::proto),
+    }
+}
+
+/// The hits of descriptor `d`: its own `hits_addend` when set (0 allowed:
+/// look without counting), else the request's, else 1 (theirs).
+fn hits_of(req: &RateLimitRequest, d: &RateLimitDescriptor) -> u64 {
+    match &d.hits_addend {
+        Some(h) => h.value,
+        None => u64::from(req.hits_addend.max(1)),
+    }
+}
+
+/// The entries as a key part: `key=value|key=value` (escaped; a wildcard
+/// with `share_threshold` gives its pattern for the value), hashed past
+/// [`MAX_KEY_ENTRIES_BYTES`].
+fn entries_key(d: &RateLimitDescriptor, shared_values: &[Option<&str>]) -> String {
+    use ratelimit_wasm::policy::key::bounded;
+    let mut s = String::new();
+    for (i, e) in d.entries.iter().enumerate() {
+        if i > 0 {
+            s.push('|');
+        }
+        let value = shared_values
+            .get(i)
+            .copied()
+            .flatten()
+            .unwrap_or(e.value.as_str());
+        s.push_str(&keys::escape(&e.key).replace('=', "%3D"));
+        s.push('=');
+        s.push_str(&keys::escape(value));
+    }
+    bounded(s, "entries")
+}
+
+/// Finds every descriptor's limit and drops the replaced ones; the error is
+/// an `INVALID_ARGUMENT` message naming the field.
+fn plan<'a>(config: &'a RlsConfig, req: &'a RateLimitRequest) -> Result<Vec<Plan<'a>>, String> {
+    let known = config.domains().contains(&req.domain.as_str());
+    let mut found: Vec<Option<(std::borrow::Cow<'a, RateLimit>, String)>> =
+        Vec::with_capacity(req.descriptors.len());
+    for (i, d) in req.descriptors.iter().enumerate() {
+        let pairs: Vec<(&str, &str)> = d
+            .entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.value.as_str()))
+            .collect();
+        let hits = hits_of(req, d);
+        if hits > MAX_EXACT {
+            return Err(format!(
+                "descriptors[{i}].hits_addend: must be at most 2^53, got {hits}"
+            ));
+        }
+        // Theirs: an override from Envoy applies to a known domain only, as
+        // a fixed window without shadow mode.
+        if let (Some(o), true) = (&d.limit, known) {
+            let unit = Unit::from_proto(o.unit)
+                .ok_or_else(|| format!("descriptors[{i}].limit.unit: unknown unit {}", o.unit))?;
+            let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
+            let limit = RateLimit {
+                requests_per_unit: o.requests_per_unit,
+                unit: Some(unit),
+                unlimited: false,
+                name: None,
+                replaces: vec![],
+                shadow_mode: false,
+                algorithm: RlsAlgorithm::FixedWindow,
+                shared: None,
+                path: format!("override:{}", keys.join(".")),
+            };
+            found.push(Some((std::borrow::Cow::Owned(limit), entries_key(d, &[]))));
+            continue;
+        }
+        match config.find(&req.domain, &pairs) {
+            Some(f) => {
+                let entries = if f.limit.shared.is_some() {
+                    // The values the policy's key is built from, unhashed.
+                    let mut s = String::new();
+                    for (j, (k, v)) in pairs.iter().enumerate() {
+                        if j > 0 {
+                            s.push('\u{1f}');
+                        }
+                        s.push_str(k);
+                        s.push('\u{1e}');
+                        s.push_str(v);
+                    }
+                    s
+                } else {
+                    entries_key(d, &f.shared_values)
+                };
+                found.push(Some((std::borrow::Cow::Borrowed(f.limit), entries)));
+            }
+            None => found.push(None),
+        }
+    }
+    let names: std::collections::HashSet<String> =
+        replaced(found.iter().flatten().map(|(l, _)| l.as_ref()))
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+    Ok(found
+        .into_iter()
+        .zip(&req.descriptors)
+        .map(|(f, d)| match f {
+            None => Plan::None,
+            Some((l, _)) if l.unlimited => Plan::Unlimited,
+            Some((l, _)) if l.name.as_ref().is_some_and(|n| names.contains(n)) => Plan::None,
+            Some((limit, entries)) => Plan::Count {
+                hits: hits_of(req, d),
+                limit,
+                entries,
+            },
+        })
+        .collect())
+}
