@@ -389,21 +389,12 @@ fn instructions_per_decision_in_the_compiled_module() {
 // Shared-data footprint.
 
 fn request_info(plan: &Plan, client: &[u8]) -> RequestInfo {
-    let headers = plan
-        .header_names
-        .iter()
-        .map(|n| match n.as_str() {
-            ":method" => Some(b"GET".to_vec()),
-            ":path" => Some(b"/".to_vec()),
-            "x-client-id" => Some(client.to_vec()),
-            _ => None,
-        })
-        .collect();
-    RequestInfo {
-        headers,
-        source_address: Some(b"127.0.0.1:40000".to_vec()),
-        ..RequestInfo::default()
-    }
+    let named = [
+        (":method", &b"GET"[..]),
+        (":path", b"/"),
+        ("x-client-id", client),
+    ];
+    RequestInfo::with_headers(&plan.header_names, &named).with_source(b"127.0.0.1:40000")
 }
 
 /// The bytes (keys + values) that the bucket table of `plan` can ever hold:

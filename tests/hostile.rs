@@ -15,21 +15,12 @@ const SEC: u64 = 1_000_000_000;
 const T0: u64 = 1_700_000_000 * SEC;
 
 fn request(plan: &Plan, client: &[u8]) -> RequestInfo {
-    let headers = plan
-        .header_names
-        .iter()
-        .map(|n| match n.as_str() {
-            ":method" => Some(b"GET".to_vec()),
-            ":path" => Some(b"/".to_vec()),
-            "x-client-id" => Some(client.to_vec()),
-            _ => None,
-        })
-        .collect();
-    RequestInfo {
-        headers,
-        source_address: Some(b"203.0.113.9:4000".to_vec()),
-        ..RequestInfo::default()
-    }
+    let named = [
+        (":method", &b"GET"[..]),
+        (":path", b"/"),
+        ("x-client-id", client),
+    ];
+    RequestInfo::with_headers(&plan.header_names, &named).with_source(b"203.0.113.9:4000")
 }
 
 fn allowed(step: Step) -> bool {

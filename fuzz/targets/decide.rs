@@ -168,34 +168,29 @@ impl Scenario {
 const CLIENTS: &[&[u8]] = &[b"alice", b"bob", b"trial", b"root", b"big"];
 
 fn request(plan: &Plan, inp: &mut Input) -> RequestInfo {
-    let headers = plan
-        .header_names
-        .iter()
-        .map(|n| match n.as_str() {
-            ":method" => Some(inp.pick(&[&b"GET"[..], b"POST"]).to_vec()),
-            ":path" => match inp.below(4) {
-                0 => Some(b"/".to_vec()),
-                1 => Some(b"/search?q=1".to_vec()),
-                2 => Some(b"/upload/a".to_vec()),
-                _ => request_gen::value(inp),
-            },
-            "x-client-id" => match inp.below(8) {
-                0 | 1 => None,
-                2 => request_gen::value(inp),
-                i => Some(CLIENTS[i - 3].to_vec()),
-            },
+    let req = RequestInfo::from_headers(&plan.header_names, |n| match n {
+        ":method" => Some(inp.pick(&[&b"GET"[..], b"POST"]).to_vec()),
+        ":path" => match inp.below(4) {
+            0 => Some(b"/".to_vec()),
+            1 => Some(b"/search?q=1".to_vec()),
+            2 => Some(b"/upload/a".to_vec()),
             _ => request_gen::value(inp),
-        })
-        .collect();
+        },
+        "x-client-id" => match inp.below(8) {
+            0 | 1 => None,
+            2 => request_gen::value(inp),
+            i => Some(CLIENTS[i - 3].to_vec()),
+        },
+        _ => request_gen::value(inp),
+    });
     let source_address = match inp.below(4) {
         0 => request_gen::source(inp),
         1 => Some(b"10.0.0.2:1".to_vec()),
         _ => Some(b"10.0.0.1:1".to_vec()),
     };
     RequestInfo {
-        headers,
         source_address,
-        ..RequestInfo::default()
+        ..req
     }
 }
 

@@ -35,21 +35,14 @@ pub const CONFIG: &str = r#"{
 fn setup() -> (Plan, Evaluation) {
     let cfg = ratelimit_wasm::config::parse(CONFIG.as_bytes()).expect("the fixed config parses");
     let plan = Plan::compile(&cfg, [0; 16]);
-    let headers = plan
-        .header_names
-        .iter()
-        .map(|n| match n.as_str() {
-            ":method" => Some(b"POST".to_vec()),
-            ":path" => Some(b"/upload/x?y".to_vec()),
-            "x-client-id" => Some(b"alice".to_vec()),
-            _ => None,
-        })
-        .collect();
-    let eval = plan.evaluate(&RequestInfo {
-        headers,
-        source_address: Some(b"192.0.2.1:1000".to_vec()),
-        ..RequestInfo::default()
-    });
+    let named = [
+        (":method", &b"POST"[..]),
+        (":path", b"/upload/x?y"),
+        ("x-client-id", b"alice"),
+    ];
+    let eval = plan.evaluate(
+        &RequestInfo::with_headers(&plan.header_names, &named).with_source(b"192.0.2.1:1000"),
+    );
     assert_eq!(eval.global.len(), 2);
     assert_eq!(eval.quotas.len(), 1);
     (plan, eval)

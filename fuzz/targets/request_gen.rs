@@ -110,10 +110,12 @@ pub fn source(inp: &mut Input) -> Option<Vec<u8>> {
 
 /// A request with a value (or none) for every header the plan reads.
 pub fn request(plan: &Plan, inp: &mut Input) -> RequestInfo {
+    // Headers first: the order the input is read in is the corpus's format.
+    let req = RequestInfo::from_headers(&plan.header_names, |_| value(inp));
     RequestInfo {
-        headers: plan.header_names.iter().map(|_| value(inp)).collect(),
         source_address: source(inp),
         client_metadata: if inp.bool() { value(inp) } else { None },
         tier_metadata: if inp.bool() { value(inp) } else { None },
+        ..req
     }
 }

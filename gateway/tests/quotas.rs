@@ -778,28 +778,19 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
 /// (`callout::parse_answer`): same quotas, in order, nothing clamped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_filter_s_request_and_answer_round_trip() {
+    use ratelimit_wasm::config;
     use ratelimit_wasm::global::callout;
     use ratelimit_wasm::policy::{plan::Plan, request::RequestInfo};
-    use ratelimit_wasm::config;
     let json = r#"{"domain":"roundtrip","global":{"cluster":"gw"},
         "tiers":{"free":{}},"identity":{"default_tier":"free"},
         "rules":[{"name":"g","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1h"}]}],
         "quotas":[{"name":"monthly","key":["client"],"period":"month","limit":2,"upgrade_url":"https://x"},
                   {"name":"daily","key":["client"],"period":"day","limit":10,"upgrade_url":"https://x"}]}"#;
     let plan = Plan::compile(&config::parse(json.as_bytes()).unwrap(), [0; 16]);
-    let headers = plan
-        .header_names
-        .iter()
-        .map(|n| match n.as_str() {
-            ":path" => Some(b"/".to_vec()),
-            "x-client-id" => Some(b"alice".to_vec()),
-            _ => None,
-        })
-        .collect();
-    let eval = plan.evaluate(&RequestInfo {
-        headers,
-        ..RequestInfo::default()
-    });
+    let eval = plan.evaluate(&RequestInfo::with_headers(
+        &plan.header_names,
+        &[(":path", b"/"), ("x-client-id", b"alice")],
+    ));
     assert_eq!((eval.global.len(), eval.quotas.len()), (1, 2), "{eval:?}");
     let body = callout::encode_request(&plan, &eval.global, &eval.quotas);
     // The gateway's policy is this very configuration.

@@ -373,19 +373,10 @@ mod tests {
         let json = r#"{"domain":"demo","global":{"cluster":"gw","lease":{"fraction":0.5}},"rules":[
             {"name":"g","scope":"global","key":["client"],"limits":[{"requests":10,"per":"1m"},{"requests":2,"per":"1s"}]}]}"#;
         let plan = Plan::compile(&config::parse(json.as_bytes()).unwrap(), [0; 16]);
-        let headers = plan
-            .header_names
-            .iter()
-            .map(|n| match n.as_str() {
-                ":path" => Some(b"/".to_vec()),
-                "x-client-id" => Some(b"alice".to_vec()),
-                _ => None,
-            })
-            .collect();
-        let eval = plan.evaluate(&RequestInfo {
-            headers,
-            ..RequestInfo::default()
-        });
+        let eval = plan.evaluate(&RequestInfo::with_headers(
+            &plan.header_names,
+            &[(":path", b"/"), ("x-client-id", b"alice")],
+        ));
         (plan, eval.global)
     }
 

@@ -32,6 +32,38 @@ impl RequestInfo {
         self.header(METHOD).unwrap_or_default()
     }
 
+    /// A request laid out for a plan whose header list is `names` (its
+    /// `header_names`): each header's value is `value(name)`, `None` when
+    /// absent. The one way to build a request outside the host layer (unit
+    /// tests, `tests/`, the fuzz targets), so its layout is written once.
+    pub fn from_headers(
+        names: &[String],
+        value: impl FnMut(&str) -> Option<Vec<u8>>,
+    ) -> RequestInfo {
+        let mut value = value;
+        RequestInfo {
+            headers: names.iter().map(|n| value(n)).collect(),
+            ..RequestInfo::default()
+        }
+    }
+
+    /// [`RequestInfo::from_headers`] with the values given as (name, value)
+    /// pairs; names compare case-insensitively (a plan's names are lower-case).
+    pub fn with_headers(names: &[String], named: &[(&str, &[u8])]) -> RequestInfo {
+        RequestInfo::from_headers(names, |n| {
+            named
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(n))
+                .map(|(_, v)| v.to_vec())
+        })
+    }
+
+    /// The same request from the peer `address` (`ip:port`).
+    pub fn with_source(mut self, address: &[u8]) -> RequestInfo {
+        self.source_address = Some(address.to_vec());
+        self
+    }
+
     /// The path without its query string, or empty.
     pub fn path(&self) -> &[u8] {
         let full = self.header(PATH).unwrap_or_default();
@@ -55,5 +87,20 @@ mod tests {
         assert_eq!(r.path(), b"/a/b");
         assert_eq!(r.method(), b"GET");
         assert_eq!(RequestInfo::default().path(), b"");
+    }
+
+    #[test]
+    fn built_from_named_headers_in_the_plans_order() {
+        let names: Vec<String> = [":method", ":path", "x-client-id", "x-tier"]
+            .map(String::from)
+            .to_vec();
+        let r = RequestInfo::with_headers(&names, &[("X-Client-Id", b"alice"), (":path", b"/")])
+            .with_source(b"10.0.0.1:4000");
+        assert_eq!(
+            r.headers,
+            vec![None, Some(b"/".to_vec()), Some(b"alice".to_vec()), None]
+        );
+        assert_eq!(r.source_address.as_deref(), Some(&b"10.0.0.1:4000"[..]));
+        assert_eq!((r.client_metadata, r.tier_metadata), (None, None));
     }
 }

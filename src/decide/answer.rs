@@ -1,0 +1,180 @@
+//! The gateway's answer to a request's callout (a check or a lease fetch):
+//! read it distrustfully, record it in the circuit, refund the local charge
+//! of a denied request, or take the failure mode when there is no usable
+//! answer.
+
+use super::*;
+
+/// Reads the gateway's status and body for `pending` and finishes the decision.
+pub fn finish(
+    plan: &Plan,
+    mut pending: Pending,
+    status: Option<&[u8]>,
+    body: &[u8],
+    latency_ns: u64,
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Outcome {
+    if let Some((l, c)) = pending.lease.take() {
+        let cost = l.bucket.cost;
+        let mut noted = Noted {
+            counts: &mut pending.counts,
+            error: &mut pending.error,
+        };
+        let answer = lease_answer(plan, &mut noted, &l, c, cost, status, body, store, now_ns);
+        return finish_with(plan, pending, answer, latency_ns, store, now_ns);
+    }
+    let answer = callout::parse_answer(
+        plan,
+        &pending.eval.global,
+        &pending.eval.quotas,
+        status,
+        body,
+    );
+    finish_with(plan, pending, answer, latency_ns, store, now_ns)
+}
+
+/// Stores a lease answer in the slot, spending `cost` of it at once, and reads
+/// it as a check answer: allowed when the batch covers the cost.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn lease_answer(
+    plan: &Plan,
+    p: &mut Noted,
+    l: &Lease,
+    c: Claim,
+    cost: u64,
+    status: Option<&[u8]>,
+    body: &[u8],
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Result<Answer, AnswerError> {
+    let lp = plan.global.as_ref().and_then(|g| g.lease.as_ref());
+    let (lp, a) = match (
+        lp,
+        callout::parse_lease_answer(plan, l, c.want, status, body),
+    ) {
+        (Some(lp), Ok(a)) => (lp, a),
+        (_, parsed) => {
+            if let Err(e) = lease::release(store, l) {
+                p.failed(e);
+            }
+            return Err(parsed.err().unwrap_or(AnswerError::NoAnswer));
+        }
+    };
+    let spend = if a.granted >= cost { cost } else { 0 };
+    // Nothing granted: the pool is empty until the gateway expects a token.
+    let empty_ns = if a.granted == 0 {
+        a.retry_after_ms.iter().max().copied().unwrap_or(0).max(1) * 1_000_000
+    } else {
+        0
+    };
+    let slot = match lease::store_grant(store, l, lp, a.granted, spend, &a.limits, empty_ns, now_ns)
+    {
+        Ok(slot) => slot,
+        Err(e) => {
+            p.failed(e);
+            lease::Slot::default()
+        }
+    };
+    let mut reports = lease::reports(plan, l, &slot, now_ns);
+    if a.granted < cost {
+        for (r, retry_ms) in reports.iter_mut().zip(&a.retry_after_ms) {
+            r.check.allowed = false;
+            r.check.retry_after_ns = (*retry_ms).max(1) * 1_000_000;
+        }
+    }
+    Ok(Answer {
+        reports,
+        quotas: Vec::new(),
+        clamped: a.clamped,
+        mismatch: a.mismatch,
+    })
+}
+
+fn finish_with(
+    plan: &Plan,
+    p: Pending,
+    answer: Result<Answer, AnswerError>,
+    latency_ns: u64,
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Outcome {
+    let mut ctx = Ctx {
+        plan,
+        store,
+        now_ns,
+        random: p.random,
+        counts: p.counts,
+        error: p.error,
+        shadow_denied: p.shadow_denied,
+    };
+    let eval = p.eval;
+    let Some(g) = &plan.global else {
+        let v = ctx.pass(&p.local_reports);
+        return ctx.done(v, eval.bad_input, None, Transition::None);
+    };
+    let result = call_result(&answer, latency_ns);
+    let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
+    if transition == Transition::Opened {
+        ctx.counts.add(Metric::CircuitOpened, 1);
+    }
+    match answer {
+        Ok(a) => {
+            ctx.counts.add(Metric::GatewayClamped, a.clamped);
+            ctx.counts
+                .add(Metric::PolicyMismatch, u64::from(a.mismatch));
+            let mut all = p.local_reports;
+            all.extend_from_slice(&a.reports);
+            let rate_denied = a.reports.iter().any(|r| !r.check.allowed);
+            let quota_denied = a.quotas.iter().any(|q| !q.allowed);
+            let v = if eval.soft && (rate_denied || quota_denied) {
+                ctx.note_shadow(&a.reports);
+                ctx.pass(&all)
+            } else if rate_denied {
+                ctx.refund(&p.charged, p.charged_at_ns);
+                ctx.too_many(&all)
+            } else if quota_denied {
+                ctx.refund(&p.charged, p.charged_at_ns);
+                ctx.quota_exhausted(&a.quotas, &all)
+            } else {
+                ctx.pass(&all)
+            };
+            ctx.done(v, eval.bad_input, None, transition)
+        }
+        Err(e) => {
+            ctx.counts.add(Metric::GlobalFailures, 1);
+            let v = match g.failure_mode {
+                FailureMode::Open => {
+                    ctx.counts.add(Metric::FailOpen, 1);
+                    ctx.pass(&p.local_reports)
+                }
+                FailureMode::Closed => {
+                    ctx.counts.add(Metric::FailClosed, 1);
+                    ctx.refund(&p.charged, p.charged_at_ns);
+                    ctx.unavailable()
+                }
+                FailureMode::Local if eval.soft => {
+                    ctx.counts.add(Metric::FallbackLocal, 1);
+                    let mut all = p.local_reports;
+                    all.extend(ctx.watch(&eval.fallback));
+                    ctx.pass(&all)
+                }
+                FailureMode::Local => {
+                    ctx.counts.add(Metric::FallbackLocal, 1);
+                    match ctx.charge(&eval.fallback) {
+                        Ok(r) => {
+                            let mut all = p.local_reports;
+                            all.extend_from_slice(&r);
+                            ctx.pass(&all)
+                        }
+                        Err(v) => {
+                            ctx.refund(&p.charged, p.charged_at_ns);
+                            v
+                        }
+                    }
+                }
+            };
+            ctx.done(v, eval.bad_input, Some(e), transition)
+        }
+    }
+}

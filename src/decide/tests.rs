@@ -1,0 +1,593 @@
+//! Unit tests of the decisions, phase by phase.
+
+use super::*;
+use crate::config;
+use crate::limits::store::{MemoryStore, StoreError};
+
+const SEC: u64 = 1_000_000_000;
+/// A random value that leaves every wait unjittered.
+const NEUTRAL: u64 = 0;
+const T0: u64 = 1_700_000_000 * SEC;
+
+fn plan(json: &str) -> Plan {
+    Plan::compile(&config::parse(json.as_bytes()).unwrap(), [3; 16])
+}
+
+fn req(plan: &Plan, path: &str, client: Option<&str>) -> RequestInfo {
+    let mut named = vec![(":method", &b"GET"[..]), (":path", path.as_bytes())];
+    named.extend(client.map(|c| ("x-client-id", c.as_bytes())));
+    RequestInfo::with_headers(&plan.header_names, &named).with_source(b"10.0.0.1:4000")
+}
+
+fn header<'a>(lines: &'a HeaderLines, name: &str) -> &'a str {
+    lines
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or("<absent>")
+}
+
+fn rejected(o: &Outcome) -> (&u32, &HeaderLines, &String) {
+    match &o.verdict {
+        Verdict::Reject {
+            status,
+            headers,
+            body,
+        } => (status, headers, body),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+fn passed(o: &Outcome) -> &HeaderLines {
+    match &o.verdict {
+        Verdict::Pass(h) => h,
+        other => panic!("expected a pass, got {other:?}"),
+    }
+}
+
+fn done(step: Step) -> Outcome {
+    match step {
+        Step::Done(o) => o,
+        Step::Call(p) => panic!("unexpected callout {p:?}"),
+    }
+}
+
+fn call(step: Step) -> Pending {
+    match step {
+        Step::Call(p) => *p,
+        Step::Done(o) => panic!("expected a callout, got {o:?}"),
+    }
+}
+
+const FIVE: &str = r#"{"domain":"d","rules":[{"name":"per-client","key":["client"],"limits":[{"requests":5,"per":"1h"}]}],
+    "costs":[{"match":{"path_prefix":"/search"},"cost":2}]}"#;
+
+#[test]
+fn counts_down_then_rejects_with_a_problem() {
+    let p = plan(FIVE);
+    let s = MemoryStore::default();
+    for left in (0..5).rev() {
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        let h = passed(&o);
+        assert_eq!(header(h, "x-ratelimit-remaining"), left.to_string());
+        assert_eq!(header(h, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
+        assert_eq!(o.counts.get(Metric::Allowed), 1);
+    }
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let (status, headers, body) = rejected(&o);
+    assert_eq!(*status, 429);
+    assert_eq!(header(headers, "retry-after"), "720");
+    assert_eq!(header(headers, "content-type"), "application/problem+json");
+    assert_eq!(header(headers, "x-ratelimit-remaining"), "0");
+    assert_eq!(header(headers, "ratelimit"), "\"per-client\";r=0;t=3600");
+    assert!(
+        body.contains("\"detail\":\"Rate limit exceeded. Retry after 720 seconds.\""),
+        "{body}"
+    );
+    assert!(body.contains("\"violated-policies\":[\"per-client\"]"));
+    assert_eq!(o.counts.get(Metric::Denied), 1);
+    // Another client is untouched; the IP stands in for a client without an id.
+    assert!(matches!(
+        done(start(&p, &req(&p, "/", Some("b")), &s, T0, NEUTRAL)).verdict,
+        Verdict::Pass(_)
+    ));
+    assert!(matches!(
+        done(start(&p, &req(&p, "/", None), &s, T0, NEUTRAL)).verdict,
+        Verdict::Pass(_)
+    ));
+}
+
+#[test]
+fn cost_is_weighted() {
+    let p = plan(FIVE);
+    let s = MemoryStore::default();
+    let o = done(start(&p, &req(&p, "/search", Some("a")), &s, T0, NEUTRAL));
+    let Verdict::Pass(h) = &o.verdict else {
+        panic!()
+    };
+    assert_eq!(header(h, "x-ratelimit-remaining"), "3");
+}
+
+#[test]
+fn unmatched_requests_pass_without_headers_or_counts() {
+    let p = plan(
+        r#"{"domain":"d","rules":[{"name":"u","match":{"path_prefix":"/upload"},"limits":[{"requests":1,"per":1}]}]}"#,
+    );
+    let o = done(start(
+        &p,
+        &req(&p, "/other", None),
+        &MemoryStore::default(),
+        T0,
+        NEUTRAL,
+    ));
+    assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+    assert_eq!(o.counts, Counts::default());
+}
+
+struct Broken;
+impl SharedStore for Broken {
+    fn get(&self, _: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        Err(StoreError(10))
+    }
+    fn compare_and_set(&self, _: &str, _: &[u8], _: u32) -> Result<bool, StoreError> {
+        Err(StoreError(10))
+    }
+}
+
+#[test]
+fn store_failure_takes_on_error() {
+    let allow = plan(FIVE);
+    let o = done(start(
+        &allow,
+        &req(&allow, "/", Some("a")),
+        &Broken,
+        T0,
+        NEUTRAL,
+    ));
+    assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+    assert_eq!(o.counts.get(Metric::Errors), 1);
+    assert_eq!(o.error, Some(LimitError::Store(StoreError(10))));
+    let deny = plan(&FIVE.replace("\"domain\"", "\"on_error\":\"deny\",\"domain\""));
+    let o = done(start(
+        &deny,
+        &req(&deny, "/", Some("a")),
+        &Broken,
+        T0,
+        NEUTRAL,
+    ));
+    let Verdict::Reject {
+        status, headers, ..
+    } = o.verdict
+    else {
+        panic!()
+    };
+    assert_eq!((status, header(&headers, "retry-after")), (429, "1"));
+}
+
+fn global_plan(mode: &str) -> Plan {
+    plan(&format!(
+        r#"{{"domain":"d","global":{{"cluster":"gw","failure_mode":"{mode}","instances":2,
+             "circuit":{{"failures":2,"cooldown_ms":3000}}}},
+           "rules":[{{"name":"local","key":["client"],"limits":[{{"requests":5,"per":"1h"}}]}},
+                    {{"name":"shared","scope":"global","key":["client"],"limits":[{{"requests":4,"per":"1m"}}]}}]}}"#
+    ))
+}
+
+fn gw(allowed: bool, remaining: u64) -> Vec<u8> {
+    serde_json::json!({"version":2,"allowed":allowed,"buckets":[{"limits":[
+        {"requests":4,"window_ms":60000,"algorithm":"token_bucket",
+         "allowed":allowed,"remaining":remaining,"reset_ms":15000,"retry_after_ms": if allowed {0} else {15000}}]}]})
+    .to_string()
+    .into_bytes()
+}
+
+/// The local bucket of client "a", seen through a plan without the global rule.
+fn local_remaining(s: &MemoryStore) -> String {
+    let local = plan(
+        r#"{"domain":"d","rules":[{"name":"local","key":["client"],"limits":[{"requests":5,"per":"1h"}]}]}"#,
+    );
+    let o = done(start(&local, &req(&local, "/", Some("a")), s, T0, NEUTRAL));
+    let Verdict::Pass(h) = o.verdict else {
+        panic!()
+    };
+    header(&h, "x-ratelimit-remaining").to_string()
+}
+
+#[test]
+fn global_answer_decides_and_the_tightest_limit_is_shown() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+    assert_eq!(body["buckets"][0]["key"], "shared/c=a");
+    let o = finish(&p, pending, Some(b"200"), &gw(true, 1), SEC / 1000, &s, T0);
+    let h = passed(&o);
+    assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=4;w=60");
+    assert_eq!(header(h, "x-ratelimit-remaining"), "1");
+    assert_eq!(o.counts.get(Metric::GlobalCalls), 1);
+}
+
+#[test]
+fn global_denial_refunds_the_local_charge() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
+    let (status, headers, body) = rejected(&o);
+    assert_eq!((*status, header(headers, "retry-after")), (429, "15"));
+    assert!(body.contains("[\"shared\"]"), "{body}");
+    // The local bucket was charged and refunded: the next local request sees 4 left of 5.
+    assert_eq!(local_remaining(&s), "4");
+}
+
+#[test]
+fn a_request_abandoned_while_waiting_gives_its_local_charge_back() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    for _ in 0..3 {
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        assert_eq!(abandon(&p, pending, &s), Counts::default());
+    }
+    assert_eq!(local_remaining(&s), "4");
+}
+
+#[test]
+fn a_local_denial_skips_the_callout() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    for _ in 0..5 {
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        finish(&p, pending, Some(b"200"), &gw(true, 3), SEC / 1000, &s, T0);
+    }
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+    assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+}
+
+#[test]
+fn failure_mode_open_allows_and_counts() {
+    let p = global_plan("open");
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(
+        &p,
+        pending,
+        Some(b"200"),
+        b"<html>garbage",
+        SEC / 1000,
+        &s,
+        T0,
+    );
+    let h = passed(&o);
+    assert_eq!(header(h, "ratelimit-policy"), "\"local\";q=5;w=3600");
+    assert_eq!(o.counts.get(Metric::FailOpen), 1);
+    assert_eq!(o.counts.get(Metric::GlobalFailures), 1);
+    assert!(matches!(o.gateway_error, Some(AnswerError::Garbled(_))));
+}
+
+#[test]
+fn failure_mode_closed_answers_503_and_refunds() {
+    let p = global_plan("closed");
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, None, b"", 50 * SEC / 1000, &s, T0);
+    let (status, headers, body) = rejected(&o);
+    assert_eq!((*status, header(headers, "retry-after")), (503, "3"));
+    assert!(body.contains("Service Unavailable"));
+    assert_eq!(local_remaining(&s), "4");
+}
+
+#[test]
+fn failure_mode_local_uses_a_share_of_the_limit_then_the_circuit_opens_and_recovers() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    // Two failures: each decided locally at 4 / 2 instances = 2; the second opens the circuit.
+    for expected_left in ["1", "0"] {
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        let o = finish(&p, pending, Some(b"503"), b"", SEC / 1000, &s, T0);
+        let h = passed(&o);
+        assert_eq!(header(h, "x-ratelimit-remaining"), expected_left);
+        assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=2;w=60");
+    }
+    // Circuit open: no callout; the local share is spent, so 429 from the stand-in.
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0 + SEC, NEUTRAL));
+    let Verdict::Reject { status, body, .. } = &o.verdict else {
+        panic!("{o:?}")
+    };
+    assert_eq!(*status, 429);
+    assert!(body.contains("[\"shared\"]"));
+    assert_eq!(o.counts.get(Metric::CircuitOpenSkips), 1);
+    // After the cooldown one probe goes out; its success closes the circuit.
+    let probe = call(start(
+        &p,
+        &req(&p, "/", Some("b")),
+        &s,
+        T0 + 3 * SEC,
+        NEUTRAL,
+    ));
+    assert!(probe.probe);
+    let o = finish(
+        &p,
+        probe,
+        Some(b"200"),
+        &gw(true, 3),
+        SEC / 1000,
+        &s,
+        T0 + 3 * SEC,
+    );
+    assert_eq!(o.circuit, Transition::Closed);
+    let next = call(start(
+        &p,
+        &req(&p, "/", Some("b")),
+        &s,
+        T0 + 3 * SEC,
+        NEUTRAL,
+    ));
+    assert!(!next.probe);
+}
+
+const GRADUATED: &str = r#"{"domain":"d","response":{"retry_jitter":0},"rules":[{"name":"api","key":["client"],
+    "limits":[{"requests":10,"per":"1m"}],
+    "graduated":{"warn_at":0.8,"delay_at":1.0,"delay_ms":100,"reject_at":1.2,"block_at":2.0,"block_for":"5m"}}]}"#;
+
+#[test]
+fn graduated_warns_delays_rejects_then_blocks() {
+    let p = plan(GRADUATED);
+    let s = MemoryStore::default();
+    let mut seen = Vec::new();
+    for _ in 0..21 {
+        let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        seen.push(match &o.verdict {
+            Verdict::Pass(h) => format!("pass {}", header(h, "x-ratelimit-warning")),
+            Verdict::Delay { ms, headers } => {
+                format!("delay {ms} {}", header(headers, "x-ratelimit-warning"))
+            }
+            Verdict::Reject {
+                status, headers, ..
+            } => format!("{status} {}", header(headers, "retry-after")),
+        });
+    }
+    let mut want: Vec<String> = (0..7).map(|_| "pass <absent>".to_string()).collect();
+    want.extend(
+        [
+            "pass \"api\";used=80",
+            "pass \"api\";used=90",
+            "pass \"api\";used=100",
+        ]
+        .map(String::from),
+    );
+    want.extend(["delay 100 \"api\";used=110", "delay 100 \"api\";used=120"].map(String::from));
+    // Rejected from the 13th; demand (denied included) reaches 200% at the 20th: blocked for 5 minutes.
+    want.extend((13..20).map(|_| "429 6".to_string()));
+    want.extend(["429 300", "429 300"].map(String::from));
+    assert_eq!(seen, want);
+    let o = done(start(
+        &p,
+        &req(&p, "/", Some("a")),
+        &s,
+        T0 + 299 * SEC,
+        NEUTRAL,
+    ));
+    assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+    assert_eq!(o.counts.get(Metric::Blocked), 1);
+    // The block is over and the bucket refilled meanwhile.
+    let o = done(start(
+        &p,
+        &req(&p, "/", Some("a")),
+        &s,
+        T0 + 300 * SEC,
+        NEUTRAL,
+    ));
+    assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+}
+
+#[test]
+fn block_release_and_retry_after_are_jittered_within_bounds() {
+    let p = plan(&GRADUATED.replace("\"retry_jitter\":0", "\"retry_jitter\":0.1"));
+    let mut blocks = Vec::new();
+    for (i, random) in [0u64, u64::MAX, 1 << 63 | 1 << 31].into_iter().enumerate() {
+        let s = MemoryStore::default();
+        let client = format!("c{i}");
+        for _ in 0..19 {
+            start(&p, &req(&p, "/", Some(&client)), &s, T0, random);
+        }
+        let o = done(start(&p, &req(&p, "/", Some(&client)), &s, T0, random));
+        let Verdict::Reject { headers, .. } = &o.verdict else {
+            panic!("{o:?}")
+        };
+        blocks.push(header(headers, "retry-after").parse::<u64>().unwrap());
+    }
+    // The block's end is spread within +10% (300..330 s); its Retry-After is that rest, not spread again.
+    for b in &blocks {
+        assert!((300..=330).contains(b), "{blocks:?}");
+    }
+    assert_eq!(blocks[0], 300, "no spread at the low end");
+    assert_ne!(blocks[0], blocks[1]);
+}
+
+#[test]
+fn shadow_rules_and_soft_clients_never_reject_but_count() {
+    let p = plan(
+        r#"{"domain":"d","identity":{"clients":{"trial":{"soft":true}}},"rules":[
+            {"name":"watch","mode":"shadow","key":["client"],"limits":[{"requests":1,"per":"1h"}]},
+            {"name":"api","key":["client"],"limits":[{"requests":2,"per":"1h"}]}]}"#,
+    );
+    let s = MemoryStore::default();
+    let first = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert!(first.shadow_denied.is_empty());
+    let second = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let h = passed(&second);
+    assert_eq!(second.shadow_denied, ["watch"]);
+    assert_eq!(second.counts.get(Metric::ShadowDenied), 1);
+    assert_eq!(header(h, "x-ratelimit-remaining"), "0");
+    assert!(matches!(
+        done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL)).verdict,
+        Verdict::Reject { .. }
+    ));
+    for _ in 0..5 {
+        let o = done(start(&p, &req(&p, "/", Some("trial")), &s, T0, NEUTRAL));
+        assert!(matches!(o.verdict, Verdict::Pass(_)));
+    }
+}
+
+#[test]
+fn unlimited_clients_pass_untouched() {
+    let p = plan(
+        r#"{"domain":"d","tiers":{"free":{},"staff":{"unlimited":true}},
+            "identity":{"default_tier":"free","clients":{"ops":{"tier":"staff"}}},
+            "rules":[{"name":"api","key":["client"],"limits":[{"requests":1,"per":"1h"}]}]}"#,
+    );
+    let s = MemoryStore::default();
+    for _ in 0..3 {
+        let o = done(start(&p, &req(&p, "/", Some("ops")), &s, T0, NEUTRAL));
+        assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+        assert_eq!(o.counts.get(Metric::Unlimited), 1);
+    }
+}
+
+const QUOTA: &str = r#"{"domain":"d","global":{"cluster":"gw"},"tiers":{"free":{}},"identity":{"default_tier":"free"},
+    "rules":[{"name":"burst","key":["client"],"limits":[{"requests":5,"per":"1h"}]}],
+    "quotas":[{"name":"monthly","key":["client"],"period":"month","tiers":{"free":3},"upgrade_url":"https://e.com/up"}]}"#;
+
+fn quota_answer(quota_ok: bool) -> Vec<u8> {
+    serde_json::json!({"version":2,"allowed":quota_ok,"buckets":[],
+        "quotas":[{"limit":3,"period":"month","allowed":quota_ok,"remaining":0,"reset_ms":86_400_000}]})
+    .to_string()
+    .into_bytes()
+}
+
+#[test]
+fn a_spent_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
+    let p = plan(QUOTA);
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+    assert_eq!(
+        body["quotas"],
+        // The quota and the tier by name: the gateway's policy has the amount.
+        serde_json::json!([{"quota":"monthly","key":"monthly/c=a","tag":"c=a","variant":"tier:free","amount":1}])
+    );
+    let o = finish(
+        &p,
+        pending,
+        Some(b"200"),
+        &quota_answer(false),
+        SEC / 1000,
+        &s,
+        T0,
+    );
+    let (status, headers, body) = rejected(&o);
+    assert_eq!(*status, 403);
+    assert_eq!(header(headers, "retry-after"), "<absent>");
+    assert_eq!(
+        header(headers, "link"),
+        "<https://e.com/up>; rel=\"payment\""
+    );
+    assert!(
+        body.contains("\"upgrade_url\":\"https://e.com/up\""),
+        "{body}"
+    );
+    assert!(body.contains("tag:ratelimit-wasm,2026:quota-exhausted"));
+    assert_eq!(o.counts.get(Metric::QuotaExhausted), 1);
+    // The local charge was refunded: 5 local requests still pass the burst rule.
+    for _ in 0..5 {
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        let o = finish(
+            &p,
+            pending,
+            Some(b"200"),
+            &quota_answer(true),
+            SEC / 1000,
+            &s,
+            T0,
+        );
+        assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+    }
+    // Out of rate limit: 429, before the gateway is asked.
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+}
+
+#[test]
+fn a_refused_request_takes_the_failure_mode_but_does_not_open_the_circuit() {
+    let p = global_plan("open");
+    let s = MemoryStore::default();
+    for _ in 0..3 {
+        let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+        let o = finish(&p, pending, Some(b"400"), b"{}", SEC / 1000, &s, T0);
+        assert!(matches!(o.verdict, Verdict::Pass(_)));
+        assert_eq!(o.counts.get(Metric::FailOpen), 1);
+        assert_eq!(o.circuit, Transition::None);
+    }
+    // Still calling: two failures of any other kind would have opened it.
+    call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+}
+
+fn lease_answer_body(granted: u64, retry_after_ms: u64) -> Vec<u8> {
+    serde_json::json!({"version": 2, "granted": granted,
+        "limits": [{"requests": 100, "window_ms": 60_000,
+                    "remaining": 50, "reset_ms": 1000, "retry_after_ms": retry_after_ms}]})
+    .to_string()
+    .into_bytes()
+}
+
+#[test]
+fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses_here() {
+    let p = plan(
+        r#"{"domain":"d","global":{"cluster":"gw","failure_mode":"closed","lease":{"fraction":0.04}},
+           "rules":[{"name":"local","key":["client"],"limits":[{"requests":3,"per":"1h"}]},
+                    {"name":"shared","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1m"}]}]}"#,
+    );
+    let s = MemoryStore::default();
+    let r = req(&p, "/", Some("ann"));
+    // The first request fetches a batch of 4 and spends 1.
+    let pending = call(start(&p, &r, &s, T0, NEUTRAL));
+    assert_eq!(pending.route(&p), Some(("/v1/lease", 20)));
+    let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
+    assert_eq!(
+        (body["want"].as_u64(), body["return"].as_u64()),
+        (Some(4), Some(0))
+    );
+    let o = finish(
+        &p,
+        pending,
+        Some(b"200"),
+        &lease_answer_body(4, 0),
+        0,
+        &s,
+        T0,
+    );
+    assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+    // Two more from the batch, no callout; the local rule (3/h) then denies and the
+    // lease token it took goes back.
+    for _ in 0..2 {
+        let o = done(start(&p, &r, &s, T0, NEUTRAL));
+        assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+        assert_eq!(o.counts.get(Metric::LeaseServed), 1);
+    }
+    let o = done(start(&p, &r, &s, T0, NEUTRAL));
+    assert_eq!(rejected(&o).0, &429);
+    let other = req(&p, "/", Some("bob"));
+    let pending = call(start(&p, &other, &s, T0, NEUTRAL));
+    // Bob's pool is empty for 7 s: refused here, with that wait, without a callout.
+    let o = finish(
+        &p,
+        pending,
+        Some(b"200"),
+        &lease_answer_body(0, 7000),
+        0,
+        &s,
+        T0,
+    );
+    assert_eq!(header(rejected(&o).1, "retry-after"), "7");
+    let o = done(start(&p, &other, &s, T0 + SEC, NEUTRAL));
+    assert_eq!(header(rejected(&o).1, "retry-after"), "6");
+    assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+    // Ann's slot still holds the token given back: 1 left.
+    let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
+    let (bytes, _) = s.get(&l.slot_key).unwrap().unwrap();
+    assert_eq!(
+        crate::global::lease::Slot::decode(&bytes).unwrap().tokens,
+        1
+    );
+}
