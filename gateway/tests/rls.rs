@@ -749,3 +749,127 @@ async fn native_and_wasm_envoys_share_one_limit_exactly_and_redis_down_follows_f
     drop(envoys);
     gw.stop().await.unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// The shipped native template and the compose demo's second Envoy.
+
+/// `envoy/envoy-native.yaml` rendered for compose: the demo's ports, the
+/// admin interface and the listener on `0.0.0.0`, the gateway's gRPC cluster
+/// at the compose service `gateway:8091` by DNS.
+fn compose_native() -> String {
+    let root = testkit::workspace_root();
+    let template = std::fs::read_to_string(root.join("envoy/envoy-native.yaml")).unwrap();
+    let vars = testkit::TemplateVars {
+        ports: testkit::Ports::DEMO,
+        gateway_port: 8091,
+        wasm_path: PathBuf::from("/unused"),
+        plugin_config: String::new(),
+        jwks: String::new(),
+    };
+    let text = testkit::render_template(&template, &vars).unwrap();
+    let mut out = String::from(
+        "# GENERATED from envoy/envoy-native.yaml by gateway/tests/rls.rs (compose):\n\
+         # regenerate with UPDATE_COMPOSE_ENVOY=1 cargo test -p ratelimit-gateway --test rls compose\n",
+    );
+    let swaps = [
+        (
+            "socket_address: { address: 127.0.0.1, port_value: 9901 }",
+            "socket_address: { address: 0.0.0.0, port_value: 9901 }",
+        ),
+        (
+            "socket_address: { address: 127.0.0.1, port_value: 10000 }",
+            "socket_address: { address: 0.0.0.0, port_value: 10000 }",
+        ),
+        (
+            "socket_address: { address: 127.0.0.1, port_value: 8091 }",
+            "socket_address: { address: gateway, port_value: 8091 }",
+        ),
+        (
+            "    type: STATIC\n    typed_extension_protocol_options:",
+            "    type: STRICT_DNS\n    dns_lookup_family: V4_ONLY\n    typed_extension_protocol_options:",
+        ),
+    ];
+    let mut body = text;
+    for (from, to) in swaps {
+        assert_eq!(body.matches(from).count(), 1, "{from}");
+        body = body.replace(from, to);
+    }
+    out.push_str(&body);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_native_template_and_the_compose_config_share_the_wasm_rule() {
+    let root = testkit::workspace_root();
+    // deploy/compose/envoy-native.yaml is the template rendered for compose.
+    let generated = compose_native();
+    let path = root.join("deploy/compose/envoy-native.yaml");
+    if std::env::var_os("UPDATE_COMPOSE_ENVOY").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap_or_default(),
+        generated,
+        "deploy/compose/envoy-native.yaml is stale: UPDATE_COMPOSE_ENVOY=1 cargo test -p ratelimit-gateway --test rls compose"
+    );
+    testkit::validate_config(&path).unwrap();
+    // docker-compose.yml runs it, and gives the gateway its rls config.
+    let compose: serde_json::Value =
+        serde_norway::from_str(&std::fs::read_to_string(root.join("docker-compose.yml")).unwrap())
+            .unwrap();
+    let native = &compose["services"]["envoy-native"];
+    assert_eq!(
+        native["volumes"][0],
+        "./deploy/compose/envoy-native.yaml:/etc/envoy/envoy.yaml:ro"
+    );
+    let gw_env = &compose["services"]["gateway"]["environment"];
+    assert_eq!(gw_env["RLGW_GRPC_LISTEN"], "0.0.0.0:8091");
+    assert_eq!(gw_env["RLGW_RLS_CONFIG"], "/etc/ratelimit/rls.yaml");
+    assert!(compose["services"]["gateway"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|v| v == "./deploy/compose/rls.yaml:/etc/ratelimit/rls.yaml:ro"));
+
+    // The shipped template against a gateway with the compose files: a
+    // client's /api requests count in the wasm rule api-global (20 a minute).
+    let redis = Redis::start().unwrap();
+    let work = dir("compose");
+    let rls = std::fs::read_to_string(root.join("deploy/compose/rls.yaml")).unwrap();
+    let policy = std::fs::read_to_string(root.join("deploy/compose/ratelimit.json")).unwrap();
+    let tokens = std::fs::read_to_string(root.join("deploy/compose/gateway-tokens")).unwrap();
+    let gw = gateway(&redis, &work, &[&rls], &[&policy], Some(&tokens)).await;
+    let mut o = EnvoyOptions::new("{}").gateway_port(gw.grpc_addr.unwrap().port());
+    o.template = Some(root.join("envoy/envoy-native.yaml"));
+    o.wasm = Some(PathBuf::from("/dev/null"));
+    o.component_log_level = "grpc:info".to_string();
+    let envoy = Envoy::start(o).unwrap();
+    let client = envoy.client(ConnectionMode::KeepAlive);
+    let mut passed = 0;
+    for _ in 0..25 {
+        let r = client
+            .send(&Request::get("/api/items").header("x-client-id", "alice"))
+            .unwrap();
+        if r.status == 200 {
+            passed += 1;
+        }
+    }
+    assert_eq!(passed, 20);
+    // Outside /api: no descriptor, no limit.
+    let r = client
+        .send(&Request::get("/other").header("x-client-id", "alice"))
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let keys = dump(&redis);
+    assert_eq!(
+        keys.lines()
+            .filter(
+                |l| l.starts_with("rl:{demo|c=alice}|api-global/c=alice|0|token_bucket|20|60000 ")
+            )
+            .count(),
+        1,
+        "{keys}"
+    );
+    drop(envoy);
+    gw.stop().await.unwrap();
+}
