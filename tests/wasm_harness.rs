@@ -792,7 +792,7 @@ fn bounded_keys_with_twenty_thousand_clients_and_an_exact_hot_client() {
     );
     assert_eq!(cold_allowed, 20_000, "every new client has a full bucket");
     // The table is `max_buckets / WAYS` sets of WAYS (4) buckets, one key each
-    // (src/table.rs): 20 000 clients fill every set and never add a key.
+    // (src/limits/table.rs): 20 000 clients fill every set and never add a key.
     assert_eq!(
         max_keys,
         fixed_keys + max_buckets / ratelimit_wasm::limits::table::WAYS,

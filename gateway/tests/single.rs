@@ -389,7 +389,7 @@ async fn each_bucket_is_charged_its_own_cost() {
             &[(12, 60_000, "sliding_window")],
         )],
     );
-    // The body the filter sends (src/callout.rs): every bucket carries its cost.
+    // The body the filter sends (src/global/callout.rs): every bucket carries its cost.
     let body = json!({"version":2,"domain":"cost","buckets":[
         {"rule":"g","key":"g/c=alice","tag":"c=alice","variant":"default","cost":1},
         {"rule":"search","key":"search/c=alice","tag":"c=alice","variant":"default","cost":5}]});
