@@ -1,7 +1,7 @@
 //! The plugin's JSON configuration, the first stop of every change to what a
 //! user can write: the [`schema`] (every field, its type and default), the
 //! [`validate`] and [`validate_global`] checks that refuse a bad field by its
-//! path, the text [`syntax`] rules for values that reach headers and keys, and
+//! path, the text `syntax` rules for values that reach headers and keys, and
 //! the [`duration`] strings (`"1s"`, `"1m"`). [`parse`] is the one entry: bytes
 //! in, a validated [`Config`] out. Nothing here depends on the rest of the
 //! crate; the policy compiles what this module accepts.

@@ -8,9 +8,9 @@
 //! are charged as if enforced but never reject.
 
 //!
-//! One file per phase: [`local`] (the first step: the local charge, the
-//! lease, the circuit; `start` and `abandon`), [`answer`] (the gateway's
-//! answer: `finish`) and [`refresh`] (the root timer's lease top-ups). This
+//! One file per phase: `local` (the first step: the local charge, the
+//! lease, the circuit; `start` and `abandon`), `answer` (the gateway's
+//! answer: `finish`) and `refresh` (the root timer's lease top-ups). This
 //! file holds what the phases share: the verdict, the counts and the context
 //! that charges, refunds and words the answers.
 

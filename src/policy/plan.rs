@@ -65,12 +65,6 @@ impl RulePlan {
             .get(variant)
             .map_or(&[], |v| v.limits.as_slice())
     }
-
-    /// Number of states a bucket of this rule keeps: one per limit, plus the
-    /// demand and the end of a block for a graduated rule.
-    pub fn states(&self, variant: usize) -> usize {
-        self.limits(variant).len() + if self.graduated.is_some() { 2 } else { 0 }
-    }
 }
 
 /// One bucket the gateway decides.
