@@ -53,11 +53,14 @@ pub enum Metric {
     /// Gateway answers whose enforced limits (or quota amounts, periods)
     /// differ from this filter's configuration; the gateway's apply.
     PolicyMismatch,
+    /// Requests answered 429 from the deny cache: the gateway had denied
+    /// their bucket and its wait was not over, so no callout was made.
+    DenyCacheHits,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 24] = [
+    pub const ALL: [Metric; 25] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -82,6 +85,7 @@ impl Metric {
         Metric::LeaseServed,
         Metric::LeaseFetches,
         Metric::PolicyMismatch,
+        Metric::DenyCacheHits,
     ];
 
     /// The name given to Envoy.
@@ -111,6 +115,7 @@ impl Metric {
             Metric::LeaseServed => "ratelimit_wasm_lease_served",
             Metric::LeaseFetches => "ratelimit_wasm_lease_fetches",
             Metric::PolicyMismatch => "ratelimit_wasm_policy_mismatch",
+            Metric::DenyCacheHits => "ratelimit_wasm_deny_cache_hits",
         }
     }
 

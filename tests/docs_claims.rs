@@ -222,7 +222,7 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "on_error": "deny",
         "global": {
             "cluster": "gw", "authority": "ratelimit-gateway", "path": "/v1/check",
-            "timeout_ms": 50, "failure_mode": "local", "instances": 2,
+            "timeout_ms": 50, "failure_mode": "local", "instances": 2, "deny_cache": 4096,
             "circuit": { "failures": 5, "latency_ms": 5, "cooldown_ms": 2000 },
             "lease": { "fraction": 0.1, "max_wait_ms": 20, "ttl_ms": 2000,
                        "path": "/v1/lease", "max_leases": 64 },

@@ -139,7 +139,8 @@ fn a_denial_whose_reply_fails_in_a_callout_answer_resets_the_stream() {
         h.logs_containing("could not send the 429 response").len(),
         1
     );
-    // The next denial goes out as usual.
+    // The next denial goes out as usual (once the deny cache's 15 s are over).
+    h.advance_ms(15_000);
     let (id, call) = paused_for_callout(&h, client("ann"));
     h.respond_http_call(call.worker, call.token, denied());
     assert_eq!(retry_after(&h.outcome(id)), "15");
@@ -239,6 +240,28 @@ fn an_empty_pool_is_refused_exactly_the_gateways_wait_whatever_the_wall_clock_do
     }
 }
 
+/// A denial by the gateway (a token due in 15 s), then `step`: answered here from the deny
+/// cache with the gateway's wait, counted down on the monotonic clock, then asked again.
+#[test]
+fn a_cached_denial_lasts_exactly_the_gateways_wait_whatever_the_wall_clock_does() {
+    for step in [-HOUR, HOUR] {
+        let h = one_worker(circuit_config(), true);
+        let (id, call) = paused_for_callout(&h, client("di"));
+        h.respond_http_call(call.worker, call.token, denied());
+        assert_eq!(retry_after(&h.outcome(id)), "15");
+        h.step_wall_clock(step);
+        h.advance_ms(6_000);
+        let o = h.send(0, client("di"));
+        assert_eq!(retry_after(&o), "9", "step {step}");
+        assert!(o.http_calls.is_empty(), "{o:?}");
+        h.advance_ms(8_999);
+        assert_eq!(retry_after(&h.send(0, client("di"))), "1", "step {step}");
+        h.advance_ms(1);
+        paused_for_callout(&h, client("di"));
+        assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 2, "step {step}");
+    }
+}
+
 /// 4 of 10/min spent, then `step`: the 6 left are admitted, not 0 (back) or 10 (forward).
 #[test]
 fn a_bucket_that_is_not_full_admits_exactly_what_it_holds_whatever_the_wall_clock_does() {
@@ -305,4 +328,14 @@ fn on_the_wall_clock_a_step_back_leaves_a_bucket_empty_at_most_and_an_empty_pool
     assert_eq!(retry_after(&h.send(0, client("lu"))), "1");
     h.advance_ms(1);
     paused_for_callout(&h, client("lu"));
+
+    // A cached denial from before a step back is not trusted: the gateway is asked.
+    let h = one_worker(circuit_config(), false);
+    let (id, call) = paused_for_callout(&h, client("di"));
+    h.respond_http_call(call.worker, call.token, denied());
+    assert_eq!(retry_after(&h.outcome(id)), "15");
+    assert_eq!(retry_after(&h.send(0, client("di"))), "15");
+    h.step_wall_clock(-HOUR);
+    paused_for_callout(&h, client("di"));
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 1);
 }

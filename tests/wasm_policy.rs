@@ -917,6 +917,8 @@ fn a_global_denial_is_a_429_and_refunds_the_local_charge() {
     assert_problem(&o, 15, &["api"]);
     assert_shows(&o, "api", 4, 60, 0);
     assert_eq!(o.resumes, 0, "{o:?}");
+    // The deny cache answers bea until the gateway's 15 s are over (section 10).
+    h.advance_ms(15_000);
     // Local: 5 - 1 admitted = 4 before this request, 3 after (2 had the denial kept its charge).
     let (id, call) = paused_for_callout(&h, 0, client("bea"));
     h.respond_http_call(call.worker, call.token, gw_allow(4));
@@ -933,7 +935,8 @@ fn a_global_denial_is_a_429_and_refunds_the_local_charge() {
     }
     let calls = h.http_calls().len();
     let o = h.send(0, client("bea"));
-    assert_problem(&o, 720, &["local"]);
+    // One token per 720 s, and the 15 s waited gave 15/720 of one: 705 s to go.
+    assert_problem(&o, 705, &["local"]);
     assert_eq!(
         h.http_calls().len(),
         calls,
@@ -1344,7 +1347,8 @@ fn a_rate_limit_denial_beats_an_exhausted_quota_in_the_same_answer() {
     let o = h.outcome(id);
     assert_problem(&o, 15, &["api"]);
     assert_eq!(h.metric("ratelimit_wasm_quota_exhausted"), 0);
-    // Only the quota spent: 403.
+    // Once the deny cache's 15 s are over (section 10), only the quota spent: 403.
+    h.advance_ms(15_000);
     let (id, call) = paused_for_callout(&h, 1, client("rae"));
     let allowed = json!([ { "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket",
                                          "allowed": true, "remaining": 3, "reset_ms": 15_000,
@@ -1606,4 +1610,158 @@ fn a_failed_lease_takes_the_failure_mode_and_the_next_request_tries_again() {
         assert_allowed(&h.send(1, client("ann")));
     }
     assert_eq!(h.send(1, client("ann")).status, 503);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. The deny cache: a gateway denial remembered by every worker of the proxy until the
+// gateway's wait is over (docs/global.md, "The deny cache").
+
+/// `api` (global, 4/min, 8/min for the `pro` tier, from `x-tier`), `route` (global, 2/min,
+/// only under `/r`), `local` (5/h); `/export` costs 3. `deny_cache` is set when given.
+fn deny_cache_config(deny_cache: Option<u64>) -> String {
+    let mut global = json!({ "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
+                             "circuit": { "failures": 3, "cooldown_ms": 2000 } });
+    if let Some(n) = deny_cache {
+        global["deny_cache"] = json!(n);
+    }
+    cfg(json!({
+        "tiers": { "free": {}, "pro": {} },
+        "identity": { "tier_header": "x-tier", "default_tier": "free" },
+        "global": global,
+        "costs": [ { "match": { "path_prefix": "/export" }, "cost": 3 } ],
+        "rules": [
+            { "name": "local", "key": ["client"], "limits": [ { "requests": 5, "per": "1h" } ] },
+            { "name": "api", "scope": "global", "key": ["client"],
+              "limits": [ { "requests": 4, "per": "1m" } ],
+              "tiers": { "pro": [ { "requests": 8, "per": "1m" } ] } },
+            { "name": "route", "scope": "global", "key": ["client"], "match": { "path_prefix": "/r" },
+              "limits": [ { "requests": 2, "per": "1m" } ] }
+        ]
+    }))
+}
+
+/// A gateway answer with one bucket per `(allowed, retry_after_ms)`, each one limit of
+/// 4 per minute.
+fn gw_buckets(buckets: &[(bool, u64)]) -> CallResponse {
+    let all = buckets.iter().all(|(a, _)| *a);
+    let buckets: Vec<Value> = buckets
+        .iter()
+        .map(|(allowed, retry)| {
+            json!({ "limits": [ { "requests": 4, "window_ms": 60_000, "algorithm": "token_bucket",
+                                  "allowed": allowed, "remaining": if *allowed { 2 } else { 0 },
+                                  "reset_ms": 60_000, "retry_after_ms": retry } ] })
+        })
+        .collect();
+    CallResponse::new(200)
+        .body(json!({ "version": 2, "allowed": all, "buckets": buckets }).to_string())
+}
+
+/// The request answered 429 here, without a callout.
+fn assert_cached_denial(o: &Outcome, retry_after: u64, policies: &[&str]) {
+    assert!(
+        o.http_calls.is_empty(),
+        "a callout for a cached denial: {o:?}"
+    );
+    assert_problem(o, retry_after, policies);
+}
+
+#[test]
+fn a_denial_is_remembered_by_both_workers_until_the_gateways_wait_counted_from_the_callout() {
+    let h = gateway_harness(2, &deny_cache_config(None));
+    let (id, call) = paused_for_callout(&h, 0, client("bea"));
+    // The answer takes 30 ms: the wait counts from the callout, when Redis can have
+    // answered at the earliest, so that the cache never outlasts the gateway's wait.
+    h.advance_ms(30);
+    h.respond_http_call(call.worker, call.token, gw_deny(15_000));
+    assert_problem(&h.outcome(id), 15, &["api"]);
+    // 14 s after the callout: the other worker answers 429 itself, Retry-After the 1 s left.
+    h.advance_ms(13_970);
+    let o = h.send(1, client("bea"));
+    assert_cached_denial(&o, 1, &["api"]);
+    // The gateway's figures, less the time gone by: reset 60 s - 14 s.
+    assert_shows(&o, "api", 4, 60, 0);
+    assert_eq!(o.header_values("x-ratelimit-reset"), vec!["46"], "{o:?}");
+    h.advance_ms(999);
+    assert_cached_denial(&h.send(0, client("bea")), 1, &["api"]);
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 3);
+    // 15 s after the callout the gateway is asked again, and a cached denial charged
+    // nothing locally: 4 of the local 5/h left after this one.
+    h.advance_ms(1);
+    let (id, call) = paused_for_callout(&h, 1, client("bea"));
+    h.respond_http_call(call.worker, call.token, gw_allow(4));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_shows(&o, "local", 5, 3600, 4);
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 2);
+    assert!(h.notes().is_empty(), "{:?}", h.notes());
+}
+
+#[test]
+fn a_cached_denial_spares_no_other_bucket_variant_or_smaller_cost_even_on_its_slot() {
+    // One slot: every bucket lands on the one the denial holds.
+    let h = gateway_harness(2, &deny_cache_config(Some(1)));
+    let (id, call) = paused_for_callout(&h, 0, client("bea").path("/export"));
+    h.respond_http_call(call.worker, call.token, gw_deny(15_000));
+    assert_problem(&h.outcome(id), 15, &["api"]);
+    assert_cached_denial(&h.send(1, client("bea").path("/export")), 15, &["api"]);
+    // Another client, the same client in another tier (another variant of the same key),
+    // a cost of 1 where 3 was denied: each asks the gateway.
+    for req in [
+        client("cid"),
+        client("bea").header("x-tier", "pro"),
+        client("bea"),
+    ] {
+        let (id, call) = paused_for_callout(&h, 1, req);
+        h.respond_http_call(call.worker, call.token, gw_allow(2));
+        assert_allowed(&h.outcome(id));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 1);
+    // Two buckets (`api` and `route`), the gateway denies `route` only: a request with both
+    // is answered here, one with `api` alone asks the gateway.
+    let (id, call) = paused_for_callout(&h, 0, client("dan").path("/r"));
+    h.respond_http_call(
+        call.worker,
+        call.token,
+        gw_buckets(&[(true, 0), (false, 20_000)]),
+    );
+    assert_problem(&h.outcome(id), 20, &["route"]);
+    assert_cached_denial(&h.send(1, client("dan").path("/r")), 20, &["route"]);
+    let (id, call) = paused_for_callout(&h, 1, client("dan"));
+    h.respond_http_call(call.worker, call.token, gw_allow(1));
+    assert_allowed(&h.outcome(id));
+    // The slot now holds dan's `route`: bea's denial was replaced, and is asked again.
+    let (id, call) = paused_for_callout(&h, 0, client("bea").path("/export"));
+    h.respond_http_call(call.worker, call.token, gw_deny(15_000));
+    assert_problem(&h.outcome(id), 15, &["api"]);
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_global_calls"), 7);
+}
+
+#[test]
+fn deny_cache_zero_asks_the_gateway_every_time_and_a_bad_size_is_refused() {
+    let h = gateway_harness(2, &deny_cache_config(Some(0)));
+    for w in 0..2 {
+        let (id, call) = paused_for_callout(&h, w, client("bea"));
+        h.respond_http_call(call.worker, call.token, gw_deny(15_000));
+        assert_problem(&h.outcome(id), 15, &["api"]);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 0);
+    assert!(
+        h.shared_keys().iter().all(|k| !k.contains("/deny/")),
+        "{:?}",
+        h.shared_keys()
+    );
+    let h = Harness::with_options(
+        Options::new(1, deny_cache_config(Some((1 << 20) + 1))).clusters(&[CLUSTER]),
+    )
+    .unwrap();
+    assert_eq!(h.configure_results(), vec![false]);
+    assert!(
+        h.log_text().contains("global.deny_cache"),
+        "{}",
+        h.log_text()
+    );
 }

@@ -150,6 +150,10 @@ pub struct Global {
     /// Lease mode: spend batches of a global bucket's tokens locally; absent, one callout per request.
     #[serde(default)]
     pub lease: Option<Lease>,
+    /// Entries of the deny cache: a gateway denial is remembered in shared
+    /// data and answered here until the gateway's wait is over; 0 turns it off.
+    #[serde(default = "default_deny_cache")]
+    pub deny_cache: u64,
     /// Bearer token sent to the gateway (`authorization: Bearer <token>`);
     /// prefer `token_env`, which keeps it out of the configuration.
     #[serde(default)]
@@ -310,6 +314,9 @@ fn default_timeout_ms() -> u64 {
 }
 fn default_instances() -> u64 {
     1
+}
+fn default_deny_cache() -> u64 {
+    4096
 }
 fn default_failures() -> u32 {
     5

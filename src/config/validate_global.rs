@@ -64,6 +64,12 @@ impl Config {
         if let Some(l) = &g.lease {
             validate_lease(l)?;
         }
+        if g.deny_cache > 1 << 20 {
+            return Err(ConfigError::field(
+                "global.deny_cache",
+                "must be between 0 (off) and 1048576",
+            ));
+        }
         if g.token.is_some() && g.token_env.is_some() {
             return Err(ConfigError::field(
                 "global.token",

@@ -31,6 +31,13 @@ pub fn finish(
         status,
         body,
     );
+    if let Ok(a) = &answer {
+        // The waits count from the callout: never longer than the gateway's.
+        let sent = pending.charged_at_ns;
+        if deny_cache::remember(plan, store, &pending.eval.global, &a.reports, sent).is_err() {
+            pending.counts.add(Metric::Errors, 1);
+        }
+    }
     finish_with(plan, pending, answer, latency_ns, store, now_ns)
 }
 

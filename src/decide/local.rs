@@ -72,6 +72,20 @@ pub fn start(
             }
         }
     }
+    // A bucket the gateway denied and whose wait is not over: 429 here, before
+    // any charge (a denied request consumes nothing). A soft client is never denied.
+    if leased.is_none() && !eval.soft {
+        match deny_cache::lookup(plan, store, &eval.global, now_ns) {
+            Ok(Some(reports)) => {
+                ctx.counts.add(Metric::DenyCacheHits, 1);
+                let v = ctx.too_many(&reports);
+                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
+            }
+            Ok(None) => {}
+            // Unread, the cache denies nothing: the gateway decides.
+            Err(_) => ctx.counts.add(Metric::Errors, 1),
+        }
+    }
     let needs_gateway = (!eval.global.is_empty() && leased.is_none()) || !eval.quotas.is_empty();
     let global = plan.global.as_ref().filter(|_| needs_gateway);
     let gate = global.map(|g| {

@@ -25,6 +25,7 @@ pub use refresh::{refresh_finish, refresh_start, Refresh};
 use crate::config::{FailureMode, OnError};
 use crate::global::callout::{self, Answer, AnswerError, QuotaReport};
 use crate::global::circuit::{self, CallResult, Gate, Transition};
+use crate::global::deny_cache;
 use crate::global::lease::{self, Claim, Lease, Take};
 use crate::limits::limiter::Bucket;
 use crate::limits::limiter::{self, Decision, LimitError, Report, Stats};

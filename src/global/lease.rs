@@ -155,12 +155,10 @@ pub fn locate(plan: &Plan, g: &GlobalBucket) -> Option<Lease> {
     let smallest = limits.iter().map(|(l, _)| l.capacity).min()?;
     let longest = limits.iter().map(|(l, _)| l.period_ns).max()?;
     let size = ((smallest as f64 * lp.fraction).floor() as u64).clamp(1, smallest.max(1));
-    let hash = lp.hash(g.key.as_bytes());
-    // The slot index and the fingerprint come from different bits of one hash.
-    let slot = (hash >> 32) % lp.slots;
+    let placed = lp.slots.place(&[g.key.as_bytes()]);
     Some(Lease {
-        slot_key: format!("{}{slot}", lp.key_prefix),
-        fingerprint: hash | 1,
+        slot_key: placed.key,
+        fingerprint: placed.fingerprint,
         size,
         bucket: g.clone(),
         spans: Spans {

@@ -1,6 +1,7 @@
 //! How to count, whatever is counted: the token bucket and the sliding
 //! window behind one [`algorithm`] interface, the bounded [`table`] of
-//! buckets in shared data (its layout, placement and encoding), the one
+//! buckets in shared data (its layout, placement and encoding), the
+//! direct-mapped [`slots`] of per-bucket state (leases, the deny cache), the one
 //! read-modify-CAS helper [`update::update`] that every other shared-data
 //! writer goes through, the all-or-nothing charge of a request's buckets
 //! ([`limiter`]), and the [`store`] trait over Envoy's shared data. Nothing
@@ -10,6 +11,7 @@
 pub mod algorithm;
 pub mod limiter;
 pub mod sliding_window;
+pub mod slots;
 pub mod store;
 pub mod table;
 pub mod token_bucket;

@@ -11,10 +11,10 @@ use crate::config::{
 };
 use crate::limits::algorithm::Algorithm;
 use crate::limits::limiter::{Bucket, GraduatedPlan, RuleLimits, Rules};
+use crate::limits::slots::Slots;
 use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
-use siphasher::sip::SipHasher13 as SipHasher64;
 use siphasher::sip128::SipHasher13;
 use std::collections::HashMap;
 use std::hash::Hasher;
@@ -170,6 +170,8 @@ pub struct GlobalPlan {
     pub circuit_key: String,
     /// Lease mode, when configured.
     pub lease: Option<LeasePlan>,
+    /// The deny cache's entries (`global.deny_cache`); `None` when it is 0 (off).
+    pub deny_cache: Option<Slots>,
     /// `authorization` of the callouts (`Bearer <token>`): the inline
     /// `global.token` here; the filter's `on_configure` resolves `token_env`.
     pub authorization: Option<config::Token>,
@@ -507,6 +509,10 @@ impl Plan {
                     .lease
                     .as_ref()
                     .map(|l| LeasePlan::new(l, &config.domain, keys)),
+                deny_cache: (g.deny_cache > 0).then(|| {
+                    let prefix = format!("{KEY_PREFIX}deny/{}/{}/", config.domain, g.deny_cache);
+                    Slots::new(prefix, g.deny_cache, keys)
+                }),
                 authorization: g.bearer(|_| None).ok().flatten().map(config::Token),
             }),
             domain: config.domain.clone(),
@@ -551,11 +557,8 @@ pub struct LeasePlan {
     pub ttl_ns: u64,
     /// Path of the gateway's lease endpoint.
     pub path: String,
-    /// Number of slots (shared-data keys).
-    pub slots: u64,
-    /// Prefix of the slot keys, ending in `/`.
-    pub key_prefix: String,
-    hasher: SipHasher64,
+    /// The lease slots (shared-data keys).
+    pub slots: Slots,
 }
 
 impl LeasePlan {
@@ -566,17 +569,12 @@ impl LeasePlan {
             max_wait_ms: l.max_wait_ms,
             ttl_ns: l.ttl_ms.saturating_mul(1_000_000),
             path: l.path.clone(),
-            slots: l.max_leases.max(1),
-            key_prefix: format!("{KEY_PREFIX}lease/{domain}/{}/", l.max_leases),
-            hasher: SipHasher64::new_with_keys(keys.0, keys.1),
+            slots: Slots::new(
+                format!("{KEY_PREFIX}lease/{domain}/{}/", l.max_leases),
+                l.max_leases,
+                keys,
+            ),
         }
-    }
-
-    /// The keyed hash of a global bucket's key, which places its lease.
-    pub fn hash(&self, key: &[u8]) -> u64 {
-        let mut h = self.hasher;
-        h.write(key);
-        h.finish()
     }
 }
 
