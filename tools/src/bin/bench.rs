@@ -2,7 +2,7 @@
 //! rate-limit filter, the gateway against raw Redis, and the report
 //! (BENCHMARKS.md, BENCHMARKS.svg).
 //!
-//! Every variant runs in one session, interleaved (a a2 b c1 c4 d b-f c1-f,
+//! Every variant runs in one session, interleaved (a a2 b c1 c4 d g e b-f c1-f,
 //! then again, `--repeats` times), each on a fresh Envoy (`--concurrency 2`,
 //! the same flags in every variant) whose configuration is the shipped
 //! template `envoy/envoy.yaml` rendered by testkit and then changed only in
@@ -94,7 +94,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 9] = [
+pub const VARIANTS: [Variant; 10] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -139,6 +139,14 @@ pub const VARIANTS: [Variant; 9] = [
         id: "d",
         what: "this filter, 1 global rule (gateway + Redis callout per request)",
         filter: FilterVariant::Shipped,
+        plugin: D_JSON,
+        load: LoadMode::Spread,
+        needs_gateway: true,
+    },
+    Variant {
+        id: "g",
+        what: "Envoy's native ratelimit filter, the gateway over gRPC per request (fixed window)",
+        filter: FilterVariant::NativeRls,
         plugin: D_JSON,
         load: LoadMode::Spread,
         needs_gateway: true,
@@ -189,7 +197,7 @@ pub struct Args {
 }
 
 const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--connections C] \
-                     [--threads T] [--only a,a2,b,c1,c4,d,e,b-f,c1-f,gw] [--wait-quiet SECONDS] \
+                     [--threads T] [--only a,a2,b,c1,c4,d,g,e,b-f,c1-f,gw] [--wait-quiet SECONDS] \
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
 fn parse_args() -> Result<Args> {
@@ -332,6 +340,8 @@ pub struct GatewayRun {
     pub gateway: wrk::WrkResult,
     /// The same load on the gateway with `--auth-tokens`.
     pub gateway_auth: wrk::WrkResult,
+    /// `ShouldRateLimit` calls on the plain gateway's `--grpc-listen`.
+    pub grpc: wrk::WrkResult,
     pub redis: gateway::BenchResult,
     pub foreign_cpu: f64,
 }
@@ -472,6 +482,7 @@ fn run() -> Result<()> {
             .gateway
             .as_ref()
             .map_or(testkit::config::DEFAULT_GATEWAY_PORT, Gateway::port),
+        grpc_port: infra.grpc_port,
         load_lua: &load_lua,
         nproc: machine.nproc,
         infra_pids: infra.pids(),
@@ -505,6 +516,8 @@ fn run() -> Result<()> {
 /// gateway (for d and the gateway bench).
 struct Infra {
     upstream: Envoy,
+    /// The plain gateway's `--grpc-listen` port (variant g).
+    grpc_port: u16,
     redis: Option<Redis>,
     gateway: Option<Gateway>,
     /// The same gateway with `--auth-tokens`.
@@ -516,6 +529,7 @@ impl Infra {
         let mut redis = None;
         let mut gateway = None;
         let mut gateway_auth = None;
+        let grpc_port = free_port()?;
         if needs_gateway {
             let r = Redis::start()?;
             register(r.pid());
@@ -525,7 +539,15 @@ impl Infra {
                 .policy(D_JSON)
                 .policy(E_JSON)
                 .work_dir(args.work_dir.join("gateway"));
-            let g = Gateway::start(opts.clone())?;
+            let rls = args.work_dir.join("rls.yaml");
+            std::fs::write(&rls, configs::RLS_CONFIG).context("writing the bench's rls config")?;
+            let grpc = format!("127.0.0.1:{grpc_port}");
+            let rls = rls.display().to_string();
+            let g =
+                Gateway::start(
+                    opts.clone()
+                        .args(&["--grpc-listen", &grpc, "--rls-config", &rls]),
+                )?;
             register(g.pid());
             let tokens = args.work_dir.join("gateway-tokens");
             let mut text = String::new();
@@ -562,6 +584,7 @@ impl Infra {
             .with_context(|| format!("pinning the upstream Envoy to CPU {cpu}"))?;
         Ok(Infra {
             upstream,
+            grpc_port,
             redis,
             gateway,
             gateway_auth,
@@ -657,6 +680,7 @@ struct RunContext<'a> {
     noop: &'a Path,
     upstream_port: u16,
     gateway_port: u16,
+    grpc_port: u16,
     load_lua: &'a Path,
     nproc: usize,
     /// The long-running children (upstream, gateway, Redis), for the CPU accounting.
@@ -748,6 +772,7 @@ impl RunContext<'_> {
             eprintln!(
                 "bench: round {}/{} gateway {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
                  with auth {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
+                 gRPC {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
                  redis-benchmark EVALSHA {:>9.0}/s (p50 {:.3} ms, p99 {:.3} ms)",
                 repeat + 1,
                 self.args.repeats,
@@ -757,6 +782,9 @@ impl RunContext<'_> {
                 run.gateway_auth.rps,
                 run.gateway_auth.p50_ms,
                 run.gateway_auth.p99_ms,
+                run.grpc.rps,
+                run.grpc.p50_ms,
+                run.grpc.p99_ms,
                 run.redis.rps,
                 run.redis.p50_ms,
                 run.redis.p99_ms
@@ -778,6 +806,7 @@ impl RunContext<'_> {
             v.filter,
             ports,
             self.gateway_port,
+            self.grpc_port,
             self.wasm,
             self.noop,
             v.plugin,
@@ -895,6 +924,13 @@ impl RunContext<'_> {
             let with_auth = wrk::run(&auth)?;
             (wrk::run(&load)?, with_auth)
         };
+        gateway::grpc_load(
+            self.grpc_port,
+            self.args.connections,
+            self.args.warmup.max(1),
+        )
+        .context("gRPC warm-up")?;
+        let grpc = gateway::grpc_load(self.grpc_port, self.args.connections, self.args.seconds)?;
         // Calibrate redis-benchmark's request count to last about as long.
         let probe = gateway::redis_benchmark(redis, sha, self.args.connections, 20_000)?;
         let n = (probe.rps * f64::from(self.args.seconds)).max(20_000.0) as u64;
@@ -904,6 +940,7 @@ impl RunContext<'_> {
             repeat,
             gateway,
             gateway_auth,
+            grpc,
             redis: redis_result,
             foreign_cpu: before.foreign_share(&after, self.nproc),
         })

@@ -31,6 +31,7 @@ fn color_of(id: &str) -> RGBColor {
         "c1-f" => RGBColor(140, 175, 225),
         "d" => RGBColor(120, 80, 170),
         "e" => RGBColor(170, 130, 210),
+        "g" => RGBColor(60, 150, 120),
         _ => RGBColor(80, 80, 80),
     }
 }

@@ -36,7 +36,45 @@ pub enum FilterVariant {
     Native,
     /// c, d: the shipped entry, unchanged.
     Shipped,
+    /// g: Envoy's native global rate limit filter calling the gateway's
+    /// rate limit service over gRPC ([`NATIVE_RLS`]).
+    NativeRls,
 }
+
+/// Envoy's native global rate limit filter (`envoy.filters.http.ratelimit`)
+/// calling the gateway's `--grpc-listen` (cluster [`RLS_CLUSTER`]): one
+/// descriptor `(client_id, <x-client-id>)` per request in domain
+/// `bench-native`, which the bench's `--rls-config` ([`RLS_CONFIG`]) limits
+/// to 10^9 a second in a fixed window (their default algorithm), so it
+/// rejects nothing. Draft-03 `x-ratelimit-*` headers on every response, as
+/// the other variants add theirs.
+pub const NATIVE_RLS: &str = r#"
+name: envoy.filters.http.ratelimit
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+  domain: bench-native
+  failure_mode_deny: false
+  enable_x_ratelimit_headers: DRAFT_VERSION_03
+  timeout: 0.2s
+  rate_limits:
+  - actions:
+    - request_headers: { header_name: x-client-id, descriptor_key: client_id }
+  rate_limit_service:
+    transport_api_version: V3
+    grpc_service:
+      envoy_grpc: { cluster_name: ratelimit_gateway_grpc }
+"#;
+
+/// The cluster of the gateway's gRPC port in variant g.
+pub const RLS_CLUSTER: &str = "ratelimit_gateway_grpc";
+
+/// The gateway's `--rls-config` in the bench.
+/// `client_id` is variant g's; `tb_client` is the gRPC load's, a token
+/// bucket, so that its calls run `check.lua` as the HTTP gateway's and
+/// `redis-benchmark`'s do.
+pub const RLS_CONFIG: &str = "domain: bench-native\ndescriptors:\n\
+- key: client_id\n  rate_limit: { unit: second, requests_per_unit: 1000000000 }\n\
+- key: tb_client\n  rate_limit: { unit: second, requests_per_unit: 1000000000, algorithm: token_bucket }\n";
 
 /// Envoy's native local rate limiter, "equivalent" to the c variants: one
 /// token bucket per client (`x-client-id`, a dynamic descriptor: an entry
@@ -145,6 +183,7 @@ pub fn proxy_config(
     variant: FilterVariant,
     ports: Ports,
     gateway_port: u16,
+    grpc_port: u16,
     wasm: &Path,
     noop_wasm: &Path,
     plugin_config: &str,
@@ -167,6 +206,10 @@ pub fn proxy_config(
             filters[at] = serde_norway::from_str(NATIVE_LOCAL_RATELIMIT)
                 .context("parsing the native local_ratelimit entry")?;
         }
+        FilterVariant::NativeRls => {
+            filters[at] =
+                serde_norway::from_str(NATIVE_RLS).context("parsing the native ratelimit entry")?;
+        }
         FilterVariant::Noop => {
             let entry = filters.get_mut(at).context("the wasm entry")?;
             let local = ["typed_config", "config", "vm_config", "code", "local"]
@@ -177,6 +220,21 @@ pub fn proxy_config(
                 .ok_or_else(|| anyhow!("{} is not UTF-8", noop_wasm.display()))?;
             *field(local, "filename")? = Value::String(file.to_string());
         }
+    }
+    if variant == FilterVariant::NativeRls {
+        let cluster: Value = serde_norway::from_str(&format!(
+            "name: {RLS_CLUSTER}\nconnect_timeout: 0.25s\ntype: STATIC\n\
+             typed_extension_protocol_options:\n  envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n\
+             \x20   \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n\
+             \x20   explicit_http_config: {{ http2_protocol_options: {{}} }}\n\
+             load_assignment:\n  cluster_name: {RLS_CLUSTER}\n  endpoints: [ {{ lb_endpoints: [ {{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {grpc_port} }} }} }} }} ] }} ]\n"
+        ))
+        .context("parsing the gRPC cluster")?;
+        seq(
+            field(field(&mut doc, "static_resources")?, "clusters")?,
+            "clusters",
+        )?
+        .push(cluster);
     }
     serde_norway::to_string(&doc).context("writing the derived YAML")
 }
@@ -220,6 +278,7 @@ mod tests {
             v,
             ports(),
             4,
+            5,
             Path::new("/x/ratelimit_wasm.wasm"),
             Path::new("/x/noop_filter.wasm"),
             "{}",
@@ -243,6 +302,15 @@ mod tests {
         let noop = config(FilterVariant::Noop);
         assert_eq!(filters_of(&noop), [jwt, WASM_FILTER, router]);
         assert!(noop.contains("/x/noop_filter.wasm") && !noop.contains("ratelimit_wasm.wasm"));
+        let g = config(FilterVariant::NativeRls);
+        assert_eq!(
+            filters_of(&g),
+            [jwt, "envoy.filters.http.ratelimit", router]
+        );
+        assert!(
+            g.contains("port_value: 5") && g.contains(RLS_CLUSTER),
+            "{g}"
+        );
         for v in [
             FilterVariant::Shipped,
             FilterVariant::None,

@@ -132,6 +132,84 @@ fn parse_csv(text: &str) -> Result<BenchResult> {
     })
 }
 
+/// `ShouldRateLimit` calls/s on the gateway's `--grpc-listen` at
+/// 127.0.0.1:`port`: `connections` callers, each on its own HTTP/2
+/// connection, one call at a time, one descriptor `(tb_client, c<k>)` in
+/// domain `bench-native` (a token bucket: `check.lua`, as the other
+/// figures), cycling through [`CLIENTS`], for `seconds`. Calls answered with
+/// a gRPC error count in `non_2xx`.
+pub fn grpc_load(port: u16, connections: u32, seconds: u32) -> Result<crate::wrk::WrkResult> {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    use std::time::{Duration, Instant};
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the gRPC load's runtime")?;
+    rt.block_on(async move {
+        let deadline = Instant::now() + Duration::from_secs(seconds.into());
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for c in 0..connections {
+            let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+                .await
+                .context("connecting to the gateway's gRPC port")?;
+            tasks.push(tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                let mut errors = 0u64;
+                let mut k = c;
+                while Instant::now() < deadline {
+                    k = (k + connections) % CLIENTS;
+                    let req = RateLimitRequest {
+                        domain: "bench-native".to_string(),
+                        descriptors: vec![RateLimitDescriptor {
+                            entries: vec![Entry {
+                                key: "tb_client".to_string(),
+                                value: format!("c{k}"),
+                            }],
+                            ..Default::default()
+                        }],
+                        hits_addend: 0,
+                    };
+                    let t = Instant::now();
+                    if client.should_rate_limit(req).await.is_err() {
+                        errors += 1;
+                    }
+                    latencies.push(t.elapsed().as_secs_f64() * 1000.0);
+                }
+                (latencies, errors)
+            }));
+        }
+        let mut all = Vec::new();
+        let mut errors = 0;
+        for t in tasks {
+            let (l, e) = t.await.context("a gRPC load task")?;
+            all.extend(l);
+            errors += e;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        all.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            all.get(((all.len() as f64 * p) as usize).min(all.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        Ok(crate::wrk::WrkResult {
+            requests: all.len() as u64,
+            seconds: elapsed,
+            rps: all.len() as f64 / elapsed.max(1e-9),
+            p50_ms: pct(0.50),
+            p99_ms: pct(0.99),
+            non_2xx: errors,
+            socket_errors: 0,
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

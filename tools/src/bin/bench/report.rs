@@ -15,13 +15,14 @@ pub const BEGIN: &str = "<!-- bench:begin -->";
 pub const END: &str = "<!-- bench:end -->";
 
 /// The targets: (variant, reference, goal).
-pub const TARGETS: [(&str, &str, f64); 7] = [
+pub const TARGETS: [(&str, &str, f64); 8] = [
     ("c1", "a2", 0.95),
     ("c4", "a2", 0.95),
     ("c1", "b", 0.88),
     ("c4", "b", 0.88),
     ("c4", "c1", 0.95),
     ("d", "a", 0.35),
+    ("g", "a", 0.35),
     ("e", "c1", 0.85),
 ];
 /// Gateway checks/s over raw EVALSHA/s.
@@ -57,6 +58,16 @@ fn gateway_ratio(s: &Session) -> Spread {
         &s.gateway_runs
             .iter()
             .map(|g| g.gateway.rps / g.redis.rps)
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// The gateway's gRPC `ShouldRateLimit` calls/s ÷ raw EVALSHA/s, round by round.
+fn grpc_ratio(s: &Session) -> Spread {
+    Spread::of(
+        &s.gateway_runs
+            .iter()
+            .map(|g| g.grpc.rps / g.redis.rps)
             .collect::<Vec<_>>(),
     )
 }
@@ -326,6 +337,13 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             r.show(3),
             met(r.mean, GATEWAY_TARGET)
         );
+        let r = grpc_ratio(s);
+        let _ = writeln!(
+            m,
+            "| gateway gRPC (`ShouldRateLimit`) ÷ raw EVALSHA | {} | ≥ {GATEWAY_TARGET:.2} | {} |",
+            r.show(3),
+            met(r.mean, GATEWAY_TARGET)
+        );
         let r = auth_ratio(s);
         let _ = writeln!(
             m,
@@ -357,6 +375,13 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             g(&|r| r.gateway_auth.rps).show(0),
             g(&|r| r.gateway_auth.p50_ms).show(3),
             g(&|r| r.gateway_auth.p99_ms).show(3)
+        );
+        let _ = writeln!(
+            m,
+            "| the rate limit service over gRPC (`--grpc-listen`), `ShouldRateLimit` with 1 token-bucket descriptor, one call at a time per HTTP/2 connection | {} | {} | {} |",
+            g(&|r| r.grpc.rps).show(0),
+            g(&|r| r.grpc.p50_ms).show(3),
+            g(&|r| r.grpc.p99_ms).show(3)
         );
         let _ = writeln!(
             m,
@@ -491,6 +516,8 @@ pub fn to_json(s: &Session) -> Value {
                              "requests": g.gateway.requests },
                 "gateway_auth": { "rps": g.gateway_auth.rps, "p50_ms": g.gateway_auth.p50_ms,
                                   "p99_ms": g.gateway_auth.p99_ms, "requests": g.gateway_auth.requests },
+                "grpc": { "rps": g.grpc.rps, "p50_ms": g.grpc.p50_ms, "p99_ms": g.grpc.p99_ms,
+                          "requests": g.grpc.requests, "errors": g.grpc.non_2xx },
                 "redis_benchmark": { "rps": g.redis.rps, "p50_ms": g.redis.p50_ms, "p99_ms": g.redis.p99_ms,
                                      "requests": g.redis.requests },
                 "foreign_cpu": g.foreign_cpu,
@@ -532,6 +559,7 @@ pub fn to_json(s: &Session) -> Value {
         },
         "summary": summary,
         "gateway_ratio": gateway_ratio(s).to_json(),
+        "grpc_ratio": grpc_ratio(s).to_json(),
         "runs": runs,
         "gateway_runs": gateway,
         "wasm": s.wasm,
