@@ -240,6 +240,11 @@ async fn the_fixed_window_counts_every_hit_as_envoyproxy_ratelimit_does() {
             "ratelimit_gateway_rls_over_limit_total{descriptor=\"user\",domain=\"fw\"}",
             3.0,
         ),
+        // Near is 80 % of 3, 2: the second call (2 -> 4) passed it by 1.
+        (
+            "ratelimit_gateway_rls_near_limit_total{descriptor=\"user\",domain=\"fw\"}",
+            1.0,
+        ),
         (
             "ratelimit_gateway_rls_requests_total{code=\"over_limit\"}",
             5.0,
@@ -251,6 +256,50 @@ async fn the_fixed_window_counts_every_hit_as_envoyproxy_ratelimit_does() {
             "{sample}"
         );
     }
+    gw.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rls_config_reloads_on_change_and_keeps_the_old_one_when_broken() {
+    let redis = Redis::start().unwrap();
+    let work = dir("reload");
+    let one =
+        "domain: r\ndescriptors:\n- key: k\n  rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    let gw = gateway(&redis, &work, &[one], &[], None).await;
+    let mut c = client(&gw).await;
+    let d = || vec![descriptor(&[("k", "v")], None)];
+    align(3600, 8_000);
+    let r = ask(&mut c, "r", d(), None).await.unwrap();
+    assert_eq!(codes(&r).1, [(Code::Ok, 0)]);
+    let r = ask(&mut c, "r", d(), None).await.unwrap();
+    assert_eq!(codes(&r).1, [(Code::OverLimit, 0)]);
+    // 5 an hour now: the same counter (2 hits so far) has room for 3.
+    let file = work.join("rls/0.yaml");
+    std::fs::write(
+        &file,
+        one.replace("requests_per_unit: 1", "requests_per_unit: 5"),
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let r = ask(&mut c, "r", d(), None).await.unwrap();
+    assert_eq!(codes(&r).1, [(Code::Ok, 2)]);
+    // A broken file keeps the 5 in force.
+    std::fs::write(
+        &file,
+        "domain: r\ndescriptors:\n- key: k\n  rate_limit: {unit: fortnight}\n",
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let r = ask(&mut c, "r", d(), None).await.unwrap();
+    assert_eq!(codes(&r).1, [(Code::Ok, 1)]);
+    let text = gw.app.metrics.render().unwrap();
+    assert_eq!(
+        testkit::prometheus_value(
+            &text,
+            "ratelimit_gateway_reload_failures_total{what=\"rls_config\"}"
+        ),
+        Some(1.0)
+    );
     gw.stop().await.unwrap();
 }
 

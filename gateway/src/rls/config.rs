@@ -462,6 +462,11 @@ impl RlsConfig {
         d
     }
 
+    /// Whether `domain` is configured.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
     /// The limit of one request descriptor (`entries`: its key/value pairs),
     /// as envoyproxy/ratelimit finds it; `None` when nothing matches, the
     /// domain is unknown, or the descriptor has more than [`MAX_ENTRIES`].

@@ -555,7 +555,7 @@ fn entries_key(d: &RateLimitDescriptor, shared_values: &[Option<&str>]) -> Strin
 /// Finds every descriptor's limit and drops the replaced ones; the error is
 /// an `INVALID_ARGUMENT` message naming the field.
 fn plan<'a>(config: &'a RlsConfig, req: &'a RateLimitRequest) -> Result<Vec<Plan<'a>>, String> {
-    let known = config.domains().contains(&req.domain.as_str());
+    let known = config.has_domain(&req.domain);
     let mut found: Vec<Option<(std::borrow::Cow<'a, RateLimit>, String)>> =
         Vec::with_capacity(req.descriptors.len());
     for (i, d) in req.descriptors.iter().enumerate() {
