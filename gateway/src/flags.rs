@@ -114,6 +114,9 @@ pub struct Args {
         requires = "grpc_listen"
     )]
     pub rls_config: Vec<PathBuf>,
+    /// Buckets the deny cache remembers: a bucket Redis denied is answered denied from memory, without a Redis call, until Redis's wait is over; 0 turns it off.
+    #[arg(long, env = "RLGW_DENY_CACHE_ENTRIES", default_value_t = DEFAULT_DENY_CACHE_ENTRIES, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
+    pub deny_cache_entries: u64,
     /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
     #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
     pub rls_near_limit_ratio: f64,
@@ -216,6 +219,8 @@ pub struct Config {
     pub bounds: Bounds,
     /// Envoy's rate limit service over gRPC.
     pub rls: RlsOptions,
+    /// Slots of the deny cache (`crate::deny_cache`); 0: off.
+    pub deny_cache_entries: usize,
 }
 
 impl Config {
@@ -239,9 +244,13 @@ impl Config {
             tls: None,
             bounds: Bounds::default(),
             rls: RlsOptions::default(),
+            deny_cache_entries: DEFAULT_DENY_CACHE_ENTRIES as usize,
         }
     }
 }
+
+/// `--deny-cache-entries`' default.
+pub const DEFAULT_DENY_CACHE_ENTRIES: u64 = 16384;
 
 impl TryFrom<Args> for Config {
     type Error = String;
@@ -335,6 +344,7 @@ impl TryFrom<Args> for Config {
                 config: a.rls_config,
                 near_limit_permille: (a.rls_near_limit_ratio * 1000.0).round() as u32,
             },
+            deny_cache_entries: usize::try_from(a.deny_cache_entries).unwrap_or(usize::MAX),
         })
     }
 }

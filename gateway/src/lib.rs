@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod deny_cache;
 pub mod flags;
 pub mod keys;
 pub mod logging;
@@ -62,7 +63,12 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
         metrics.clone(),
     )
     .map_err(anyhow::Error::msg)?;
-    let limiter = orchestrate::Limiter::new(store, config.key_prefix.clone(), metrics.clone());
+    let limiter = orchestrate::Limiter::new(
+        store,
+        config.key_prefix.clone(),
+        metrics.clone(),
+        deny_cache::DenyCache::new(config.deny_cache_entries),
+    );
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
     if config.policy.is_empty() {
         anyhow::bail!(

@@ -96,6 +96,9 @@ pub struct Metrics {
     /// `ratelimit_gateway_read_timeouts_total{phase}`: connections closed
     /// because a TLS handshake, headers or a body took too long.
     pub read_timeouts: IntCounterVec,
+    /// `ratelimit_gateway_deny_cache_hits_total`: checks answered denied
+    /// from the deny cache, without charging Redis.
+    pub deny_cache_hits: IntCounter,
 }
 
 impl Metrics {
@@ -193,6 +196,12 @@ impl Metrics {
             ),
             &["phase"],
         )?;
+        let deny_cache_hits = IntCounter::new(
+            "ratelimit_gateway_deny_cache_hits_total",
+            "Checks answered denied from the deny cache (--deny-cache-entries): a bucket \
+             Redis denied, its wait not over; nothing was charged.",
+        )?;
+        registry.register(Box::new(deny_cache_hits.clone()))?;
         registry.register(Box::new(auth_failures.clone()))?;
         registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(charged_then_failed.clone()))?;
@@ -254,6 +263,7 @@ impl Metrics {
             shed,
             charged_then_failed,
             read_timeouts,
+            deny_cache_hits,
         })
     }
 

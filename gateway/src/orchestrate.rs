@@ -13,7 +13,16 @@
 //!
 //! Requests come here resolved from the policy ([`crate::policy`]): the
 //! answers carry the limits, amounts and periods enforced.
+//!
+//! A check with a bucket that Redis denied lately, its wait not over, is a
+//! denial without a charge ([`crate::deny_cache`]): the cached bucket answers
+//! from memory, and only the other buckets and quotas, if any, are read
+//! (`Mode::Peek`) so that every limit and quota still has an answer. Both
+//! front ends (`/v1/check` and the gRPC rate limit service) check here.
 
+use std::time::Instant;
+
+use crate::deny_cache::DenyCache;
 use crate::keys::{self, Group};
 use crate::logging::Escaped;
 use crate::metrics::Metrics;
@@ -21,23 +30,25 @@ use crate::policy::{Resolved, ResolvedLease};
 use crate::protocol::{
     BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, VERSION,
 };
-use crate::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
 use crate::redis_store::{Store, StoreError};
+use crate::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
 
 /// The check logic over a [`Store`].
 pub struct Limiter {
     store: Store,
     prefix: String,
     metrics: Metrics,
+    deny: DenyCache,
 }
 
 impl Limiter {
-    /// A limiter writing keys under `prefix`.
-    pub fn new(store: Store, prefix: String, metrics: Metrics) -> Self {
+    /// A limiter writing keys under `prefix`, remembering denials in `deny`.
+    pub fn new(store: Store, prefix: String, metrics: Metrics, deny: DenyCache) -> Self {
         Limiter {
             store,
             prefix,
             metrics,
+            deny,
         }
     }
 
@@ -63,6 +74,26 @@ impl Limiter {
     ) -> Result<CheckResponse, StoreError> {
         let limits = keys::limit_keys(&self.prefix, req);
         let quotas = keys::quota_keys(&self.prefix, req);
+        // A bucket Redis denied lately whose wait is not over makes the answer
+        // a denial whatever the rest says: nothing is charged, and the rest is
+        // only read (the deny cache; not with a test's time override).
+        let asked_at = Instant::now();
+        let bucket_keys: Vec<Vec<String>> = if now_ms.is_none() && self.deny.enabled() {
+            (0..req.buckets.len())
+                .map(|b| {
+                    let of_b = limits.iter().filter(|l| l.bucket == b);
+                    of_b.map(|l| l.key.clone()).collect()
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let cached: Vec<Option<Vec<LimitVerdict>>> = bucket_keys
+            .iter()
+            .zip(&req.buckets)
+            .map(|(k, b)| self.deny.lookup(k, b.cost, asked_at))
+            .collect();
+        let hit = cached.iter().any(Option::is_some);
         let groups = if self.store.is_cluster() {
             keys::group_by_slot(limits, quotas)
         } else {
@@ -84,24 +115,50 @@ impl Limiter {
 
         let mut charged: Vec<(usize, u64)> = Vec::new();
         let mut denied_at = None;
-        for (gi, group) in groups.iter().enumerate() {
-            match self.run(group, Mode::Charge, now_ms).await {
-                Ok(reply) => {
-                    place(&mut slots, &mut quota_slots, group, &reply);
-                    if reply.allowed {
-                        charged.push((gi, reply.now_ms));
-                    } else {
-                        denied_at = Some(gi);
-                        break;
+        if hit {
+            self.metrics.deny_cache_hits.inc();
+            for (b, verdicts) in cached.iter().enumerate() {
+                for (l, v) in verdicts.iter().flatten().enumerate() {
+                    if let Some(slot) = slots.get_mut(b).and_then(|s| s.get_mut(l)) {
+                        *slot = Some(*v);
                     }
                 }
-                Err(e) => {
-                    self.refund_all(&groups, &charged, now_ms).await;
-                    return Err(e);
+            }
+            for group in &groups {
+                let rest = Group {
+                    limits: group
+                        .limits
+                        .iter()
+                        .filter(|l| cached.get(l.bucket).is_some_and(Option::is_none))
+                        .cloned()
+                        .collect(),
+                    quotas: group.quotas.clone(),
+                };
+                if !rest.limits.is_empty() || !rest.quotas.is_empty() {
+                    let reply = self.run(&rest, Mode::Peek, now_ms).await?;
+                    place(&mut slots, &mut quota_slots, &rest, &reply);
+                }
+            }
+        } else {
+            for (gi, group) in groups.iter().enumerate() {
+                match self.run(group, Mode::Charge, now_ms).await {
+                    Ok(reply) => {
+                        place(&mut slots, &mut quota_slots, group, &reply);
+                        if reply.allowed {
+                            charged.push((gi, reply.now_ms));
+                        } else {
+                            denied_at = Some(gi);
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        self.refund_all(&groups, &charged, now_ms).await;
+                        return Err(e);
+                    }
                 }
             }
         }
-        let allowed = denied_at.is_none();
+        let allowed = denied_at.is_none() && !hit;
         if let Some(d) = denied_at {
             self.refund_all(&groups, &charged, now_ms).await;
             for group in groups.iter().skip(d + 1) {
@@ -133,6 +190,22 @@ impl Limiter {
                     reset_ms: r.reset_ms,
                     retry_after_ms: r.retry_after_ms,
                 });
+            }
+        }
+        if !allowed && !hit {
+            // Counted from before the call: never longer than Redis's own wait.
+            for ((keys, answer), spec) in bucket_keys.iter().zip(&answers).zip(&req.buckets) {
+                let verdicts: Vec<LimitVerdict> = answer
+                    .limits
+                    .iter()
+                    .map(|r| LimitVerdict {
+                        allowed: r.allowed,
+                        remaining: r.remaining,
+                        reset_ms: r.reset_ms,
+                        retry_after_ms: r.retry_after_ms,
+                    })
+                    .collect();
+                self.deny.remember(keys, spec.cost, &verdicts, asked_at);
             }
         }
         let mut quotas = Vec::with_capacity(quota_slots.len());

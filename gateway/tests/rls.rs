@@ -922,3 +922,48 @@ async fn the_shipped_native_template_and_the_compose_config_share_the_wasm_rule(
     drop(envoy);
     gw.stop().await.unwrap();
 }
+
+/// The gateway's deny cache (issue 16, `--deny-cache-entries`) serves this
+/// front end too: a token-bucket descriptor over its limit is answered
+/// OVER_LIMIT from memory, with no Redis call and nothing written, until
+/// Redis's wait is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_limit_descriptor_is_answered_from_the_deny_cache_without_redis() {
+    let redis = Redis::start().unwrap();
+    let work = dir("deny-cache");
+    let gw = gateway(&redis, &work, &[FW], &[], None).await;
+    let mut c = client(&gw).await;
+    async fn tb(c: &mut RateLimitServiceClient<tonic::transport::Channel>) -> (Code, u32) {
+        let r = ask(c, "fw", vec![descriptor(&[("tb", "dee")], None)], None)
+            .await
+            .unwrap();
+        codes(&r).1[0]
+    }
+    assert_eq!(tb(&mut c).await, (Code::Ok, 1));
+    assert_eq!(tb(&mut c).await, (Code::Ok, 0));
+    assert_eq!(tb(&mut c).await, (Code::OverLimit, 0));
+    let check_calls = || {
+        gw.app
+            .metrics
+            .redis_latency
+            .with_label_values(&["check"])
+            .get_sample_count()
+    };
+    let (calls, before) = (check_calls(), dump(&redis));
+    // 2 a minute: the next token is 30 s away, far beyond these 20 calls.
+    for _ in 0..20 {
+        assert_eq!(tb(&mut c).await, (Code::OverLimit, 0));
+    }
+    assert_eq!(
+        check_calls(),
+        calls,
+        "an over-limit descriptor called Redis"
+    );
+    assert_eq!(
+        dump(&redis),
+        before,
+        "an over-limit descriptor wrote to Redis"
+    );
+    assert_eq!(gw.app.metrics.deny_cache_hits.get(), 20);
+    gw.stop().await.unwrap();
+}
