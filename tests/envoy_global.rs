@@ -30,7 +30,7 @@ use testkit::{
 const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
 /// The filter's counters (README, *Metrics*).
-const METRICS: [&str; 10] = [
+const METRICS: [&str; 11] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
@@ -41,6 +41,7 @@ const METRICS: [&str; 10] = [
     "ratelimit_wasm_circuit_opened",
     "ratelimit_wasm_circuit_open_skips",
     "ratelimit_wasm_policy_mismatch",
+    "ratelimit_wasm_deny_cache_hits",
 ];
 
 fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
@@ -270,12 +271,23 @@ fn two_proxies_share_one_global_limit() {
     remaining.sort_unstable();
     assert_eq!(remaining, (0..LIMIT).collect::<Vec<_>>());
 
-    // Every request was decided by the gateway, on the proxy it went to.
+    // Every request was decided by the gateway, on the proxy it went to, or
+    // by the proxy's deny cache once the gateway had denied the client.
+    let mut calls = 0;
     for (p, envoy) in envoys.iter().enumerate() {
         let m = counters(envoy);
         let sent = responses.iter().filter(|(proxy, _)| *proxy == p).count() as u64;
         println!("two proxies: proxy {} counters {m:?}", ["A", "B"][p]);
-        assert_eq!(m["ratelimit_wasm_global_calls"], sent, "proxy {p}");
+        assert_eq!(
+            m["ratelimit_wasm_global_calls"] + m["ratelimit_wasm_deny_cache_hits"],
+            sent,
+            "proxy {p}"
+        );
+        assert!(
+            m["ratelimit_wasm_global_calls"] >= per_proxy[p][0] as u64,
+            "proxy {p}"
+        );
+        calls += m["ratelimit_wasm_global_calls"];
         assert_eq!(
             m["ratelimit_wasm_requests_allowed"], per_proxy[p][0] as u64,
             "proxy {p}"
@@ -300,9 +312,117 @@ fn two_proxies_share_one_global_limit() {
     };
     assert_eq!(
         (checks("allowed"), checks("denied"), checks("error")),
-        (60.0, 90.0, 0.0),
+        (60.0, (calls - 60) as f64, 0.0),
         "the gateway's checks"
     );
+}
+
+/// Issue 16: a client over its global limit (20 per 2 min: a token every 6 s)
+/// from 8 connections per proxy. Exactly the limit is admitted, and each proxy
+/// calls the gateway for its admissions plus at most one denial per
+/// connection (the requests in flight when the first denial came back); every
+/// later request is answered by the proxy's deny cache. Once the gateway's wait
+/// is over, the client's first request is admitted again.
+#[test]
+fn a_client_over_its_global_limit_costs_a_few_callouts_per_wait() {
+    const LIMIT: u64 = 20;
+    const PER_PROXY: usize = 400;
+    const CONNECTIONS: u64 = 8;
+    let redis = ok(Redis::start(), "starting redis-server");
+    let config = global_config(
+        "deny-cache",
+        "shared",
+        LIMIT,
+        json!({ "timeout_ms": 200, "failure_mode": "closed" }),
+    );
+    let config = config.replace(r#""per":"1h""#, r#""per":"2m""#);
+    assert!(config.contains(r#""per":"2m""#), "{config}");
+    let gateway = ok(
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(config.clone())
+                .args(&["--redis-timeout-ms", "100"]),
+        ),
+        "starting ratelimit-gateway",
+    );
+    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
+    let envoys = ok(
+        Envoy::start_all(&[opts.clone(), opts]),
+        "starting two Envoys",
+    );
+    let req = Request::get("/").header("x-client-id", "abuser");
+    let started = Instant::now();
+    let responses: Vec<Vec<Response>> = std::thread::scope(|s| {
+        let runs: Vec<_> = envoys
+            .iter()
+            .map(|e| {
+                let (url, req) = (e.url(""), req.clone());
+                s.spawn(move || testkit::burst(&url, &req, PER_PROXY, CONNECTIONS as usize))
+            })
+            .collect();
+        runs.into_iter()
+            .map(|r| ok(r.join().unwrap(), "a burst"))
+            .collect()
+    });
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(6),
+        "the burst outlasted a token's refill: {took:?}"
+    );
+    let mut total = 0;
+    let mut calls_all = 0;
+    for (p, (envoy, rs)) in envoys.iter().zip(&responses).enumerate() {
+        let allowed = rs.iter().filter(|r| r.status == 200).count() as u64;
+        for r in rs.iter().filter(|r| r.status != 200) {
+            // A token comes back every 120 / 20 = 6 s.
+            assert_429(r, "shared", LIMIT, 6);
+        }
+        let m = counters(envoy);
+        let (calls, hits) = (
+            m["ratelimit_wasm_global_calls"],
+            m["ratelimit_wasm_deny_cache_hits"],
+        );
+        println!(
+            "deny cache: proxy {p}: {PER_PROXY} requests in {took:?}: {allowed} admitted, \
+             {calls} callouts, {hits} answered from the deny cache"
+        );
+        assert_eq!(calls + hits, PER_PROXY as u64, "proxy {p}");
+        assert!(
+            calls <= allowed + CONNECTIONS,
+            "proxy {p}: {calls} callouts for {allowed} admissions and {CONNECTIONS} connections"
+        );
+        total += allowed;
+        calls_all += calls;
+    }
+    println!(
+        "deny cache: {} requests, {calls_all} gateway calls: {:.4} calls per request",
+        2 * PER_PROXY,
+        calls_all as f64 / (2 * PER_PROXY) as f64
+    );
+    assert_eq!(total, LIMIT, "admitted");
+    let denied = ok(
+        gateway.metric("ratelimit_gateway_checks_total{result=\"denied\"}"),
+        "gateway /metrics",
+    );
+    assert_eq!(denied, Some((calls_all - LIMIT) as f64));
+    // Two tokens are back 12 s after the first admission: each proxy's first
+    // request asks the gateway again (its cached denial is over) and passes.
+    std::thread::sleep(
+        (started + Duration::from_millis(12_500)).saturating_duration_since(Instant::now()),
+    );
+    for (p, envoy) in envoys.iter().enumerate() {
+        let before = counters(envoy)["ratelimit_wasm_global_calls"];
+        let r = ok(
+            Client::new(envoy.url(""), ConnectionMode::NewPerRequest).send(&req),
+            "a request",
+        );
+        assert_eq!(r.status, 200, "proxy {p}: {r:#?}");
+        assert_eq!(
+            counters(envoy)["ratelimit_wasm_global_calls"],
+            before + 1,
+            "proxy {p}"
+        );
+    }
 }
 
 /// Lease mode: two proxies, each spending batches of 5 tokens (5% of 100)
@@ -1048,7 +1168,13 @@ fn two_proxies_with_tokens_share_one_global_limit_exactly() {
     for (p, envoy) in envoys.iter().enumerate() {
         let m = counters(envoy);
         assert_eq!(m["ratelimit_wasm_global_failures"], 0, "proxy {p}: {m:?}");
-        assert_eq!(m["ratelimit_wasm_global_calls"], 75, "proxy {p}: {m:?}");
+        // Every request was the gateway's, or its proxy's deny cache's once the
+        // gateway had denied the client.
+        assert_eq!(
+            m["ratelimit_wasm_global_calls"] + m["ratelimit_wasm_deny_cache_hits"],
+            75,
+            "proxy {p}: {m:?}"
+        );
     }
 }
 
@@ -1231,9 +1357,12 @@ fn a_proxy_configured_above_the_gateways_policy_gets_the_policy() {
     println!("policy drift: {REQUESTS} requests, proxy says 1000/h, gateway 30/h: {allowed} x 200, {denied} x 429");
     assert_eq!((allowed, denied), (30, 10));
     let c = delta(&before, &counters(&envoy));
-    assert_eq!(d(&c, "global_calls"), REQUESTS);
+    // 30 admissions and the first denial asked the gateway; the deny cache
+    // answered the other 9 (its wait, 120 s, is far from over).
+    assert_eq!(d(&c, "global_calls"), 31);
+    assert_eq!(d(&c, "deny_cache_hits"), 9);
     assert_eq!(d(&c, "global_failures"), 0);
-    assert_eq!(d(&c, "policy_mismatch"), REQUESTS);
+    assert_eq!(d(&c, "policy_mismatch"), 31);
     // Once per VM: at most one line per worker (2), not one per answer.
     let logged = envoy
         .log()
