@@ -2,7 +2,7 @@
 //! rate-limit filter, the gateway against raw Redis, and the report
 //! (BENCHMARKS.md, BENCHMARKS.svg).
 //!
-//! Every variant runs in one session, interleaved (a a2 b c1 c4 d g e b-f c1-f,
+//! Every variant runs in one session, interleaved (a a2 b c1 c4 d g e b-f c1-f d-f,
 //! then again, `--repeats` times), each on a fresh Envoy (`--concurrency 2`,
 //! the same flags in every variant) whose configuration is the shipped
 //! template `envoy/envoy.yaml` rendered by testkit and then changed only in
@@ -62,6 +62,9 @@ const C1_JSON: &str = include_str!("bench/c1.json");
 const C4_JSON: &str = include_str!("bench/c4.json");
 const D_JSON: &str = include_str!("bench/d.json");
 const E_JSON: &str = include_str!("bench/e.json");
+/// d-f: d's global rule in its own domain, and the client `over` at 1 per
+/// 366 days, so that the gateway denies it and the deny cache answers it.
+const DF_JSON: &str = include_str!("bench/df.json");
 
 /// What the wrk script sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +97,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 10] = [
+pub const VARIANTS: [Variant; 11] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -175,6 +178,14 @@ pub const VARIANTS: [Variant; 10] = [
         load: LoadMode::Half,
         needs_gateway: false,
     },
+    Variant {
+        id: "d-f",
+        what: "as d, half the requests from a client over its global limit (the deny cache)",
+        filter: FilterVariant::Shipped,
+        plugin: DF_JSON,
+        load: LoadMode::Half,
+        needs_gateway: true,
+    },
 ];
 
 /// Client ids the load cycles through.
@@ -197,7 +208,7 @@ pub struct Args {
 }
 
 const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--connections C] \
-                     [--threads T] [--only a,a2,b,c1,c4,d,g,e,b-f,c1-f,gw] [--wait-quiet SECONDS] \
+                     [--threads T] [--only a,a2,b,c1,c4,d,g,e,b-f,c1-f,d-f,gw] [--wait-quiet SECONDS] \
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
 fn parse_args() -> Result<Args> {
@@ -538,6 +549,7 @@ impl Infra {
             let opts = GatewayOptions::new(r.url())
                 .policy(D_JSON)
                 .policy(E_JSON)
+                .policy(DF_JSON)
                 .work_dir(args.work_dir.join("gateway"));
             let rls = args.work_dir.join("rls.yaml");
             std::fs::write(&rls, configs::RLS_CONFIG).context("writing the bench's rls config")?;
@@ -688,7 +700,7 @@ struct RunContext<'a> {
 }
 
 /// Counters read from the measured Envoy after a run (Prometheus names).
-const COUNTERS: [&str; 8] = [
+const COUNTERS: [&str; 9] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
@@ -697,6 +709,7 @@ const COUNTERS: [&str; 8] = [
     "ratelimit_wasm_errors",
     "ratelimit_wasm_lease_served",
     "ratelimit_wasm_lease_fetches",
+    "ratelimit_wasm_deny_cache_hits",
 ];
 
 /// The filter's counters ([`COUNTERS`]) and the native limiter's
