@@ -62,8 +62,10 @@ const C1_JSON: &str = include_str!("bench/c1.json");
 const C4_JSON: &str = include_str!("bench/c4.json");
 const D_JSON: &str = include_str!("bench/d.json");
 const E_JSON: &str = include_str!("bench/e.json");
-/// d-f: d's global rule in its own domain, and the client `over` at 1 per
-/// 366 days, so that the gateway denies it and the deny cache answers it.
+/// d-f: c1's local rule for every client, and a global rule (per-request
+/// mode) for client `over` at 1 per 366 days: the gateway denies `over`
+/// once, then the deny cache answers it, so the rejected half of the load is
+/// decided in global mode and the admitted half as in c1-f.
 const DF_JSON: &str = include_str!("bench/df.json");
 
 /// What the wrk script sends.
@@ -180,7 +182,7 @@ pub const VARIANTS: [Variant; 11] = [
     },
     Variant {
         id: "d-f",
-        what: "as d, half the requests from a client over its global limit (the deny cache)",
+        what: "as c1-f, the rejected client over a global rule (per request; the deny cache)",
         filter: FilterVariant::Shipped,
         plugin: DF_JSON,
         load: LoadMode::Half,
