@@ -166,6 +166,29 @@ fn spread(urls: &[String], req: &Request, count: usize, threads: usize) -> Vec<(
         .collect()
 }
 
+/// A gateway on `redis` filed with `policy`. A debug build of the gateway on
+/// a busy 2-core machine: Redis round trips are allowed more than the default
+/// 20 ms, well within the callout's 200.
+fn start_gateway(redis: &Redis, policy: String) -> Gateway {
+    ok(
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(policy)
+                .args(&["--redis-timeout-ms", "100"]),
+        ),
+        "starting ratelimit-gateway",
+    )
+}
+
+/// Two Envoys with the plugin configuration `config`, calling `gateway`.
+fn two_envoys(config: String, gateway: &Gateway) -> Vec<Envoy> {
+    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
+    ok(
+        Envoy::start_all(&[opts.clone(), opts]),
+        "starting two Envoys",
+    )
+}
+
 /// Redis, one gateway and two Envoys sharing a global rule `shared` of
 /// `limit` per hour for one client.
 struct TwoProxies {
@@ -177,22 +200,9 @@ struct TwoProxies {
 impl TwoProxies {
     fn start(domain: &str, limit: u64, global: Value) -> TwoProxies {
         let redis = ok(Redis::start(), "starting redis-server");
-        // A debug build of the gateway on a busy 2-core machine: allow Redis
-        // round trips more than the default 20 ms, well within the callout's 200.
         let config = global_config(domain, "shared", limit, global);
-        let gateway = ok(
-            Gateway::start(
-                GatewayOptions::new(redis.url())
-                    .policy(config.clone())
-                    .args(&["--redis-timeout-ms", "100"]),
-            ),
-            "starting ratelimit-gateway",
-        );
-        let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
-        let envoys = ok(
-            Envoy::start_all(&[opts.clone(), opts]),
-            "starting two Envoys",
-        );
+        let gateway = start_gateway(&redis, config.clone());
+        let envoys = two_envoys(config, &gateway);
         TwoProxies {
             envoys,
             gateway,
@@ -337,19 +347,8 @@ fn a_client_over_its_global_limit_costs_a_few_callouts_per_wait() {
     );
     let config = config.replace(r#""per":"1h""#, r#""per":"2m""#);
     assert!(config.contains(r#""per":"2m""#), "{config}");
-    let gateway = ok(
-        Gateway::start(
-            GatewayOptions::new(redis.url())
-                .policy(config.clone())
-                .args(&["--redis-timeout-ms", "100"]),
-        ),
-        "starting ratelimit-gateway",
-    );
-    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
-    let envoys = ok(
-        Envoy::start_all(&[opts.clone(), opts]),
-        "starting two Envoys",
-    );
+    let gateway = start_gateway(&redis, config.clone());
+    let envoys = two_envoys(config, &gateway);
     let req = Request::get("/").header("x-client-id", "abuser");
     let started = Instant::now();
     let responses: Vec<Vec<Response>> = std::thread::scope(|s| {
@@ -1318,14 +1317,7 @@ fn a_proxy_configured_above_the_gateways_policy_gets_the_policy() {
     let global = json!({ "timeout_ms": 200, "failure_mode": "closed" });
     let policy = global_config("drift", "shared", 30, global.clone());
     let proxy = global_config("drift", "shared", 1000, global);
-    let gateway = ok(
-        Gateway::start(
-            GatewayOptions::new(redis.url())
-                .policy(policy)
-                .args(&["--redis-timeout-ms", "100"]),
-        ),
-        "starting ratelimit-gateway",
-    );
+    let gateway = start_gateway(&redis, policy);
     let envoy = ok(
         Envoy::start(EnvoyOptions::new(proxy).gateway_port(gateway.port())),
         "starting Envoy",
@@ -1453,19 +1445,8 @@ fn the_issues_scenario_costs_the_gateway_a_few_calls_not_one_per_request() {
     )
     .replace(r#""per":"1h""#, r#""per":"1d""#);
     assert!(config.contains(r#""per":"1d""#), "{config}");
-    let gateway = ok(
-        Gateway::start(
-            GatewayOptions::new(redis.url())
-                .policy(config.clone())
-                .args(&["--redis-timeout-ms", "100"]),
-        ),
-        "starting ratelimit-gateway",
-    );
-    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
-    let envoys = ok(
-        Envoy::start_all(&[opts.clone(), opts]),
-        "starting two Envoys",
-    );
+    let gateway = start_gateway(&redis, config.clone());
+    let envoys = two_envoys(config, &gateway);
     // wrk's summary: "<n> requests in ..." and "Non-2xx or 3xx responses: <n>".
     let field = |text: &str, after: &str, before: &str| -> u64 {
         text.lines()

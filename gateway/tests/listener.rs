@@ -596,24 +596,22 @@ fn mutual_tls_requires_a_client_certificate_of_the_ca() {
     );
 }
 
-/// A 503 may follow a committed charge: Redis answers after the gateway's
-/// round-trip timeout, having run the script. The gateway counts it
-/// (`charged_then_failed_total{reason="timeout"}`), and the charge stands:
-/// the next check finds one token fewer (erring strict, never refunded).
-#[test]
-fn a_503_after_a_charge_that_committed_is_counted_and_the_charge_stands() {
+/// Redis, a gateway whose Redis round trips time out after `timeout_ms`, and
+/// a check of one token from a bucket of 20 a minute for client `who`.
+fn charge_rig(timeout_ms: &str, who: &str) -> (Redis, Gateway, serde_json::Value) {
     let redis = ok(Redis::start(), "starting redis-server");
     let gw = ok(
-        Gateway::start(options(&redis).args(&["--redis-timeout-ms", "100"])),
+        Gateway::start(options(&redis).args(&["--redis-timeout-ms", timeout_ms])),
         "starting the gateway",
     );
-    let check = request(
-        "api",
-        1,
-        &[("rule/c=carol", "c=carol", &[(20, 60_000, "token_bucket")])],
-    );
-    // Redis holds every command for 600 ms: the check's script runs only
-    // after the gateway gave up on it.
+    let rule = format!("rule/c={who}");
+    let key = format!("c={who}");
+    let check = request("api", 1, &[(&rule, &key, &[(20, 60_000, "token_bucket")])]);
+    (redis, gw, check)
+}
+
+/// Redis holds every command for 600 ms.
+fn pause_redis(redis: &Redis) {
     assert_eq!(
         ok(
             redis.cli(&["CLIENT", "PAUSE", "600", "ALL"]),
@@ -621,6 +619,18 @@ fn a_503_after_a_charge_that_committed_is_counted_and_the_charge_stands() {
         ),
         "OK"
     );
+}
+
+/// A 503 may follow a committed charge: Redis answers after the gateway's
+/// round-trip timeout, having run the script. The gateway counts it
+/// (`charged_then_failed_total{reason="timeout"}`), and the charge stands:
+/// the next check finds one token fewer (erring strict, never refunded).
+#[test]
+fn a_503_after_a_charge_that_committed_is_counted_and_the_charge_stands() {
+    let (redis, gw, check) = charge_rig("100", "carol");
+    // Redis holds every command for 600 ms: the check's script runs only
+    // after the gateway gave up on it.
+    pause_redis(&redis);
     let r = post(&gw, "/v1/check", &check, None);
     assert_eq!(r.status, 503, "{r:#?}");
     std::thread::sleep(Duration::from_millis(700));
@@ -647,23 +657,8 @@ fn a_503_after_a_charge_that_committed_is_counted_and_the_charge_stands() {
 /// the answer, and the gateway counts it as `client_gone`.
 #[test]
 fn a_caller_that_leaves_during_the_charge_is_counted() {
-    let redis = ok(Redis::start(), "starting redis-server");
-    let gw = ok(
-        Gateway::start(options(&redis).args(&["--redis-timeout-ms", "3000"])),
-        "starting the gateway",
-    );
-    let check = request(
-        "api",
-        1,
-        &[("rule/c=dave", "c=dave", &[(20, 60_000, "token_bucket")])],
-    );
-    assert_eq!(
-        ok(
-            redis.cli(&["CLIENT", "PAUSE", "600", "ALL"]),
-            "CLIENT PAUSE"
-        ),
-        "OK"
-    );
+    let (redis, gw, check) = charge_rig("3000", "dave");
+    pause_redis(&redis);
     let impatient = Client::with_timeout(
         gw.url(""),
         ConnectionMode::NewPerRequest,
