@@ -67,6 +67,18 @@ async fn gateway_with(target: Target, redis: RedisOptions, timeout_ms: u64) -> R
         .unwrap()
 }
 
+/// [`gateway_with`], asserting that it reaches Redis within 5 s.
+async fn connected_gateway(target: Target, redis: RedisOptions, timeout_ms: u64) -> Running {
+    let gw = gateway_with(target, redis, timeout_ms).await;
+    assert!(connects(&gw, Duration::from_secs(5)).await);
+    gw
+}
+
+/// Whether `gw` reaches Redis `within`.
+async fn connects(gw: &Running, within: Duration) -> bool {
+    gw.app.limiter.store().wait_connected(within).await
+}
+
 /// A check of cost 1 on rule `n<n>` (n per day) for client `who`, hash tag `tag`.
 fn daily(who: &str, tag: &str, n: u64) -> Value {
     json!({ "version": 2, "domain": "ops", "buckets": [ { "rule": format!("n{n}"),
@@ -127,14 +139,7 @@ async fn checks_over_tls_with_a_password_mutual_tls_and_a_wrong_ca_refused() {
     let client = reqwest::Client::new();
     let body = daily("k", "t", 3);
 
-    let gw = gateway_with(Target::Single(url.clone()), tls_options(&pki), 2000).await;
-    assert!(
-        gw.app
-            .limiter
-            .store()
-            .wait_connected(Duration::from_secs(5))
-            .await
-    );
+    let gw = connected_gateway(Target::Single(url.clone()), tls_options(&pki), 2000).await;
     assert_eq!(checks(&client, &gw.url(), &body, 5).await, (3, 2, 0));
     assert_eq!(get(&client, &gw.url(), "/healthz").await.0, 200);
     // The state is on the TLS server: one bucket key and the health key.
@@ -150,27 +155,14 @@ async fn checks_over_tls_with_a_password_mutual_tls_and_a_wrong_ca_refused() {
     let mut mtls = tls_options(&pki);
     mtls.tls.cert = Some(pki.client_cert());
     mtls.tls.key = Some(pki.client_key());
-    let gw = gateway_with(Target::Single(url.clone()), mtls, 2000).await;
-    assert!(
-        gw.app
-            .limiter
-            .store()
-            .wait_connected(Duration::from_secs(5))
-            .await
-    );
+    let gw = connected_gateway(Target::Single(url.clone()), mtls, 2000).await;
     assert_eq!(
         checks(&client, &gw.url(), &daily("m", "t", 2), 3).await,
         (2, 1, 0)
     );
     gw.stop().await.unwrap();
     let gw = gateway_with(Target::Single(url.clone()), tls_options(&pki), 2000).await;
-    assert!(
-        !gw.app
-            .limiter
-            .store()
-            .wait_connected(Duration::from_millis(1500))
-            .await
-    );
+    assert!(!connects(&gw, Duration::from_millis(1500)).await);
     assert_eq!(check(&client, &gw.url(), &body).await.0, 503);
     gw.stop().await.unwrap();
 
@@ -180,13 +172,7 @@ async fn checks_over_tls_with_a_password_mutual_tls_and_a_wrong_ca_refused() {
     wrong.tls.cert = Some(pki.client_cert());
     wrong.tls.key = Some(pki.client_key());
     let gw = gateway_with(Target::Single(url), wrong, 2000).await;
-    assert!(
-        !gw.app
-            .limiter
-            .store()
-            .wait_connected(Duration::from_millis(1500))
-            .await
-    );
+    assert!(!connects(&gw, Duration::from_millis(1500)).await);
     let (status, text) = get(&client, &gw.url(), "/healthz").await;
     assert_eq!(status, 503, "{text}");
     assert_eq!(
@@ -244,14 +230,7 @@ async fn an_acl_user_with_only_the_acl_commands_checks_leases_and_answers_health
         password: Some(Secret::new("acl-pw-77")),
         ..Default::default()
     };
-    let gw = gateway_with(Target::Single(redis.url()), opts, 2000).await;
-    assert!(
-        gw.app
-            .limiter
-            .store()
-            .wait_connected(Duration::from_secs(5))
-            .await
-    );
+    let gw = connected_gateway(Target::Single(redis.url()), opts, 2000).await;
     let client = reqwest::Client::new();
     assert_eq!(get(&client, &gw.url(), "/healthz").await.0, 200);
     assert_eq!(
@@ -377,14 +356,7 @@ async fn sentinel_failover_checks_recover_within_a_second_of_the_sentinels_failo
         sentinels: set.addrs(),
         master: set.name().to_string(),
     };
-    let gw = gateway_with(target, RedisOptions::default(), 200).await;
-    assert!(
-        gw.app
-            .limiter
-            .store()
-            .wait_connected(Duration::from_secs(5))
-            .await
-    );
+    let gw = connected_gateway(target, RedisOptions::default(), 200).await;
     let client = reqwest::Client::new();
     let limit = 30;
     let body = daily("k", "t", limit);

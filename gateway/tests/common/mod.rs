@@ -100,34 +100,49 @@ pub fn rule_of(key: &str) -> &str {
 
 /// Files `limits` for `key`'s rule in `domain`; the variant that names them.
 fn file_rule(domain: &str, key: &str, limits: &[L], cost: u64) -> String {
+    file_in(domain, cost, |d| {
+        let algorithm = limits.first().map_or("token_bucket", |l| l.2);
+        assert!(
+            limits.iter().all(|l| l.2 == algorithm),
+            "a rule counts with one algorithm: {limits:?}"
+        );
+        let pairs: Vec<(u64, u64)> = limits.iter().map(|l| (l.0, l.1)).collect();
+        let rule = d
+            .rules
+            .entry(rule_of(key).to_string())
+            .or_insert_with(|| (algorithm.to_string(), Vec::new()));
+        assert_eq!(rule.0, algorithm, "rule {key} named with two algorithms");
+        variant_of(&mut rule.1, pairs)
+    })
+}
+
+/// Files in `domain` what `file` files in it (raising the domain's
+/// `max_cost` to `cost`); `file` answers the variant's index and whether it
+/// added one. The domain's policy file is rewritten when anything changed.
+/// The variant's name.
+fn file_in(domain: &str, cost: u64, file: impl FnOnce(&mut Domain) -> (usize, bool)) -> String {
     let mut r = registry();
     let d = r.domains.entry(domain.to_string()).or_default();
-    let mut changed = cost > d.max_cost;
+    let changed = cost > d.max_cost;
     d.max_cost = d.max_cost.max(cost);
-    let algorithm = limits.first().map_or("token_bucket", |l| l.2);
-    assert!(
-        limits.iter().all(|l| l.2 == algorithm),
-        "a rule counts with one algorithm: {limits:?}"
-    );
-    let pairs: Vec<(u64, u64)> = limits.iter().map(|l| (l.0, l.1)).collect();
-    let rule = d
-        .rules
-        .entry(rule_of(key).to_string())
-        .or_insert_with(|| (algorithm.to_string(), Vec::new()));
-    assert_eq!(rule.0, algorithm, "rule {key} named with two algorithms");
-    let i = match rule.1.iter().position(|p| *p == pairs) {
-        Some(i) => i,
-        None => {
-            rule.1.push(pairs);
-            changed = true;
-            rule.1.len() - 1
-        }
-    };
-    if changed {
+    let (i, added) = file(d);
+    if changed || added {
         r.generation += 1;
         write_domain(domain, &r.domains[domain]);
     }
     variant_name(i)
+}
+
+/// The index of `item` among `variants`, pushed there if new, and whether
+/// it was.
+fn variant_of<T: PartialEq>(variants: &mut Vec<T>, item: T) -> (usize, bool) {
+    match variants.iter().position(|v| *v == item) {
+        Some(i) => (i, false),
+        None => {
+            variants.push(item);
+            (variants.len() - 1, true)
+        }
+    }
 }
 
 fn variant_name(i: usize) -> String {
@@ -256,30 +271,14 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value)
 /// A quota of `domain` (`limit` per `period` filed in its policy): `{quota,
 /// key, tag, variant, amount}`.
 pub fn quota(domain: &str, key: &str, tag: &str, limit: u64, period: &str, amount: u64) -> Value {
-    let variant = {
-        let mut r = registry();
-        let d = r.domains.entry(domain.to_string()).or_default();
-        let mut changed = amount > d.max_cost;
-        d.max_cost = d.max_cost.max(amount);
+    let variant = file_in(domain, amount, |d| {
         let q = d
             .quotas
             .entry(rule_of(key).to_string())
             .or_insert_with(|| (period.to_string(), Vec::new()));
         assert_eq!(q.0, period, "quota {key} named with two periods");
-        let i = match q.1.iter().position(|a| *a == limit) {
-            Some(i) => i,
-            None => {
-                q.1.push(limit);
-                changed = true;
-                q.1.len() - 1
-            }
-        };
-        if changed {
-            r.generation += 1;
-            write_domain(domain, &r.domains[domain]);
-        }
-        variant_name(i)
-    };
+        variant_of(&mut q.1, limit)
+    });
     json!({ "quota": rule_of(key), "key": key, "tag": tag, "variant": variant, "amount": amount })
 }
 
