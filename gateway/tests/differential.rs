@@ -27,6 +27,18 @@ use ratelimit_wasm::limits::token_bucket::{Check, Limit};
 
 const MS: u64 = 1_000_000;
 
+/// The seed and the number of cases of a run: `RLGW_DIFF_SEED` and
+/// `RLGW_DIFF_CASES`, or these defaults.
+fn seed_and_cases(seed: u64, cases: u64) -> (u64, u64) {
+    (
+        env_u64("RLGW_DIFF_SEED", seed),
+        env_u64("RLGW_DIFF_CASES", cases),
+    )
+}
+
+/// Both algorithms, for the runs that mix them.
+const BOTH: &[Algorithm] = &[Algorithm::TokenBucket, Algorithm::SlidingWindow];
+
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -461,51 +473,35 @@ fn report(name: &str, seed: u64, t: &Tally) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lua_token_bucket_matches_rust() {
-    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0001);
-    let cases = env_u64("RLGW_DIFF_CASES", 300);
+    let (seed, cases) = seed_and_cases(0x5EED_0001, 300);
     let t = run_differential(&[Algorithm::TokenBucket], seed, cases).await;
     report("token bucket", seed, &t);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lua_sliding_window_matches_rust() {
-    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0002);
-    let cases = env_u64("RLGW_DIFF_CASES", 300);
+    let (seed, cases) = seed_and_cases(0x5EED_0002, 300);
     let t = run_differential(&[Algorithm::SlidingWindow], seed, cases).await;
     report("sliding window", seed, &t);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lua_mixed_limits_all_or_nothing_match_rust() {
-    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0003);
-    let cases = env_u64("RLGW_DIFF_CASES", 200);
-    let t = run_differential(
-        &[Algorithm::TokenBucket, Algorithm::SlidingWindow],
-        seed,
-        cases,
-    )
-    .await;
+    let (seed, cases) = seed_and_cases(0x5EED_0003, 200);
+    let t = run_differential(BOTH, seed, cases).await;
     report("mixed", seed, &t);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lua_refunds_match_rust_across_clock_steps() {
-    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0004);
-    let cases = env_u64("RLGW_DIFF_CASES", 200);
-    let t = run_refunds_and_leases(
-        &[Algorithm::TokenBucket, Algorithm::SlidingWindow],
-        false,
-        seed,
-        cases,
-    )
-    .await;
+    let (seed, cases) = seed_and_cases(0x5EED_0004, 200);
+    let t = run_refunds_and_leases(BOTH, false, seed, cases).await;
     report("refunds", seed, &t);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lua_leases_match_rust_token_bucket_across_clock_steps() {
-    let seed = env_u64("RLGW_DIFF_SEED", 0x5EED_0005);
-    let cases = env_u64("RLGW_DIFF_CASES", 200);
+    let (seed, cases) = seed_and_cases(0x5EED_0005, 200);
     let t = run_refunds_and_leases(&[Algorithm::TokenBucket], true, seed, cases).await;
     report("leases", seed, &t);
 }
