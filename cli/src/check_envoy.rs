@@ -237,33 +237,19 @@ fn check_hcm(listener: &str, hcm: &Value, report: &mut Report) {
 /// Runs the check on every file: one line per file, warnings on stderr.
 /// Fails when any file has a warning or cannot be checked.
 pub fn run(files: &[String]) -> Result<(), String> {
-    let mut failed = false;
-    for file in files {
-        match check_file(file) {
-            Ok(r) => {
-                for n in &r.notes {
-                    println!("{file}: note: {n}");
-                }
-                for w in &r.warnings {
-                    eprintln!("{file}: warning: {w}");
-                }
-                if r.warnings.is_empty() {
-                    println!("{file}: ok ({} runs the filter)", r.listeners.join(", "));
-                } else {
-                    failed = true;
-                }
-            }
-            Err(e) => {
-                eprintln!("{e}");
-                failed = true;
-            }
+    crate::each_file(files, |file| {
+        let r = check_file(file)?;
+        for n in &r.notes {
+            println!("{file}: note: {n}");
         }
-    }
-    if failed {
-        Err(String::new())
-    } else {
-        Ok(())
-    }
+        for w in &r.warnings {
+            eprintln!("{file}: warning: {w}");
+        }
+        if r.warnings.is_empty() {
+            println!("{file}: ok ({} runs the filter)", r.listeners.join(", "));
+        }
+        Ok(r.warnings.is_empty())
+    })
 }
 
 #[cfg(test)]

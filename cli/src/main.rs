@@ -111,26 +111,38 @@ pub fn load(file: &str) -> Result<Config, String> {
     config::parse(&bytes).map_err(|e| format!("{file}: {e}"))
 }
 
+/// Runs `check` on each of `files`, which answers whether its file passed
+/// (having said why not) or the error, printed here. `Err("")` (all said)
+/// when any file did not pass.
+fn each_file(
+    files: &[String],
+    mut check: impl FnMut(&str) -> Result<bool, String>,
+) -> Result<(), String> {
+    let mut failed = false;
+    for f in files {
+        match check(f) {
+            Ok(passed) => failed |= !passed,
+            Err(e) => {
+                eprintln!("{e}");
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        Err(String::new())
+    } else {
+        Ok(())
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Validate { files } => {
-            let mut failed = false;
-            for f in &files {
-                match load(f) {
-                    Ok(_) => println!("{f}: ok"),
-                    Err(e) => {
-                        eprintln!("{e}");
-                        failed = true;
-                    }
-                }
-            }
-            if failed {
-                Err(String::new())
-            } else {
-                Ok(())
-            }
-        }
+        Command::Validate { files } => each_file(&files, |f| {
+            load(f)?;
+            println!("{f}: ok");
+            Ok(true)
+        }),
         Command::Explain { file } => load(&file).map(|c| print!("{}", explain::table(&c))),
         Command::Budget {
             files,

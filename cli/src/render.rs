@@ -67,25 +67,19 @@ pub fn run(file: &str, out: &str, opts: &Options) -> Result<Vec<String>, String>
              (WasmPlugins, Envoy configs) reads the token; prefer global.token_env"
         );
     }
-    let files = match opts.target.as_str() {
-        "istio" => istio(
-            file,
-            &text,
-            &source,
-            &parsed.domain,
-            token_env.as_deref(),
-            opts,
-        )?,
-        "envoy" => envoy(
-            file,
-            &text,
-            &source,
-            &parsed.domain,
-            token_env.as_deref(),
-            opts,
-        )?,
+    let target = match opts.target.as_str() {
+        "istio" => istio,
+        "envoy" => envoy,
         other => return Err(format!("--target {other:?}: expected istio or envoy")),
     };
+    let files = target(
+        file,
+        &text,
+        &source,
+        &parsed.domain,
+        token_env.as_deref(),
+        opts,
+    )?;
     std::fs::create_dir_all(out).map_err(|e| format!("{out}: cannot create: {e}"))?;
     let mut names = Vec::new();
     for (name, body) in files {
