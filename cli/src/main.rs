@@ -74,34 +74,9 @@ enum Command {
         /// Directory to write into (created if missing; files are overwritten).
         #[arg(long)]
         out: String,
-        /// `istio`: wasmplugin.yaml, wasmplugin-file.yaml, gateway-policy.yaml;
-        /// `envoy`: envoy-wasm-filter.yaml and <domain>.json.
-        #[arg(long, default_value = "istio")]
-        target: String,
-        /// The WasmPlugin's name.
-        #[arg(long, default_value = "ratelimit")]
-        name: String,
-        /// The WasmPlugin's namespace (where the selected proxies run).
-        #[arg(long, default_value = "istio-system")]
-        namespace: String,
-        /// The WasmPlugin's selector, `key=value` (repeatable).
-        #[arg(long, default_value = "istio=ingressgateway")]
-        selector: Vec<String>,
-        /// The OCI image of the filter (pin the tag).
-        #[arg(long, default_value = "oci://ghcr.io/example/ratelimit-wasm:0.1.0")]
-        image: String,
-        /// The image manifest's digest, 64 hex digits without `sha256:`.
-        #[arg(long, default_value = render::SHA256_PLACEHOLDER)]
-        sha256: String,
-        /// Where the module is inside the proxy (file:// url, or a path).
-        #[arg(long, default_value = "file:///opt/filters/ratelimit_wasm.wasm")]
-        file_url: String,
-        /// The policy ConfigMap's name.
-        #[arg(long, default_value = "ratelimit-policy")]
-        policy_name: String,
-        /// The policy ConfigMap's namespace (the gateway's).
-        #[arg(long, default_value = "ratelimit")]
-        policy_namespace: String,
+        /// What to render and what it names.
+        #[command(flatten)]
+        opts: render::Options,
     },
 }
 
@@ -150,36 +125,11 @@ fn main() -> ExitCode {
             headroom,
         } => budget::run(&files, &provider_limit, &headroom),
         Command::CheckEnvoy { files } => check_envoy::run(&files),
-        Command::Render {
-            file,
-            out,
-            target,
-            name,
-            namespace,
-            selector,
-            image,
-            sha256,
-            file_url,
-            policy_name,
-            policy_namespace,
-        } => {
-            let opts = render::Options {
-                target,
-                name,
-                namespace,
-                selector,
-                image,
-                sha256,
-                file_url,
-                policy_name,
-                policy_namespace,
-            };
-            render::run(&file, &out, &opts).map(|names| {
-                for n in names {
-                    println!("{}", std::path::Path::new(&out).join(n).display());
-                }
-            })
-        }
+        Command::Render { file, out, opts } => render::run(&file, &out, &opts).map(|names| {
+            for n in names {
+                println!("{}", std::path::Path::new(&out).join(n).display());
+            }
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

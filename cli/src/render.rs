@@ -23,25 +23,41 @@ use serde_json::Value;
 use std::path::Path;
 
 /// Where the rendered files go and what they name; every field has the
-/// default the shipped `deploy/istio/` manifests are rendered with.
+/// default the shipped `deploy/istio/` manifests are rendered with. The
+/// fields are `render`'s flags; in the manifests, `name` and `namespace` are
+/// the WasmPlugin's `metadata`, `selector` its `spec.selector.matchLabels`,
+/// `image` and `sha256` the OCI variant's `spec.url` and `spec.sha256`, and
+/// `file_url` the file variant's `spec.url` (Istio) or the module's path
+/// (Envoy).
+#[derive(clap::Args)]
 pub struct Options {
-    /// `istio` or `envoy`.
+    /// `istio`: wasmplugin.yaml, wasmplugin-file.yaml, gateway-policy.yaml;
+    /// `envoy`: envoy-wasm-filter.yaml and <domain>.json.
+    #[arg(long, default_value = "istio")]
     pub target: String,
-    /// `metadata.name` of the WasmPlugin.
+    /// The WasmPlugin's name.
+    #[arg(long, default_value = "ratelimit")]
     pub name: String,
-    /// `metadata.namespace` of the WasmPlugin (where the selected proxies run).
+    /// The WasmPlugin's namespace (where the selected proxies run).
+    #[arg(long, default_value = "istio-system")]
     pub namespace: String,
-    /// `spec.selector.matchLabels` of the WasmPlugin, as `key=value`.
+    /// The WasmPlugin's selector, `key=value` (repeatable).
+    #[arg(long, default_value = "istio=ingressgateway")]
     pub selector: Vec<String>,
-    /// `spec.url` of the OCI variant.
+    /// The OCI image of the filter (pin the tag).
+    #[arg(long, default_value = "oci://ghcr.io/example/ratelimit-wasm:0.1.0")]
     pub image: String,
-    /// `spec.sha256` of the OCI variant (the image manifest's digest).
+    /// The image manifest's digest, 64 hex digits without `sha256:`.
+    #[arg(long, default_value = SHA256_PLACEHOLDER)]
     pub sha256: String,
-    /// `spec.url` of the file variant (Istio), or the module's path (Envoy).
+    /// Where the module is inside the proxy (file:// url, or a path).
+    #[arg(long, default_value = "file:///opt/filters/ratelimit_wasm.wasm")]
     pub file_url: String,
-    /// Name of the policy ConfigMap.
+    /// The policy ConfigMap's name.
+    #[arg(long, default_value = "ratelimit-policy")]
     pub policy_name: String,
-    /// Namespace of the policy ConfigMap (the gateway's).
+    /// The policy ConfigMap's namespace (the gateway's).
+    #[arg(long, default_value = "ratelimit")]
     pub policy_namespace: String,
 }
 
