@@ -38,18 +38,6 @@ async fn lease_at(gw: &Running, body: &Value, t: u64) -> Value {
     serde_json::to_value(answer).unwrap()
 }
 
-/// One check through `Limiter::check_at` with the test-only time override.
-async fn check_at(gw: &Running, body: &Value, t: u64) -> Value {
-    sync_policy();
-    let answer = gw
-        .app
-        .limiter
-        .check_at(&resolve(body), Some(t))
-        .await
-        .unwrap();
-    serde_json::to_value(answer).unwrap()
-}
-
 /// One check of a [`direct_check`] through `Limiter::check_at`.
 async fn direct_check_at(gw: &Running, req: &ratelimit_gateway::policy::Resolved, t: u64) -> Value {
     serde_json::to_value(gw.app.limiter.check_at(req, Some(t)).await.unwrap()).unwrap()

@@ -14,7 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::*;
 use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
-use ratelimit_gateway::{Running, Target};
+use ratelimit_gateway::Target;
 use serde_json::{json, Value};
 
 const HOUR: u64 = 3_600_000;
@@ -101,18 +101,6 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64
-}
-
-/// One check through `Limiter::check_at` with the test-only time override.
-async fn at(gw: &Running, body: &Value, t: u64) -> Value {
-    sync_policy();
-    let answer = gw
-        .app
-        .limiter
-        .check_at(&resolve(body), Some(t))
-        .await
-        .unwrap();
-    serde_json::to_value(answer).unwrap()
 }
 
 fn groups(body: &Value) -> usize {
@@ -385,14 +373,14 @@ async fn a_new_month_starts_fresh() {
     let april = cal::ms(2027, 4, 1, 0, 0, 0, 0);
     assert_eq!(last_ms + 1, april);
 
-    let resp = at(&gw, &body, march).await;
+    let resp = check_at(&gw, &body, march).await;
     assert_eq!(q(&resp, 0), (true, 1, april - march), "{resp}");
-    let resp = at(&gw, &body, last_ms - 1).await;
+    let resp = check_at(&gw, &body, last_ms - 1).await;
     assert_eq!(q(&resp, 0), (true, 0, 2), "{resp}");
-    let resp = at(&gw, &body, last_ms).await;
+    let resp = check_at(&gw, &body, last_ms).await;
     assert_eq!(resp["allowed"], false, "{resp}");
     assert_eq!(q(&resp, 0), (false, 0, 1), "{resp}");
-    let resp = at(&gw, &body, april).await;
+    let resp = check_at(&gw, &body, april).await;
     assert_eq!(resp["allowed"], true, "{resp}");
     assert_eq!(q(&resp, 0), (true, 1, 30 * cal::DAY_MS), "{resp}");
 
@@ -405,7 +393,7 @@ async fn a_new_month_starts_fresh() {
 
     // A late check of the old month (a replica's request in flight) still
     // sees its own count and never touches the new month's key.
-    let resp = at(&gw, &body, last_ms).await;
+    let resp = check_at(&gw, &body, last_ms).await;
     assert_eq!(resp["allowed"], false, "{resp}");
     assert_eq!(redis.cli(&["get", &key(april)]).unwrap(), "1");
 }
@@ -476,45 +464,60 @@ async fn day_and_month_boundaries_leap_years_and_new_year() {
     let mar1 = cal::ms(2028, 3, 1, 0, 0, 0, 0);
     assert_eq!(feb28_last + 1, feb29);
     assert_eq!(feb29 + cal::DAY_MS, mar1);
-    let resp = at(&gw, &day, feb28_last).await;
+    let resp = check_at(&gw, &day, feb28_last).await;
     assert_eq!(q(&resp, 0), (true, 0, 1), "{resp}");
-    assert_eq!(q(&at(&gw, &day, feb28_last).await, 0), (false, 0, 1));
-    assert_eq!(q(&at(&gw, &day, feb29).await, 0), (true, 0, cal::DAY_MS));
-    assert_eq!(q(&at(&gw, &day, mar1 - 1).await, 0), (false, 0, 1));
-    assert_eq!(q(&at(&gw, &day, mar1).await, 0), (true, 0, cal::DAY_MS));
+    assert_eq!(q(&check_at(&gw, &day, feb28_last).await, 0), (false, 0, 1));
+    assert_eq!(
+        q(&check_at(&gw, &day, feb29).await, 0),
+        (true, 0, cal::DAY_MS)
+    );
+    assert_eq!(q(&check_at(&gw, &day, mar1 - 1).await, 0), (false, 0, 1));
+    assert_eq!(
+        q(&check_at(&gw, &day, mar1).await, 0),
+        (true, 0, cal::DAY_MS)
+    );
     let key = format!("rl:{{b|c=b}}|q|daily|day|{}", feb29 / 1000);
     assert_eq!(redis.cli(&["get", &key]).unwrap(), "1");
 
     // February 2028 has 29 days, by month.
     let feb10 = cal::ms(2028, 2, 10, 8, 30, 0, 0);
-    let resp = at(&gw, &month, feb10).await;
+    let resp = check_at(&gw, &month, feb10).await;
     assert_eq!(q(&resp, 0), (true, 0, mar1 - feb10), "{resp}");
     assert_eq!(mar1 - cal::ms(2028, 2, 1, 0, 0, 0, 0), 29 * cal::DAY_MS);
-    assert_eq!(q(&at(&gw, &month, mar1 - 1).await, 0), (false, 0, 1));
-    let resp = at(&gw, &month, mar1).await;
+    assert_eq!(q(&check_at(&gw, &month, mar1 - 1).await, 0), (false, 0, 1));
+    let resp = check_at(&gw, &month, mar1).await;
     assert_eq!(q(&resp, 0), (true, 0, 31 * cal::DAY_MS), "{resp}");
 
     // December → January.
     let new_year = cal::ms(2028, 1, 1, 0, 0, 0, 0);
     let dec = cal::ms(2027, 12, 1, 0, 0, 0, 0);
     assert_eq!(
-        q(&at(&gw, &month, dec).await, 0),
+        q(&check_at(&gw, &month, dec).await, 0),
         (true, 0, 31 * cal::DAY_MS)
     );
-    assert_eq!(q(&at(&gw, &month, new_year - 1).await, 0), (false, 0, 1));
-    assert_eq!(q(&at(&gw, &day, new_year - 1).await, 0), (true, 0, 1));
-    assert_eq!(q(&at(&gw, &hour, new_year - 1).await, 0), (true, 0, 1));
-    assert_eq!(q(&at(&gw, &minute, new_year - 1).await, 0), (true, 0, 1));
+    assert_eq!(
+        q(&check_at(&gw, &month, new_year - 1).await, 0),
+        (false, 0, 1)
+    );
+    assert_eq!(q(&check_at(&gw, &day, new_year - 1).await, 0), (true, 0, 1));
+    assert_eq!(
+        q(&check_at(&gw, &hour, new_year - 1).await, 0),
+        (true, 0, 1)
+    );
+    assert_eq!(
+        q(&check_at(&gw, &minute, new_year - 1).await, 0),
+        (true, 0, 1)
+    );
     for (body, len) in [
         (&month, 31 * cal::DAY_MS),
         (&day, cal::DAY_MS),
         (&hour, HOUR),
         (&minute, 60_000),
     ] {
-        let resp = at(&gw, body, new_year).await;
+        let resp = check_at(&gw, body, new_year).await;
         assert_eq!(q(&resp, 0), (true, 0, len), "{resp}");
         assert_eq!(
-            q(&at(&gw, body, new_year + len - 1).await, 0),
+            q(&check_at(&gw, body, new_year + len - 1).await, 0),
             (false, 0, 1)
         );
     }
@@ -526,7 +529,7 @@ async fn day_and_month_boundaries_leap_years_and_new_year() {
     // Century rules: 2100 is not a leap year, 2000 is; 2027 is not.
     for (y, feb) in [(2000, 29), (2027, 28), (2100, 28), (2400, 29)] {
         let t = cal::ms(y, 2, 1, 0, 0, 0, 0);
-        let resp = at(&gw, &month, t).await;
+        let resp = check_at(&gw, &month, t).await;
         assert_eq!(q(&resp, 0).2, feb * cal::DAY_MS, "February {y}: {resp}");
     }
 }
@@ -558,7 +561,7 @@ async fn period_ends_match_an_independent_calendar() {
         t += 37 * cal::DAY_MS + 7 * HOUR + 13 * 60_000 + 17_123;
     }
     for &t in &times {
-        let resp = at(&gw, &body, t).await;
+        let resp = check_at(&gw, &body, t).await;
         for (i, p) in periods.iter().enumerate() {
             let (_, end) = cal::period(p, t);
             assert_eq!(
@@ -768,7 +771,7 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
     // The override reaches every slot group: a new month on every master.
     let spread_body = quota_request("demo", &spread);
     let next = cal::period("month", now_ms()).1;
-    let resp = at(&gw, &spread_body, next).await;
+    let resp = check_at(&gw, &spread_body, next).await;
     assert_eq!(resp["allowed"], true, "{resp}");
     gw.stop().await.unwrap();
 }

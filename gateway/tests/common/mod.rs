@@ -411,6 +411,18 @@ pub fn resolve_lease(body: &Value) -> ratelimit_gateway::policy::ResolvedLease {
     current_policy().resolve_lease(&req).unwrap()
 }
 
+/// One check through `Limiter::check_at` with the test-only time override.
+pub async fn check_at(gw: &Running, body: &Value, t: u64) -> Value {
+    sync_policy();
+    let answer = gw
+        .app
+        .limiter
+        .check_at(&resolve(body), Some(t))
+        .await
+        .unwrap();
+    serde_json::to_value(answer).unwrap()
+}
+
 /// Adds a whole plugin configuration (its own domain, which no request of
 /// this process names otherwise) to the policy.
 pub fn add_policy(config_json: &str) {
