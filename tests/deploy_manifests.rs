@@ -325,16 +325,27 @@ fn check_cel_rules(name: &str, spec: &Value) {
         ["", "http", "https", "oci", "file"].contains(&scheme),
         "{name}: url scheme {scheme:?} is not one of http, https, file, oci"
     );
-    // spec: "only one of targetRefs or selector can be set".
-    let set = ["selector", "targetRef", "targetRefs"]
-        .iter()
-        .filter(|k| spec.get(**k).is_some())
-        .count();
-    assert!(
-        set <= 1,
-        "{name}: more than one of selector, targetRef, targetRefs"
-    );
-    // spec.selector.matchLabels: no wildcard in keys or values, no empty key.
+    check_selector_and_target_refs(name, spec);
+    // vmConfig.env value only when INLINE.
+    for env in spec
+        .pointer("/vmConfig/env")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        assert!(
+            env.get("valueFrom") != Some(&json!("HOST")) || env.get("value").is_none(),
+            "{name}: vmConfig.env value with valueFrom HOST"
+        );
+    }
+}
+
+/// The rules the WasmPlugin CRD and the security CRDs share: "wildcard not
+/// allowed in label key/value match", "key must not be empty" (in
+/// spec.selector.matchLabels), "only one of targetRefs or selector can be
+/// set", and targetRef(s) in the same namespace ("cross namespace
+/// referencing is not currently supported").
+fn check_selector_and_target_refs(name: &str, spec: &Value) {
     if let Some(labels) = spec
         .pointer("/selector/matchLabels")
         .and_then(Value::as_object)
@@ -347,7 +358,14 @@ fn check_cel_rules(name: &str, spec: &Value) {
             );
         }
     }
-    // targetRef(s).namespace must be empty; vmConfig.env value only when INLINE.
+    let set = ["selector", "targetRef", "targetRefs"]
+        .iter()
+        .filter(|k| spec.get(**k).is_some())
+        .count();
+    assert!(
+        set <= 1,
+        "{name}: more than one of selector, targetRef, targetRefs"
+    );
     for r in spec
         .get("targetRefs")
         .and_then(Value::as_array)
@@ -361,17 +379,6 @@ fn check_cel_rules(name: &str, spec: &Value) {
                 .unwrap_or("")
                 .is_empty(),
             "{name}: cross-namespace targetRef"
-        );
-    }
-    for env in spec
-        .pointer("/vmConfig/env")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        assert!(
-            env.get("valueFrom") != Some(&json!("HOST")) || env.get("value").is_none(),
-            "{name}: vmConfig.env value with valueFrom HOST"
         );
     }
 }
@@ -1827,38 +1834,7 @@ fn security_crd_file(kind: &str) -> &'static str {
 /// (a JSON Schema validator cannot run CEL).
 /// `security_cel_rules_are_the_ones_restated` fails when a CRD gains a rule.
 fn check_security_cel_rules(name: &str, kind: &str, spec: &Value) {
-    // "wildcard not allowed in label key/value match", "key must not be empty".
-    if let Some(labels) = spec
-        .pointer("/selector/matchLabels")
-        .and_then(Value::as_object)
-    {
-        for (k, v) in labels {
-            assert!(!k.is_empty() && !k.contains('*'), "{name}: label key {k:?}");
-            assert!(
-                !v.as_str().unwrap_or("").contains('*'),
-                "{name}: wildcard in label value {v}"
-            );
-        }
-    }
-    // "only one of targetRefs or selector can be set"; targetRef(s) in the
-    // same namespace ("cross namespace referencing is not currently supported").
-    let set = ["selector", "targetRef", "targetRefs"]
-        .iter()
-        .filter(|k| spec.get(**k).is_some())
-        .count();
-    assert!(set <= 1, "{name}: more than one of selector, targetRef(s)");
-    for r in spec
-        .get("targetRefs")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .chain(spec.get("targetRef"))
-    {
-        assert!(
-            r["namespace"].as_str().unwrap_or("").is_empty(),
-            "{name}: cross-namespace targetRef"
-        );
-    }
+    check_selector_and_target_refs(name, spec);
     match kind {
         "PeerAuthentication" => {
             // "portLevelMtls requires selector"; "port must be between 1-65535".
