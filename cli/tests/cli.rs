@@ -1,6 +1,6 @@
 //! The `ratelimit` command, run as a user would, on files it writes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 struct Run {
@@ -390,6 +390,12 @@ fn out_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// `ratelimit render <src> --out <out> <extra>`.
+fn render(src: &str, out: &Path, extra: &[&str]) -> Run {
+    let out = out.to_str().unwrap();
+    run(&[&["render", src, "--out", out][..], extra].concat())
+}
+
 const RENDER_CONFIG: &str = r#"{
   "domain": "shop:eu",
   "global": { "cluster": "gw", "failure_mode": "closed" },
@@ -404,21 +410,20 @@ const RENDER_CONFIG: &str = r#"{
 fn render_istio_writes_one_configuration_for_the_plugins_and_the_gateway() {
     let src = file("render.json", RENDER_CONFIG);
     let out = out_dir("istio");
-    let out_s = out.to_str().unwrap();
-    let r = run(&[
-        "render",
+    let r = render(
         &src,
-        "--out",
-        out_s,
-        "--namespace",
-        "shop",
-        "--selector",
-        "app=web",
-        "--selector",
-        "tier=edge",
-        "--policy-namespace",
-        "gw",
-    ]);
+        &out,
+        &[
+            "--namespace",
+            "shop",
+            "--selector",
+            "app=web",
+            "--selector",
+            "tier=edge",
+            "--policy-namespace",
+            "gw",
+        ],
+    );
     assert_eq!(r.code, 0, "{}", r.stderr);
     let written: Vec<String> = [
         "wasmplugin.yaml",
@@ -484,16 +489,11 @@ fn render_istio_writes_one_configuration_for_the_plugins_and_the_gateway() {
 fn render_envoy_writes_the_filter_entry_and_the_policy_file() {
     let src = file("render-envoy.json", RENDER_CONFIG);
     let out = out_dir("envoy");
-    let r = run(&[
-        "render",
+    let r = render(
         &src,
-        "--out",
-        out.to_str().unwrap(),
-        "--target",
-        "envoy",
-        "--file-url",
-        "/etc/envoy/rl.wasm",
-    ]);
+        &out,
+        &["--target", "envoy", "--file-url", "/etc/envoy/rl.wasm"],
+    );
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.stdout.lines().count(), 2, "{}", r.stdout);
     let filter = yaml(&out.join("envoy-wasm-filter.yaml"));
@@ -516,12 +516,11 @@ fn render_envoy_writes_the_filter_entry_and_the_policy_file() {
 #[test]
 fn render_refuses_bad_input_and_writes_nothing() {
     let out = out_dir("refused");
-    let out_s = out.to_str().unwrap();
     let bad = file(
         "render-bad.json",
         r#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":5,"per":"10x"}]}]}"#,
     );
-    let r = run(&["render", &bad, "--out", out_s]);
+    let r = render(&bad, &out, &[]);
     assert_eq!(r.code, 1);
     assert!(
         r.stderr
@@ -529,13 +528,17 @@ fn render_refuses_bad_input_and_writes_nothing() {
         "{}",
         r.stderr
     );
-    assert!(!out.exists(), "a refused configuration wrote {}", out_s);
+    assert!(
+        !out.exists(),
+        "a refused configuration wrote {}",
+        out.display()
+    );
 
     let good = file("render-good.json", RENDER_CONFIG);
-    let r = run(&["render", &good, "--out", out_s, "--target", "helm"]);
+    let r = render(&good, &out, &["--target", "helm"]);
     assert_eq!(r.code, 1);
     assert_eq!(r.stderr, "--target \"helm\": expected istio or envoy\n");
-    let r = run(&["render", &good, "--out", out_s, "--selector", "app"]);
+    let r = render(&good, &out, &["--selector", "app"]);
     assert_eq!(r.code, 1);
     assert_eq!(r.stderr, "--selector \"app\": expected key=value\n");
     assert!(!out.exists());
@@ -600,7 +603,7 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
     assert_ne!(config, RENDER_CONFIG);
     let src = file("render-token.json", &config);
     let out = out_dir("token");
-    let r = run(&["render", &src, "--out", out.to_str().unwrap()]);
+    let r = render(&src, &out, &[]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.stderr, "");
     for name in ["wasmplugin.yaml", "wasmplugin-file.yaml"] {
@@ -611,14 +614,7 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
             "{name}"
         );
     }
-    let r = run(&[
-        "render",
-        &src,
-        "--out",
-        out.to_str().unwrap(),
-        "--target",
-        "envoy",
-    ]);
+    let r = render(&src, &out, &["--target", "envoy"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let filter = yaml(&out.join("envoy-wasm-filter.yaml"));
     assert_eq!(
@@ -633,7 +629,7 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
             r#""failure_mode": "closed", "token": "abc123" }"#,
         ),
     );
-    let r = run(&["render", &inline, "--out", out.to_str().unwrap()]);
+    let r = render(&inline, &out, &[]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(
         r.stderr.contains("warning: global.token is inline"),
