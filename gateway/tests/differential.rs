@@ -22,7 +22,7 @@ use ratelimit_gateway::keys::{self, Group};
 use ratelimit_gateway::orchestrate::Limiter;
 use ratelimit_gateway::policy::{Resolved, ResolvedBucket, ResolvedLease};
 use ratelimit_gateway::protocol::{Algorithm, Limit as LimitSpec};
-use ratelimit_gateway::{script, Config};
+use ratelimit_gateway::{script, App, Config};
 use ratelimit_wasm::limits::token_bucket::{Check, Limit};
 
 const MS: u64 = 1_000_000;
@@ -90,8 +90,9 @@ struct Tally {
     mismatches: Vec<String>,
 }
 
-async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Tally {
-    let redis = common::redis();
+/// The gateway's app on `redis` (5 s Redis round trips), its configuration,
+/// once it has reached Redis.
+async fn connected_app(redis: &testkit::redis::Redis) -> (Config, std::sync::Arc<App>) {
     let mut config = Config::single(
         "127.0.0.1:0".parse().unwrap(),
         redis.url(),
@@ -99,13 +100,19 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
     );
     config.redis_timeout = Duration::from_secs(5);
     let app = ratelimit_gateway::build(&config).unwrap();
-    let limiter: &Limiter = &app.limiter;
     assert!(
-        limiter
+        app.limiter
             .store()
             .wait_connected(Duration::from_secs(15))
             .await
     );
+    (config, app)
+}
+
+async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Tally {
+    let redis = common::redis();
+    let (_, app) = connected_app(&redis).await;
+    let limiter: &Limiter = &app.limiter;
 
     let mut rng = Rng(seed);
     let mut tally = Tally::default();
@@ -290,21 +297,9 @@ async fn run_refunds_and_leases(
     cases: u64,
 ) -> Tally {
     let redis = common::redis();
-    let mut config = Config::single(
-        "127.0.0.1:0".parse().unwrap(),
-        redis.url(),
-        vec![common::policy_dir()],
-    );
-    config.redis_timeout = Duration::from_secs(5);
+    let (config, app) = connected_app(&redis).await;
     let prefix = config.key_prefix.clone();
-    let app = ratelimit_gateway::build(&config).unwrap();
     let limiter: &Limiter = &app.limiter;
-    assert!(
-        limiter
-            .store()
-            .wait_connected(Duration::from_secs(15))
-            .await
-    );
     let mut rng = Rng(seed);
     let mut tally = Tally::default();
     for case in 0..cases {
