@@ -95,6 +95,15 @@ fn metric(gw: &Gateway, sample: &str) -> f64 {
     ok(gw.metric(sample), "reading /metrics").unwrap_or_else(|| panic!("no sample {sample}"))
 }
 
+/// Waits up to 5 s for `sample` to reach 1, failing with `what` if it does not.
+fn wait_for_metric(gw: &Gateway, sample: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(gw, sample) < 1.0 {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 fn post(
     gw: &Gateway,
     path: &str,
@@ -218,14 +227,7 @@ fn the_token_file_reloads_and_a_broken_one_keeps_the_old_tokens() {
     );
     write(dir.path(), "tokens", "api new-token\n");
     let reloaded = "ratelimit_gateway_reloads_total{what=\"auth_tokens\"}";
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(&gw, reloaded) < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the token file was not reloaded in 5 s"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_metric(&gw, reloaded, "the token file was not reloaded in 5 s");
     assert_eq!(
         post(&gw, "/v1/check", &check, Some("old-token")).status,
         401
@@ -237,14 +239,7 @@ fn the_token_file_reloads_and_a_broken_one_keeps_the_old_tokens() {
     // A duplicate token: refused, the new tokens stay in force.
     write(dir.path(), "tokens", "api new-token\nweb new-token\n");
     let failed = "ratelimit_gateway_reload_failures_total{what=\"auth_tokens\"}";
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(&gw, failed) < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the broken file was not read in 5 s"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_metric(&gw, failed, "the broken file was not read in 5 s");
     assert_eq!(
         post(&gw, "/v1/check", &check, Some("new-token")).status,
         200
