@@ -5,8 +5,8 @@
 //! keyed rule bounds each client, not the sum, so it is listed as unbounded.
 
 use crate::load;
-use ratelimit_wasm::config::Scope;
 use ratelimit_wasm::config::duration;
+use ratelimit_wasm::config::Scope;
 
 /// Parses `<requests>/<duration>` into requests per second.
 pub fn parse_rate(text: &str) -> Result<f64, String> {

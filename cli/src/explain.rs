@@ -1,7 +1,7 @@
 //! The `explain` table: what each tier (and each client override) gets from each rule.
 
-use ratelimit_wasm::limits::algorithm::Algorithm;
 use ratelimit_wasm::config::{Config, LimitSpec, Mode, Rule};
+use ratelimit_wasm::limits::algorithm::Algorithm;
 
 /// One row per rule × tier (or rule × client override).
 pub fn table(c: &Config) -> String {

@@ -31,9 +31,9 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::auth::{Caller, Refusal, Tokens};
 use crate::flags::Bounds;
-use crate::orchestrate::Limiter;
 use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
+use crate::orchestrate::Limiter;
 use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
 use crate::redis_store::StoreError;
 
