@@ -463,3 +463,130 @@ fn shared_data_footprint_with_a_million_distinct_clients() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Where a decision's instructions go.
+
+/// A VM of the filter with `config`, after `warm` requests (clients `c0`…).
+fn warm_vm(config: &str, warm: u32) -> FuelVm {
+    let mut vm = FuelVm::new(&harness::default_wasm_path(), config);
+    for i in 0..warm {
+        vm.request(client_request(&format!("c{i}")));
+    }
+    vm
+}
+
+/// Runs `proxy_on_request_headers` of a new request with `fuel` fuel (all
+/// there is when `None`): the fuel it used, or the names on the wasm stack
+/// where the fuel ran out.
+fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u64, Vec<String>> {
+    let ctx = {
+        let d = vm.store.data_mut();
+        let ctx = d.next_ctx;
+        d.next_ctx += 1;
+        d.streams.insert(ctx, StreamState::new(ctx, req));
+        ctx
+    };
+    let (c, root) = (ctx as i32, ROOT_CONTEXT_ID as i32);
+    vm.call::<(i32, i32), ()>(ctx, "proxy_on_context_create", (c, root));
+    let n = {
+        let s = vm.stream(ctx);
+        s.phase = StreamPhase::RequestHeaders;
+        s.req_map_held = true;
+        s.request_headers.len() as i32
+    };
+    let func = vm
+        .instance
+        .get_typed_func::<(i32, i32, i32), i32>(&mut vm.store, "proxy_on_request_headers")
+        .expect("the export");
+    {
+        let d = vm.store.data_mut();
+        d.current_ctx = ctx;
+        d.effective_ctx = None;
+        d.in_call = Some(format!("proxy_on_request_headers(context {ctx})"));
+    }
+    if let Some(f) = fuel {
+        vm.store.set_fuel(f).expect("fuel is on");
+    }
+    let before = vm.fuel_left();
+    match func.call(&mut vm.store, (c, n, 1)) {
+        Ok(_) => Ok(before - vm.fuel_left()),
+        Err(e) => Err(e
+            .downcast_ref::<wasmtime::WasmBacktrace>()
+            .map(|b| {
+                b.frames()
+                    .iter()
+                    .map(|f| match f.func_name() {
+                        Some(n) => n.to_string(),
+                        None => format!("#{}", f.func_index()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()),
+    }
+}
+
+/// A per-function profile of one decision, by sampling: the same request,
+/// on a fresh VM each time, is given 1/N, 2/N, … of the fuel it needs, and
+/// the wasm stack where the fuel runs out is one sample. Deterministic, and
+/// exact in the limit; a function's share of the samples is its share of the
+/// instructions (exclusive: on top of the stack; inclusive: anywhere on it).
+///
+/// Names need a module built without stripping:
+///
+/// ```text
+/// CARGO_PROFILE_RELEASE_STRIP=false cargo build --release --target wasm32-wasip1 \
+///     -p ratelimit-wasm --target-dir /tmp/named
+/// RATELIMIT_WASM=/tmp/named/wasm32-wasip1/release/ratelimit_wasm.wasm \
+///     cargo test --release --test bench_fuel profile -- --ignored --nocapture
+/// ```
+///
+/// `PROFILE_CONFIG=c4` profiles c4, `PROFILE_CLIENT=over` a denial,
+/// `PROFILE_SAMPLES` sets N (150).
+#[test]
+#[ignore = "a tool: run by hand with a named module (see its doc)"]
+fn profile_of_a_decision() {
+    let config = match std::env::var("PROFILE_CONFIG").as_deref() {
+        Ok("c4") => C4,
+        _ => C1,
+    };
+    let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
+    let samples: u64 = std::env::var("PROFILE_SAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150);
+    let fresh = || {
+        let mut vm = warm_vm(config, 50);
+        if client == "over" {
+            vm.request(client_request("over"));
+        }
+        vm
+    };
+    let total = run_out_of_fuel(&mut fresh(), client_request(&client), None)
+        .unwrap_or_else(|stack| panic!("ran out of u64::MAX fuel: {stack:?}"));
+    let (mut inclusive, mut exclusive) = (BTreeMap::new(), BTreeMap::new());
+    for k in 0..samples {
+        let fuel = 1 + k * total / samples;
+        let stack = run_out_of_fuel(&mut fresh(), client_request(&client), Some(fuel))
+            .err()
+            .unwrap_or_default();
+        if let Some(top) = stack.first() {
+            *exclusive.entry(top.clone()).or_insert(0u64) += 1;
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for f in stack {
+            if seen.insert(f.clone()) {
+                *inclusive.entry(f).or_insert(0u64) += 1;
+            }
+        }
+    }
+    println!("profile: {total} instructions, {samples} samples");
+    for (kind, counts) in [("inclusive", inclusive), ("exclusive", exclusive)] {
+        let mut rows: Vec<(String, u64)> = counts.into_iter().collect();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1));
+        for (name, n) in rows.into_iter().take(40) {
+            println!("profile {kind}: {:>6} {name}", n * total / samples);
+        }
+    }
+    assert!(total > 0);
+}
