@@ -28,7 +28,13 @@ struct Problem<'a> {
 
 impl Problem<'_> {
     fn render(&self) -> String {
-        let mut out = String::with_capacity(128 + self.kind.len() + self.detail.len());
+        let names: usize = self
+            .violated_policies
+            .map_or(0, |v| v.iter().map(|n| n.len() + 3).sum());
+        let url = self.upgrade_url.map_or(0, str::len);
+        let mut out = String::with_capacity(
+            96 + self.kind.len() + self.title.len() + self.detail.len() + names + url,
+        );
         out.push_str("{\"type\":");
         json_string(&mut out, self.kind);
         out.push_str(",\"title\":");
@@ -60,6 +66,12 @@ impl Problem<'_> {
 /// `\\` and control characters only (short forms where JSON has them).
 fn json_string(out: &mut String, s: &str) {
     out.push('"');
+    // Nearly every string has nothing to escape: one copy.
+    if !s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
     let mut start = 0;
     for (i, b) in s.bytes().enumerate() {
         let short = match b {
