@@ -97,32 +97,40 @@ pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
 /// `push_str`: `format!` costs several times the instructions on every response.
 pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
     let mut out = Vec::with_capacity(5);
-    let mut n = itoa::Buffer::new();
+    // Each number formatted once: both styles show quota, remaining and reset.
+    let (mut q, mut r, mut t, mut w) = (
+        itoa::Buffer::new(),
+        itoa::Buffer::new(),
+        itoa::Buffer::new(),
+        itoa::Buffer::new(),
+    );
+    let (quota, remaining, reset) = (
+        q.format(s.quota),
+        r.format(s.remaining),
+        t.format(s.reset_secs),
+    );
     if matches!(style, HeaderStyle::Both | HeaderStyle::Legacy) {
-        out.push(("x-ratelimit-limit", n.format(s.quota).to_owned()));
-        out.push(("x-ratelimit-remaining", n.format(s.remaining).to_owned()));
-        out.push(("x-ratelimit-reset", n.format(s.reset_secs).to_owned()));
+        out.push(("x-ratelimit-limit", quota.to_owned()));
+        out.push(("x-ratelimit-remaining", remaining.to_owned()));
+        out.push(("x-ratelimit-reset", reset.to_owned()));
     }
     if matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
-        let field = |a: &str, x: u64, b: &str, y: u64| {
-            let mut v = String::with_capacity(s.policy.len() + 32);
-            let mut n = itoa::Buffer::new();
+        let field = |a: &str, x: &str, b: &str, y: &str| {
+            let mut v =
+                String::with_capacity(s.policy.len() + a.len() + x.len() + b.len() + y.len() + 1);
             v.push('"');
             v.push_str(s.policy);
             v.push_str(a);
-            v.push_str(n.format(x));
+            v.push_str(x);
             v.push_str(b);
-            v.push_str(n.format(y));
+            v.push_str(y);
             v
         };
         out.push((
             "ratelimit-policy",
-            field("\";q=", s.quota, ";w=", s.window_secs),
+            field("\";q=", quota, ";w=", w.format(s.window_secs)),
         ));
-        out.push((
-            "ratelimit",
-            field("\";r=", s.remaining, ";t=", s.reset_secs),
-        ));
+        out.push(("ratelimit", field("\";r=", remaining, ";t=", reset)));
     }
     out
 }
