@@ -64,7 +64,7 @@ impl Limit {
     /// request however much has trickled back since the first.
     pub fn used_share(&self, state: u128, now_ns: u64) -> f64 {
         let used = state.saturating_sub(self.scaled(now_ns));
-        let tokens = used.div_ceil(self.interval().max(1));
+        let tokens = div_ceil(used, self.interval().max(1));
         tokens as f64 / self.capacity.max(1) as f64
     }
 
@@ -114,18 +114,48 @@ impl Limit {
     }
 
     fn tokens(&self, scaled_free: u128) -> u64 {
-        let all = u64::try_from(scaled_free / self.interval().max(1)).unwrap_or(u64::MAX);
+        let all = u64::try_from(div_rem(scaled_free, self.interval().max(1)).0).unwrap_or(u64::MAX);
         all.saturating_sub(self.burst.saturating_sub(self.capacity))
     }
 
     fn unscale_ceil_u128(&self, scaled: u128) -> u128 {
-        let c = u128::from(self.capacity.max(1));
-        scaled.div_ceil(c)
+        div_ceil(scaled, u128::from(self.capacity.max(1)))
     }
 
     fn unscale_ceil(&self, scaled: u128) -> u64 {
         u64::try_from(self.unscale_ceil_u128(scaled)).unwrap_or(u64::MAX)
     }
+}
+
+/// `n / d` and `n % d` for `d` ≥ 1. Wasm has no 128-bit division (the
+/// runtime's `__udivti3` is hundreds of instructions, several per check):
+/// operands that fit in u64 divide as u64, and a divisor below 2^32 divides
+/// a wider `n` in 32-bit steps of u64 division, exactly.
+fn div_rem(n: u128, d: u128) -> (u128, u128) {
+    let Ok(d64) = u64::try_from(d) else {
+        return (n / d, n % d);
+    };
+    if let Ok(n64) = u64::try_from(n) {
+        return (u128::from(n64 / d64), u128::from(n64 % d64));
+    }
+    if d64 > u64::from(u32::MAX) {
+        return (n / d, n % d);
+    }
+    let (hi, lo) = ((n >> 64) as u64, n as u64);
+    let (q2, r) = (hi / d64, hi % d64);
+    // r < d < 2^32: each step's dividend fits in u64 and its quotient in 32 bits.
+    let x = (r << 32) | (lo >> 32);
+    let (q1, r) = (x / d64, x % d64);
+    let y = (r << 32) | (lo & 0xffff_ffff);
+    let (q0, r) = (y / d64, y % d64);
+    let q = (u128::from(q2) << 64) | (u128::from(q1) << 32) | u128::from(q0);
+    (q, u128::from(r))
+}
+
+/// `n / d` rounded up, for `d` ≥ 1 (see [`div_rem`]).
+fn div_ceil(n: u128, d: u128) -> u128 {
+    let (q, r) = div_rem(n, d);
+    q + u128::from(r > 0)
 }
 
 /// Rounds nanoseconds up to whole seconds.
@@ -271,6 +301,16 @@ mod tests {
     }
 
     proptest! {
+        /// The u64 paths of `div_rem` are u128 division, whatever the operands.
+        #[test]
+        fn div_rem_is_u128_division(
+            n in prop_oneof![any::<u128>(), any::<u64>().prop_map(u128::from), (any::<u64>(), 0u64..4).prop_map(|(a, b)| (u128::from(b) << 64) | u128::from(a))],
+            d in prop_oneof![1u128..4, any::<u32>().prop_map(|d| u128::from(d.max(1))), any::<u64>().prop_map(|d| u128::from(d.max(1))), 1u128..],
+        ) {
+            prop_assert_eq!(div_rem(n, d), (n / d, n % d));
+            prop_assert_eq!(div_ceil(n, d), n.div_ceil(d));
+        }
+
         #[test]
         fn never_admits_more_than_capacity_plus_refill(
             capacity in 1u64..1000,
