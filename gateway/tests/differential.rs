@@ -90,6 +90,33 @@ struct Tally {
     mismatches: Vec<String>,
 }
 
+/// Holds each Rust check against the Lua script's answer for the same limit
+/// (times in whole ms, rounded up as the gateway reports them); a difference
+/// is a mismatch described by `context(limit index)`.
+fn compare_limits(
+    tally: &mut Tally,
+    rust: &[Check],
+    lua: &[ratelimit_gateway::protocol::LimitResult],
+    context: impl Fn(usize) -> String,
+) {
+    for (i, (r, l)) in rust.iter().zip(lua).enumerate() {
+        tally.limits += 1;
+        let want = (
+            r.allowed,
+            r.remaining,
+            r.reset_ns.div_ceil(MS),
+            r.retry_after_ns.div_ceil(MS),
+        );
+        let got = (l.allowed, l.remaining, l.reset_ms, l.retry_after_ms);
+        if want != got {
+            tally.mismatches.push(format!(
+                "{}: rust (allowed, remaining, reset_ms, retry_ms) = {want:?}, lua = {got:?}",
+                context(i)
+            ));
+        }
+    }
+}
+
 /// The gateway's app on `redis` (5 s Redis round trips), its configuration,
 /// once it has reached Redis.
 async fn connected_app(redis: &testkit::redis::Redis) -> (Config, std::sync::Arc<App>) {
@@ -184,27 +211,19 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
                     lua.allowed
                 ));
             }
-            for (i, (r, l)) in rust.iter().zip(&lua.buckets[0].limits).enumerate() {
-                tally.limits += 1;
+            for r in &rust {
                 if r.allowed {
                     tally.allowed += 1;
                 } else {
                     tally.denied += 1;
                 }
-                let want = (
-                    r.allowed,
-                    r.remaining,
-                    r.reset_ns.div_ceil(MS),
-                    r.retry_after_ns.div_ceil(MS),
-                );
-                let got = (l.allowed, l.remaining, l.reset_ms, l.retry_after_ms);
-                if want != got {
-                    tally.mismatches.push(format!(
-                        "case {case} step {step} limit {i} {:?}: rust (allowed, remaining, reset_ms, retry_ms) = {want:?}, lua = {got:?}; state {:?}, now_ms {now_ms}, cost {cost}",
-                        specs[i], states[i]
-                    ));
-                }
             }
+            compare_limits(&mut tally, &rust, &lua.buckets[0].limits, |i| {
+                format!(
+                    "case {case} step {step} limit {i} {:?}; state {:?}, now_ms {now_ms}, cost {cost}",
+                    specs[i], states[i]
+                )
+            });
             store_rust(&specs, &mut states, &rust);
         }
     }
@@ -415,22 +434,12 @@ async fn run_refunds_and_leases(
                 .map(|((spec, l), s)| rust_check(spec.algorithm, l, *s, now_ms * MS, cost))
                 .collect();
             tally.calls += 1;
-            for (i, (r, l)) in rust.iter().zip(&lua.buckets[0].limits).enumerate() {
-                tally.limits += 1;
-                let want = (
-                    r.allowed,
-                    r.remaining,
-                    r.reset_ns.div_ceil(MS),
-                    r.retry_after_ns.div_ceil(MS),
-                );
-                let got = (l.allowed, l.remaining, l.reset_ms, l.retry_after_ms);
-                if want != got {
-                    tally.mismatches.push(format!(
-                        "case {case} step {step} limit {i} {:?}: rust {want:?}, lua {got:?}; state {:?}, now_ms {now_ms}, cost {cost}",
-                        specs[i], states[i]
-                    ));
-                }
-            }
+            compare_limits(&mut tally, &rust, &lua.buckets[0].limits, |i| {
+                format!(
+                    "case {case} step {step} limit {i} {:?}; state {:?}, now_ms {now_ms}, cost {cost}",
+                    specs[i], states[i]
+                )
+            });
             let all = rust.iter().all(|c| c.allowed);
             if all {
                 tally.allowed += 1;
