@@ -204,6 +204,8 @@ struct SetWork {
     cas: u32,
     set: Set,
     pinned: Vec<usize>,
+    /// A state of the set changed: it must be written.
+    touched: bool,
 }
 
 /// A state to write into an entry: (set in `work`, entry, state index, value).
@@ -229,8 +231,14 @@ pub fn check_and_consume(
 ) -> Result<Decision, LimitError> {
     for _ in 0..MAX_ATTEMPTS {
         let mut work: Vec<SetWork> = Vec::with_capacity(buckets.len());
-        let mut reports = Vec::new();
-        let mut writes = Vec::new();
+        // Sized up front: growing them from empty cost more than the check itself.
+        let limits: usize = buckets
+            .iter()
+            .filter_map(|b| plan.rule(b.rule, b.variant))
+            .map(|r| r.states())
+            .sum();
+        let mut reports = Vec::with_capacity(limits);
+        let mut writes = Vec::with_capacity(limits);
         let mut denied = false;
         let mut evictions = 0;
         for b in buckets {
@@ -376,10 +384,10 @@ pub fn check_and_consume(
                 return Ok(Decision::Denied(reports));
             }
         }
-        let touched = apply(&mut work, &writes);
+        apply(&mut work, &writes);
         // A denial writes only demand and blocks, which are never refunded.
         let refundable = if denied { &[][..] } else { buckets };
-        match write_all(store, plan, &work, &touched, refundable, now_ns)? {
+        match write_all(store, plan, &work, refundable, now_ns)? {
             true => {
                 stats.evictions += evictions;
                 return Ok(if denied {
@@ -438,29 +446,26 @@ fn read_set(
         key,
         cas,
         set,
-        pinned: Vec::new(),
+        pinned: Vec::with_capacity(super::table::WAYS),
+        touched: false,
     })
 }
 
-/// Writes the new states into the decoded sets; returns which sets changed.
-fn apply(work: &mut [SetWork], writes: &[Write]) -> Vec<bool> {
-    let mut touched = vec![false; work.len()];
+/// Writes the new states into the decoded sets, marking the sets changed.
+fn apply(work: &mut [SetWork], writes: &[Write]) {
     for w in writes {
-        let Some(entry) = work
-            .get_mut(w.set)
-            .and_then(|sw| sw.set.entries.get_mut(w.entry))
-        else {
+        let Some(sw) = work.get_mut(w.set) else {
+            continue;
+        };
+        let Some(entry) = sw.set.entries.get_mut(w.entry) else {
             continue;
         };
         if let Some(state) = entry.tats.get_mut(w.state) {
             *state = w.value;
             entry.full_at_ns = entry.full_at_ns.max(w.full_at_ns);
-            if let Some(t) = touched.get_mut(w.set) {
-                *t = true;
-            }
+            sw.touched = true;
         }
     }
-    touched
 }
 
 /// CAS-writes every touched set; on a conflict refunds the charges (made at
@@ -469,16 +474,10 @@ fn write_all(
     store: &impl SharedStore,
     plan: &impl Rules,
     work: &[SetWork],
-    touched: &[bool],
     refundable: &[Bucket],
     now_ns: u64,
 ) -> Result<bool, LimitError> {
-    let sets = || {
-        work.iter()
-            .zip(touched)
-            .filter(|(_, t)| **t)
-            .map(|(sw, _)| sw)
-    };
+    let sets = || work.iter().filter(|sw| sw.touched);
     for (done, sw) in sets().enumerate() {
         if !store.compare_and_set(&sw.key, &sw.set.encode(), sw.cas)? {
             for written in sets().take(done) {

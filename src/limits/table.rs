@@ -96,10 +96,16 @@ impl Placement {
 impl Set {
     /// Serialises the set: version, count, then per entry fingerprint, full-at, count of TATs and the TATs.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(2 + self.entries.len() * 33);
+        // Sized exactly: growing it reallocated for entries of two or more limits.
+        let entries = self.entries.iter().take(usize::from(u8::MAX));
+        let size = 2 + entries
+            .clone()
+            .map(|e| 17 + 16 * e.tats.len().min(usize::from(u8::MAX)))
+            .sum::<usize>();
+        let mut out = Vec::with_capacity(size);
         out.push(VERSION);
         out.push(u8::try_from(self.entries.len()).unwrap_or(u8::MAX));
-        for e in self.entries.iter().take(usize::from(u8::MAX)) {
+        for e in entries {
             out.extend_from_slice(&e.fingerprint.to_le_bytes());
             out.extend_from_slice(&e.full_at_ns.to_le_bytes());
             out.push(u8::try_from(e.tats.len()).unwrap_or(u8::MAX));
@@ -125,9 +131,10 @@ impl Set {
             let fingerprint = u64::from_le_bytes(r.array()?);
             let full_at_ns = u64::from_le_bytes(r.array()?);
             let k = r.u8()?;
-            let tats = (0..k)
-                .map(|_| r.array().map(u128::from_le_bytes))
-                .collect::<Result<_, _>>()?;
+            let mut tats = Vec::with_capacity(usize::from(k));
+            for _ in 0..k {
+                tats.push(u128::from_le_bytes(r.array()?));
+            }
             entries.push(Entry {
                 fingerprint,
                 full_at_ns,
@@ -151,7 +158,8 @@ impl Set {
         now_ns: u64,
         pinned: &[usize],
     ) -> Placement {
-        let fresh = Entry {
+        // Built only when needed: a found bucket (the common case) allocates nothing.
+        let fresh = || Entry {
             fingerprint,
             full_at_ns: 0,
             tats: vec![0; limits],
@@ -163,14 +171,14 @@ impl Set {
         {
             if let Some(e) = self.entries.get_mut(i) {
                 if e.tats.len() != limits {
-                    *e = fresh;
+                    *e = fresh();
                     return Placement::Fresh(i);
                 }
             }
             return Placement::Found(i);
         }
         if self.entries.len() < WAYS {
-            self.entries.push(fresh);
+            self.entries.push(fresh());
             return Placement::Fresh(self.entries.len() - 1);
         }
         let victim = self
@@ -183,7 +191,7 @@ impl Set {
         match victim {
             Some((i, idle)) => {
                 if let Some(slot) = self.entries.get_mut(i) {
-                    *slot = fresh;
+                    *slot = fresh();
                 }
                 if idle {
                     Placement::Fresh(i)
@@ -192,7 +200,7 @@ impl Set {
                 }
             }
             None => {
-                self.entries.push(fresh);
+                self.entries.push(fresh());
                 Placement::Fresh(self.entries.len() - 1)
             }
         }

@@ -16,7 +16,6 @@ use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
 use siphasher::sip128::SipHasher13;
-use std::collections::HashMap;
 use std::hash::Hasher;
 
 /// One set of limits of a rule: the rule's own, a tier's, or a client's override.
@@ -185,7 +184,38 @@ pub(super) struct IdentityPlan {
     pub(super) ip_source: IpSource,
     pub(super) tiers: Vec<(String, bool)>,
     pub(super) default_tier: Option<usize>,
-    pub(super) clients: HashMap<Vec<u8>, ClientPlan>,
+    pub(super) clients: ClientTable,
+}
+
+/// `identity.clients` by id, sorted for a binary search: a lookup costs a
+/// few byte comparisons where a `HashMap` hashed the id with SipHash on every
+/// request (issue 14, Performance), and no id an attacker picks makes it slower.
+#[derive(Debug, Clone, Default)]
+pub(super) struct ClientTable(Vec<(Vec<u8>, ClientPlan)>);
+
+impl ClientTable {
+    /// Builds the table from `(id, plan)` pairs; ids are unique (a map's keys).
+    fn new(mut clients: Vec<(Vec<u8>, ClientPlan)>) -> ClientTable {
+        clients.sort_by(|a, b| a.0.cmp(&b.0));
+        ClientTable(clients)
+    }
+
+    /// The plan of client `id`.
+    pub(super) fn get(&self, id: &[u8]) -> Option<&ClientPlan> {
+        let i = self
+            .0
+            .binary_search_by(|(k, _)| k.as_slice().cmp(id))
+            .ok()?;
+        self.0.get(i).map(|(_, c)| c)
+    }
+
+    fn get_mut(&mut self, id: &[u8]) -> Option<&mut ClientPlan> {
+        let i = self
+            .0
+            .binary_search_by(|(k, _)| k.as_slice().cmp(id))
+            .ok()?;
+        self.0.get_mut(i).map(|(_, c)| c)
+    }
 }
 
 /// The compiled configuration.
@@ -225,6 +255,9 @@ pub struct Plan {
     pub domain: String,
     pub(super) costs: Vec<(Matcher, u64)>,
     pub(super) identity: IdentityPlan,
+    /// Rules a request may charge locally (neither global nor a stand-in):
+    /// the most buckets an evaluation holds, to size its list once.
+    pub(super) local_rules: usize,
 }
 
 /// When a request's peer address is needed.
@@ -354,19 +387,21 @@ impl Plan {
             },
             default_tier: id.default_tier.as_deref().and_then(tier_index),
             tiers: tiers.clone(),
-            clients: HashMap::new(),
+            clients: ClientTable::new(
+                id.clients
+                    .iter()
+                    .map(|(client, spec)| {
+                        let plan = ClientPlan {
+                            tier: spec.tier.as_deref().and_then(tier_index),
+                            unlimited: spec.unlimited,
+                            soft: spec.soft,
+                            ..ClientPlan::default()
+                        };
+                        (client.as_bytes().to_vec(), plan)
+                    })
+                    .collect(),
+            ),
         };
-        for (client, spec) in &id.clients {
-            identity.clients.insert(
-                client.as_bytes().to_vec(),
-                ClientPlan {
-                    tier: spec.tier.as_deref().and_then(tier_index),
-                    unlimited: spec.unlimited,
-                    soft: spec.soft,
-                    ..ClientPlan::default()
-                },
-            );
-        }
         let keys = split_seed(seed);
         let mut rules = Vec::with_capacity(config.rules.len());
         let mut stand_ins = Vec::new();
@@ -483,7 +518,12 @@ impl Plan {
             quotas.as_slice(),
             costs.as_slice(),
         );
+        let local_rules = rules
+            .iter()
+            .filter(|r| r.scope == Scope::Local && !r.stand_in)
+            .count();
         Plan {
+            local_rules,
             header_names: h.0,
             header_needed,
             source,
