@@ -120,6 +120,9 @@ pub struct Args {
     /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
     #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
     pub rls_near_limit_ratio: f64,
+    /// Worker threads, each with its own runtime, listening sockets (SO_REUSEPORT) and Redis connection; 0: one per available CPU.
+    #[arg(long, env = "RLGW_WORKER_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1024))]
+    pub worker_threads: u64,
 }
 
 /// A number in 0..=1.
@@ -221,6 +224,10 @@ pub struct Config {
     pub rls: RlsOptions,
     /// Slots of the deny cache (`crate::deny_cache`); 0: off.
     pub deny_cache_entries: usize,
+    /// Worker threads of [`crate::run`] (`--worker-threads`, 0 resolved to
+    /// the available CPUs); at least 1. [`crate::start`] serves on its
+    /// caller's runtime instead.
+    pub worker_threads: usize,
 }
 
 impl Config {
@@ -245,6 +252,7 @@ impl Config {
             bounds: Bounds::default(),
             rls: RlsOptions::default(),
             deny_cache_entries: DEFAULT_DENY_CACHE_ENTRIES as usize,
+            worker_threads: 1,
         }
     }
 }
@@ -345,6 +353,10 @@ impl TryFrom<Args> for Config {
                 near_limit_permille: (a.rls_near_limit_ratio * 1000.0).round() as u32,
             },
             deny_cache_entries: usize::try_from(a.deny_cache_entries).unwrap_or(usize::MAX),
+            worker_threads: match a.worker_threads {
+                0 => std::thread::available_parallelism().map_or(1, usize::from),
+                n => usize::try_from(n).unwrap_or(1),
+            },
         })
     }
 }

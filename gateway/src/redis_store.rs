@@ -3,13 +3,20 @@
 //! cluster connection. Every round trip is bounded by the configured
 //! timeout; scripts run by `EVALSHA` and are loaded again on `NOSCRIPT`.
 //!
-//! A supervisor task makes the connection and makes it again when it stops
+//! The gateway runs one Tokio runtime per worker thread
+//! (`--worker-threads`, [`crate::run`]); each has its own connection, its
+//! own *lane*, made and driven on that thread, so a request's round trip
+//! never wakes another thread and its reply is freed where it was allocated.
+//! A request takes the lane of the thread it runs on ([`set_lane`]).
+//!
+//! A supervisor task per lane makes the connection and makes it again when it stops
 //! being the master's: a request that gets `READONLY` (the server became a
 //! replica), a dropped or refused connection, or `MOVED`/`ASK`/`CLUSTERDOWN`
 //! (cluster) wakes it; with Sentinels it also re-resolves on every
 //! `+switch-master` and polls them every [`SENTINEL_POLL`]. Requests never
 //! wait for it: during the switch they fail fast (503) on the old connection.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -17,6 +24,7 @@ use std::time::{Duration, Instant};
 use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
+use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -214,9 +222,22 @@ enum Plan {
     Sentinel(Arc<Sentinels>, RedisOptions),
 }
 
-/// The shared Redis connection.
+thread_local! {
+    /// The lane of the worker thread this code runs on ([`set_lane`]).
+    static LANE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes this thread's requests use lane `lane` (the worker thread's index,
+/// the runtime its supervisor was spawned on). Threads that never call it use
+/// lane 0.
+pub fn set_lane(lane: usize) {
+    LANE.with(|l| l.set(lane));
+}
+
+/// The Redis connections, one per lane.
 pub struct Store {
-    shared: Arc<Shared>,
+    /// One per worker runtime, in the order of the handles given to [`Store::new`].
+    lanes: Vec<Arc<Shared>>,
     timeout: Duration,
     metrics: Metrics,
     tasks: Vec<JoinHandle<()>>,
@@ -240,16 +261,22 @@ fn connect_timeout(timeout: Duration) -> Duration {
 
 impl Store {
     /// Validates the target and options (reading the TLS files) and starts
-    /// connecting in the background; must be called inside a Tokio runtime.
-    /// Requests fail with [`StoreError::NotConnected`] until the first
-    /// connection is made. Errors name addresses redacted.
+    /// connecting in the background: one lane per runtime of `runtimes`, its
+    /// supervisor (and so its connection) spawned there; the Sentinels'
+    /// watcher, if any, on the first. Requests fail with
+    /// [`StoreError::NotConnected`] until their lane's first connection is
+    /// made. Errors name addresses redacted.
     pub fn new(
         target: Target,
         key_prefix: &str,
         opts: &RedisOptions,
         timeout: Duration,
         metrics: Metrics,
+        runtimes: &[Handle],
     ) -> Result<Store, String> {
+        let Some(first) = runtimes.first() else {
+            return Err("no runtime to connect to Redis on".to_string());
+        };
         redis_url::install_crypto_provider();
         if opts.tls.insecure {
             tracing::warn!(
@@ -306,29 +333,36 @@ impl Store {
                 opts.clone(),
             ),
         };
-        let shared = Arc::new(Shared {
-            conn: RwLock::new(None),
-            suspect: AtomicU64::new(0),
-            wake: Notify::new(),
-            wake_on_io: !matches!(target, Target::Single(_)),
-            last_error: Mutex::new(None),
-        });
+        let plan = Arc::new(plan);
+        let lanes: Vec<Arc<Shared>> = runtimes
+            .iter()
+            .map(|_| {
+                Arc::new(Shared {
+                    conn: RwLock::new(None),
+                    suspect: AtomicU64::new(0),
+                    wake: Notify::new(),
+                    wake_on_io: !matches!(target, Target::Single(_)),
+                    last_error: Mutex::new(None),
+                })
+            })
+            .collect();
+        let switched: Vec<Arc<Notify>> = runtimes.iter().map(|_| Arc::new(Notify::new())).collect();
         let mut tasks = Vec::new();
-        let switched = Arc::new(Notify::new());
-        if let Plan::Sentinel(s, _) = &plan {
-            tasks.push(tokio::spawn(
-                Arc::clone(s).watch(Arc::clone(&switched), connect_timeout(timeout)),
-            ));
+        if let Plan::Sentinel(s, _) = plan.as_ref() {
+            tasks
+                .push(first.spawn(Arc::clone(s).watch(switched.clone(), connect_timeout(timeout))));
         }
-        tasks.push(tokio::spawn(supervise(
-            Arc::clone(&shared),
-            plan,
-            target.to_string(),
-            timeout,
-            switched,
-        )));
+        for ((runtime, shared), switched) in runtimes.iter().zip(&lanes).zip(switched) {
+            tasks.push(runtime.spawn(supervise(
+                Arc::clone(shared),
+                Arc::clone(&plan),
+                target.to_string(),
+                timeout,
+                switched,
+            )));
+        }
         Ok(Store {
-            shared,
+            lanes,
             timeout,
             metrics,
             tasks,
@@ -342,7 +376,16 @@ impl Store {
         self.cluster
     }
 
-    /// Waits (up to `limit`) for the first connection; true when connected.
+    /// This thread's lane ([`set_lane`]).
+    /// Never `None`: `new` refuses an empty list of runtimes; a lane past
+    /// the end wraps.
+    fn lane(&self) -> Option<&Shared> {
+        let lane = LANE.with(Cell::get);
+        let i = lane.checked_rem(self.lanes.len())?;
+        self.lanes.get(i).map(Arc::as_ref)
+    }
+
+    /// Waits (up to `limit`) for every lane's first connection; true when connected.
     pub async fn wait_connected(&self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
@@ -354,19 +397,24 @@ impl Store {
         self.is_connected()
     }
 
-    /// Whether a connection exists (it may still fail).
+    /// Whether every lane has a connection (it may still fail).
     pub fn is_connected(&self) -> bool {
-        self.shared.current().is_some()
+        self.lanes.iter().all(|l| l.current().is_some())
     }
 
-    /// The last failure to connect (redacted), while not connected since.
+    /// The last failure to connect (redacted) of a lane not connected since.
     pub fn last_error(&self) -> Option<String> {
-        self.shared.last_error.lock().ok().and_then(|e| e.clone())
+        self.lanes
+            .iter()
+            .find_map(|l| l.last_error.lock().ok().and_then(|e| e.clone()))
     }
 
     /// Runs one command within the timeout, timing it as `op`.
     pub async fn query<T: FromRedisValue>(&self, cmd: &Cmd, op: &str) -> Result<T, StoreError> {
-        let Some((generation, conn)) = self.shared.current() else {
+        let Some(shared) = self.lane() else {
+            return Err(StoreError::NotConnected);
+        };
+        let Some((generation, conn)) = shared.current() else {
             return Err(StoreError::NotConnected);
         };
         let started = Instant::now();
@@ -378,9 +426,9 @@ impl Store {
         match result {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
             Ok(Err(e)) => {
-                if calls_for_reconnect(&e, self.shared.wake_on_io) {
-                    self.shared.suspect.store(generation, Ordering::SeqCst);
-                    self.shared.wake.notify_one();
+                if calls_for_reconnect(&e, shared.wake_on_io) {
+                    shared.suspect.store(generation, Ordering::SeqCst);
+                    shared.wake.notify_one();
                 }
                 Err(StoreError::Redis(e))
             }
@@ -515,12 +563,12 @@ impl Plan {
 /// master: forever (aborted when the [`Store`] is dropped).
 async fn supervise(
     shared: Arc<Shared>,
-    plan: Plan,
+    plan: Arc<Plan>,
     name: String,
     timeout: Duration,
     switched: Arc<Notify>,
 ) {
-    let sentinel = matches!(plan, Plan::Sentinel(..));
+    let sentinel = matches!(plan.as_ref(), Plan::Sentinel(..));
     let mut generation = 0u64;
     loop {
         let mut delay = Duration::from_millis(50);
@@ -573,7 +621,7 @@ async fn supervise(
                     break;
                 }
                 _ = tokio::time::sleep(SENTINEL_POLL), if sentinel => {
-                    if let Plan::Sentinel(s, _) = &plan {
+                    if let Plan::Sentinel(s, _) = plan.as_ref() {
                         match s.master_url(connect_timeout(timeout)).await {
                             Ok(url) if url != reached => {
                                 tracing::info!(redis = %name, master = %Redacted(&url), "the Sentinels name another master; reconnecting");

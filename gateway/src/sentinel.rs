@@ -83,8 +83,8 @@ impl Sentinels {
 
     /// Runs until dropped/aborted: subscribed to `+switch-master` on one
     /// Sentinel at a time (the next one when its connection ends), notifying
-    /// `changed` on every switch of this master.
-    pub async fn watch(self: Arc<Self>, changed: Arc<Notify>, timeout: Duration) {
+    /// each of `changed` (one per connection lane) on every switch of this master.
+    pub async fn watch(self: Arc<Self>, changed: Vec<Arc<Notify>>, timeout: Duration) {
         let mut i = 0usize;
         loop {
             let Some((addr, client)) = self.nodes.get(i % self.nodes.len().max(1)) else {
@@ -105,7 +105,9 @@ impl Sentinels {
                         let payload: String = msg.get_payload().unwrap_or_default();
                         if payload.split(' ').next() == Some(self.master.as_str()) {
                             tracing::info!(sentinel = %Redacted(addr), switch = %payload, "+switch-master");
-                            changed.notify_one();
+                            for c in &changed {
+                                c.notify_one();
+                            }
                         }
                     }
                 }

@@ -49,7 +49,8 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// Longest descriptor entries, as they go into a key, before they are hashed.
 pub const MAX_KEY_ENTRIES_BYTES: usize = 512;
 
-/// The rate limit service.
+/// The rate limit service (cloned once per worker thread of `crate::run`).
+#[derive(Clone)]
 pub struct Rls {
     app: Arc<App>,
     config: Arc<Reloadable<RlsConfig>>,
