@@ -6,6 +6,10 @@ use std::fmt;
 /// The longest `per` accepted: a year keeps every bucket computation far from overflow.
 pub const MAX_SECONDS: u64 = 366 * 86_400;
 
+/// What a duration is, in the errors of a value of the wrong type.
+pub(super) const EXPECTING: &str =
+    "a duration such as \"10s\", \"1m\", \"1h\", \"1d\" or a whole number of seconds";
+
 /// A whole number of seconds between 1 and [`MAX_SECONDS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Seconds(pub u64);
@@ -31,7 +35,8 @@ pub fn parse(text: &str) -> Option<u64> {
     n.checked_mul(mult)
 }
 
-fn check_range(secs: u64) -> Result<Seconds, String> {
+/// A whole number of seconds within 1..=[`MAX_SECONDS`], or why not.
+pub(super) fn check_range(secs: u64) -> Result<Seconds, String> {
     if secs == 0 {
         Err("must be at least 1 second".into())
     } else if secs > MAX_SECONDS {
@@ -47,7 +52,7 @@ impl<'de> serde::Deserialize<'de> for Seconds {
         impl Visitor<'_> for V {
             type Value = Seconds;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a duration such as \"10s\", \"1m\", \"1h\", \"1d\" or a whole number of seconds")
+                f.write_str(EXPECTING)
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Seconds, E> {
                 let secs = parse(v).ok_or_else(|| E::custom(format!("{v:?} is not a duration")))?;

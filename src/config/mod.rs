@@ -7,6 +7,7 @@
 //! crate; the policy compiles what this module accepts.
 
 pub mod duration;
+mod read;
 pub mod schema;
 mod syntax;
 pub mod validate;

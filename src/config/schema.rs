@@ -265,16 +265,16 @@ pub struct Lease {
     pub max_leases: u64,
 }
 
-fn default_lease_wait_ms() -> u64 {
+pub(super) fn default_lease_wait_ms() -> u64 {
     20
 }
-fn default_lease_ttl_ms() -> u64 {
+pub(super) fn default_lease_ttl_ms() -> u64 {
     2000
 }
-fn default_lease_path() -> String {
+pub(super) fn default_lease_path() -> String {
     "/v1/lease".into()
 }
-fn default_max_leases() -> u64 {
+pub(super) fn default_max_leases() -> u64 {
     4096
 }
 
@@ -303,29 +303,29 @@ impl Default for Circuit {
     }
 }
 
-fn default_authority() -> String {
+pub(super) fn default_authority() -> String {
     "ratelimit-gateway".into()
 }
-fn default_check_path() -> String {
+pub(super) fn default_check_path() -> String {
     "/v1/check".into()
 }
-fn default_timeout_ms() -> u64 {
+pub(super) fn default_timeout_ms() -> u64 {
     50
 }
-fn default_instances() -> u64 {
+pub(super) fn default_instances() -> u64 {
     1
 }
-fn default_deny_cache() -> u64 {
+pub(super) fn default_deny_cache() -> u64 {
     4096
 }
-fn default_failures() -> u32 {
+pub(super) fn default_failures() -> u32 {
     5
 }
-fn default_cooldown_ms() -> u64 {
+pub(super) fn default_cooldown_ms() -> u64 {
     2000
 }
 
-fn default_buckets() -> u64 {
+pub(super) fn default_buckets() -> u64 {
     DEFAULT_BUCKETS
 }
 
@@ -371,7 +371,7 @@ impl Default for Identity {
     }
 }
 
-fn default_client_header() -> String {
+pub(super) fn default_client_header() -> String {
     "x-client-id".into()
 }
 
@@ -440,7 +440,7 @@ pub struct Graduated {
     pub block_for: Option<Seconds>,
 }
 
-fn default_reject_at() -> f64 {
+pub(super) fn default_reject_at() -> f64 {
     1.0
 }
 
@@ -582,11 +582,11 @@ pub struct Response {
 /// Default problem type for a quota 403.
 pub const DEFAULT_QUOTA_PROBLEM_TYPE: &str = "tag:ratelimit-wasm,2026:quota-exhausted";
 
-fn default_quota_problem_type() -> String {
+pub(super) fn default_quota_problem_type() -> String {
     DEFAULT_QUOTA_PROBLEM_TYPE.into()
 }
 
-fn default_jitter() -> f64 {
+pub(super) fn default_jitter() -> f64 {
     0.1
 }
 
@@ -605,7 +605,7 @@ impl Default for Response {
 pub const DEFAULT_PROBLEM_TYPE: &str =
     "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
-fn default_problem_type() -> String {
+pub(super) fn default_problem_type() -> String {
     DEFAULT_PROBLEM_TYPE.into()
 }
 

@@ -12,10 +12,7 @@ use std::collections::HashSet;
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let value: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| ConfigError::NotJson(e.to_string()))?;
-    let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        ConfigError::field(path, e.into_inner().to_string())
-    })?;
+    let config = super::read::config(&value, &mut super::read::Path::root())?;
     config.validate()?;
     Ok(config)
 }
