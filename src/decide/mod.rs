@@ -271,8 +271,8 @@ impl<S: SharedStore> Ctx<'_, S> {
             .as_ref()
             .map(|s| headers::render(self.plan.header_style, s))
             .unwrap_or_default();
-        let body = problem::too_many_requests(
-            &self.plan.problem_type,
+        let body = problem::too_many_after(
+            &self.plan.too_many_head,
             retry,
             &headers::violated(self.plan, reports),
         );
@@ -391,8 +391,10 @@ impl<S: SharedStore> Ctx<'_, S> {
 }
 
 fn reject(status: u32, mut lines: HeaderLines, retry_after: Option<u64>, body: String) -> Verdict {
+    lines.reserve(2);
     if let Some(r) = retry_after {
-        lines.push(("retry-after", r.to_string()));
+        // itoa: `to_string` goes through `core::fmt`, several times the instructions.
+        lines.push(("retry-after", itoa::Buffer::new().format(r).to_owned()));
     }
     lines.push(("content-type", problem::CONTENT_TYPE.to_string()));
     Verdict::Reject {

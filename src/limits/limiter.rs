@@ -362,7 +362,15 @@ pub fn check_and_consume(
                     cost: b.cost,
                     enforced: None,
                 });
-                let full_at_ns = rule.algorithm.full_at_ns(limit, check.new_state);
+                // A token bucket's TAT is `now × capacity` plus what `reset_ns`
+                // rounds up, so it is full at `now + reset_ns`: the same figure
+                // without a 128-bit division (proptest `full_at_is_now_plus_reset`).
+                let full_at_ns = match rule.algorithm {
+                    Algorithm::TokenBucket if limit.capacity > 0 => {
+                        now_ns.saturating_add(check.reset_ns)
+                    }
+                    _ => rule.algorithm.full_at_ns(limit, check.new_state),
+                };
                 // A denial whose TAT the check bounded (the clock stepped back) stores
                 // the bound, so that the bucket refills from the step on.
                 let bounded = rule.algorithm == Algorithm::TokenBucket

@@ -45,7 +45,7 @@ impl Limit {
 
     /// The current time in scaled units.
     pub fn scaled(&self, now_ns: u64) -> u128 {
-        u128::from(now_ns) * u128::from(self.capacity)
+        mul_wide(now_ns, self.capacity)
     }
 
     /// Scaled time one token takes to refill.
@@ -55,7 +55,7 @@ impl Limit {
 
     /// Scaled length of a full bucket.
     fn tolerance(&self) -> u128 {
-        u128::from(self.period_ns) * u128::from(self.burst.max(self.capacity))
+        mul_wide(self.period_ns, self.burst.max(self.capacity))
     }
 
     /// Share of the limit in use for a bucket at `state`, counted in whole
@@ -70,7 +70,7 @@ impl Limit {
 
     /// Scaled time that spending `cost` tokens adds to the TAT.
     pub fn increment(&self, cost: u64) -> u128 {
-        self.interval() * u128::from(cost)
+        mul_wide(self.period_ns, cost)
     }
 
     /// Checks whether `cost` tokens are available at `now_ns` in a bucket whose
@@ -125,6 +125,21 @@ impl Limit {
     fn unscale_ceil(&self, scaled: u128) -> u64 {
         u64::try_from(self.unscale_ceil_u128(scaled)).unwrap_or(u64::MAX)
     }
+}
+
+/// `a × b`, exactly, from four 32-bit products: wasm has no 64 × 64 → 128
+/// multiply, and the runtime's `__multi3` (a full 128 × 128 one) is a call
+/// of several dozen instructions, three per check of a limit.
+fn mul_wide(a: u64, b: u64) -> u128 {
+    const LOW: u64 = 0xffff_ffff;
+    let (a1, a0) = (a >> 32, a & LOW);
+    let (b1, b0) = (b >> 32, b & LOW);
+    let (p00, p01, p10, p11) = (a0 * b0, a0 * b1, a1 * b0, a1 * b1);
+    // Each term is below 2^32, so the sum cannot overflow.
+    let mid = (p00 >> 32) + (p01 & LOW) + (p10 & LOW);
+    let lo = (p00 & LOW) | (mid << 32);
+    let hi = p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+    (u128::from(hi) << 64) | u128::from(lo)
 }
 
 /// `n / d` and `n % d` for `d` ≥ 1. Wasm has no 128-bit division (the
@@ -301,6 +316,29 @@ mod tests {
     }
 
     proptest! {
+        /// `mul_wide` is u128 multiplication.
+        #[test]
+        fn mul_wide_is_u128_multiplication(a in any::<u64>(), b in any::<u64>()) {
+            prop_assert_eq!(mul_wide(a, b), u128::from(a) * u128::from(b));
+            prop_assert_eq!(mul_wide(u64::MAX, b), u128::from(u64::MAX) * u128::from(b));
+        }
+
+        /// What the limiter stores as a token bucket's full-at time, `now +
+        /// reset_ns`, is `full_at_ns` of the state the check returns.
+        #[test]
+        fn full_at_is_now_plus_reset(
+            capacity in prop_oneof![1u64..1000, 1u64..=1_000_000_000, 1u64..1 << 40],
+            period_ns in prop_oneof![1u64..1_000_000_000_000, 1u64..],
+            extra in 0u64..3,
+            now in prop_oneof![any::<u64>(), 0u64..1 << 62],
+            tat in proptest::option::of(any::<u128>()),
+            cost in prop_oneof![0u64..10, 0u64..=1_000_000],
+        ) {
+            let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)) };
+            let c = l.check(tat, now, cost);
+            prop_assert_eq!(l.full_at_ns(c.new_state), now.saturating_add(c.reset_ns));
+        }
+
         /// The u64 paths of `div_rem` are u128 division, whatever the operands.
         #[test]
         fn div_rem_is_u128_division(

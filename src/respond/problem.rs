@@ -10,6 +10,8 @@ pub const CONTENT_TYPE: &str = "application/problem+json";
 /// Problem type of a 503: the generic one, since HTTP's status says it all.
 pub const UNAVAILABLE_TYPE: &str = "about:blank";
 
+use crate::policy::json::{json_string, too_many_head};
+
 #[cfg_attr(test, derive(serde::Serialize))]
 struct Problem<'a> {
     #[cfg_attr(test, serde(rename = "type"))]
@@ -62,47 +64,6 @@ impl Problem<'_> {
     }
 }
 
-/// Appends `s` as a JSON string, escaped as `serde_json` escapes it: `"`,
-/// `\\` and control characters only (short forms where JSON has them).
-fn json_string(out: &mut String, s: &str) {
-    out.push('"');
-    // Nearly every string has nothing to escape: one copy.
-    if !s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
-        out.push_str(s);
-        out.push('"');
-        return;
-    }
-    let mut start = 0;
-    for (i, b) in s.bytes().enumerate() {
-        let short = match b {
-            b'"' => "\\\"",
-            b'\\' => "\\\\",
-            b'\n' => "\\n",
-            b'\r' => "\\r",
-            b'\t' => "\\t",
-            0x08 => "\\b",
-            0x0c => "\\f",
-            0..=0x1f => "",
-            _ => continue,
-        };
-        out.push_str(s.get(start..i).unwrap_or_default());
-        if short.is_empty() {
-            const HEX: &[u8; 16] = b"0123456789abcdef";
-            out.push_str("\\u00");
-            for nibble in [b >> 4, b & 0xf] {
-                out.push(char::from(
-                    HEX.get(usize::from(nibble)).copied().unwrap_or(b'0'),
-                ));
-            }
-        } else {
-            out.push_str(short);
-        }
-        start = i + 1;
-    }
-    out.push_str(s.get(start..).unwrap_or_default());
-    out.push('"');
-}
-
 /// `Rate limit exceeded. Retry after {secs} seconds.` without `format!`.
 fn retry_detail(prefix: &str, secs: u64) -> String {
     let mut n = itoa::Buffer::new();
@@ -116,15 +77,28 @@ fn retry_detail(prefix: &str, secs: u64) -> String {
 
 /// The body of a 429.
 pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[&str]) -> String {
-    Problem {
-        kind: problem_type,
-        title: "Too Many Requests",
-        status: 429,
-        detail: retry_detail("Rate limit exceeded. Retry after ", retry_after_secs),
-        violated_policies: Some(violated),
-        upgrade_url: None,
+    too_many_after(&too_many_head(problem_type), retry_after_secs, violated)
+}
+
+/// The body of a 429 whose constant part, [`too_many_head`], the plan
+/// compiled once (`Plan::too_many_head`): only the wait and the names are
+/// written per answer.
+pub fn too_many_after(head: &str, retry_after_secs: u64, violated: &[&str]) -> String {
+    let mut n = itoa::Buffer::new();
+    let secs = n.format(retry_after_secs);
+    let names: usize = violated.iter().map(|n| n.len() + 3).sum();
+    let mut out = String::with_capacity(head.len() + secs.len() + 34 + names);
+    out.push_str(head);
+    out.push_str(secs);
+    out.push_str(" seconds.\",\"violated-policies\":[");
+    for (i, name) in violated.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        json_string(&mut out, name);
     }
-    .render()
+    out.push_str("]}");
+    out
 }
 
 /// The body of a 403 when a quota is spent: no `Retry-After` — waiting a few
@@ -168,6 +142,7 @@ pub fn service_unavailable(retry_after_secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::json::{TOO_MANY_DETAIL, TOO_MANY_TITLE};
     use proptest::prelude::*;
 
     proptest! {
@@ -190,6 +165,27 @@ mod tests {
                 upgrade_url: url.as_deref(),
             };
             prop_assert_eq!(p.render(), serde_json::to_string(&p).unwrap());
+        }
+    }
+
+    proptest! {
+        /// The 429 written from its compiled head is the whole body written at once.
+        #[test]
+        fn a_429_from_its_head_is_the_whole_body(
+            kind in "\\PC*|[\\x00-\\x7f]*",
+            secs in any::<u64>(),
+            names in proptest::collection::vec("\\PC{0,8}|[\\x00-\\x7f]{0,8}", 0..3),
+        ) {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let whole = Problem {
+                kind: &kind,
+                title: TOO_MANY_TITLE,
+                status: 429,
+                detail: retry_detail(TOO_MANY_DETAIL, secs),
+                violated_policies: Some(&names),
+                upgrade_url: None,
+            };
+            prop_assert_eq!(too_many_requests(&kind, secs, &names), whole.render());
         }
     }
 
