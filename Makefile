@@ -128,6 +128,7 @@ BENCH_WASM_OUT   := $(CURDIR)/target/bench/wasm
 bench: deps ## side-by-side throughput, latency and memory (BENCHMARKS.md)
 	$(call install,wrk,wrk)
 	$(call install,redis-benchmark,redis-tools)
+	$(call install,h2load,nghttp2-client)
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm -p noop-filter
 	cargo build --release -p ratelimit-gateway
 	rm -rf $(BENCH_WASM_OUT)

@@ -355,6 +355,9 @@ pub struct GatewayRun {
     pub gateway_auth: wrk::WrkResult,
     /// `ShouldRateLimit` calls on the plain gateway's `--grpc-listen`.
     pub grpc: wrk::WrkResult,
+    /// CPU seconds of the gRPC load's `h2load` processes ÷ the gateway's
+    /// over the same run: well below 1, the load generator is not the ceiling.
+    pub grpc_generator_share: f64,
     pub redis: gateway::BenchResult,
     pub foreign_cpu: f64,
 }
@@ -787,7 +790,7 @@ impl RunContext<'_> {
             eprintln!(
                 "bench: round {}/{} gateway {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
                  with auth {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
-                 gRPC {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
+                 gRPC {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms; h2load CPU {:.2}× the gateway's)  \
                  redis-benchmark EVALSHA {:>9.0}/s (p50 {:.3} ms, p99 {:.3} ms)",
                 repeat + 1,
                 self.args.repeats,
@@ -800,6 +803,7 @@ impl RunContext<'_> {
                 run.grpc.rps,
                 run.grpc.p50_ms,
                 run.grpc.p99_ms,
+                run.grpc_generator_share,
                 run.redis.rps,
                 run.redis.p50_ms,
                 run.redis.p99_ms
@@ -939,13 +943,22 @@ impl RunContext<'_> {
             let with_auth = wrk::run(&auth)?;
             (wrk::run(&load)?, with_auth)
         };
+        let grpc_dir = self.args.work_dir.join("grpc-load");
         gateway::grpc_load(
+            g,
             self.grpc_port,
             self.args.connections,
             self.args.warmup.max(1),
+            &grpc_dir,
         )
         .context("gRPC warm-up")?;
-        let grpc = gateway::grpc_load(self.grpc_port, self.args.connections, self.args.seconds)?;
+        let grpc = gateway::grpc_load(
+            g,
+            self.grpc_port,
+            self.args.connections,
+            self.args.seconds,
+            &grpc_dir,
+        )?;
         // Calibrate redis-benchmark's request count to last about as long.
         let probe = gateway::redis_benchmark(redis, sha, self.args.connections, 20_000)?;
         let n = (probe.rps * f64::from(self.args.seconds)).max(20_000.0) as u64;
@@ -955,7 +968,8 @@ impl RunContext<'_> {
             repeat,
             gateway,
             gateway_auth,
-            grpc,
+            grpc: grpc.result,
+            grpc_generator_share: grpc.generator_cpu_s / grpc.gateway_cpu_s.max(1e-9),
             redis: redis_result,
             foreign_cpu: before.foreign_share(&after, self.nproc),
         })

@@ -132,81 +132,227 @@ fn parse_csv(text: &str) -> Result<BenchResult> {
     })
 }
 
-/// `ShouldRateLimit` calls/s on the gateway's `--grpc-listen` at
-/// 127.0.0.1:`port`: `connections` callers, each on its own HTTP/2
-/// connection, one call at a time, one descriptor `(tb_client, c<k>)` in
-/// domain `bench-native` (a token bucket: `check.lua`, as the other
-/// figures), cycling through [`CLIENTS`], for `seconds`. Calls answered with
-/// a gRPC error count in `non_2xx`.
-pub fn grpc_load(port: u16, connections: u32, seconds: u32) -> Result<crate::wrk::WrkResult> {
+/// `h2load` processes of the gRPC load: each posts one client's body, so
+/// the load spreads over this many client keys (h2load sends one body per
+/// run).
+pub const GRPC_PROCESSES: u32 = 4;
+
+/// One gRPC load run, and what it cost.
+#[derive(Debug, Clone, Default)]
+pub struct GrpcRun {
+    /// Calls answered (HTTP 2xx and, by the gateway's counters, gRPC OK).
+    pub result: crate::wrk::WrkResult,
+    /// CPU seconds of the `h2load` processes.
+    pub generator_cpu_s: f64,
+    /// CPU seconds of the gateway over the same run.
+    pub gateway_cpu_s: f64,
+}
+
+/// The body of one `ShouldRateLimit` call as it goes on the wire: gRPC's
+/// 5-byte frame header (not compressed, big-endian length), then the
+/// `RateLimitRequest` with one descriptor `(tb_client, c<client>)` in
+/// domain `bench-native`.
+pub fn grpc_body(client: u32) -> Vec<u8> {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-    use std::time::{Duration, Instant};
+    use prost::Message;
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .context("starting the gRPC load's runtime")?;
-    rt.block_on(async move {
-        let deadline = Instant::now() + Duration::from_secs(seconds.into());
-        let started = Instant::now();
-        let mut tasks = Vec::new();
-        for c in 0..connections {
-            let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
-                .await
-                .context("connecting to the gateway's gRPC port")?;
-            tasks.push(tokio::spawn(async move {
-                let mut latencies = Vec::new();
-                let mut errors = 0u64;
-                let mut k = c;
-                while Instant::now() < deadline {
-                    k = (k + connections) % CLIENTS;
-                    let req = RateLimitRequest {
-                        domain: "bench-native".to_string(),
-                        descriptors: vec![RateLimitDescriptor {
-                            entries: vec![Entry {
-                                key: "tb_client".to_string(),
-                                value: format!("c{k}"),
-                            }],
-                            ..Default::default()
-                        }],
-                        hits_addend: 0,
-                    };
-                    let t = Instant::now();
-                    if client.should_rate_limit(req).await.is_err() {
-                        errors += 1;
-                    }
-                    latencies.push(t.elapsed().as_secs_f64() * 1000.0);
-                }
-                (latencies, errors)
-            }));
+    let message = RateLimitRequest {
+        domain: "bench-native".to_string(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "tb_client".to_string(),
+                value: format!("c{client}"),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+    .encode_to_vec();
+    let mut body = Vec::with_capacity(5 + message.len());
+    body.push(0);
+    body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    body.extend_from_slice(&message);
+    body
+}
+
+/// CPU seconds of this process's children that have been waited for.
+fn children_cpu_seconds() -> f64 {
+    let me = std::process::id();
+    crate::machine::process_cpu_seconds(me, true) - crate::machine::process_cpu_seconds(me, false)
+}
+
+/// `ShouldRateLimit` calls/s on `gateway`'s `--grpc-listen` at
+/// 127.0.0.1:`port`, for `seconds`, loaded by `h2load` (Debian package
+/// `nghttp2-client`): [`GRPC_PROCESSES`] processes, each on its own
+/// HTTP/2 connection with `connections / GRPC_PROCESSES` calls in flight
+/// (so `connections` calls in flight in all, as wrk and redis-benchmark
+/// have; Envoy's native filter also multiplexes its calls over one
+/// connection per worker), each posting [`grpc_body`] of its own client (a
+/// token bucket: `check.lua`, as the other figures). h2load sees HTTP
+/// statuses only, not the `grpc-status` trailer, so the gateway's own
+/// counter of answers (`ratelimit_gateway_rls_requests_total{code}`) is
+/// read before and after: any answer but `ok` fails the run. Per-call
+/// latencies come from h2load's `--log-file`s, in `dir`.
+pub fn grpc_load(
+    gateway: &testkit::gateway::Gateway,
+    port: u16,
+    connections: u32,
+    seconds: u32,
+    dir: &std::path::Path,
+) -> Result<GrpcRun> {
+    const ANSWERS: &str = "ratelimit_gateway_rls_requests_total";
+    const OK: &str = "ratelimit_gateway_rls_requests_total{code=\"ok\"}";
+    let answers = || -> Result<(f64, f64)> {
+        let page = gateway.metrics()?;
+        Ok((
+            testkit::prometheus_value(&page, ANSWERS).unwrap_or(0.0),
+            gateway.metric(OK)?.unwrap_or(0.0),
+        ))
+    };
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let processes = GRPC_PROCESSES.min(connections.max(1));
+    let streams = (connections / processes).max(1);
+    let url = format!(
+        "http://127.0.0.1:{port}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    );
+    let (all_before, ok_before) = answers()?;
+    let cpu_before = children_cpu_seconds();
+    let gateway_pid = gateway.pid().unwrap_or(0);
+    let gateway_before = crate::machine::process_cpu_seconds(gateway_pid, false);
+    let mut children = Vec::new();
+    for p in 0..processes {
+        let body = dir.join(format!("body-{p}.bin"));
+        std::fs::write(&body, grpc_body(p))
+            .with_context(|| format!("writing {}", body.display()))?;
+        let log = dir.join(format!("h2load-{p}.log"));
+        let child = Command::new("h2load")
+            .args(["-c", "1", "-m", &streams.to_string()])
+            .args(["-D", &seconds.to_string()])
+            .arg("-d")
+            .arg(&body)
+            .arg("--log-file")
+            .arg(&log)
+            .args(["-H", "content-type: application/grpc", "-H", "te: trailers"])
+            .arg(&url)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("running h2load (Debian package nghttp2-client; `make bench` installs it)")?;
+        children.push((child, log));
+    }
+    let mut result = crate::wrk::WrkResult::default();
+    let mut latencies = Vec::new();
+    for (child, log) in children {
+        let out = child.wait_with_output().context("waiting for h2load")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!(
+                "h2load failed ({}):\n{text}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
-        let mut all = Vec::new();
-        let mut errors = 0;
-        for t in tasks {
-            let (l, e) = t.await.context("a gRPC load task")?;
-            all.extend(l);
-            errors += e;
-        }
-        let elapsed = started.elapsed().as_secs_f64();
-        all.sort_by(f64::total_cmp);
-        let pct = |p: f64| {
-            all.get(((all.len() as f64 * p) as usize).min(all.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or(0.0)
-        };
-        Ok(crate::wrk::WrkResult {
-            requests: all.len() as u64,
-            seconds: elapsed,
-            rps: all.len() as f64 / elapsed.max(1e-9),
-            p50_ms: pct(0.50),
-            p99_ms: pct(0.99),
-            non_2xx: errors,
-            socket_errors: 0,
-        })
+        let run =
+            parse_h2load(&text).with_context(|| format!("reading h2load's report:\n{text}"))?;
+        result.requests += run.requests;
+        // The processes run side by side for the same time.
+        result.rps += run.rps;
+        result.seconds = result.seconds.max(run.seconds);
+        result.non_2xx += run.non_2xx;
+        result.socket_errors += run.socket_errors;
+        let log_text =
+            std::fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
+        // start (µs since the epoch), HTTP status, µs to the end of the response.
+        latencies.extend(
+            log_text
+                .lines()
+                .filter_map(|l| l.split('\t').nth(2)?.trim().parse::<f64>().ok())
+                .map(|us| us / 1000.0),
+        );
+    }
+    if result.non_2xx + result.socket_errors > 0 {
+        bail!(
+            "h2load: {} calls answered with a non-2xx HTTP status, {} failed or timed out",
+            result.non_2xx,
+            result.socket_errors
+        );
+    }
+    let generator_cpu_s = children_cpu_seconds() - cpu_before;
+    let gateway_cpu_s = crate::machine::process_cpu_seconds(gateway_pid, false) - gateway_before;
+    let (all_after, ok_after) = answers()?;
+    let not_ok = (all_after - all_before) - (ok_after - ok_before);
+    if not_ok > 0.0 {
+        bail!(
+            "the gateway answered {not_ok} of {} ShouldRateLimit calls with something else than \
+             OK (ratelimit_gateway_rls_requests_total by code)",
+            all_after - all_before
+        );
+    }
+    // Calls cut off at the end are counted by the gateway, not by h2load.
+    if ok_after - ok_before < result.requests as f64 {
+        bail!(
+            "h2load counted {} answered calls, the gateway {} OK answers",
+            result.requests,
+            ok_after - ok_before
+        );
+    }
+    latencies.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    result.p50_ms = pct(0.50);
+    result.p99_ms = pct(0.99);
+    Ok(GrpcRun {
+        result,
+        generator_cpu_s,
+        gateway_cpu_s,
+    })
+}
+
+/// Reads h2load's report: `finished in <s>s, ...` and
+/// `requests: <n> total, <n> started, <n> done, <n> succeeded, <n> failed,
+/// <n> errored, <n> timeout`. `requests` is the succeeded calls (2xx);
+/// failed (non-2xx) calls count in `non_2xx`, errored and timed-out ones in
+/// `socket_errors`.
+fn parse_h2load(text: &str) -> Result<crate::wrk::WrkResult> {
+    let finished = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("finished in "))
+        .context("no 'finished in' line")?;
+    let mut parts = finished.split(", ");
+    let seconds = parts
+        .next()
+        .and_then(|s| s.strip_suffix('s'))
+        .context("no duration")?
+        .parse::<f64>()
+        .context("duration")?;
+    let counts = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("requests: "))
+        .context("no 'requests:' line")?;
+    let count = |name: &str| -> Result<u64> {
+        counts
+            .split(", ")
+            .find_map(|c| c.strip_suffix(name).map(str::trim))
+            .with_context(|| format!("no '{name}' count"))?
+            .parse::<u64>()
+            .with_context(|| format!("the '{name}' count"))
+    };
+    let requests = count(" succeeded")?;
+    Ok(crate::wrk::WrkResult {
+        requests,
+        seconds,
+        rps: requests as f64 / seconds.max(1e-9),
+        p50_ms: 0.0,
+        p99_ms: 0.0,
+        non_2xx: count(" failed")?,
+        socket_errors: count(" errored")? + count(" timeout")?,
     })
 }
 
@@ -222,6 +368,33 @@ mod tests {
         assert!((r.rps - 10608.95).abs() < 1e-9);
         assert!((r.p50_ms - 1.951).abs() < 1e-9);
         assert!((r.p99_ms - 11.287).abs() < 1e-9);
+    }
+
+    #[test]
+    fn parses_h2load_report() {
+        let text = "starting benchmark...\n\
+            finished in 4.00s, 34126.50 req/s, 2.02MB/s\n\
+            requests: 136506 total, 136522 started, 136506 done, 136500 succeeded, 6 failed, 0 errored, 0 timeout\n\
+            status codes: 136500 2xx, 0 3xx, 0 4xx, 6 5xx\n";
+        let r = parse_h2load(text).unwrap();
+        assert_eq!(r.requests, 136_500);
+        assert_eq!(r.non_2xx, 6);
+        assert!((r.seconds - 4.0).abs() < 1e-9);
+        assert!((r.rps - 136_500.0 / 4.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_grpc_body_is_one_framed_request() {
+        use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+        use prost::Message;
+        let body = grpc_body(7);
+        assert_eq!(body[0], 0, "not compressed");
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        assert_eq!(len, body.len() - 5);
+        let req = RateLimitRequest::decode(&body[5..]).unwrap();
+        assert_eq!(req.domain, "bench-native");
+        assert_eq!(req.descriptors[0].entries[0].key, "tb_client");
+        assert_eq!(req.descriptors[0].entries[0].value, "c7");
     }
 
     #[test]

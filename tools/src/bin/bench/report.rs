@@ -389,7 +389,10 @@ pub fn markdown(s: &Session, svg: &str) -> String {
         );
         let _ = writeln!(
             m,
-            "| the rate limit service over gRPC (`--grpc-listen`), `ShouldRateLimit` with 1 token-bucket descriptor, one call at a time per HTTP/2 connection | {} | {} | {} |",
+            "| the rate limit service over gRPC (`--grpc-listen`), `ShouldRateLimit` with 1 token-bucket descriptor, h2load: {} HTTP/2 connections × {} calls in flight (h2load's CPU {} × the gateway's) | {} | {} | {} |",
+            crate::gateway::GRPC_PROCESSES.min(a.connections.max(1)),
+            (a.connections / crate::gateway::GRPC_PROCESSES.min(a.connections.max(1))).max(1),
+            g(&|r| r.grpc_generator_share).show(2),
             g(&|r| r.grpc.rps).show(0),
             g(&|r| r.grpc.p50_ms).show(3),
             g(&|r| r.grpc.p99_ms).show(3)
@@ -528,7 +531,8 @@ pub fn to_json(s: &Session) -> Value {
                 "gateway_auth": { "rps": g.gateway_auth.rps, "p50_ms": g.gateway_auth.p50_ms,
                                   "p99_ms": g.gateway_auth.p99_ms, "requests": g.gateway_auth.requests },
                 "grpc": { "rps": g.grpc.rps, "p50_ms": g.grpc.p50_ms, "p99_ms": g.grpc.p99_ms,
-                          "requests": g.grpc.requests, "errors": g.grpc.non_2xx },
+                          "requests": g.grpc.requests, "errors": g.grpc.non_2xx,
+                          "generator_cpu_share": g.grpc_generator_share },
                 "redis_benchmark": { "rps": g.redis.rps, "p50_ms": g.redis.p50_ms, "p99_ms": g.redis.p99_ms,
                                      "requests": g.redis.requests },
                 "foreign_cpu": g.foreign_cpu,
