@@ -27,6 +27,31 @@ pub struct Variant {
     pub(super) hasher: SipHasher13,
     /// How the gateway protocol names this set.
     pub wire: ratelimit_protocol::Variant,
+    /// What the response headers say of each limit that never changes.
+    pub texts: Vec<LimitText>,
+}
+
+/// The constant header values of one limit, written once at configure time
+/// rather than formatted on every response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitText {
+    /// `x-ratelimit-limit`: the capacity.
+    pub quota: String,
+    /// `ratelimit-policy`: `"<rule>";q=<capacity>;w=<per in seconds>`.
+    pub policy: String,
+}
+
+impl LimitText {
+    fn new(rule: &str, capacity: u64, window_secs: u64) -> LimitText {
+        let quota = itoa::Buffer::new().format(capacity).to_owned();
+        let mut w = itoa::Buffer::new();
+        let window = w.format(window_secs);
+        let mut policy = String::with_capacity(rule.len() + quota.len() + window.len() + 7);
+        for part in ["\"", rule, "\";q=", &quota, ";w=", window] {
+            policy.push_str(part);
+        }
+        LimitText { quota, policy }
+    }
 }
 
 /// A compiled rule.
@@ -277,6 +302,9 @@ pub enum SourceNeed {
 struct Headers(Vec<String>);
 
 impl Headers {
+    // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
+    // function's size (BENCHMARKS.md, "Where the memory goes").
+    #[inline(never)]
     fn id(&mut self, name: &str) -> HeaderId {
         let name = name.to_ascii_lowercase();
         match self.0.iter().position(|n| *n == name) {
@@ -288,6 +316,9 @@ impl Headers {
         }
     }
 
+    // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
+    // function's size (BENCHMARKS.md, "Where the memory goes").
+    #[inline(never)]
     fn key(&mut self, parts: &[String]) -> Vec<KeyPart> {
         parts
             .iter()
@@ -326,6 +357,9 @@ struct VariantMaker<'a> {
 
 impl VariantMaker<'_> {
     /// The limits of one set; `instances` above 1 makes a proxy's stand-in share.
+    // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
+    // function's size (BENCHMARKS.md, "Where the memory goes").
+    #[inline(never)]
     fn make(
         &self,
         (specs, wire): &(&[LimitSpec], ratelimit_protocol::Variant),
@@ -360,10 +394,15 @@ impl VariantMaker<'_> {
             hasher.write(&l.period_ns.to_le_bytes());
             hasher.write(&l.burst.to_le_bytes());
         }
+        let texts = limits
+            .iter()
+            .map(|(l, secs)| LimitText::new(&self.rule.name, l.capacity, *secs))
+            .collect();
         Variant {
             limits,
             hasher,
             wire: wire.clone(),
+            texts,
         }
     }
 }
@@ -622,6 +661,9 @@ impl LeasePlan {
 }
 
 /// Which headers the compiled plan reads, and when it reads the peer address.
+// Kept out of Plan::compile: V8 holds memory superlinear in a wasm
+// function's size (BENCHMARKS.md, "Where the memory goes").
+#[inline(never)]
 fn reads(
     headers: usize,
     identity: &IdentityPlan,

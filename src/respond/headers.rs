@@ -4,7 +4,7 @@
 use crate::config::HeaderStyle;
 use crate::limits::limiter::Report;
 use crate::limits::token_bucket::ceil_secs;
-use crate::policy::plan::Plan;
+use crate::policy::plan::{LimitText, Plan};
 
 /// The one limit a response reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,16 +21,23 @@ pub struct Shown<'a> {
     pub reset_secs: u64,
     /// Seconds until the request could pass, for denials (at least 1).
     pub retry_after_secs: u64,
+    /// `quota` and the policy field as the plan wrote them, for this
+    /// filter's own limits (`None`: a limit the gateway stated).
+    pub text: Option<&'a LimitText>,
 }
 
 fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
     let rule = plan.rules.get(r.rule)?;
     // A gateway answer says which limit it enforced: that one is shown.
-    let (quota, window_secs) = match r.enforced {
-        Some(e) => (e.requests, e.window_secs()),
+    let (quota, window_secs, text) = match r.enforced {
+        Some(e) => (e.requests, e.window_secs(), None),
         None => {
             let (limit, window_secs) = rule.limits(r.variant).get(r.limit)?;
-            (limit.capacity, *window_secs)
+            let text = rule
+                .variants
+                .get(r.variant)
+                .and_then(|v| v.texts.get(r.limit));
+            (limit.capacity, *window_secs, text)
         }
     };
     Some(Shown {
@@ -40,6 +47,7 @@ fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
         remaining: r.check.remaining,
         reset_secs: ceil_secs(r.check.reset_ns),
         retry_after_secs: ceil_secs(r.check.retry_after_ns).max(1),
+        text,
     })
 }
 
@@ -94,42 +102,42 @@ pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
 }
 
 /// The header lines for `s` in the configured style. Built with `itoa` and
-/// `push_str`: `format!` costs several times the instructions on every response.
+/// `push_str`: `format!` costs several times the instructions on every
+/// response; what never changes for a limit comes ready from the plan.
 pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
     let mut out = Vec::with_capacity(5);
-    // Each number formatted once: both styles show quota, remaining and reset.
-    let (mut q, mut r, mut t, mut w) = (
-        itoa::Buffer::new(),
-        itoa::Buffer::new(),
-        itoa::Buffer::new(),
-        itoa::Buffer::new(),
-    );
-    let (quota, remaining, reset) = (
-        q.format(s.quota),
-        r.format(s.remaining),
-        t.format(s.reset_secs),
-    );
+    // Each number formatted once: both styles show remaining and reset.
+    let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let (remaining, reset) = (r.format(s.remaining), t.format(s.reset_secs));
+    let field = |a: &str, x: &str, b: &str, y: &str| {
+        let mut v =
+            String::with_capacity(s.policy.len() + a.len() + x.len() + b.len() + y.len() + 1);
+        v.push('"');
+        v.push_str(s.policy);
+        v.push_str(a);
+        v.push_str(x);
+        v.push_str(b);
+        v.push_str(y);
+        v
+    };
     if matches!(style, HeaderStyle::Both | HeaderStyle::Legacy) {
-        out.push(("x-ratelimit-limit", quota.to_owned()));
+        let quota = match s.text {
+            Some(text) => text.quota.clone(),
+            None => itoa::Buffer::new().format(s.quota).to_owned(),
+        };
+        out.push(("x-ratelimit-limit", quota));
         out.push(("x-ratelimit-remaining", remaining.to_owned()));
         out.push(("x-ratelimit-reset", reset.to_owned()));
     }
     if matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
-        let field = |a: &str, x: &str, b: &str, y: &str| {
-            let mut v =
-                String::with_capacity(s.policy.len() + a.len() + x.len() + b.len() + y.len() + 1);
-            v.push('"');
-            v.push_str(s.policy);
-            v.push_str(a);
-            v.push_str(x);
-            v.push_str(b);
-            v.push_str(y);
-            v
+        let policy = match s.text {
+            Some(text) => text.policy.clone(),
+            None => {
+                let (mut q, mut w) = (itoa::Buffer::new(), itoa::Buffer::new());
+                field("\";q=", q.format(s.quota), ";w=", w.format(s.window_secs))
+            }
         };
-        out.push((
-            "ratelimit-policy",
-            field("\";q=", quota, ";w=", w.format(s.window_secs)),
-        ));
+        out.push(("ratelimit-policy", policy));
         out.push(("ratelimit", field("\";r=", remaining, ";t=", reset)));
     }
     out
@@ -198,6 +206,27 @@ mod tests {
         assert_eq!(render(HeaderStyle::Legacy, &s).len(), 3);
         assert_eq!(render(HeaderStyle::Ietf, &s)[0].0, "ratelimit-policy");
         assert!(render(HeaderStyle::None, &s).is_empty());
+    }
+
+    #[test]
+    fn the_plans_ready_texts_are_what_render_would_write() {
+        let p = plan();
+        for (rule, limit) in [(0, 0), (0, 1), (1, 0)] {
+            let s = closest(&p, &[report(rule, limit, true, 3, 7, 0)]).unwrap();
+            assert!(s.text.is_some());
+            let formatted = Shown {
+                text: None,
+                ..s.clone()
+            };
+            for style in [
+                HeaderStyle::Both,
+                HeaderStyle::Legacy,
+                HeaderStyle::Ietf,
+                HeaderStyle::None,
+            ] {
+                assert_eq!(render(style, &s), render(style, &formatted));
+            }
+        }
     }
 
     #[test]
