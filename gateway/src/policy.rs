@@ -241,7 +241,7 @@ impl Domain {
         }
     }
 
-    fn rule(&self, at: &str, domain: &str, name: &str) -> Result<&RulePolicy, String> {
+    fn rule(&self, at: At, domain: &str, name: &str) -> Result<&RulePolicy, String> {
         self.rules.get(name).ok_or_else(|| {
             format!("{at}: unknown rule `{name}`: not a global rule of domain `{domain}`")
         })
@@ -282,29 +282,31 @@ impl Policy {
                 req.quotas.len()
             ));
         }
-        let mut seen = HashSet::new();
+        let mut seen = Seen::with_capacity(req.buckets.len());
         let mut buckets = Vec::with_capacity(req.buckets.len());
         for (b, bucket) in req.buckets.iter().enumerate() {
-            let at = format!("buckets[{b}]");
-            if !seen.insert(bucket.rule.as_str()) {
+            let at = At::item("buckets", b);
+            if !seen.insert(&bucket.rule) {
                 return Err(format!(
-                    "{at}.rule: rule `{}` named twice in one request",
+                    "{}: rule `{}` named twice in one request",
+                    at.field("rule"),
                     bucket.rule
                 ));
             }
-            buckets.push(resolve_bucket(&at, &req.domain, d, bucket)?);
+            buckets.push(resolve_bucket(at, &req.domain, d, bucket)?);
         }
-        let mut seen = HashSet::new();
+        let mut seen = Seen::with_capacity(req.quotas.len());
         let mut quotas = Vec::with_capacity(req.quotas.len());
         for (q, quota) in req.quotas.iter().enumerate() {
-            let at = format!("quotas[{q}]");
-            if !seen.insert(quota.quota.as_str()) {
+            let at = At::item("quotas", q);
+            if !seen.insert(&quota.quota) {
                 return Err(format!(
-                    "{at}.quota: quota `{}` named twice in one request",
+                    "{}: quota `{}` named twice in one request",
+                    at.field("quota"),
                     quota.quota
                 ));
             }
-            quotas.push(resolve_quota(&at, &req.domain, d, quota)?);
+            quotas.push(resolve_quota(at, &req.domain, d, quota)?);
         }
         Ok(Resolved {
             domain: req.domain.clone(),
@@ -328,7 +330,7 @@ impl Policy {
     ) -> Result<ResolvedBucket, String> {
         use ratelimit_wasm::policy::key::{bounded, encode_part};
         let d = self.domain(domain)?;
-        let r = d.rule("shared.rule", domain, rule)?;
+        let r = d.rule(At::top("shared.rule"), domain, rule)?;
         if values.len() != r.key.len() {
             return Err(format!(
                 "shared.entries: rule `{rule}` has {} key parts, the descriptor gave {}",
@@ -375,7 +377,7 @@ impl Policy {
                 req.domain
             ));
         };
-        let rule = d.rule("rule", &req.domain, &req.rule)?;
+        let rule = d.rule(At::top("rule"), &req.domain, &req.rule)?;
         if rule.algorithm != Algorithm::TokenBucket {
             return Err(format!(
                 "rule: rule `{}` is a {}; leases need token_bucket",
@@ -383,8 +385,8 @@ impl Policy {
                 rule.algorithm.name()
             ));
         }
-        check_key("key", &req.rule, &req.key)?;
-        let limits = variant_limits("variant", &req.rule, rule, &req.variant)?;
+        check_key(At::top("key"), &req.rule, &req.key)?;
+        let limits = variant_limits(At::top("variant"), &req.rule, rule, &req.variant)?;
         let smallest = limits.iter().map(|l| l.requests).min().unwrap_or(1);
         // As the filter sizes a batch: at least one token, at most the smallest limit.
         let cap = ((smallest as f64 * lease.fraction).floor() as u64).clamp(1, smallest.max(1));
@@ -401,19 +403,14 @@ impl Policy {
 }
 
 fn resolve_bucket(
-    at: &str,
+    at: At,
     domain: &str,
     d: &Domain,
     bucket: &BucketRef,
 ) -> Result<ResolvedBucket, String> {
-    let rule = d.rule(&format!("{at}.rule"), domain, &bucket.rule)?;
-    check_key(&format!("{at}.key"), &bucket.rule, &bucket.key)?;
-    let limits = variant_limits(
-        &format!("{at}.variant"),
-        &bucket.rule,
-        rule,
-        &bucket.variant,
-    )?;
+    let rule = d.rule(at.field("rule"), domain, &bucket.rule)?;
+    check_key(at.field("key"), &bucket.rule, &bucket.key)?;
+    let limits = variant_limits(at.field("variant"), &bucket.rule, rule, &bucket.variant)?;
     if bucket.cost > rule.max_cost {
         return Err(format!(
             "{at}.cost: {} is above {}, the largest cost the policy gives rule `{}`",
@@ -429,7 +426,7 @@ fn resolve_bucket(
 }
 
 fn resolve_quota(
-    at: &str,
+    at: At,
     domain: &str,
     d: &Domain,
     quota: &QuotaRef,
@@ -440,7 +437,7 @@ fn resolve_quota(
             quota.quota
         ));
     };
-    check_key(&format!("{at}.key"), &quota.quota, &quota.key)?;
+    check_key(at.field("key"), &quota.quota, &quota.key)?;
     let limit = match &quota.variant {
         Variant::Default => q.limit,
         Variant::Tier(t) => match q.tiers.get(t) {
@@ -483,9 +480,96 @@ fn resolve_quota(
     })
 }
 
+/// Where a field is in the request (`buckets[1].key`, or `key` of a lease),
+/// formatted only into an error message: an accepted request builds no
+/// field paths.
+#[derive(Debug, Clone, Copy)]
+struct At {
+    /// The list and the index of the item, if the field is in one.
+    item: Option<(&'static str, usize)>,
+    /// The field; empty for the item itself.
+    field: &'static str,
+}
+
+impl At {
+    fn top(field: &'static str) -> At {
+        At { item: None, field }
+    }
+
+    fn item(list: &'static str, index: usize) -> At {
+        At {
+            item: Some((list, index)),
+            field: "",
+        }
+    }
+
+    fn field(self, field: &'static str) -> At {
+        At { field, ..self }
+    }
+}
+
+impl std::fmt::Display for At {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.item, self.field) {
+            (Some((list, i)), "") => write!(f, "{list}[{i}]"),
+            (Some((list, i)), field) => write!(f, "{list}[{i}].{field}"),
+            (None, field) => f.write_str(field),
+        }
+    }
+}
+
+/// The names a request has used so far: on the stack while few (most
+/// requests name one to four), in a hash set past [`Seen::LINEAR`].
+// On the stack on purpose: the small form is the common one, and boxing it
+// would be the allocation it exists to avoid.
+#[allow(clippy::large_enum_variant)]
+enum Seen<'a> {
+    Few([&'a str; Seen::LINEAR], usize),
+    Many(HashSet<&'a str>),
+}
+
+impl<'a> Seen<'a> {
+    const LINEAR: usize = 16;
+
+    fn with_capacity(n: usize) -> Seen<'a> {
+        if n <= Self::LINEAR {
+            Seen::Few([""; Self::LINEAR], 0)
+        } else {
+            Seen::Many(HashSet::with_capacity(n))
+        }
+    }
+
+    /// False when `name` was seen before.
+    fn insert(&mut self, name: &'a str) -> bool {
+        match self {
+            Seen::Few(names, n) => {
+                let seen = names.get(..*n).unwrap_or_default();
+                if seen.contains(&name) {
+                    return false;
+                }
+                match names.get_mut(*n) {
+                    Some(slot) => {
+                        *slot = name;
+                        *n += 1;
+                        true
+                    }
+                    // Full (more names than `with_capacity` was told): move to a set.
+                    None => {
+                        let mut h: HashSet<&'a str> = names.iter().copied().collect();
+                        h.insert(name);
+                        *self = Seen::Many(h);
+                        true
+                    }
+                }
+            }
+            Seen::Many(h) => h.insert(name),
+        }
+    }
+}
+
 /// The filter writes a key as `<name>/<parts>` (or `<name>#<hash>` when
 /// long): a key of another rule or quota is refused.
-fn check_key(at: &str, name: &str, key: &str) -> Result<(), String> {
+fn check_key(at: At, name: &str, key: &str) -> Result<(), String> {
     let ok = key
         .strip_prefix(name)
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('/') || rest.starts_with('#'));
@@ -496,7 +580,7 @@ fn check_key(at: &str, name: &str, key: &str) -> Result<(), String> {
 }
 
 fn variant_limits<'a>(
-    at: &str,
+    at: At,
     name: &str,
     rule: &'a RulePolicy,
     variant: &Variant,
@@ -595,6 +679,30 @@ mod tests {
         .unwrap();
         assert_eq!(r.buckets[0].limits, [tb(100, 60_000)]);
         assert_eq!(r.quotas[0].limit, 7);
+    }
+
+    /// The stack form and the hash set agree with a plain set, across the
+    /// switch from one to the other.
+    #[test]
+    fn seen_finds_every_repeat_on_the_stack_and_in_the_set() {
+        let names: Vec<String> = (0..40).map(|i| format!("r{}", i % 23)).collect();
+        for capacity in [0, 1, 4, Seen::LINEAR, Seen::LINEAR + 1, 40] {
+            let mut seen = Seen::with_capacity(capacity);
+            let mut plain = HashSet::new();
+            for n in &names {
+                assert_eq!(
+                    seen.insert(n),
+                    plain.insert(n.as_str()),
+                    "{n}, capacity {capacity}"
+                );
+            }
+        }
+        assert_eq!(
+            At::item("quotas", 3).field("key").to_string(),
+            "quotas[3].key"
+        );
+        assert_eq!(At::item("buckets", 0).to_string(), "buckets[0]");
+        assert_eq!(At::top("variant").to_string(), "variant");
     }
 
     #[test]

@@ -32,6 +32,8 @@ mod chart;
 mod configs;
 #[path = "bench/gateway.rs"]
 mod gateway;
+#[path = "bench/lookup.rs"]
+mod lookup;
 #[path = "bench/machine.rs"]
 mod machine;
 #[path = "bench/report.rs"]
@@ -353,6 +355,13 @@ pub struct GatewayRun {
     pub gateway: wrk::WrkResult,
     /// The same load on the gateway with `--auth-tokens`.
     pub gateway_auth: wrk::WrkResult,
+    /// CPU time (user + system, all threads) of the plain gateway per check
+    /// answered during its measured run, in µs.
+    pub gateway_cpu_us: f64,
+    /// The same of the authenticating gateway.
+    pub gateway_auth_cpu_us: f64,
+    /// Authentication and the policy lookup, timed in process (`bench/lookup.rs`).
+    pub lookup: lookup::LookupCost,
     /// `ShouldRateLimit` calls on the plain gateway's `--grpc-listen`.
     pub grpc: wrk::WrkResult,
     /// CPU seconds of the gRPC load's `h2load` processes ÷ the gateway's
@@ -936,13 +945,33 @@ impl RunContext<'_> {
         auth.seconds = self.args.warmup.max(1);
         wrk::run(&auth).context("authenticating gateway warm-up")?;
         auth.seconds = self.args.seconds;
-        let (gateway, gateway_auth) = if repeat.is_multiple_of(2) {
-            let plain = wrk::run(&load)?;
-            (plain, wrk::run(&auth)?)
-        } else {
-            let with_auth = wrk::run(&auth)?;
-            (wrk::run(&load)?, with_auth)
+        // Each gateway's own CPU time per check, from /proc around its run.
+        let timed = |l: &wrk::Load, gw: &Gateway| -> Result<(wrk::WrkResult, f64)> {
+            let pid = gw.pid().context("the gateway has no pid")?;
+            let cpu = machine::process_cpu_seconds(pid, false);
+            let r = wrk::run(l)?;
+            let cpu = machine::process_cpu_seconds(pid, false) - cpu;
+            let per_check = cpu * 1e6 / r.requests.max(1) as f64;
+            Ok((r, per_check))
         };
+        let ((gateway, gateway_cpu_us), (gateway_auth, gateway_auth_cpu_us)) =
+            if repeat.is_multiple_of(2) {
+                let plain = timed(&load, g)?;
+                (plain, timed(&auth, ga)?)
+            } else {
+                let with_auth = timed(&auth, ga)?;
+                (timed(&load, g)?, with_auth)
+            };
+        let tokens = std::fs::read_to_string(self.args.work_dir.join("gateway-tokens"))
+            .context("reading the bench's token file")?;
+        let lookup = lookup::measure(
+            &[D_JSON, E_JSON, DF_JSON],
+            &tokens,
+            AUTH_TOKEN,
+            gateway::CLIENTS,
+            Duration::from_millis(500),
+        )
+        .context("timing authentication and the policy lookup")?;
         let grpc_dir = self.args.work_dir.join("grpc-load");
         gateway::grpc_load(
             g,
@@ -968,6 +997,9 @@ impl RunContext<'_> {
             repeat,
             gateway,
             gateway_auth,
+            gateway_cpu_us,
+            gateway_auth_cpu_us,
+            lookup,
             grpc: grpc.result,
             grpc_generator_share: grpc.generator_cpu_s / grpc.gateway_cpu_s.max(1e-9),
             redis: redis_result,
