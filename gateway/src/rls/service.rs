@@ -37,7 +37,7 @@ use crate::auth::{Caller, Refusal};
 use crate::keys;
 use crate::logging::Escaped;
 use crate::policy::{Resolved, ResolvedBucket};
-use crate::protocol::{Algorithm, Limit, MAX_EXACT};
+use crate::protocol::{Algorithm, CheckResponse, Limit, MAX_EXACT};
 use crate::redis_store::StoreError;
 use crate::reload::Reloadable;
 use crate::script;
@@ -120,7 +120,7 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let Ok(_permit) = Arc::clone(&self.app.in_flight).try_acquire_owned() else {
+        let Ok(_permit) = self.app.in_flight.try_acquire() else {
             self.app.metrics.shed.inc();
             return Err(self.refuse(
                 "error",
@@ -238,14 +238,7 @@ impl RateLimitService for Rls {
             };
             statuses.push(status);
         }
-        self.metrics
-            .requests
-            .with_label_values(&[if overall == Code::OverLimit {
-                "over_limit"
-            } else {
-                "ok"
-            }])
-            .inc();
+        self.metrics.answered(overall == Code::OverLimit);
         Ok(Response::new(RateLimitResponse {
             overall_code: overall as i32,
             statuses,
@@ -286,6 +279,22 @@ impl Rls {
         plans: &[Plan<'_>],
     ) -> Result<Vec<Option<Outcome>>, StoreError> {
         let mut out: Vec<Option<Outcome>> = plans.iter().map(|_| None).collect();
+        // The common call, one descriptor counted by `check.lua`: awaited
+        // directly, without the two joins below (their futures are moved
+        // into vectors and polled through them).
+        if let [Plan::Count {
+            limit,
+            hits,
+            entries,
+        }] = plans
+        {
+            if limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some() {
+                let resolved = self.resolve(domain, limit, *hits, entries)?;
+                let answer = self.app.limiter.check(&resolved).await?;
+                place_bucket(&mut out, plans, 0, &answer);
+                return Ok(out);
+            }
+        }
         // Fixed windows: one script call per slot group.
         let mut groups: Vec<(Option<Slot>, Vec<FixedKey>)> = Vec::new();
         for (i, p) in plans.iter().enumerate() {
@@ -389,56 +398,7 @@ impl Rls {
         }
         for r in buckets {
             let (i, answer) = r?;
-            let Some(Plan::Count { limit, hits, .. }) = plans.get(i) else {
-                continue;
-            };
-            let results = answer
-                .buckets
-                .first()
-                .map(|b| b.limits.as_slice())
-                .unwrap_or_default();
-            // The limit that binds: the fewest remaining.
-            let Some(binding) = results.iter().min_by_key(|l| l.remaining) else {
-                continue;
-            };
-            let over = !answer.allowed;
-            let reset_ms = if over {
-                results
-                    .iter()
-                    .filter(|l| !l.allowed)
-                    .map(|l| l.retry_after_ms)
-                    .max()
-                    .unwrap_or(binding.retry_after_ms)
-            } else {
-                binding.reset_ms
-            };
-            let requests = binding.requests;
-            let unit = match &limit.shared {
-                Some(_) => Unit::of_window_ms(binding.window_ms),
-                None => limit.unit,
-            };
-            // What was used of the binding limit, after and before the hits.
-            let after = requests.saturating_sub(binding.remaining);
-            let before = if over {
-                after
-            } else {
-                after.saturating_sub(*hits)
-            };
-            let after = if over {
-                after.saturating_add(*hits)
-            } else {
-                after
-            };
-            if let Some(slot) = out.get_mut(i) {
-                *slot = Some(Outcome {
-                    over,
-                    remaining: if over { 0 } else { binding.remaining },
-                    before,
-                    after,
-                    reset_ms,
-                    current: proto_limit(limit, requests, unit),
-                });
-            }
+            place_bucket(&mut out, plans, i, &answer);
         }
         Ok(out)
     }
@@ -519,6 +479,60 @@ fn proto_limit(limit: &RateLimit, requests: u64, unit: Option<Unit>) -> ProtoLim
         name: limit.name.clone().unwrap_or_default(),
         requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
         unit: unit.map_or(0, Unit::proto),
+    }
+}
+
+/// Puts the answer of descriptor `i`'s one-bucket check into `out[i]`: the
+/// binding limit (the fewest remaining) gives the outcome.
+fn place_bucket(out: &mut [Option<Outcome>], plans: &[Plan<'_>], i: usize, answer: &CheckResponse) {
+    let Some(Plan::Count { limit, hits, .. }) = plans.get(i) else {
+        return;
+    };
+    let results = answer
+        .buckets
+        .first()
+        .map(|b| b.limits.as_slice())
+        .unwrap_or_default();
+    let Some(binding) = results.iter().min_by_key(|l| l.remaining) else {
+        return;
+    };
+    let over = !answer.allowed;
+    let reset_ms = if over {
+        results
+            .iter()
+            .filter(|l| !l.allowed)
+            .map(|l| l.retry_after_ms)
+            .max()
+            .unwrap_or(binding.retry_after_ms)
+    } else {
+        binding.reset_ms
+    };
+    let requests = binding.requests;
+    let unit = match &limit.shared {
+        Some(_) => Unit::of_window_ms(binding.window_ms),
+        None => limit.unit,
+    };
+    // What was used of the binding limit, after and before the hits.
+    let after = requests.saturating_sub(binding.remaining);
+    let before = if over {
+        after
+    } else {
+        after.saturating_sub(*hits)
+    };
+    let after = if over {
+        after.saturating_add(*hits)
+    } else {
+        after
+    };
+    if let Some(slot) = out.get_mut(i) {
+        *slot = Some(Outcome {
+            over,
+            remaining: if over { 0 } else { binding.remaining },
+            before,
+            after,
+            reset_ms,
+            current: proto_limit(limit, requests, unit),
+        });
     }
 }
 
