@@ -105,7 +105,8 @@ pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
 /// `push_str`: `format!` costs several times the instructions on every
 /// response; what never changes for a limit comes ready from the plan.
 pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
-    let mut out = Vec::with_capacity(5);
+    // Room for a 429's `retry-after` and `content-type` after the five.
+    let mut out = Vec::with_capacity(7);
     // Each number formatted once: both styles show remaining and reset.
     let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
     let (remaining, reset) = (r.format(s.remaining), t.format(s.reset_secs));
