@@ -1,0 +1,97 @@
+//! The binary's thread-per-core layout (`--worker-threads`): every worker
+//! thread runs, has its own Redis connection, and a limit stays exact when
+//! the checks of one bucket arrive on different threads at once.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use testkit::redis::Redis;
+use testkit::{Client, ConnectionMode, Gateway, GatewayOptions, Request};
+
+/// Domain `api`, one global rule `rule` of 20 a minute per client.
+const POLICY: &str = r#"{"domain": "api", "global": {"cluster": "gw"},
+  "rules": [{"name": "rule", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 20, "per": "1m"}]}]}"#;
+
+const CHECK: &str = r#"{"version":2,"domain":"api","buckets":[{"rule":"rule","key":"rule/c=alice","tag":"c=alice","variant":"default","cost":1}]}"#;
+
+fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("{what}: {e:#}"))
+}
+
+/// The names of the process's threads.
+fn threads(pid: u32) -> BTreeSet<String> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn every_worker_has_its_thread_and_connection_and_the_limit_stays_exact() {
+    const WORKERS: usize = 3;
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = ok(
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(POLICY)
+                .args(&["--worker-threads", &WORKERS.to_string()]),
+        ),
+        "starting the gateway",
+    );
+    let pid = gw.pid().expect("the gateway's pid");
+    let names = threads(pid);
+    for w in 0..WORKERS {
+        assert!(
+            names.contains(&format!("rlgw-worker-{w}")),
+            "worker {w} missing among {names:?}"
+        );
+    }
+    assert!(
+        !names.contains(&format!("rlgw-worker-{WORKERS}")),
+        "{names:?}"
+    );
+
+    // 60 checks of one bucket, each on its own connection, 12 at a time:
+    // the kernel spreads the connections over the workers' sockets.
+    let url = gw.url("");
+    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
+        let tasks: Vec<_> = (0..12)
+            .map(|_| {
+                let url = url.clone();
+                s.spawn(move || {
+                    let client = Client::new(url, ConnectionMode::NewPerRequest);
+                    (0..5)
+                        .map(|_| {
+                            let req = Request::post("/v1/check", CHECK.to_string())
+                                .header("content-type", "application/json");
+                            let r = ok(client.send(&req), "posting a check");
+                            (r.status, r.body)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        tasks.into_iter().flat_map(|t| t.join().unwrap()).collect()
+    });
+    let allowed = answers
+        .iter()
+        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":true"#))
+        .count();
+    let denied = answers
+        .iter()
+        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":false"#))
+        .count();
+    assert_eq!((allowed, denied), (20, 40), "{answers:?}");
+
+    // One Redis connection per worker: every client but redis-cli's own,
+    // the one running CLIENT LIST.
+    std::thread::sleep(Duration::from_millis(100));
+    let clients = ok(redis.cli(&["CLIENT", "LIST"]), "CLIENT LIST");
+    let gateway: Vec<&str> = clients
+        .lines()
+        .filter(|l| !l.contains("cmd=client|list"))
+        .collect();
+    assert_eq!(gateway.len(), WORKERS, "{clients}");
+}
