@@ -14,6 +14,9 @@ pub struct Matcher {
 
 impl Matcher {
     /// Compiles `m`, registering the headers it reads through `header_id`.
+    // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
+    // function's size (BENCHMARKS.md, "Where the memory goes").
+    #[inline(never)]
     pub fn compile(m: &Match, mut header_id: impl FnMut(&str) -> HeaderId) -> Self {
         Matcher {
             path_prefix: m.path_prefix.as_ref().map(|p| p.as_bytes().to_vec()),
