@@ -4,29 +4,29 @@
 //!
 //! [`serve`] is the accept loop: TLS when configured, hyper's HTTP/1 with a
 //! header read timeout, and a drain deadline after the shutdown signal.
-//! [`guard`] stands in front of `/v1/*` only: the in-flight bound (503 +
-//! `Retry-After`), the bearer token (401), the body read under its own
-//! deadline (408) and size bound (413), then the handler, which checks the
-//! token's domain against the request's (403) before anything reaches Redis.
+//! [`admit`] stands in front of `/v1/*` only, the first step of their
+//! handlers: the in-flight bound (503 + `Retry-After`), the bearer token
+//! (401), the body read under its own deadline (408) and size bound (413);
+//! then the handler checks the token's domain against the request's (403)
+//! before anything reaches Redis. (A handler step, not a middleware layer:
+//! no boxed service call, no extension map, no second pass over the body.)
 //! The health and metrics routes stay open and unbounded.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Json, Router};
 use http_body_util::BodyExt;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::auth::{Caller, Refusal, Tokens};
@@ -68,12 +68,9 @@ pub struct App {
 
 /// The routes.
 pub fn router(app: Arc<App>) -> Router {
-    let v1 = Router::new()
+    Router::new()
         .route("/v1/check", post(check))
         .route("/v1/lease", post(lease))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), guard));
-    Router::new()
-        .merge(v1)
         .route("/healthz", get(healthz))
         .route("/readyz", get(healthz))
         .route("/livez", get(livez))
@@ -82,9 +79,19 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
+/// A `/v1/*` request let in by [`admit`].
+struct Admitted {
+    /// Who is calling.
+    caller: Caller,
+    /// The whole body.
+    body: Bytes,
+    /// Its place among `--max-in-flight`, held until the answer is made.
+    _permit: OwnedSemaphorePermit,
+}
+
 /// In front of `/v1/*`: the in-flight bound, the token, the body's deadline
-/// and size; the [`Caller`] goes on in the request's extensions.
-async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+/// and size; or the answer that refuses the request.
+async fn admit(app: &App, req: Request) -> Result<Admitted, Response> {
     let Ok(permit) = Arc::clone(&app.in_flight).try_acquire_owned() else {
         app.metrics.shed.inc();
         let mut r = error(
@@ -93,7 +100,7 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         );
         r.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(SHED_RETRY_AFTER_S));
-        return r;
+        return Err(r);
     };
     let caller = match &app.tokens {
         None => Caller::anonymous(),
@@ -104,12 +111,11 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
                 .map(HeaderValue::as_bytes);
             match tokens.current().authenticate(value) {
                 Ok(c) => c,
-                Err(refusal) => return refuse(&app, refusal),
+                Err(refusal) => return Err(refuse(app, refusal)),
             }
         }
     };
-    let (parts, body) = req.into_parts();
-    let limited = http_body_util::Limited::new(body, MAX_BODY_BYTES);
+    let limited = http_body_util::Limited::new(req.into_body(), MAX_BODY_BYTES);
     let bytes = match tokio::time::timeout(app.bounds.body_timeout, limited.collect()).await {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) => {
@@ -118,7 +124,7 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
             } else {
                 StatusCode::BAD_REQUEST
             };
-            return bad_request(&app, status, format!("body: {e}"));
+            return Err(bad_request(app, status, format!("body: {e}")));
         }
         Err(_) => {
             app.metrics.read_timeouts.with_label_values(&["body"]).inc();
@@ -126,14 +132,14 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
             // The rest of the body may still come: this connection is done.
             r.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return r;
+            return Err(r);
         }
     };
-    let mut req = Request::from_parts(parts, Body::from(bytes));
-    req.extensions_mut().insert(caller);
-    let response = next.run(req).await;
-    drop(permit);
-    response
+    Ok(Admitted {
+        caller,
+        body: bytes,
+        _permit: permit,
+    })
 }
 
 /// 401 (with `www-authenticate: Bearer`) or 403, counted.
@@ -305,21 +311,6 @@ fn unavailable(app: &App, what: &'static str, domain: &str, e: &StoreError) -> R
     error(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
 }
 
-/// Reads and parses a body with `parse`; on failure, the status and message
-/// of the error answer (counted as a bad request).
-fn read_body<T>(
-    app: &App,
-    body: Result<Bytes, BytesRejection>,
-    parse: fn(&[u8]) -> Result<T, String>,
-) -> Result<T, (StatusCode, String)> {
-    let bad = |status, message: String| {
-        count_bad_request(app, &message);
-        (status, message)
-    };
-    let body = body.map_err(|e| bad(e.status(), format!("body: {}", e.body_text())))?;
-    parse(&body).map_err(|message| bad(StatusCode::BAD_REQUEST, message))
-}
-
 /// Counts `charged_then_failed{reason="client_gone"}` when dropped armed:
 /// hyper drops a handler whose caller closed the connection, and a handler
 /// dropped during its Redis call may have charged for an answer nobody reads.
@@ -352,16 +343,16 @@ impl Drop for ChargeInFlight<'_> {
     }
 }
 
-async fn check(
-    State(app): State<Arc<App>>,
-    Extension(caller): Extension<Caller>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let req = match read_body(&app, body, protocol::parse_check) {
-        Ok(r) => r,
-        Err((status, message)) => return error(status, message),
+async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
+    let admitted = match admit(&app, req).await {
+        Ok(a) => a,
+        Err(refused) => return refused,
     };
-    if !caller.may_use(&req.domain) {
+    let req = match protocol::parse_check(&admitted.body) {
+        Ok(r) => r,
+        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
+    };
+    if !admitted.caller.may_use(&req.domain) {
         return refuse(&app, Refusal::WrongDomain);
     }
     // Limits, windows and amounts from the policy: 400 for what it lacks.
@@ -382,15 +373,16 @@ async fn check(
     }
 }
 
-async fn lease(
-    State(app): State<Arc<App>>,
-    Extension(caller): Extension<Caller>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let req = match read_body(&app, body, protocol::parse_lease) {
-        Ok(r) => r,
-        Err((status, message)) => return error(status, message),
+async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
+    let admitted = match admit(&app, req).await {
+        Ok(a) => a,
+        Err(refused) => return refused,
     };
+    let req = match protocol::parse_lease(&admitted.body) {
+        Ok(r) => r,
+        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
+    };
+    let caller = &admitted.caller;
     if !caller.may_use(&req.domain) {
         return refuse(&app, Refusal::WrongDomain);
     }
