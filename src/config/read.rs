@@ -803,6 +803,22 @@ mod tests {
         }
     }
 
+    /// The two cases the proptest first found: serde names an unknown
+    /// variant before it looks at the map's value, and puts the variant in
+    /// the path of a value that is not `null`.
+    #[test]
+    fn enums_in_serde_map_form() {
+        for (field, value) in [
+            ("period", json!({"global": 1})),
+            ("count", json!({"requests": 1})),
+            ("count", json!({"cost": null})),
+        ] {
+            let mut v = full();
+            v["quotas"][0][field] = value;
+            assert_eq!(read(&v), serde(&v), "{field}");
+        }
+    }
+
     #[test]
     fn every_field_is_read() {
         let v = full();
