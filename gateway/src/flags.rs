@@ -120,7 +120,7 @@ pub struct Args {
     /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
     #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
     pub rls_near_limit_ratio: f64,
-    /// Worker threads, each with its own runtime, listening sockets (SO_REUSEPORT) and Redis connection; 0: one per available CPU.
+    /// Worker threads, each with its own runtime and Redis connection, all accepting from the same listening sockets; 0: one per available CPU.
     #[arg(long, env = "RLGW_WORKER_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1024))]
     pub worker_threads: u64,
 }

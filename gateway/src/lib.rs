@@ -10,9 +10,9 @@
 //! `main.rs` only parses [`flags::Args`] and calls [`run`].
 //!
 //! [`run`] serves thread per core: `--worker-threads` threads, each with its
-//! own single-threaded Tokio runtime, its own listening sockets (HTTP and
-//! gRPC, sharing their ports through `SO_REUSEPORT`, so the kernel spreads
-//! connections over the threads) and its own Redis connection
+//! own single-threaded Tokio runtime accepting from the shared listening
+//! sockets (HTTP and gRPC: whichever thread is free first takes a new
+//! connection) and its own Redis connection
 //! ([`redis_store`]'s lanes). A request is read, checked in Redis, answered
 //! and its memory freed on one thread: no wake-up of another thread per
 //! request, and no memory freed on another thread than the one that
@@ -197,37 +197,42 @@ async fn prepare_rls(
     }
 }
 
-/// One listening socket on `addr` per runtime of `runtimes`, registered with
-/// that runtime, all on one port through `SO_REUSEPORT` (port 0: the port
-/// the first one got). One runtime: a plain socket, as `TcpListener::bind`.
-/// A bind error names `flag`.
+/// One listening socket on `addr`, registered with each runtime of
+/// `runtimes`: every worker accepts from the same socket, and whichever is
+/// free first takes a new connection. Not `SO_REUSEPORT`, which would let
+/// another process of the same user bind the port beside the gateway and
+/// take a share of its callers. A bind error names `flag`.
 fn bind_each(
     addr: SocketAddr,
     runtimes: &[Runtime],
     flag: &str,
 ) -> Result<Vec<tokio::net::TcpListener>> {
-    let mut at = addr;
-    let mut listeners = Vec::with_capacity(runtimes.len());
-    for runtime in runtimes {
-        let _entered = runtime.enter();
-        let bound = (|| {
-            let socket = if at.is_ipv4() {
-                tokio::net::TcpSocket::new_v4()?
-            } else {
-                tokio::net::TcpSocket::new_v6()?
-            };
-            socket.set_reuseaddr(true)?;
-            if runtimes.len() > 1 {
-                socket.set_reuseport(true)?;
-            }
-            socket.bind(at)?;
-            socket.listen(1024)
-        })()
-        .with_context(|| format!("binding {addr} ({flag})"))?;
-        at = bound.local_addr()?;
-        listeners.push(bound);
-    }
-    Ok(listeners)
+    let first = runtimes.first().context("no worker runtime")?;
+    let bound = (|| {
+        // A tokio listener registers with a runtime; any will do, since it
+        // is taken back out as a plain socket right away.
+        let _entered = first.enter();
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        // Lets a restarted gateway bind while old connections sit in TIME_WAIT.
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(1024)?.into_std()
+    })()
+    .with_context(|| format!("binding {addr} ({flag})"))?;
+    runtimes
+        .iter()
+        .map(|runtime| {
+            let _entered = runtime.enter();
+            let mine = bound.try_clone()?;
+            mine.set_nonblocking(true)?;
+            tokio::net::TcpListener::from_std(mine)
+        })
+        .collect::<std::io::Result<Vec<_>>>()
+        .with_context(|| format!("listening on {addr} ({flag})"))
 }
 
 /// Serves the rate limit service in a task until `stop` says so.

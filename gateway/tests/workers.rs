@@ -95,3 +95,53 @@ fn every_worker_has_its_thread_and_connection_and_the_limit_stays_exact() {
         .collect();
     assert_eq!(gateway.len(), WORKERS, "{clients}");
 }
+
+/// The workers share one listening socket each for `--listen` and
+/// `--grpc-listen`, not a port through `SO_REUSEPORT`: another process of
+/// the same user cannot bind the port beside them and take a share of the
+/// callers' connections.
+#[test]
+fn no_other_socket_can_join_the_gateways_ports() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let rls = tempfile_with(
+        r#"{"domain": "d", "descriptors": [{"key": "k", "rate_limit": {"unit": "second", "requests_per_unit": 1}}]}"#,
+    );
+    let grpc_port = testkit::free_port().expect("a free port");
+    let grpc = format!("127.0.0.1:{grpc_port}");
+    let gw = ok(
+        Gateway::start(GatewayOptions::new(redis.url()).policy(POLICY).args(&[
+            "--worker-threads",
+            "2",
+            "--grpc-listen",
+            &grpc,
+            "--rls-config",
+            rls.to_str().unwrap(),
+        ])),
+        "starting the gateway",
+    );
+    let http: std::net::SocketAddr = gw
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    for addr in [http, grpc.parse().unwrap()] {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_reuseport(true).unwrap();
+        let joined = socket.bind(addr);
+        assert_eq!(
+            joined.as_ref().map_err(std::io::Error::kind).err(),
+            Some(std::io::ErrorKind::AddrInUse),
+            "binding {addr} beside the gateway: {joined:?}"
+        );
+    }
+}
+
+/// A file holding `text` in a fresh temporary directory (kept for the run).
+fn tempfile_with(text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("rlgw-workers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("rls.yaml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
