@@ -154,7 +154,12 @@ fn div_rem(n: u128, d: u128) -> (u128, u128) {
         return (u128::from(n64 / d64), u128::from(n64 % d64));
     }
     if d64 > u64::from(u32::MAX) {
-        return (n / d, n % d);
+        // A period of over 4.3 s: the high word first, then the remainder
+        // with the low word in 32-bit digits.
+        let (hi, lo) = ((n >> 64) as u64, n as u64);
+        let (q1, r) = (hi / d64, hi % d64);
+        let (q0, r) = div_wide(r, lo, d64);
+        return ((u128::from(q1) << 64) | u128::from(q0), u128::from(r));
     }
     let (hi, lo) = ((n >> 64) as u64, n as u64);
     let (q2, r) = (hi / d64, hi % d64);
@@ -165,6 +170,53 @@ fn div_rem(n: u128, d: u128) -> (u128, u128) {
     let (q0, r) = (y / d64, y % d64);
     let q = (u128::from(q2) << 64) | (u128::from(q1) << 32) | u128::from(q0);
     (q, u128::from(r))
+}
+
+/// `(u1 · 2^64 + u0) / v` and its remainder, for `u1 < v` and `v ≥ 2^32`
+/// (so that the quotient fits in u64): Knuth's algorithm D in two 32-bit
+/// digits, as Hacker's Delight writes it (`divlu`), in u64 operations only.
+fn div_wide(u1: u64, u0: u64, v: u64) -> (u64, u64) {
+    const B: u64 = 1 << 32;
+    // Normalised so that the divisor's top bit is set; v ≥ 2^32 keeps s < 32.
+    let s = v.leading_zeros();
+    let v = v << s;
+    let (vn1, vn0) = (v >> 32, v & (B - 1));
+    let un32 = if s == 0 {
+        u1
+    } else {
+        (u1 << s) | (u0 >> (64 - s))
+    };
+    let un10 = u0 << s;
+    let (un1, un0) = (un10 >> 32, un10 & (B - 1));
+    // Each digit's estimate is at most 2 too high; the loops correct it.
+    // `rhat < B` wherever `rhat << 32` is taken, and `q < B` wherever `q * vn0` is.
+    let mut q1 = un32 / vn1;
+    let mut rhat = un32 - q1 * vn1;
+    while q1 >= B || q1 * vn0 > (rhat << 32) + un1 {
+        q1 -= 1;
+        rhat += vn1;
+        if rhat >= B {
+            break;
+        }
+    }
+    // Exact modulo 2^64: the true value is below v.
+    let un21 = (un32 << 32)
+        .wrapping_add(un1)
+        .wrapping_sub(q1.wrapping_mul(v));
+    let mut q0 = un21 / vn1;
+    let mut rhat = un21 - q0 * vn1;
+    while q0 >= B || q0 * vn0 > (rhat << 32) + un0 {
+        q0 -= 1;
+        rhat += vn1;
+        if rhat >= B {
+            break;
+        }
+    }
+    let r = (un21 << 32)
+        .wrapping_add(un0)
+        .wrapping_sub(q0.wrapping_mul(v))
+        >> s;
+    ((q1 << 32) + q0, r)
 }
 
 /// `n / d` rounded up, for `d` ≥ 1 (see [`div_rem`]).
@@ -343,7 +395,7 @@ mod tests {
         #[test]
         fn div_rem_is_u128_division(
             n in prop_oneof![any::<u128>(), any::<u64>().prop_map(u128::from), (any::<u64>(), 0u64..4).prop_map(|(a, b)| (u128::from(b) << 64) | u128::from(a))],
-            d in prop_oneof![1u128..4, any::<u32>().prop_map(|d| u128::from(d.max(1))), any::<u64>().prop_map(|d| u128::from(d.max(1))), 1u128..],
+            d in prop_oneof![1u128..4, any::<u32>().prop_map(|d| u128::from(d.max(1))), any::<u64>().prop_map(|d| u128::from(d.max(1))), 1u128.., (1u128 << 32)..(1u128 << 33), (0u128..4).prop_map(|k| u128::from(u64::MAX) - k), (33u32..64).prop_map(|b| 1u128 << b)],
         ) {
             prop_assert_eq!(div_rem(n, d), (n / d, n % d));
             prop_assert_eq!(div_ceil(n, d), n.div_ceil(d));
