@@ -135,5 +135,5 @@ bench: deps ## side-by-side throughput, latency and memory (BENCHMARKS.md)
 	BENCH_WASM_OUT=$(BENCH_WASM_OUT) cargo test --test bench_fuel -- --include-ignored --nocapture
 	BENCH_COMMAND='$(strip make bench BENCH_REPEATS=$(BENCH_REPEATS) BENCH_SECONDS=$(BENCH_SECONDS) BENCH_WAIT_QUIET=$(BENCH_WAIT_QUIET) $(BENCH_ARGS))' \
 	RATELIMIT_GATEWAY_BIN=$(CURDIR)/target/release/ratelimit-gateway \
-	  cargo run --quiet -p tools --bin bench -- --publish --wasm-results $(BENCH_WASM_OUT) \
+	  cargo run --release --quiet -p tools --bin bench -- --publish --wasm-results $(BENCH_WASM_OUT) \
 	  --repeats $(BENCH_REPEATS) --seconds $(BENCH_SECONDS) --wait-quiet $(BENCH_WAIT_QUIET) $(BENCH_ARGS)

@@ -216,6 +216,11 @@ const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--co
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
 fn parse_args() -> Result<Args> {
+    parse_args_from(std::env::args().skip(1).collect())
+}
+
+/// [`parse_args`] of `argv` (the arguments after the program's name).
+fn parse_args_from(argv: Vec<String>) -> Result<Args> {
     let work = target_dir().join("bench");
     let mut args = Args {
         repeats: 4,
@@ -230,12 +235,12 @@ fn parse_args() -> Result<Args> {
         publish: false,
         command: std::env::var("BENCH_COMMAND").unwrap_or_else(|_| {
             std::iter::once("bench".to_string())
-                .chain(std::env::args().skip(1))
+                .chain(argv.iter().cloned())
                 .collect::<Vec<_>>()
                 .join(" ")
         }),
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = argv.into_iter();
     while let Some(arg) = it.next() {
         let mut number = |range: std::ops::RangeInclusive<u32>| -> Result<u32> {
             let v = it.next().context(USAGE)?;
@@ -273,6 +278,11 @@ fn parse_args() -> Result<Args> {
     }
     if args.threads > args.connections {
         bail!("--threads must not exceed --connections");
+    }
+    // The policy lookup is timed in this process (bench/lookup.rs): a debug
+    // build would publish a share ten times too large.
+    if args.publish && cfg!(debug_assertions) {
+        bail!("--publish needs a release build of the bench (cargo run --release)");
     }
     Ok(args)
 }
@@ -1005,5 +1015,23 @@ impl RunContext<'_> {
             redis: redis_result,
             foreign_cpu: before.foreign_share(&after, self.nproc),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The policy lookup is timed in the bench's own process, so a debug
+    /// build must not publish (`cargo test` builds this in debug).
+    #[test]
+    fn a_debug_build_refuses_to_publish() {
+        let refused = super::parse_args_from(vec!["--publish".to_string()]);
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("release build")),
+            "{:?}",
+            refused.map(|a| a.publish)
+        );
+        assert!(super::parse_args_from(vec!["--repeats".into(), "2".into()]).is_ok());
     }
 }
