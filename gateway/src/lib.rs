@@ -271,21 +271,23 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let workers = config.worker_threads.max(1);
-    let runtimes = (0..workers)
-        .map(|_| {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting a worker's runtime")
-        })
-        .collect::<Result<Vec<Runtime>>>()?;
-    let handles: Vec<Handle> = runtimes.iter().map(|r| r.handle().clone()).collect();
+    let mut runtimes = Runtimes(
+        (0..workers)
+            .map(|_| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .context("starting a worker's runtime")
+            })
+            .collect::<Result<Vec<Runtime>>>()?,
+    );
+    let handles: Vec<Handle> = runtimes.0.iter().map(|r| r.handle().clone()).collect();
     let app = build_on(&config, &handles)?;
     let (tls, mut watch) = prepare(&config, &app)?;
     let rls = load_rls(&config, &app, &mut watch)?;
-    let http = bind_each(config.listen, &runtimes, "--listen")?;
+    let http = bind_each(config.listen, &runtimes.0, "--listen")?;
     let mut grpc: Vec<Option<tokio::net::TcpListener>> = match &rls {
-        Some((addr, _)) => bind_each(*addr, &runtimes, "--grpc-listen")?
+        Some((addr, _)) => bind_each(*addr, &runtimes.0, "--grpc-listen")?
             .into_iter()
             .map(Some)
             .collect(),
@@ -303,6 +305,7 @@ pub async fn run(
     // One shutdown signal for every thread and both listeners.
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut done = Vec::with_capacity(workers);
+    let runtimes = std::mem::take(&mut runtimes.0);
     for (lane, (runtime, listener)) in runtimes.into_iter().zip(http).enumerate() {
         let grpc = match (grpc.get_mut(lane).and_then(Option::take), &rls) {
             (Some(l), Some((_, service))) => Some((l, service.clone())),
@@ -310,12 +313,16 @@ pub async fn run(
         };
         let (app, tls, stopped) = (Arc::clone(&app), tls.clone(), stopped.clone());
         let (finished, finished_rx) = oneshot::channel();
+        // In a guard until the thread has it: a failed spawn drops it here.
+        let mut mine = Runtimes(vec![runtime]);
         std::thread::Builder::new()
             .name(format!("rlgw-worker-{lane}"))
             .spawn(move || {
                 redis_store::set_lane(lane);
-                let served = runtime.block_on(worker(listener, grpc, app, tls, stopped));
-                let _ = finished.send(served);
+                if let Some(runtime) = mine.0.pop() {
+                    let served = runtime.block_on(worker(listener, grpc, app, tls, stopped));
+                    let _ = finished.send(served);
+                }
             })
             .context("starting a worker thread")?;
         done.push(finished_rx);
@@ -334,6 +341,19 @@ pub async fn run(
     drop(watch);
     tracing::info!("ratelimit-gateway stopped");
     result
+}
+
+/// Worker runtimes not yet running on their threads. Dropped in the
+/// caller's async context (a start-up error such as a port in use), a Tokio
+/// runtime panics, so these shut down in the background instead.
+struct Runtimes(Vec<Runtime>);
+
+impl Drop for Runtimes {
+    fn drop(&mut self) {
+        for runtime in self.0.drain(..) {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// One worker thread's servers: HTTP on `listener`, the rate limit service
