@@ -197,7 +197,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                 match self.plan.on_error {
                     OnError::Allow => Ok(Vec::new()),
                     OnError::Deny => {
-                        let body = problem::too_many_requests(&self.plan.problem_type, 1, &[]);
+                        let body = problem::too_many_after(&self.plan.too_many_head, 1, &[]);
                         Err(reject(429, Vec::new(), Some(1), body))
                     }
                 }

@@ -264,9 +264,8 @@ pub struct Plan {
     pub quotas: Vec<QuotaPlan>,
     /// Header families on responses.
     pub header_style: HeaderStyle,
-    /// `type` of 429 problem bodies.
-    pub problem_type: String,
-    /// A 429 body up to its wait ([`super::json::too_many_head`]), written once.
+    /// A 429 body of the configured `problem_type` up to its wait
+    /// ([`super::json::too_many_head`]), written once.
     pub too_many_head: String,
     /// `type` of quota 403 problem bodies.
     pub quota_problem_type: String,
@@ -573,7 +572,6 @@ impl Plan {
             rules,
             quotas,
             header_style: config.response.headers,
-            problem_type: config.response.problem_type.clone(),
             too_many_head: super::json::too_many_head(&config.response.problem_type),
             quota_problem_type: config.response.quota_problem_type.clone(),
             retry_jitter: config.response.retry_jitter,
