@@ -19,7 +19,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{lease_request, request};
+use common::{lease_request, request, write, TempDir};
 use testkit::pki::TestPki;
 use testkit::redis::Redis;
 use testkit::{Client, ConnectionMode, Gateway, GatewayOptions, Request};
@@ -30,30 +30,6 @@ fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
 
 /// A token file in `dir`: `api` and `web` callers.
 const TOKENS: &str = "# callers of the gateway\napi api-token-1\n\nweb web-token-2\n";
-
-/// A fresh directory under the system's temporary one, removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("rlgw-listener-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A child process killed when dropped (a failed assertion included).
 struct Killed(std::process::Child);
@@ -73,12 +49,6 @@ const POLICY: &str = r#"{"domain": "api", "global": {"cluster": "gw"},
 
 fn options(redis: &Redis) -> GatewayOptions {
     GatewayOptions::new(redis.url()).policy(POLICY)
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> String {
-    let path = dir.join(name);
-    std::fs::write(&path, text).unwrap();
-    path.display().to_string()
 }
 
 /// Every key but the health check's (`<prefix>health:<instance>`, written

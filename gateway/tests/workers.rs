@@ -2,9 +2,12 @@
 //! thread runs, has its own Redis connection, and a limit stays exact when
 //! the checks of one bucket arrive on different threads at once.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use common::{write, TempDir};
 use testkit::redis::Redis;
 use testkit::{Client, ConnectionMode, Gateway, GatewayOptions, Request};
 
@@ -103,7 +106,10 @@ fn every_worker_has_its_thread_and_connection_and_the_limit_stays_exact() {
 #[test]
 fn no_other_socket_can_join_the_gateways_ports() {
     let redis = ok(Redis::start(), "starting redis-server");
-    let rls = tempfile_with(
+    let dir = TempDir::new();
+    let rls = write(
+        dir.path(),
+        "rls.yaml",
         r#"{"domain": "d", "descriptors": [{"key": "k", "rate_limit": {"unit": "second", "requests_per_unit": 1}}]}"#,
     );
     let grpc_port = testkit::free_port().expect("a free port");
@@ -115,7 +121,7 @@ fn no_other_socket_can_join_the_gateways_ports() {
             "--grpc-listen",
             &grpc,
             "--rls-config",
-            rls.to_str().unwrap(),
+            &rls,
         ])),
         "starting the gateway",
     );
@@ -135,13 +141,4 @@ fn no_other_socket_can_join_the_gateways_ports() {
             "binding {addr} beside the gateway: {joined:?}"
         );
     }
-}
-
-/// A file holding `text` in a fresh temporary directory (kept for the run).
-fn tempfile_with(text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("rlgw-workers-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("rls.yaml");
-    std::fs::write(&path, text).unwrap();
-    path
 }
