@@ -453,8 +453,12 @@ impl Store {
 
     /// Proves a write goes through: `SET <prefix>health:<instance> 1 PX 5000`
     /// on the connection the checks use (a replica answers `READONLY`, a
-    /// full Redis under `noeviction` answers `OOM`).
+    /// full Redis under `noeviction` answers `OOM`), once every lane has a
+    /// connection: a worker still connecting would answer its checks 503.
     pub async fn probe_write(&self) -> Result<(), StoreError> {
+        if !self.is_connected() {
+            return Err(StoreError::NotConnected);
+        }
         let mut cmd = redis::cmd("SET");
         cmd.arg(&self.health_key)
             .arg(1)

@@ -403,9 +403,9 @@ async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
     }
 }
 
-/// `GET /healthz` and `GET /readyz`: 200 only when a write goes through
-/// (`SET <prefix>health:<instance> 1 PX 5000` on the connection the checks
-/// use), so a Redis turned replica (`READONLY`) or full under `noeviction`
+/// `GET /healthz` and `GET /readyz`: 200 only when every worker has its
+/// connection and a write goes through (`SET <prefix>health:<instance> 1 PX
+/// 5000` on the connection the checks use), so a Redis turned replica (`READONLY`) or full under `noeviction`
 /// (`OOM`) takes the pod out of service, as an unreachable one does.
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     match app.limiter.store().probe_write().await {

@@ -142,3 +142,55 @@ fn no_other_socket_can_join_the_gateways_ports() {
         );
     }
 }
+
+/// Health is every worker's: a write that goes through on this thread's
+/// Redis connection is not enough while another worker's is not made yet
+/// (its checks would answer 503 behind a healthy `/healthz`). Lane 1's
+/// runtime is never driven here, so lane 1 never connects.
+#[test]
+fn health_waits_for_every_workers_connection() {
+    use ratelimit_gateway::redis_store::{set_lane, Store};
+    let redis = ok(Redis::start(), "starting redis-server");
+    let (driven, idle) = (runtime(), runtime());
+    let metrics = ratelimit_gateway::metrics::Metrics::new().unwrap();
+    let store = driven.block_on(async {
+        Store::new(
+            ratelimit_gateway::Target::Single(redis.url()),
+            "rl:",
+            &Default::default(),
+            Duration::from_secs(2),
+            metrics,
+            &[driven.handle().clone(), idle.handle().clone()],
+        )
+        .unwrap()
+    });
+    set_lane(0);
+    driven.block_on(async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while store
+            .query::<String>(&redis::cmd("PING"), "ping")
+            .await
+            .is_err()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "lane 0 never connected"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let probe = store.probe_write().await;
+        assert_eq!(
+            probe.as_ref().map_err(|e| e.kind()),
+            Err("not_connected"),
+            "healthy while lane 1 has no connection: {probe:?}"
+        );
+    });
+    idle.shutdown_background();
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
