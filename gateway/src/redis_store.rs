@@ -287,13 +287,16 @@ impl Store {
         let cluster = matches!(target, Target::Cluster(_));
         let plan = match &target {
             Target::Single(url) => {
-                let client = redis_url::client(url, opts, false)?;
+                let client = redis_url::managed_client(url, opts)?;
                 // Reconnect attempts back off exponentially; capped so that a
-                // connection is never still asleep long after Redis is back.
+                // connection is never still asleep long after Redis is back,
+                // and never given up: after a spent series the manager would
+                // wait for a failed check to start the next one.
                 let config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(connect_timeout(timeout)))
                     .set_response_timeout(Some(timeout))
-                    .set_max_delay(RECONNECT_MAX_DELAY);
+                    .set_max_delay(RECONNECT_MAX_DELAY)
+                    .set_number_of_retries(usize::MAX);
                 Plan::Single(client, config)
             }
             Target::Cluster(seeds) => {
@@ -517,6 +520,16 @@ impl Plan {
         let attempt = async {
             match self {
                 Plan::Single(client, config) => {
+                    // One plain attempt first, for its error (a refused TLS
+                    // certificate, a wrong password): the manager retries
+                    // without end and would only time out.
+                    let probe = redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(limit))
+                        .set_response_timeout(Some(timeout));
+                    client
+                        .get_multiplexed_async_connection_with_config(&probe)
+                        .await
+                        .map_err(|e| redis_url::explain(&e.to_string()))?;
                     ConnectionManager::new_with_config(client.clone(), config.clone())
                         .await
                         .map(|c| (Conn::Managed(c), String::new()))

@@ -168,6 +168,24 @@ pub struct RedisOptions {
 /// with the credentials and TLS settings of `opts` (the Sentinels' own
 /// password when `sentinel`). Errors name the address redacted.
 pub fn client(url: &str, opts: &RedisOptions, sentinel: bool) -> Result<redis::Client, String> {
+    build(url, opts, sentinel, false)
+}
+
+/// [`client`] for a single server's connection manager, speaking RESP3:
+/// the manager then hears a dropped connection at once (a disconnection
+/// push) and connects again in the background, so a worker that saw no
+/// check while Redis was down does not fail its first check on the dead
+/// connection afterwards. Needs Redis 6 or later (`HELLO 3`).
+pub fn managed_client(url: &str, opts: &RedisOptions) -> Result<redis::Client, String> {
+    build(url, opts, false, true)
+}
+
+fn build(
+    url: &str,
+    opts: &RedisOptions,
+    sentinel: bool,
+    resp3: bool,
+) -> Result<redis::Client, String> {
     let full = if url.contains("://") {
         url.to_string()
     } else {
@@ -198,6 +216,9 @@ pub fn client(url: &str, opts: &RedisOptions, sentinel: bool) -> Result<redis::C
         if let Some(p) = &opts.password {
             settings = settings.set_password(p.expose());
         }
+    }
+    if resp3 {
+        settings = settings.set_protocol(redis::ProtocolVersion::RESP3);
     }
     info = info.set_redis_settings(settings);
     let tls = match info.addr().clone() {

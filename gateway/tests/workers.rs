@@ -99,6 +99,70 @@ fn every_worker_has_its_thread_and_connection_and_the_limit_stays_exact() {
     assert_eq!(gateway.len(), WORKERS, "{clients}");
 }
 
+/// Posts `n` checks of [`CHECK`], each on its own connection, `par` at a
+/// time (the kernel spreads the connections over the workers' sockets);
+/// gives each answer's status and body.
+fn spread_checks(gw: &Gateway, n: usize, par: usize) -> Vec<(u16, String)> {
+    let url = gw.url("");
+    std::thread::scope(|s| {
+        let tasks: Vec<_> = (0..par)
+            .map(|_| {
+                let url = url.clone();
+                s.spawn(move || {
+                    let client = Client::new(url, ConnectionMode::NewPerRequest);
+                    (0..n / par)
+                        .map(|_| {
+                            let req = Request::post("/v1/check", CHECK.to_string())
+                                .header("content-type", "application/json");
+                            let r = ok(client.send(&req), "posting a check");
+                            (r.status, r.body)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        tasks.into_iter().flat_map(|t| t.join().unwrap()).collect()
+    })
+}
+
+/// After Redis dies and comes back, every worker's connection is made
+/// again by itself, including a worker that saw no check while Redis was
+/// down: the first check on it is decided, not answered 503 on the dead
+/// connection. The outage outlasts the client's default reconnect attempts
+/// (about 2 s).
+#[test]
+fn every_worker_reconnects_by_itself_after_redis_comes_back() {
+    let mut redis = ok(Redis::start(), "starting redis-server");
+    let gw = ok(
+        Gateway::start(
+            GatewayOptions::new(redis.url())
+                .policy(POLICY)
+                .args(&["--worker-threads", "2"]),
+        ),
+        "starting the gateway",
+    );
+    let before = spread_checks(&gw, 8, 4);
+    assert!(before.iter().all(|(s, _)| *s == 200), "{before:?}");
+
+    redis.kill();
+    std::thread::sleep(Duration::from_secs(3));
+    ok(redis.restart(), "restarting redis-server");
+    // Longer than the longest wait between two attempts to connect.
+    std::thread::sleep(Duration::from_millis(1500));
+
+    // Redis came back empty: 20 of the 24 are allowed, 4 denied, none fails.
+    let after = spread_checks(&gw, 24, 4);
+    let allowed = after
+        .iter()
+        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":true"#))
+        .count();
+    let denied = after
+        .iter()
+        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":false"#))
+        .count();
+    assert_eq!((allowed, denied), (20, 4), "{after:?}");
+}
+
 /// The workers share one listening socket each for `--listen` and
 /// `--grpc-listen`, not a port through `SO_REUSEPORT`: another process of
 /// the same user cannot bind the port beside them and take a share of the
