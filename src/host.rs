@@ -10,7 +10,7 @@
 //! only makes sense beside the host state it touches.
 
 use crate::config;
-use crate::decide::{self, Outcome, Pending, Refresh, Step, Verdict};
+use crate::decide::{self, Counts, Outcome, Pending, Refresh, Step, Verdict};
 use crate::global::circuit::Transition;
 use crate::global::lease::{Lease, Watched};
 use crate::limits::store::{SharedStore, StoreError, KEY_PREFIX};
@@ -201,10 +201,10 @@ impl Metrics {
         Metrics(ids)
     }
 
-    fn add_all(&self, counts: &[u64]) {
-        for (id, n) in self.0.iter().zip(counts) {
-            if let (Some(id), true) = (id, *n > 0) {
-                let _ = hostcalls::increment_metric(*id, i64::try_from(*n).unwrap_or(i64::MAX));
+    fn add_all(&self, counts: &Counts) {
+        for (i, n) in counts.counted() {
+            if let Some(Some(id)) = self.0.get(i) {
+                let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
             }
         }
     }
@@ -273,7 +273,7 @@ impl Root {
                 None => {
                     let (counts, _, _) =
                         decide::refresh_finish(plan, &HostStore, r, None, &[], 0, now);
-                    self.metrics.add_all(&counts.0);
+                    self.metrics.add_all(&counts);
                 }
             }
         }
@@ -304,7 +304,7 @@ impl Context for Root {
             now.saturating_sub(sent_at),
             now,
         );
-        self.metrics.add_all(&counts.0);
+        self.metrics.add_all(&counts);
         if let Some(e) = error {
             if let Some(more) = self.logs.gateway.open(now) {
                 log::warn!("ratelimit-wasm: lease refresh failed: {e} (+{more} not logged)");
@@ -541,7 +541,7 @@ impl Http {
     }
 
     fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
-        self.metrics.add_all(&outcome.counts.0);
+        self.metrics.add_all(&outcome.counts);
         // Once per VM: every answer of a drifted policy would say it again.
         static MISMATCH_LOGGED: std::sync::atomic::AtomicBool =
             std::sync::atomic::AtomicBool::new(false);
@@ -711,7 +711,7 @@ impl HttpContext for Http {
         // Cancelled while waiting for the gateway: give the local charge back.
         if let (Some(plan), Some((_, pending, _))) = (self.plan.clone(), self.pending.take()) {
             let counts = decide::abandon(&plan, *pending, &HostStore);
-            self.metrics.add_all(&counts.0);
+            self.metrics.add_all(&counts);
         }
     }
 
