@@ -65,7 +65,7 @@ pub enum Verdict {
 
 /// Increments per [`Metric`], indexed by [`Metric::index`], with a mask of
 /// the metrics counted: a decision counts two or three of the forty, and
-/// the host reports only those (scanning all forty was 5 % of a decision).
+/// the host reports only those (scanning all forty was 3 % of a decision).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     values: [u64; Metric::ALL.len()],
