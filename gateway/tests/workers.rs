@@ -56,37 +56,9 @@ fn every_worker_has_its_thread_and_connection_and_the_limit_stays_exact() {
         "{names:?}"
     );
 
-    // 60 checks of one bucket, each on its own connection, 12 at a time:
-    // the kernel spreads the connections over the workers' sockets.
-    let url = gw.url("");
-    let answers: Vec<(u16, String)> = std::thread::scope(|s| {
-        let tasks: Vec<_> = (0..12)
-            .map(|_| {
-                let url = url.clone();
-                s.spawn(move || {
-                    let client = Client::new(url, ConnectionMode::NewPerRequest);
-                    (0..5)
-                        .map(|_| {
-                            let req = Request::post("/v1/check", CHECK.to_string())
-                                .header("content-type", "application/json");
-                            let r = ok(client.send(&req), "posting a check");
-                            (r.status, r.body)
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        tasks.into_iter().flat_map(|t| t.join().unwrap()).collect()
-    });
-    let allowed = answers
-        .iter()
-        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":true"#))
-        .count();
-    let denied = answers
-        .iter()
-        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":false"#))
-        .count();
-    assert_eq!((allowed, denied), (20, 40), "{answers:?}");
+    // 60 checks of one bucket, each on its own connection, 12 at a time.
+    let answers = spread_checks(&gw, 60, 12);
+    assert_eq!(allowed_denied(&answers), (20, 40), "{answers:?}");
 
     // One Redis connection per worker: every client but redis-cli's own,
     // the one running CLIENT LIST.
@@ -125,11 +97,22 @@ fn spread_checks(gw: &Gateway, n: usize, par: usize) -> Vec<(u16, String)> {
     })
 }
 
+/// How many answers were 200 and allowed, and how many 200 and denied.
+fn allowed_denied(answers: &[(u16, String)]) -> (usize, usize) {
+    let count = |allowed: &str| {
+        answers
+            .iter()
+            .filter(|(status, body)| *status == 200 && body.contains(allowed))
+            .count()
+    };
+    (count(r#""allowed":true"#), count(r#""allowed":false"#))
+}
+
 /// After Redis dies and comes back, every worker's connection is made
 /// again by itself, including a worker that saw no check while Redis was
 /// down: the first check on it is decided, not answered 503 on the dead
-/// connection. The outage outlasts the client's default reconnect attempts
-/// (about 2 s).
+/// connection. The outage outlasts the delays of the client's default
+/// series of reconnect attempts (2.2 s before jitter).
 #[test]
 fn every_worker_reconnects_by_itself_after_redis_comes_back() {
     let mut redis = ok(Redis::start(), "starting redis-server");
@@ -152,15 +135,7 @@ fn every_worker_reconnects_by_itself_after_redis_comes_back() {
 
     // Redis came back empty: 20 of the 24 are allowed, 4 denied, none fails.
     let after = spread_checks(&gw, 24, 4);
-    let allowed = after
-        .iter()
-        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":true"#))
-        .count();
-    let denied = after
-        .iter()
-        .filter(|(status, body)| *status == 200 && body.contains(r#""allowed":false"#))
-        .count();
-    assert_eq!((allowed, denied), (20, 4), "{after:?}");
+    assert_eq!(allowed_denied(&after), (20, 4), "{after:?}");
 }
 
 /// The workers share one listening socket each for `--listen` and
