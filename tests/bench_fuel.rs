@@ -541,6 +541,7 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
 ///     cargo test --release --test bench_fuel profile -- --ignored --nocapture
 /// ```
 ///
+/// Functions on top of the stack are also listed with their caller.
 /// `PROFILE_CONFIG=c4` profiles c4, `PROFILE_CLIENT=over` a denial,
 /// `PROFILE_SAMPLES` sets N (150).
 #[test]
@@ -564,7 +565,8 @@ fn profile_of_a_decision() {
     };
     let total = run_out_of_fuel(&mut fresh(), client_request(&client), None)
         .unwrap_or_else(|stack| panic!("ran out of u64::MAX fuel: {stack:?}"));
-    let (mut inclusive, mut exclusive) = (BTreeMap::new(), BTreeMap::new());
+    let (mut inclusive, mut exclusive, mut callers) =
+        (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
     for k in 0..samples {
         let fuel = 1 + k * total / samples;
         let stack = run_out_of_fuel(&mut fresh(), client_request(&client), Some(fuel))
@@ -572,6 +574,8 @@ fn profile_of_a_decision() {
             .unwrap_or_default();
         if let Some(top) = stack.first() {
             *exclusive.entry(top.clone()).or_insert(0u64) += 1;
+            let caller = stack.get(1).cloned().unwrap_or_default();
+            *callers.entry(format!("{top} <- {caller}")).or_insert(0u64) += 1;
         }
         let mut seen = std::collections::BTreeSet::new();
         for f in stack {
@@ -581,7 +585,11 @@ fn profile_of_a_decision() {
         }
     }
     println!("profile: {total} instructions, {samples} samples");
-    for (kind, counts) in [("inclusive", inclusive), ("exclusive", exclusive)] {
+    for (kind, counts) in [
+        ("inclusive", inclusive),
+        ("exclusive", exclusive),
+        ("exclusive, by caller", callers),
+    ] {
         let mut rows: Vec<(String, u64)> = counts.into_iter().collect();
         rows.sort_by_key(|r| std::cmp::Reverse(r.1));
         for (name, n) in rows.into_iter().take(40) {

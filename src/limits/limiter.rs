@@ -261,13 +261,14 @@ pub fn check_and_consume(
             if matches!(placement, Placement::Evicted(_)) {
                 evictions += 1;
             }
-            let e = placement.index();
+            // An unstored bucket is checked as full and its writes go nowhere.
+            let e = placement.index().unwrap_or(usize::MAX);
             sw.pinned.push(e);
-            let fresh = !matches!(placement, Placement::Found(_));
-            let Some(entry) = sw.set.entries.get(e) else {
-                return Err(LimitError::Vanished);
+            let tats = match placement {
+                Placement::Found(e) => sw.set.tats(e),
+                _ => &[],
             };
-            let state = |i: usize| entry.tats.get(i).copied().filter(|_| !fresh);
+            let state = |i: usize| Set::tat(tats, i);
             let limits = rule.limits;
             if let Some(g) = rule.graduated {
                 let stored_until =
@@ -441,11 +442,11 @@ fn read_set(
     let (bytes, cas) = match store.get(&key)? {
         Some(found) => found,
         None => {
-            store.compare_and_set(&key, &Set::default().encode(), CREATE_ONLY)?;
+            store.compare_and_set(&key, Set::default().bytes(), CREATE_ONLY)?;
             store.get(&key)?.ok_or(LimitError::Vanished)?
         }
     };
-    let set = Set::decode(&bytes).unwrap_or_else(|_| {
+    let set = Set::from_bytes(bytes).unwrap_or_else(|_| {
         stats.corrupt_sets += 1;
         Set::default()
     });
@@ -465,12 +466,7 @@ fn apply(work: &mut [SetWork], writes: &[Write]) {
         let Some(sw) = work.get_mut(w.set) else {
             continue;
         };
-        let Some(entry) = sw.set.entries.get_mut(w.entry) else {
-            continue;
-        };
-        if let Some(state) = entry.tats.get_mut(w.state) {
-            *state = w.value;
-            entry.full_at_ns = entry.full_at_ns.max(w.full_at_ns);
+        if sw.set.write(w.entry, w.state, w.value, w.full_at_ns) {
             sw.touched = true;
         }
     }
@@ -487,7 +483,7 @@ fn write_all(
 ) -> Result<bool, LimitError> {
     let sets = || work.iter().filter(|sw| sw.touched);
     for (done, sw) in sets().enumerate() {
-        if !store.compare_and_set(&sw.key, &sw.set.encode(), sw.cas)? {
+        if !store.compare_and_set(&sw.key, sw.set.bytes(), sw.cas)? {
             for written in sets().take(done) {
                 refund_set(store, plan, written.index, refundable, now_ns)?;
             }
@@ -534,17 +530,18 @@ fn refund_set(
             let Some(rule) = plan.rule(b.rule, b.variant) else {
                 continue;
             };
-            if let Some(entry) = set
-                .entries
-                .iter_mut()
-                .find(|e| e.fingerprint == b.fingerprint)
-            {
-                for ((limit, _), tat) in rule.limits.iter().zip(entry.tats.iter_mut()) {
-                    *tat = rule.algorithm.refund(limit, *tat, b.cost, charged_at_ns);
+            let Some(e) = set.find(b.fingerprint) else {
+                continue;
+            };
+            for (l, (limit, _)) in rule.limits.iter().enumerate() {
+                if let Some(tat) = Set::tat(set.tats(e), l) {
+                    let back = rule.algorithm.refund(limit, tat, b.cost, charged_at_ns);
+                    // A refund never raises when the bucket is full again.
+                    set.write(e, l, back, 0);
                 }
             }
         }
-        (Some(set.encode()), ())
+        (Some(set.into_bytes()), ())
     })?;
     Ok(())
 }

@@ -49,8 +49,12 @@ impl Layout {
 }
 
 const VERSION: u8 = 1;
+/// Bytes of an entry before its TATs: fingerprint, full-at, count of TATs.
+const HEAD: usize = 17;
+/// Bytes of one TAT.
+const TAT: usize = 16;
 
-/// One bucket: all limits of one rule for one key.
+/// One bucket, decoded: all limits of one rule for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     /// Keyed hash of domain, rule, limits and key.
@@ -61,11 +65,24 @@ pub struct Entry {
     pub tats: Vec<u128>,
 }
 
-/// The decoded value of one set.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// One set, kept as the bytes stored in shared data and read and changed in
+/// place: version, count, then per entry its fingerprint, full-at, count of
+/// TATs and the TATs (little-endian). A charge reads a field or two of a set
+/// and writes a field or two; decoding it into vectors and encoding it again
+/// cost more than the rest of the check.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Set {
-    /// The set's buckets.
-    pub entries: Vec<Entry>,
+    /// Always a valid encoding: [`Set::from_bytes`] checks it, and every
+    /// change keeps it.
+    bytes: Vec<u8>,
+}
+
+impl Default for Set {
+    fn default() -> Self {
+        Set {
+            bytes: vec![VERSION, 0],
+        }
+    }
 }
 
 /// A set value that could not be decoded.
@@ -82,69 +99,146 @@ pub enum Placement {
     /// A new bucket replaced one that still held state: that client's bucket is
     /// forgotten and starts full next time.
     Evicted(usize),
+    /// A new bucket found the set at its most entries (255), all claimed by
+    /// the same request: it counts as full and is not stored.
+    Unstored,
 }
 
 impl Placement {
-    /// The entry's index in the set.
-    pub fn index(self) -> usize {
+    /// The entry's index in the set; `None` for an unstored bucket.
+    pub fn index(self) -> Option<usize> {
         match self {
-            Placement::Found(i) | Placement::Fresh(i) | Placement::Evicted(i) => i,
+            Placement::Found(i) | Placement::Fresh(i) | Placement::Evicted(i) => Some(i),
+            Placement::Unstored => None,
         }
     }
 }
 
 impl Set {
-    /// Serialises the set: version, count, then per entry fingerprint, full-at, count of TATs and the TATs.
-    pub fn encode(&self) -> Vec<u8> {
-        // Sized exactly: growing it reallocated for entries of two or more limits.
-        let entries = self.entries.iter().take(usize::from(u8::MAX));
-        let size = 2 + entries
-            .clone()
-            .map(|e| 17 + 16 * e.tats.len().min(usize::from(u8::MAX)))
-            .sum::<usize>();
-        let mut out = Vec::with_capacity(size);
-        out.push(VERSION);
-        out.push(u8::try_from(self.entries.len()).unwrap_or(u8::MAX));
-        for e in entries {
-            out.extend_from_slice(&e.fingerprint.to_le_bytes());
-            out.extend_from_slice(&e.full_at_ns.to_le_bytes());
-            out.push(u8::try_from(e.tats.len()).unwrap_or(u8::MAX));
-            for t in e.tats.iter().take(usize::from(u8::MAX)) {
-                out.extend_from_slice(&t.to_le_bytes());
-            }
-        }
-        out
-    }
-
-    /// Parses what [`Set::encode`] wrote; an empty value is an empty set.
-    pub fn decode(bytes: &[u8]) -> Result<Set, Corrupt> {
+    /// Takes a stored value, checking that it is a valid set; an empty value
+    /// is an empty set.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Set, Corrupt> {
         if bytes.is_empty() {
             return Ok(Set::default());
         }
-        let mut r = Reader(bytes);
-        if r.u8()? != VERSION {
+        let (&version, rest) = bytes.split_first().ok_or(Corrupt)?;
+        let (&n, mut rest) = rest.split_first().ok_or(Corrupt)?;
+        if version != VERSION {
             return Err(Corrupt);
         }
-        let n = r.u8()?;
-        let mut entries = Vec::with_capacity(usize::from(n));
         for _ in 0..n {
-            let fingerprint = u64::from_le_bytes(r.array()?);
-            let full_at_ns = u64::from_le_bytes(r.array()?);
-            let k = r.u8()?;
-            let mut tats = Vec::with_capacity(usize::from(k));
-            for _ in 0..k {
-                tats.push(u128::from_le_bytes(r.array()?));
-            }
-            entries.push(Entry {
-                fingerprint,
-                full_at_ns,
-                tats,
-            });
+            let k = usize::from(*rest.get(HEAD - 1).ok_or(Corrupt)?);
+            rest = rest.get(HEAD + TAT * k..).ok_or(Corrupt)?;
         }
-        if !r.0.is_empty() {
+        if !rest.is_empty() {
             return Err(Corrupt);
         }
-        Ok(Set { entries })
+        Ok(Set { bytes })
+    }
+
+    /// Decodes a set from borrowed bytes (see [`Set::from_bytes`]).
+    pub fn decode(bytes: &[u8]) -> Result<Set, Corrupt> {
+        Set::from_bytes(bytes.to_vec())
+    }
+
+    /// The value to store.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Takes the value to store.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.bytes
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        usize::from(self.bytes.get(1).copied().unwrap_or(0))
+    }
+
+    /// True when the set holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every entry, decoded (for tests and diagnostics; the charge reads in place).
+    pub fn entries(&self) -> Vec<Entry> {
+        (0..self.len())
+            .filter_map(|i| {
+                let (fingerprint, full_at_ns, tats) = self.entry(i)?;
+                Some(Entry {
+                    fingerprint,
+                    full_at_ns,
+                    tats: tats
+                        .chunks_exact(TAT)
+                        .filter_map(|c| c.try_into().ok().map(u128::from_le_bytes))
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Byte range of entry `i`.
+    fn span(&self, i: usize) -> Option<std::ops::Range<usize>> {
+        let mut at = 2;
+        for j in 0..self.len() {
+            let end = at + HEAD + TAT * usize::from(*self.bytes.get(at + HEAD - 1)?);
+            if j == i {
+                return Some(at..end);
+            }
+            at = end;
+        }
+        None
+    }
+
+    /// Entry `i`: fingerprint, full-at and the bytes of its TATs.
+    fn entry(&self, i: usize) -> Option<(u64, u64, &[u8])> {
+        let span = self.span(i)?;
+        let e = self.bytes.get(span)?;
+        let (fp, rest) = e.split_first_chunk::<8>()?;
+        let (full_at, rest) = rest.split_first_chunk::<8>()?;
+        let tats = rest.get(1..)?;
+        Some((u64::from_le_bytes(*fp), u64::from_le_bytes(*full_at), tats))
+    }
+
+    /// The TATs of entry `i`, as stored: `count × 16` bytes.
+    pub fn tats(&self, i: usize) -> &[u8] {
+        self.entry(i).map_or(&[], |(_, _, t)| t)
+    }
+
+    /// TAT `state` of stored TATs `tats` (see [`Set::tats`]).
+    pub fn tat(tats: &[u8], state: usize) -> Option<u128> {
+        let at = state.checked_mul(TAT)?;
+        let b = tats.get(at..at.checked_add(TAT)?)?;
+        Some(u128::from_le_bytes(b.try_into().ok()?))
+    }
+
+    /// Stores `value` as TAT `state` of entry `i` and raises its full-at to
+    /// at least `full_at_ns`; false when there is no such TAT.
+    pub fn write(&mut self, i: usize, state: usize, value: u128, full_at_ns: u64) -> bool {
+        let Some(span) = self.span(i) else {
+            return false;
+        };
+        let Some(at) = state
+            .checked_mul(TAT)
+            .map(|s| span.start + HEAD + s)
+            .filter(|&at| at + TAT <= span.end)
+        else {
+            return false;
+        };
+        if let Some(t) = self.bytes.get_mut(at..at + TAT) {
+            t.copy_from_slice(&value.to_le_bytes());
+        }
+        if let Some(f) = self.bytes.get_mut(span.start + 8..span.start + 16) {
+            let old = u64::from_le_bytes(f.try_into().unwrap_or([0; 8]));
+            f.copy_from_slice(&old.max(full_at_ns).to_le_bytes());
+        }
+        true
+    }
+
+    /// The index of bucket `fingerprint`, if the set holds it.
+    pub fn find(&self, fingerprint: u64) -> Option<usize> {
+        (0..self.len()).find(|&i| self.entry(i).is_some_and(|(fp, _, _)| fp == fingerprint))
     }
 
     /// Finds the bucket `fingerprint`, or makes room for it: a free way first,
@@ -158,69 +252,80 @@ impl Set {
         now_ns: u64,
         pinned: &[usize],
     ) -> Placement {
-        // Built only when needed: a found bucket (the common case) allocates nothing.
-        let fresh = || Entry {
-            fingerprint,
-            full_at_ns: 0,
-            tats: vec![0; limits],
-        };
-        if let Some(i) = self
-            .entries
-            .iter()
-            .position(|e| e.fingerprint == fingerprint)
-        {
-            if let Some(e) = self.entries.get_mut(i) {
-                if e.tats.len() != limits {
-                    *e = fresh();
-                    return Placement::Fresh(i);
-                }
+        if let Some(i) = self.find(fingerprint) {
+            if self.tats(i).len() != TAT * limits {
+                self.replace(i, fingerprint, limits);
+                return Placement::Fresh(i);
             }
             return Placement::Found(i);
         }
-        if self.entries.len() < WAYS {
-            self.entries.push(fresh());
-            return Placement::Fresh(self.entries.len() - 1);
+        let n = self.len();
+        if n < WAYS {
+            return self.push(fingerprint, limits);
         }
-        let victim = self
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !pinned.contains(i))
-            .min_by_key(|(_, e)| e.full_at_ns)
-            .map(|(i, e)| (i, e.full_at_ns <= now_ns));
+        let victim = (0..n)
+            .filter(|i| !pinned.contains(i))
+            .filter_map(|i| self.entry(i).map(|(_, full_at, _)| (i, full_at)))
+            .min_by_key(|&(_, full_at)| full_at);
         match victim {
-            Some((i, idle)) => {
-                if let Some(slot) = self.entries.get_mut(i) {
-                    *slot = fresh();
-                }
-                if idle {
+            Some((i, full_at)) => {
+                self.replace(i, fingerprint, limits);
+                if full_at <= now_ns {
                     Placement::Fresh(i)
                 } else {
                     Placement::Evicted(i)
                 }
             }
-            None => {
-                self.entries.push(fresh());
-                Placement::Fresh(self.entries.len() - 1)
+            None => self.push(fingerprint, limits),
+        }
+    }
+
+    /// Appends a new, full entry, unless the count is at its most.
+    fn push(&mut self, fingerprint: u64, limits: usize) -> Placement {
+        let n = self.len();
+        let Some(count) = self.bytes.get_mut(1).filter(|c| **c < u8::MAX) else {
+            return Placement::Unstored;
+        };
+        *count += 1;
+        let start = self.bytes.len();
+        // One exact reservation and zeroes, then the head: pushing the entry
+        // byte by byte cost more than the bucket arithmetic.
+        self.bytes.resize(start + entry_len(limits), 0);
+        self.fill_fresh(start, fingerprint, limits);
+        Placement::Fresh(n)
+    }
+
+    /// Makes entry `i` a new, full entry of `fingerprint`.
+    fn replace(&mut self, i: usize, fingerprint: u64, limits: usize) {
+        let Some(span) = self.span(i) else {
+            return;
+        };
+        let len = entry_len(limits);
+        if span.len() == len {
+            if let Some(e) = self.bytes.get_mut(span.clone()) {
+                e.fill(0);
             }
+        } else {
+            // The rule's count of limits changed: the entry changes size.
+            self.bytes.splice(span.clone(), std::iter::repeat_n(0, len));
+        }
+        self.fill_fresh(span.start, fingerprint, limits);
+    }
+
+    /// Writes the head of a new entry over zeroes at `start`.
+    fn fill_fresh(&mut self, start: usize, fingerprint: u64, limits: usize) {
+        if let Some(fp) = self.bytes.get_mut(start..start + 8) {
+            fp.copy_from_slice(&fingerprint.to_le_bytes());
+        }
+        if let Some(k) = self.bytes.get_mut(start + HEAD - 1) {
+            *k = u8::try_from(limits).unwrap_or(u8::MAX);
         }
     }
 }
 
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn u8(&mut self) -> Result<u8, Corrupt> {
-        let (&b, rest) = self.0.split_first().ok_or(Corrupt)?;
-        self.0 = rest;
-        Ok(b)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], Corrupt> {
-        let (head, rest) = self.0.split_first_chunk::<N>().ok_or(Corrupt)?;
-        self.0 = rest;
-        Ok(*head)
-    }
+/// Bytes of an entry of `limits` TATs (at most 255).
+fn entry_len(limits: usize) -> usize {
+    HEAD + TAT * limits.min(usize::from(u8::MAX))
 }
 
 #[cfg(test)]
@@ -236,25 +341,81 @@ mod tests {
         }
     }
 
+    /// A set of `entries`, written through `place` and `write`.
+    fn set_of(entries: &[Entry]) -> Set {
+        let mut s = Set::default();
+        for (i, e) in entries.iter().enumerate() {
+            assert_eq!(
+                s.place(e.fingerprint, e.tats.len(), 0, &[]).index(),
+                Some(i)
+            );
+            for (k, &t) in e.tats.iter().enumerate() {
+                assert!(s.write(i, k, t, e.full_at_ns));
+            }
+        }
+        s
+    }
+
     #[test]
     fn round_trips() {
-        let s = Set {
-            entries: vec![entry(1, 10), entry(u64::MAX, u64::MAX)],
-        };
-        assert_eq!(Set::decode(&s.encode()).unwrap(), s);
+        let entries = vec![entry(1, 10), entry(u64::MAX, u64::MAX)];
+        let s = set_of(&entries);
+        assert_eq!(s.entries(), entries);
+        assert_eq!(Set::decode(s.bytes()).unwrap(), s);
         assert_eq!(Set::decode(b"").unwrap(), Set::default());
+        assert_eq!(Set::default().bytes(), [VERSION, 0]);
+    }
+
+    #[test]
+    fn the_stored_layout_is_version_count_then_entries() {
+        let s = set_of(&[Entry {
+            fingerprint: 0x0102,
+            full_at_ns: 5,
+            tats: vec![9],
+        }]);
+        let mut expected = vec![
+            VERSION, 1, 2, 1, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 1, 9,
+        ];
+        expected.extend([0; 15]);
+        assert_eq!(s.bytes(), expected);
     }
 
     #[test]
     fn garbage_is_corrupt_not_a_panic() {
         assert_eq!(Set::decode(&[9]), Err(Corrupt));
+        assert_eq!(Set::decode(&[VERSION]), Err(Corrupt));
         assert_eq!(Set::decode(&[VERSION, 1, 0, 0]), Err(Corrupt));
-        let mut long = Set {
-            entries: vec![entry(1, 1)],
-        }
-        .encode();
+        let mut long = set_of(&[entry(1, 1)]).into_bytes();
         long.push(0);
         assert_eq!(Set::decode(&long), Err(Corrupt));
+    }
+
+    #[test]
+    fn a_write_changes_one_tat_and_only_raises_full_at() {
+        let mut s = set_of(&[entry(1, 10), entry(2, 20)]);
+        assert!(s.write(1, 1, 99, 5));
+        assert_eq!(
+            s.entries(),
+            vec![
+                entry(1, 10),
+                Entry {
+                    tats: vec![60, 99],
+                    ..entry(2, 20)
+                }
+            ]
+        );
+        assert!(s.write(0, 0, 4, 50));
+        assert_eq!(
+            s.entries()[0],
+            Entry {
+                fingerprint: 1,
+                full_at_ns: 50,
+                tats: vec![4, 7]
+            }
+        );
+        assert!(!s.write(0, 2, 1, 1) && !s.write(2, 0, 1, 1));
+        assert_eq!(Set::tat(s.tats(1), 1), Some(99));
+        assert_eq!(Set::tat(s.tats(1), 2), None);
     }
 
     #[test]
@@ -262,23 +423,58 @@ mod tests {
         let mut s = Set::default();
         for fp in 1..=4 {
             assert_eq!(s.place(fp, 2, 100, &[]), Placement::Fresh(fp as usize - 1));
-            s.entries[fp as usize - 1].full_at_ns = 1000 + fp;
+            assert!(s.write(fp as usize - 1, 0, 0, 1000 + fp));
         }
         assert_eq!(s.place(3, 2, 100, &[]), Placement::Found(2));
         // All four hold state at t=100: the one full soonest goes.
         assert_eq!(s.place(9, 2, 100, &[]), Placement::Evicted(0));
-        assert_eq!(s.entries[0].fingerprint, 9);
-        s.entries[0].full_at_ns = 5000;
+        assert_eq!(
+            s.entries()[0],
+            Entry {
+                fingerprint: 9,
+                full_at_ns: 0,
+                tats: vec![0, 0]
+            }
+        );
+        assert!(s.write(0, 0, 0, 5000));
         // At t=1003, fp 2 (full at 1002) is idle: replacing it evicts nothing.
         assert_eq!(s.place(10, 2, 1003, &[]), Placement::Fresh(1));
         // Pinned entries survive; with all pinned the set grows.
         assert_eq!(s.place(11, 2, 0, &[0, 1, 2, 3]), Placement::Fresh(4));
+        // A bucket whose rule changed its number of limits starts fresh.
+        assert!(s.write(2, 0, 7, 7));
+        assert_eq!(s.place(3, 3, 0, &[]), Placement::Fresh(2));
+        assert_eq!(
+            s.entries()[2],
+            Entry {
+                fingerprint: 3,
+                full_at_ns: 0,
+                tats: vec![0; 3]
+            }
+        );
+        assert_eq!(s.entries()[4].fingerprint, 11);
+        assert_eq!(Set::decode(s.bytes()).unwrap(), s);
+    }
+
+    #[test]
+    fn a_set_of_255_entries_all_claimed_stores_no_more() {
+        let mut s = Set::default();
+        let all: Vec<usize> = (0..255).collect();
+        for fp in 0..255u64 {
+            assert_eq!(s.place(fp, 1, 0, &all), Placement::Fresh(fp as usize));
+        }
+        let before = s.clone();
+        assert_eq!(s.place(1000, 1, 0, &all), Placement::Unstored);
+        assert_eq!(s, before);
     }
 
     proptest! {
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
-            let _ = Set::decode(&bytes);
+            if let Ok(s) = Set::decode(&bytes) {
+                // What decodes is read whole: every entry it counts.
+                prop_assert_eq!(s.entries().len(), s.len());
+            }
         }
     }
 }

@@ -87,7 +87,7 @@ impl Limit {
             Check {
                 allowed: true,
                 new_state: now + need,
-                remaining: self.tokens(tolerance - need),
+                remaining: self.tokens_left(need),
                 reset_ns: self.unscale_ceil(need),
                 retry_after_ns: 0,
             }
@@ -101,7 +101,7 @@ impl Limit {
             Check {
                 allowed: false,
                 new_state: tat,
-                remaining: self.tokens(tolerance.saturating_sub(used)),
+                remaining: self.tokens_left(used),
                 reset_ns: self.unscale_ceil(used),
                 retry_after_ns: u64::try_from(retry).unwrap_or(u64::MAX),
             }
@@ -113,8 +113,20 @@ impl Limit {
         self.unscale_ceil(tat)
     }
 
-    fn tokens(&self, scaled_free: u128) -> u64 {
-        let all = u64::try_from(div_rem(scaled_free, self.interval().max(1)).0).unwrap_or(u64::MAX);
+    /// Whole tokens left in a bucket of which `used` (scaled, at most the
+    /// tolerance) is spent, counted up to `capacity`. The free part is
+    /// `tolerance − used`, a multiple of the interval minus `used`, so its
+    /// whole intervals are `burst − ⌈used / interval⌉`: a division of the
+    /// small spent part, where dividing the free part (over 2^64 for a
+    /// limit of 10⁹ per minute) took the slow 128-bit path.
+    fn tokens_left(&self, used: u128) -> u64 {
+        let all = if self.period_ns == 0 {
+            // No interval to divide by: a zero tolerance, nothing free.
+            0
+        } else {
+            let spent = u64::try_from(div_ceil(used, self.interval())).unwrap_or(u64::MAX);
+            self.burst.max(self.capacity).saturating_sub(spent)
+        };
         all.saturating_sub(self.burst.saturating_sub(self.capacity))
     }
 
@@ -389,6 +401,29 @@ mod tests {
             let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)) };
             let c = l.check(tat, now, cost);
             prop_assert_eq!(l.full_at_ns(c.new_state), now.saturating_add(c.reset_ns));
+        }
+
+        /// `remaining` is the whole intervals in the free part of the bucket,
+        /// `(tolerance − used) / interval`, less the burst above capacity
+        /// (capacities and costs as far as the configuration allows, and beyond).
+        #[test]
+        fn remaining_is_the_free_part_in_whole_tokens(
+            capacity in prop_oneof![0u64..1000, 1u64..=1_000_000_000, 1u64..1 << 40],
+            period_ns in prop_oneof![0u64..3, 1u64..1_000_000_000_000, any::<u64>()],
+            extra in 0u64..3,
+            now in prop_oneof![any::<u64>(), 0u64..1 << 62],
+            tat in proptest::option::of(any::<u128>()),
+            cost in prop_oneof![0u64..10, 0u64..=1_000_000],
+        ) {
+            let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)) };
+            let c = l.check(tat, now, cost);
+            let now_s = l.scaled(now);
+            let tolerance = l.tolerance();
+            let used = tat.map_or(now_s, |t| t.clamp(now_s, now_s.saturating_add(tolerance))) - now_s;
+            let used = if c.allowed { used + l.increment(cost) } else { used };
+            let whole = (tolerance - used) / u128::from(period_ns.max(1));
+            let expected = u64::try_from(whole).unwrap_or(u64::MAX).saturating_sub(l.burst.saturating_sub(capacity));
+            prop_assert_eq!(c.remaining, expected);
         }
 
         /// The u64 paths of `div_rem` are u128 division, whatever the operands.
