@@ -231,8 +231,19 @@ fn div_wide(u1: u64, u0: u64, v: u64) -> (u64, u64) {
     ((q1 << 32) + q0, r)
 }
 
-/// `n / d` rounded up, for `d` ≥ 1 (see [`div_rem`]).
+/// `n / d` rounded up, for `d` ≥ 1 (see [`div_rem`]). Inlined for the
+/// common operands that fit in u64: a call returning u128 goes through
+/// memory, and cost more than the division.
+#[inline(always)]
 fn div_ceil(n: u128, d: u128) -> u128 {
+    match (u64::try_from(n), u64::try_from(d)) {
+        (Ok(n), Ok(d)) if d > 0 => u128::from(n.div_ceil(d)),
+        _ => div_ceil_wide(n, d),
+    }
+}
+
+#[inline(never)]
+fn div_ceil_wide(n: u128, d: u128) -> u128 {
     let (q, r) = div_rem(n, d);
     q + u128::from(r > 0)
 }
