@@ -173,6 +173,9 @@ struct Rec {
     status: u16,
     /// `x-ratelimit-limit`, 0 when absent.
     limit: u64,
+    /// `x-ratelimit-remaining` (`None` when absent): the deciding limiter's
+    /// own count, which places the decision in its window.
+    remaining: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -251,9 +254,14 @@ fn load(
         let sent_ns = now_ns();
         let r = conns[proxy].send(req);
         let recv_ns = now_ns();
-        let (status, limit) = match &r {
-            Ok(r) => (r.status, limit_of(r)),
-            Err(_) => (0, 0),
+        let (status, limit, remaining) = match &r {
+            Ok(r) => (
+                r.status,
+                limit_of(r),
+                r.header("x-ratelimit-remaining")
+                    .and_then(|v| v.parse().ok()),
+            ),
+            Err(_) => (0, 0, None),
         };
         recs.push(Rec {
             client: index,
@@ -263,6 +271,7 @@ fn load(
             recv_ns,
             status,
             limit,
+            remaining,
         });
     }
     recs
@@ -1288,6 +1297,35 @@ fn soak_with_redis_and_gateway_faults() {
             "writing SOAK_REPORT",
         );
         println!("soak: report written to {}", path.display());
+    }
+    if !checks.failures.is_empty() {
+        // A failure keeps its evidence: every request, to place the decisions
+        // near a window's edge (each answer's remaining says where its
+        // limiter counted it).
+        let path = testkit::paths::target_dir().join(format!("soak/records-{}.csv", s.seed));
+        let mut csv = String::from("client,proxy,path,sent_ns,recv_ns,status,limit,remaining\n");
+        for r in &run.recs {
+            let _ = writeln!(
+                csv,
+                "{},{},{:?},{},{},{},{},{}",
+                run.specs[r.client].id,
+                r.proxy,
+                r.path,
+                r.sent_ns,
+                r.recv_ns,
+                r.status,
+                r.limit,
+                r.remaining.map_or(String::new(), |v| v.to_string())
+            );
+        }
+        let written = path
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| std::fs::write(&path, csv));
+        println!(
+            "soak: every request of the failed run in {} ({written:?})",
+            path.display()
+        );
     }
     assert!(
         checks.failures.is_empty(),

@@ -468,7 +468,84 @@ mod tests {
         assert_eq!(s, before);
     }
 
+    /// The set as decoded entries, placed as the table did before it kept
+    /// its bytes: the model the in-place set must match.
+    fn model_place(
+        entries: &mut Vec<Entry>,
+        fingerprint: u64,
+        limits: usize,
+        now_ns: u64,
+        pinned: &[usize],
+    ) -> Placement {
+        let fresh = || Entry {
+            fingerprint,
+            full_at_ns: 0,
+            tats: vec![0; limits],
+        };
+        if let Some(i) = entries.iter().position(|e| e.fingerprint == fingerprint) {
+            if entries[i].tats.len() != limits {
+                entries[i] = fresh();
+                return Placement::Fresh(i);
+            }
+            return Placement::Found(i);
+        }
+        if entries.len() < WAYS {
+            entries.push(fresh());
+            return Placement::Fresh(entries.len() - 1);
+        }
+        let victim = entries
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !pinned.contains(i))
+            .min_by_key(|(_, e)| e.full_at_ns)
+            .map(|(i, e)| (i, e.full_at_ns <= now_ns));
+        match victim {
+            Some((i, idle)) => {
+                entries[i] = fresh();
+                if idle {
+                    Placement::Fresh(i)
+                } else {
+                    Placement::Evicted(i)
+                }
+            }
+            None => {
+                entries.push(fresh());
+                Placement::Fresh(entries.len() - 1)
+            }
+        }
+    }
+
     proptest! {
+        /// Any run of placements and writes leaves the stored bytes holding
+        /// exactly what the decoded model holds, through a store round trip.
+        #[test]
+        fn the_set_in_place_matches_the_decoded_model(
+            ops in proptest::collection::vec(
+                (0u64..8, 1usize..4, 0u64..100, proptest::collection::vec(0usize..6, 0..4),
+                 0usize..4, any::<u128>(), 0u64..200),
+                1..60,
+            ),
+        ) {
+            let mut set = Set::default();
+            let mut model: Vec<Entry> = Vec::new();
+            for (fp, limits, now, pinned, state, value, full_at) in ops {
+                let placed = set.place(fp, limits, now, &pinned);
+                prop_assert_eq!(placed, model_place(&mut model, fp, limits, now, &pinned));
+                let i = placed.index().unwrap_or(usize::MAX);
+                let wrote = set.write(i, state, value, full_at);
+                let expected = model.get_mut(i).and_then(|e| {
+                    let t = e.tats.get_mut(state)?;
+                    *t = value;
+                    e.full_at_ns = e.full_at_ns.max(full_at);
+                    Some(())
+                });
+                prop_assert_eq!(wrote, expected.is_some());
+                set = Set::from_bytes(set.into_bytes()).expect("a set's own bytes decode");
+                prop_assert_eq!(set.entries(), model.clone());
+                prop_assert_eq!(set.find(fp), model.iter().position(|e| e.fingerprint == fp));
+            }
+        }
+
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             if let Ok(s) = Set::decode(&bytes) {
