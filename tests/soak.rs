@@ -6,7 +6,10 @@
 //! `SOAK_SECONDS` sets the length (default 28 s, the variant `make test`
 //! runs; `make soak` runs 300 s); `SOAK_RATE` the total request rate (default
 //! 250/s); `SOAK_REPORT=<file>` also writes the Markdown report there
-//! (`RELIABILITY.md` quotes one).
+//! (`RELIABILITY.md` quotes one). A failed run also writes every request
+//! (client, proxy, path, sent and answered times, status,
+//! `x-ratelimit-limit` and `-remaining`) to
+//! `<target>/soak/records-<seed>.csv`.
 //!
 //! The plugin has a global rule `api` on `/api` (sliding window, `LIMIT` per
 //! 10 s per client, `failure_mode: local`, `instances: 2`, circuit
