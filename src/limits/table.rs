@@ -253,7 +253,8 @@ impl Set {
         pinned: &[usize],
     ) -> Placement {
         if let Some(i) = self.find(fingerprint) {
-            if self.tats(i).len() != TAT * limits {
+            // Sized as `push` and `replace` size it: a rule's changed count of limits starts over.
+            if HEAD + self.tats(i).len() != entry_len(limits) {
                 self.replace(i, fingerprint, limits);
                 return Placement::Fresh(i);
             }
