@@ -43,7 +43,9 @@
 //! * **No trap, no panic**: no Envoy log and not the gateway's mentions
 //!   `panic`, `critical`, `RuntimeError` or `Uncaught`; Envoy never reloaded or recreated a VM
 //!   (`wasm.ratelimit.vm_reload_*`, `wasm.envoy.wasm.runtime.v8.created`);
-//!   `ratelimit_wasm_errors` stays 0.
+//!   `ratelimit_wasm_errors`, `ratelimit_wasm_corrupt_state` and
+//!   `ratelimit_wasm_bucket_evictions` stay 0 (a set read as corrupt or an
+//!   evicted bucket would forget a count, and the window bounds would not hold).
 //! * **Recovery**: after every fault, the last one included (the run goes on
 //!   long enough to see it), the gateway decides again: within the circuit's
 //!   cooldown + 3 s when the gateway was restarted, within the cooldown +
@@ -307,10 +309,12 @@ fn comm(pid: u32) -> String {
 }
 
 /// Counters read from each Envoy.
-const COUNTERS: [&str; 12] = [
+const COUNTERS: [&str; 14] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_errors",
+    "ratelimit_wasm_corrupt_state",
+    "ratelimit_wasm_bucket_evictions",
     "ratelimit_wasm_global_calls",
     "ratelimit_wasm_global_failures",
     "ratelimit_wasm_failure_mode_local",
@@ -1206,8 +1210,13 @@ impl Checks {
                 .map(|p| run.last_counters[p][name].saturating_sub(run.first_counters[p][name]))
                 .collect();
             let _ = writeln!(self.report, "| `{name}` | {} | {} |", d[0], d[1]);
-            // No shared-data failure; no VM ever failed, reloaded or was recreated.
+            // No shared-data failure, no bucket lost to a set read as corrupt
+            // or to an eviction (either would forget a client's count: the
+            // window bounds below would not hold); no VM ever failed,
+            // reloaded or was recreated.
             let must_stay = name == "ratelimit_wasm_errors"
+                || name == "ratelimit_wasm_corrupt_state"
+                || name == "ratelimit_wasm_bucket_evictions"
                 || name.starts_with("envoy_wasm_ratelimit_vm_reload")
                 || name == "envoy_wasm_envoy_wasm_runtime_v8_created";
             if must_stay && d.iter().any(|&v| v > 0) {
