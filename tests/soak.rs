@@ -262,9 +262,8 @@ fn load(
         let (status, limit, remaining) = match &r {
             Ok(r) => (
                 r.status,
-                limit_of(r),
-                r.header("x-ratelimit-remaining")
-                    .and_then(|v| v.parse().ok()),
+                number(r, "x-ratelimit-limit").unwrap_or(0),
+                number(r, "x-ratelimit-remaining"),
             ),
             Err(_) => (0, 0, None),
         };
@@ -282,10 +281,9 @@ fn load(
     recs
 }
 
-fn limit_of(r: &Response) -> u64 {
-    r.header("x-ratelimit-limit")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+/// The number in header `name` of `r`; `None` when absent or not a number.
+fn number(r: &Response, name: &str) -> Option<u64> {
+    r.header(name).and_then(|v| v.parse().ok())
 }
 
 // ---------------------------------------------------------------------------
