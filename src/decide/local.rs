@@ -179,7 +179,7 @@ pub fn start(
             reports.extend(leased.unwrap_or_default());
             let v = ctx.pass(&reports);
             let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
-            outcome.lease = lease.filter(|_| served);
+            outcome.lease = lease.filter(|_| served).map(Box::new);
             Step::Done(outcome)
         }
     }

@@ -591,18 +591,3 @@ fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses
         1
     );
 }
-
-/// The host reports exactly the metrics counted, each once, with its sum.
-#[test]
-fn counted_lists_each_counted_metric_once_in_index_order() {
-    let mut c = Counts::default();
-    c.add(Metric::Denied, 1);
-    c.add(Metric::Allowed, 2);
-    c.add(Metric::Allowed, 3);
-    c.add(Metric::Errors, 0);
-    let mut want = vec![(Metric::Allowed.index(), 5), (Metric::Denied.index(), 1)];
-    want.sort();
-    assert_eq!(c.counted().collect::<Vec<_>>(), want);
-    assert_eq!(c.get(Metric::Errors), 0);
-    assert_eq!(Counts::default().counted().count(), 0);
-}
