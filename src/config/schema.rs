@@ -10,6 +10,9 @@ use std::fmt;
 
 /// Most rules one configuration may hold; more make every request slower to match.
 pub const MAX_RULES: usize = 1024;
+/// Most quotas one configuration may hold, as for rules: a request may
+/// count against each, and a decision's counters are sized by it.
+pub const MAX_QUOTAS: usize = 1024;
 /// Most limits one rule may hold; they share one shared-data entry.
 pub const MAX_LIMITS_PER_RULE: usize = 8;
 /// Most key parts one rule may hold.

@@ -118,6 +118,22 @@ fn too_many_rules_names_the_limit() {
 }
 
 #[test]
+fn too_many_quotas_names_the_limit() {
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw"});
+    let quotas: Vec<_> = (0..=MAX_QUOTAS)
+        .map(|i| json!({"name": format!("q{i}"), "period": "month", "limit": 5, "upgrade_url": "https://x"}))
+        .collect();
+    v["quotas"] = json!(quotas);
+    assert_eq!(
+        err(v.clone()),
+        "quotas: 1025 quotas exceed the maximum of 1024"
+    );
+    v["quotas"].as_array_mut().unwrap().pop();
+    assert!(parse(v.to_string().as_bytes()).is_ok());
+}
+
+#[test]
 fn not_json_and_wrong_types() {
     assert!(parse(b"{")
         .unwrap_err()

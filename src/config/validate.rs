@@ -397,6 +397,15 @@ impl Config {
                 "need global: the gateway keeps quotas",
             ));
         }
+        if self.quotas.len() > MAX_QUOTAS {
+            return Err(ConfigError::field(
+                "quotas",
+                format!(
+                    "{} quotas exceed the maximum of {MAX_QUOTAS}",
+                    self.quotas.len()
+                ),
+            ));
+        }
         let mut names = HashSet::new();
         for (i, q) in self.quotas.iter().enumerate() {
             let at = format!("quotas[{i}]");

@@ -1,8 +1,10 @@
 //! A decision's metric increments. Kept small on purpose: the counts travel
 //! inside every [`super::Outcome`]. As `u64`s (208 bytes in wasm32) they cost
-//! an allowed c1 decision 380 more wasm instructions than as `u32`s
-//! (issue 14, BENCHMARKS.md).
+//! an allowed c1 decision 700 more wasm instructions than as `u16`s, and as
+//! `u32`s 312 more (issue 14, BENCHMARKS.md).
 
+use crate::config::{MAX_LIMITS_PER_RULE, MAX_QUOTAS, MAX_RULES};
+use crate::limits::limiter::MAX_ATTEMPTS;
 use crate::metrics::Metric;
 
 const N: usize = Metric::ALL.len();
@@ -10,22 +12,34 @@ const N: usize = Metric::ALL.len();
 // One bit of `counted` per metric.
 const _: () = assert!(N <= 32);
 
-/// The largest sum the shared-data counters can reach in one decision: a set
-/// reread as corrupt on every attempt of the charge and of the fallback
-/// charge after a failed callout, each of at most `MAX_RULES` buckets. The
-/// gateway's clamped figures are at most three per limit and per quota of
-/// the request: reaching `u32::MAX` would take over a billion quotas.
-pub const LARGEST_SUM: u64 =
-    2 * crate::limits::limiter::MAX_ATTEMPTS as u64 * crate::config::MAX_RULES as u64;
-const _: () = assert!(LARGEST_SUM <= u32::MAX as u64);
+/// The largest sum of a shared-data counter in one decision. Each rule of
+/// the configuration gives a request at most one bucket (local, shadow, or
+/// a global rule's fallback), each attempt of a charge reads a bucket's set
+/// once, and a charge makes at most `MAX_ATTEMPTS` attempts: a set read as
+/// corrupt on every attempt, for every bucket, counts 32 × 1,024. Retries
+/// (at most 32 per charge, four charges) and evictions (one per bucket) stay
+/// below it.
+pub const LARGEST_STORE_SUM: u64 = MAX_ATTEMPTS as u64 * MAX_RULES as u64;
+
+/// The most figures one gateway answer can have clamped: three per limit of
+/// each global rule (a bucket's answer holds at most 8 limits, as a rule
+/// does) and three per quota.
+pub const LARGEST_CLAMPED: u64 =
+    3 * (MAX_LIMITS_PER_RULE as u64 * MAX_RULES as u64 + MAX_QUOTAS as u64);
+
+// Every sum a decision can make fits a `u16`.
+const _: () = assert!(LARGEST_STORE_SUM <= u16::MAX as u64);
+const _: () = assert!(LARGEST_CLAMPED <= u16::MAX as u64);
+const _: () = assert!(ratelimit_protocol::MAX_LIMITS == MAX_LIMITS_PER_RULE);
 
 /// Increments per [`Metric`], indexed by [`Metric::index`], with a mask of
 /// the metrics counted: a decision counts two or three of them, and the host
-/// reports only those. A `u32` holds every sum a decision can make (see
-/// [`LARGEST_SUM`]); past `u32::MAX` a sum would saturate, never wrap.
+/// reports only those. A `u16` holds every sum a decision can make (see
+/// [`LARGEST_STORE_SUM`] and [`LARGEST_CLAMPED`]); past `u16::MAX` a sum
+/// would saturate, never wrap.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
-    values: [u32; N],
+    values: [u16; N],
     counted: u32,
 }
 
@@ -40,7 +54,7 @@ impl Counts {
             return;
         }
         self.counted |= 1 << i;
-        *v = v.saturating_add(u32::try_from(n).unwrap_or(u32::MAX));
+        *v = v.saturating_add(u16::try_from(n).unwrap_or(u16::MAX));
     }
 
     /// The count of one metric.
@@ -86,22 +100,24 @@ mod tests {
         assert_eq!(Counts::default().counted().count(), 0);
     }
 
-    /// The largest sum a decision can make is kept exactly.
+    /// The largest sums a decision can make are kept exactly.
     #[test]
-    fn the_largest_sum_is_exact() {
+    fn the_largest_sums_are_exact() {
         let mut c = Counts::default();
-        for _ in 0..LARGEST_SUM / 32 {
-            c.add(Metric::CorruptState, 32);
+        for _ in 0..MAX_RULES {
+            c.add(Metric::CorruptState, MAX_ATTEMPTS.into());
         }
-        assert_eq!(c.get(Metric::CorruptState), LARGEST_SUM);
+        c.add(Metric::GatewayClamped, LARGEST_CLAMPED);
+        assert_eq!(c.get(Metric::CorruptState), 32_768);
+        assert_eq!(c.get(Metric::GatewayClamped), 27_648);
         c.add(Metric::CorruptState, u64::MAX);
-        assert_eq!(c.get(Metric::CorruptState), u64::from(u32::MAX));
+        assert_eq!(c.get(Metric::CorruptState), u64::from(u16::MAX));
     }
 
     proptest! {
         /// Any sequence of increments counts as plain `u64` sums would.
         #[test]
-        fn counts_match_u64_sums(adds in proptest::collection::vec((0..N, 0u64..200_000), 0..40)) {
+        fn counts_match_u64_sums(adds in proptest::collection::vec((0..N, 0u64..2_000), 0..30)) {
             let mut c = Counts::default();
             let mut model = [0u64; N];
             for (i, n) in &adds {
