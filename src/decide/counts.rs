@@ -45,7 +45,7 @@ pub struct Counts {
 
 impl Counts {
     /// Adds `n` to `m`.
-    pub fn add(&mut self, m: Metric, n: u64) {
+    pub(super) fn add(&mut self, m: Metric, n: u64) {
         let i = m.index();
         let Some(v) = self.values.get_mut(i) else {
             return;
