@@ -47,15 +47,7 @@ impl Config {
         if self.rules.is_empty() {
             return Err(ConfigError::field("rules", "at least one rule is required"));
         }
-        if self.rules.len() > MAX_RULES {
-            return Err(ConfigError::field(
-                "rules",
-                format!(
-                    "{} rules exceed the maximum of {MAX_RULES}",
-                    self.rules.len()
-                ),
-            ));
-        }
+        at_most("rules", self.rules.len(), MAX_RULES)?;
         let mut names = HashSet::new();
         for (i, rule) in self.rules.iter().enumerate() {
             let at = format!("rules[{i}]");
@@ -135,6 +127,18 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A top-level list of `n` entries holds at most `max`; the error names the
+/// list and counts in its own word (`rules: 1025 rules exceed …`).
+fn at_most(list: &str, n: usize, max: usize) -> Result<(), ConfigError> {
+    if n > max {
+        return Err(ConfigError::field(
+            list,
+            format!("{n} {list} exceed the maximum of {max}"),
+        ));
+    }
+    Ok(())
 }
 
 fn validate_key(at: &str, key: &[String]) -> Result<(), ConfigError> {
@@ -397,15 +401,7 @@ impl Config {
                 "need global: the gateway keeps quotas",
             ));
         }
-        if self.quotas.len() > MAX_QUOTAS {
-            return Err(ConfigError::field(
-                "quotas",
-                format!(
-                    "{} quotas exceed the maximum of {MAX_QUOTAS}",
-                    self.quotas.len()
-                ),
-            ));
-        }
+        at_most("quotas", self.quotas.len(), MAX_QUOTAS)?;
         let mut names = HashSet::new();
         for (i, q) in self.quotas.iter().enumerate() {
             let at = format!("quotas[{i}]");
