@@ -4,8 +4,7 @@
 //! answers, whose limits (the gateway's policy) are the ones shown.
 
 use crate::global::lease::Lease;
-use crate::limits::limiter::{Enforced, Report};
-use crate::limits::token_bucket::Check;
+use crate::limits::limiter::{Enforced, Report, Seen};
 use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use ratelimit_protocol::{
     BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_LIMITS,
@@ -232,9 +231,8 @@ pub fn parse_answer(
                 blocked: false,
                 cost: asked.cost,
                 enforced: Some(e),
-                check: Check {
+                check: Seen {
                     allowed: l.allowed,
-                    new_state: 0,
                     remaining,
                     reset_ns: reset_ms * MS,
                     retry_after_ns: if l.allowed { 0 } else { retry_ms * MS },

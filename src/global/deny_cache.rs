@@ -19,10 +19,9 @@
 //! back) or reaching further than the gateway can say (twice the window) is
 //! not trusted, and the gateway is asked.
 
-use crate::limits::limiter::{Enforced, LimitError, Report, MAX_ATTEMPTS};
+use crate::limits::limiter::{Enforced, LimitError, Report, Seen, MAX_ATTEMPTS};
 use crate::limits::slots::{Placed, Slots};
 use crate::limits::store::SharedStore;
-use crate::limits::token_bucket::Check;
 use crate::limits::update::update;
 use crate::policy::plan::{GlobalBucket, Plan};
 use ratelimit_protocol::Variant;
@@ -152,9 +151,8 @@ pub fn lookup(
                 requests: e.requests,
                 window_ms: e.window_ms,
             }),
-            check: Check {
+            check: Seen {
                 allowed: false,
-                new_state: 0,
                 remaining: 0,
                 reset_ns: e.reset_at_ns.saturating_sub(now_ns),
                 retry_after_ns: e.until_ns - now_ns,
@@ -263,9 +261,8 @@ mod tests {
                     requests: 10,
                     window_ms: 60_000,
                 }),
-                check: Check {
+                check: Seen {
                     allowed: retry == 0,
-                    new_state: 0,
                     remaining: 0,
                     reset_ns: 50_000 * MS,
                     retry_after_ns: retry * MS,

@@ -19,9 +19,8 @@
 //! counted from the step, not for the step on top.
 
 use crate::limits::algorithm::Algorithm;
-use crate::limits::limiter::{LimitError, Report, MAX_ATTEMPTS};
+use crate::limits::limiter::{LimitError, Report, Seen, MAX_ATTEMPTS};
 use crate::limits::store::SharedStore;
-use crate::limits::token_bucket::Check;
 use crate::limits::update::update;
 use crate::policy::plan::{GlobalBucket, LeasePlan, Plan};
 
@@ -373,9 +372,8 @@ pub fn reports(plan: &Plan, lease: &Lease, slot: &Slot, now_ns: u64) -> Vec<Repo
                 blocked: false,
                 cost: g.cost,
                 enforced: None,
-                check: Check {
+                check: Seen {
                     allowed: true,
-                    new_state: 0,
                     remaining: pool.saturating_add(slot.tokens).min(limit.capacity),
                     reset_ns: reset_at.saturating_sub(now_ns),
                     retry_after_ns: 0,

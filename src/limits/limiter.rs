@@ -86,8 +86,8 @@ pub struct Report {
     pub variant: usize,
     /// Index of the limit in the variant.
     pub limit: usize,
-    /// The bucket arithmetic's answer.
-    pub check: Check,
+    /// The bucket arithmetic's answer, as the response shows it.
+    pub check: Seen,
     /// Share of the limit in use after the request (graduated rules only; else 0).
     pub used_share: f64,
     /// The client is blocked (graduated `block_at`); `check.retry_after_ns` is the block's rest.
@@ -97,6 +97,31 @@ pub struct Report {
     /// The limit the gateway enforced (its policy's), for a gateway
     /// answer; `None`: this filter's own limit.
     pub enforced: Option<Enforced>,
+}
+
+/// What a report keeps of a [`Check`]: all but the new state, which only the
+/// write needs. Its `u128` made every report 112 bytes and 16-byte aligned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    /// Whether `cost` tokens were available.
+    pub allowed: bool,
+    /// Whole tokens left after this request (before it, when denied).
+    pub remaining: u64,
+    /// Nanoseconds until the bucket is full again.
+    pub reset_ns: u64,
+    /// Nanoseconds until `cost` tokens are available; 0 when allowed.
+    pub retry_after_ns: u64,
+}
+
+impl From<Check> for Seen {
+    fn from(c: Check) -> Seen {
+        Seen {
+            allowed: c.allowed,
+            remaining: c.remaining,
+            reset_ns: c.reset_ns,
+            retry_after_ns: c.retry_after_ns,
+        }
+    }
 }
 
 /// A limit as the gateway's answer states it.
@@ -357,7 +382,7 @@ pub fn check_and_consume(
                     rule: b.rule,
                     variant: b.variant,
                     limit: l,
-                    check,
+                    check: check.into(),
                     used_share,
                     blocked: false,
                     cost: b.cost,
@@ -416,9 +441,8 @@ fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
         rule: b.rule,
         variant: b.variant,
         limit: 0,
-        check: Check {
+        check: Seen {
             allowed: false,
-            new_state: 0,
             remaining: 0,
             reset_ns: wait_ns,
             retry_after_ns: wait_ns,

@@ -148,7 +148,7 @@ pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
 mod tests {
     use super::*;
     use crate::config;
-    use crate::limits::token_bucket::Check;
+    use crate::limits::limiter::Seen;
 
     const SEC: u64 = 1_000_000_000;
 
@@ -170,9 +170,8 @@ mod tests {
         Report {
             rule,
             limit,
-            check: Check {
+            check: Seen {
                 allowed,
-                new_state: 0,
                 remaining,
                 reset_ns: reset_s * SEC,
                 retry_after_ns: retry_ns,
