@@ -10,7 +10,7 @@
 //! only makes sense beside the host state it touches.
 
 use crate::config;
-use crate::decide::{self, Counts, Outcome, Pending, Refresh, Step, Verdict};
+use crate::decide::{self, Counts, Outcome, Passing, Pending, Refresh, Step, Verdict};
 use crate::global::circuit::Transition;
 use crate::global::lease::{Lease, Watched};
 use crate::limits::store::{SharedStore, StoreError, KEY_PREFIX};
@@ -428,7 +428,7 @@ impl RootContext for Root {
             delays: self.delays.clone(),
             leases: self.leases.clone(),
             jitter: self.jitter.clone(),
-            response_headers: Vec::new(),
+            response_headers: Passing::default(),
             answered: false,
             pending: None,
         }))
@@ -448,7 +448,7 @@ struct Http {
     delays: Delays,
     leases: Rc<RefCell<Watched>>,
     jitter: Rc<Jitter>,
-    response_headers: Vec<(&'static str, String)>,
+    response_headers: Passing,
     /// The filter sent the response itself; it already carries the headers.
     answered: bool,
     /// A callout in flight: its token, what it decides, and when it left.
@@ -717,8 +717,11 @@ impl HttpContext for Http {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         if !self.answered {
-            for (name, value) in &self.response_headers {
-                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+            if let Some(plan) = &self.plan {
+                self.response_headers.each(plan, |name, value| {
+                    let _ =
+                        hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+                });
             }
         }
         Action::Continue

@@ -294,12 +294,12 @@ fn check_headers(lines: &[(&'static str, String)]) {
     }
 }
 
-fn check_outcome(o: &Outcome) {
+fn check_outcome(plan: &Plan, o: &Outcome) {
     match &o.verdict {
-        Verdict::Pass(lines) => check_headers(lines),
+        Verdict::Pass(lines) => check_headers(&lines.lines(plan)),
         Verdict::Delay { ms, headers } => {
             assert!(*ms > 0, "{o:?}");
-            check_headers(headers);
+            check_headers(&headers.lines(plan));
         }
         Verdict::Reject {
             status,
@@ -379,7 +379,7 @@ impl Bound {
         o: &Outcome,
         window: Option<u64>,
     ) {
-        check_outcome(o);
+        check_outcome(plan, o);
         if o.counts.get(Metric::Evictions) > 0 || o.counts.get(Metric::CorruptState) > 0 {
             self.tainted = true;
         }

@@ -36,7 +36,7 @@ pub fn start(
             ctx.counts.add(Metric::Unlimited, 1);
         }
         return Step::Done(Outcome {
-            verdict: Verdict::Pass(Vec::new()),
+            verdict: Verdict::Pass(Passing::default()),
             counts: ctx.counts,
             error: None,
             gateway_error: None,

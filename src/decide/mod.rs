@@ -40,20 +40,19 @@ use crate::policy::request::RequestInfo;
 use crate::respond::headers;
 use crate::respond::problem;
 
-/// Header lines to send.
-pub type HeaderLines = Vec<(&'static str, String)>;
+pub use crate::respond::headers::{HeaderLines, Passing};
 
 /// What the filter does with the request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
     /// Let it through and add these headers to the response.
-    Pass(HeaderLines),
+    Pass(Passing),
     /// Hold it `ms` milliseconds, then let it through with these headers.
     Delay {
         /// How long to hold the request.
         ms: u64,
         /// Headers for the response.
-        headers: HeaderLines,
+        headers: Passing,
     },
     /// Answer it here.
     Reject {
@@ -308,9 +307,7 @@ impl<S: SharedStore> Ctx<'_, S> {
     /// Lets the request through with the headers of the tightest limit, after
     /// the longest delay and with the warning of a graduated rule, if any.
     fn pass(&mut self, reports: &[Report]) -> Verdict {
-        let mut lines = headers::closest(self.plan, reports)
-            .map(|s| headers::render(self.plan.header_style, &s))
-            .unwrap_or_default();
+        let mut lines = Passing::of(reports);
         let mut delay_ms = 0;
         let mut warn: Option<(&str, f64)> = None;
         for r in reports {
@@ -329,7 +326,7 @@ impl<S: SharedStore> Ctx<'_, S> {
         }
         if let Some((name, share)) = warn {
             self.counts.add(Metric::Warned, 1);
-            lines.push(headers::warning(name, share));
+            lines.extra.push(headers::warning(name, share));
         }
         if delay_ms > 0 {
             self.counts.add(Metric::Delayed, 1);

@@ -38,9 +38,10 @@ fn rejected(o: &Outcome) -> (&u32, &HeaderLines, &String) {
     }
 }
 
-fn passed(o: &Outcome) -> &HeaderLines {
+/// The lines of a passing response, as the host sends them.
+fn passed(p: &Plan, o: &Outcome) -> HeaderLines {
     match &o.verdict {
-        Verdict::Pass(h) => h,
+        Verdict::Pass(h) => h.lines(p),
         other => panic!("expected a pass, got {other:?}"),
     }
 }
@@ -68,7 +69,7 @@ fn counts_down_then_rejects_with_a_problem() {
     let s = MemoryStore::default();
     for left in (0..5).rev() {
         let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-        let h = passed(&o);
+        let h = &passed(&p, &o);
         assert_eq!(header(h, "x-ratelimit-remaining"), left.to_string());
         assert_eq!(header(h, "ratelimit-policy"), "\"per-client\";q=5;w=3600");
         assert_eq!(o.counts.get(Metric::Allowed), 1);
@@ -105,7 +106,7 @@ fn cost_is_weighted() {
     let Verdict::Pass(h) = &o.verdict else {
         panic!()
     };
-    assert_eq!(header(h, "x-ratelimit-remaining"), "3");
+    assert_eq!(header(&h.lines(&p), "x-ratelimit-remaining"), "3");
 }
 
 #[test]
@@ -120,7 +121,7 @@ fn unmatched_requests_pass_without_headers_or_counts() {
         T0,
         NEUTRAL,
     ));
-    assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+    assert_eq!(o.verdict, Verdict::Pass(Passing::default()));
     assert_eq!(o.counts, Counts::default());
 }
 
@@ -144,7 +145,7 @@ fn store_failure_takes_on_error() {
         T0,
         NEUTRAL,
     ));
-    assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+    assert_eq!(o.verdict, Verdict::Pass(Passing::default()));
     assert_eq!(o.counts.get(Metric::Errors), 1);
     assert_eq!(o.error, Some(LimitError::Store(StoreError(10))));
     let deny = plan(&FIVE.replace("\"domain\"", "\"on_error\":\"deny\",\"domain\""));
@@ -190,7 +191,7 @@ fn local_remaining(s: &MemoryStore) -> String {
     let Verdict::Pass(h) = o.verdict else {
         panic!()
     };
-    header(&h, "x-ratelimit-remaining").to_string()
+    header(&h.lines(&local), "x-ratelimit-remaining").to_string()
 }
 
 #[test]
@@ -201,7 +202,7 @@ fn global_answer_decides_and_the_tightest_limit_is_shown() {
     let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
     assert_eq!(body["buckets"][0]["key"], "shared/c=a");
     let o = finish(&p, pending, Some(b"200"), &gw(true, 1), SEC / 1000, &s, T0);
-    let h = passed(&o);
+    let h = &passed(&p, &o);
     assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=4;w=60");
     assert_eq!(header(h, "x-ratelimit-remaining"), "1");
     assert_eq!(o.counts.get(Metric::GlobalCalls), 1);
@@ -258,7 +259,7 @@ fn failure_mode_open_allows_and_counts() {
         &s,
         T0,
     );
-    let h = passed(&o);
+    let h = &passed(&p, &o);
     assert_eq!(header(h, "ratelimit-policy"), "\"local\";q=5;w=3600");
     assert_eq!(o.counts.get(Metric::FailOpen), 1);
     assert_eq!(o.counts.get(Metric::GlobalFailures), 1);
@@ -285,7 +286,7 @@ fn failure_mode_local_uses_a_share_of_the_limit_then_the_circuit_opens_and_recov
     for expected_left in ["1", "0"] {
         let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         let o = finish(&p, pending, Some(b"503"), b"", SEC / 1000, &s, T0);
-        let h = passed(&o);
+        let h = &passed(&p, &o);
         assert_eq!(header(h, "x-ratelimit-remaining"), expected_left);
         assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=2;w=60");
     }
@@ -338,9 +339,12 @@ fn graduated_warns_delays_rejects_then_blocks() {
     for _ in 0..21 {
         let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
         seen.push(match &o.verdict {
-            Verdict::Pass(h) => format!("pass {}", header(h, "x-ratelimit-warning")),
+            Verdict::Pass(h) => format!("pass {}", header(&h.lines(&p), "x-ratelimit-warning")),
             Verdict::Delay { ms, headers } => {
-                format!("delay {ms} {}", header(headers, "x-ratelimit-warning"))
+                format!(
+                    "delay {ms} {}",
+                    header(&headers.lines(&p), "x-ratelimit-warning")
+                )
             }
             Verdict::Reject {
                 status, headers, ..
@@ -416,7 +420,7 @@ fn shadow_rules_and_soft_clients_never_reject_but_count() {
     let first = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
     assert!(first.shadow_denied.is_empty());
     let second = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-    let h = passed(&second);
+    let h = &passed(&p, &second);
     assert_eq!(second.shadow_denied, ["watch"]);
     assert_eq!(second.counts.get(Metric::ShadowDenied), 1);
     assert_eq!(header(h, "x-ratelimit-remaining"), "0");
@@ -440,7 +444,7 @@ fn unlimited_clients_pass_untouched() {
     let s = MemoryStore::default();
     for _ in 0..3 {
         let o = done(start(&p, &req(&p, "/", Some("ops")), &s, T0, NEUTRAL));
-        assert_eq!(o.verdict, Verdict::Pass(Vec::new()));
+        assert_eq!(o.verdict, Verdict::Pass(Passing::default()));
         assert_eq!(o.counts.get(Metric::Unlimited), 1);
     }
 }

@@ -54,10 +54,57 @@ fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
 /// For an allowed request: the limit closest to exhaustion (fewest tokens
 /// left; on a tie, the one that takes longest to refill).
 pub fn closest<'a>(plan: &'a Plan, reports: &[Report]) -> Option<Shown<'a>> {
+    closest_report(reports).and_then(|r| shown(plan, r))
+}
+
+fn closest_report(reports: &[Report]) -> Option<&Report> {
     reports
         .iter()
         .min_by_key(|r| (r.check.remaining, std::cmp::Reverse(r.check.reset_ns)))
-        .and_then(|r| shown(plan, r))
+}
+
+/// Header lines to send.
+pub type HeaderLines = Vec<(&'static str, String)>;
+
+/// The headers of a response that goes ahead. The limit it shows is kept as
+/// its report and written out only when the response's headers are set:
+/// rendered into five `String`s at the decision, they cost c1 more than
+/// the `set_map_value` calls that send them (issue 14).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Passing {
+    /// The report of the limit closest to exhaustion; `None`: no limit applied.
+    /// Boxed: inline it would make every outcome, moved on every decision, 88 bytes larger.
+    pub shown: Option<Box<Report>>,
+    /// Lines after the limit's (a graduated rule's warning).
+    pub extra: HeaderLines,
+}
+
+impl Passing {
+    /// The headers of a response whose limits reported `reports`.
+    pub fn of(reports: &[Report]) -> Passing {
+        Passing {
+            shown: closest_report(reports).map(|r| Box::new(*r)),
+            extra: Vec::new(),
+        }
+    }
+
+    /// Hands each line to `set`, in order: the shown limit's in `plan`'s
+    /// style, then the extra lines. `plan` must be the one that decided.
+    pub fn each(&self, plan: &Plan, mut set: impl FnMut(&'static str, &str)) {
+        if let Some(s) = self.shown.as_ref().and_then(|r| shown(plan, r)) {
+            write(plan.header_style, &s, &mut set);
+        }
+        for (name, value) in &self.extra {
+            set(name, value);
+        }
+    }
+
+    /// The lines as [`Passing::each`] hands them out.
+    pub fn lines(&self, plan: &Plan) -> HeaderLines {
+        let mut out = Vec::new();
+        self.each(plan, |name, value| out.push((name, value.to_owned())));
+        out
+    }
 }
 
 /// For a denied request: the failing limit that takes longest to allow it,
@@ -101,12 +148,20 @@ pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
     ((secs as f64 * factor).ceil() as u64).max(secs).max(1)
 }
 
-/// The header lines for `s` in the configured style. Built with `itoa` and
-/// `push_str`: `format!` costs several times the instructions on every
-/// response; what never changes for a limit comes ready from the plan.
-pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
+/// The header lines for `s` in the configured style.
+pub fn render(style: HeaderStyle, s: &Shown) -> HeaderLines {
     // Room for a 429's `retry-after` and `content-type` after the five.
     let mut out = Vec::with_capacity(7);
+    write(style, s, &mut |name, value| {
+        out.push((name, value.to_owned()))
+    });
+    out
+}
+
+/// Hands `set` the header lines for `s` in the configured style. Numbers by
+/// `itoa` and `push_str`: `format!` costs several times the instructions on
+/// every response; what never changes for a limit comes ready from the plan.
+fn write(style: HeaderStyle, s: &Shown, set: &mut impl FnMut(&'static str, &str)) {
     // Each number formatted once: both styles show remaining and reset.
     let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
     let (remaining, reset) = (r.format(s.remaining), t.format(s.reset_secs));
@@ -122,26 +177,28 @@ pub fn render(style: HeaderStyle, s: &Shown) -> Vec<(&'static str, String)> {
         v
     };
     if matches!(style, HeaderStyle::Both | HeaderStyle::Legacy) {
+        let mut q = itoa::Buffer::new();
         let quota = match s.text {
-            Some(text) => text.quota.clone(),
-            None => itoa::Buffer::new().format(s.quota).to_owned(),
+            Some(text) => text.quota.as_str(),
+            None => q.format(s.quota),
         };
-        out.push(("x-ratelimit-limit", quota));
-        out.push(("x-ratelimit-remaining", remaining.to_owned()));
-        out.push(("x-ratelimit-reset", reset.to_owned()));
+        set("x-ratelimit-limit", quota);
+        set("x-ratelimit-remaining", remaining);
+        set("x-ratelimit-reset", reset);
     }
     if matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
-        let policy = match s.text {
-            Some(text) => text.policy.clone(),
+        match s.text {
+            Some(text) => set("ratelimit-policy", &text.policy),
             None => {
                 let (mut q, mut w) = (itoa::Buffer::new(), itoa::Buffer::new());
-                field("\";q=", q.format(s.quota), ";w=", w.format(s.window_secs))
+                set(
+                    "ratelimit-policy",
+                    &field("\";q=", q.format(s.quota), ";w=", w.format(s.window_secs)),
+                );
             }
-        };
-        out.push(("ratelimit-policy", policy));
-        out.push(("ratelimit", field("\";r=", remaining, ";t=", reset)));
+        }
+        set("ratelimit", &field("\";r=", remaining, ";t=", reset));
     }
-    out
 }
 
 #[cfg(test)]
@@ -206,6 +263,37 @@ mod tests {
         assert_eq!(render(HeaderStyle::Legacy, &s).len(), 3);
         assert_eq!(render(HeaderStyle::Ietf, &s)[0].0, "ratelimit-policy");
         assert!(render(HeaderStyle::None, &s).is_empty());
+    }
+
+    #[test]
+    fn a_passing_response_sends_what_render_writes_then_its_extra_lines() {
+        let reports = [
+            report(0, 0, true, 48, 12, 0),
+            report(0, 1, true, 2, 1, 0),
+            report(1, 0, true, 4, 12, 0),
+        ];
+        let mut gateway = report(1, 0, true, 1, 30, 0);
+        gateway.enforced = Some(crate::limits::limiter::Enforced {
+            requests: 7,
+            window_ms: 60_000,
+        });
+        for style in [
+            HeaderStyle::Both,
+            HeaderStyle::Legacy,
+            HeaderStyle::Ietf,
+            HeaderStyle::None,
+        ] {
+            let mut p = plan();
+            p.header_style = style;
+            for reports in [&reports[..], &[gateway]] {
+                let mut passing = Passing::of(reports);
+                passing.extra.push(warning("uploads", 0.9));
+                let mut want = render(style, &closest(&p, reports).unwrap());
+                want.push(warning("uploads", 0.9));
+                assert_eq!(passing.lines(&p), want);
+            }
+        }
+        assert_eq!(Passing::of(&[]).lines(&plan()), []);
     }
 
     #[test]
