@@ -289,9 +289,17 @@ impl Set {
         };
         *count += 1;
         let start = self.bytes.len();
-        // One exact reservation and zeroes, then the head: pushing the entry
-        // byte by byte cost more than the bucket arithmetic.
-        self.bytes.resize(start + entry_len(limits), 0);
+        // One exact allocation and zeroes, then the head: pushing the entry
+        // byte by byte cost more than the bucket arithmetic. A set read from
+        // the host has no spare room, and `Vec`'s amortized growth through
+        // `realloc` cost more than a new block and a copy.
+        let end = start + entry_len(limits);
+        if self.bytes.capacity() < end {
+            let mut grown = Vec::with_capacity(end);
+            grown.extend_from_slice(&self.bytes);
+            self.bytes = grown;
+        }
+        self.bytes.resize(end, 0);
         self.fill_fresh(start, fingerprint, limits);
         Placement::Fresh(n)
     }
