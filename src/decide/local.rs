@@ -180,7 +180,9 @@ pub fn start(
         }
         _ => {
             let served = leased.is_some();
-            reports.extend(leased.unwrap_or_default());
+            if let Some(leased) = leased {
+                reports.extend(leased);
+            }
             let v = ctx.pass(&reports);
             let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
             outcome.lease = lease.filter(|_| served).map(Box::new);
