@@ -74,7 +74,7 @@ pub fn start(
     }
     // A bucket the gateway denied and whose wait is not over: 429 here, before
     // any charge (a denied request consumes nothing). A soft client is never denied.
-    if leased.is_none() && !eval.soft {
+    if leased.is_none() && !eval.soft && !eval.global.is_empty() {
         match deny_cache::lookup(plan, store, &eval.global, now_ns) {
             Ok(Some(reports)) => {
                 ctx.counts.add(Metric::DenyCacheHits, 1);
