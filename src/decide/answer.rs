@@ -117,7 +117,7 @@ fn finish_with(
     };
     let eval = p.eval;
     let Some(g) = &plan.global else {
-        let v = ctx.pass(&p.local_reports);
+        let v = ctx.pass(p.local_reports);
         return ctx.done(v, eval.bad_input, None, Transition::None);
     };
     let result = call_result(&answer, latency_ns);
@@ -136,7 +136,7 @@ fn finish_with(
             let quota_denied = a.quotas.iter().any(|q| !q.allowed);
             let v = if eval.soft && (rate_denied || quota_denied) {
                 ctx.note_shadow(&a.reports);
-                ctx.pass(&all)
+                ctx.pass(all)
             } else if rate_denied {
                 ctx.refund(&p.charged, p.charged_at_ns);
                 ctx.too_many(&all)
@@ -144,7 +144,7 @@ fn finish_with(
                 ctx.refund(&p.charged, p.charged_at_ns);
                 ctx.quota_exhausted(&a.quotas, &all)
             } else {
-                ctx.pass(&all)
+                ctx.pass(all)
             };
             ctx.done(v, eval.bad_input, None, transition)
         }
@@ -153,7 +153,7 @@ fn finish_with(
             let v = match g.failure_mode {
                 FailureMode::Open => {
                     ctx.counts.add(Metric::FailOpen, 1);
-                    ctx.pass(&p.local_reports)
+                    ctx.pass(p.local_reports)
                 }
                 FailureMode::Closed => {
                     ctx.counts.add(Metric::FailClosed, 1);
@@ -164,7 +164,7 @@ fn finish_with(
                     ctx.counts.add(Metric::FallbackLocal, 1);
                     let mut all = p.local_reports;
                     all.extend(ctx.watch(&eval.fallback));
-                    ctx.pass(&all)
+                    ctx.pass(all)
                 }
                 FailureMode::Local => {
                     ctx.counts.add(Metric::FallbackLocal, 1);
@@ -172,7 +172,7 @@ fn finish_with(
                         Ok(r) => {
                             let mut all = p.local_reports;
                             all.extend_from_slice(&r);
-                            ctx.pass(&all)
+                            ctx.pass(all)
                         }
                         Err(v) => {
                             ctx.refund(&p.charged, p.charged_at_ns);

@@ -183,7 +183,7 @@ pub fn start(
             if let Some(leased) = leased {
                 reports.extend(leased);
             }
-            let v = ctx.pass(&reports);
+            let v = ctx.pass(reports);
             let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
             outcome.lease = lease.filter(|_| served).map(Box::new);
             Step::Done(outcome)

@@ -306,11 +306,10 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     /// Lets the request through with the headers of the tightest limit, after
     /// the longest delay and with the warning of a graduated rule, if any.
-    fn pass(&mut self, reports: &[Report]) -> Verdict {
-        let mut lines = Passing::of(reports);
+    fn pass(&mut self, reports: Vec<Report>) -> Verdict {
         let mut delay_ms = 0;
         let mut warn: Option<(&str, f64)> = None;
-        for r in reports {
+        for r in &reports {
             let Some(rule) = self.plan.rules.get(r.rule) else {
                 continue;
             };
@@ -324,6 +323,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                 warn = Some((&rule.name, r.used_share));
             }
         }
+        let mut lines = Passing::of(reports);
         if let Some((name, share)) = warn {
             self.counts.add(Metric::Warned, 1);
             lines.extra.push(headers::warning(name, share));

@@ -66,24 +66,24 @@ fn closest_report(reports: &[Report]) -> Option<&Report> {
 /// Header lines to send.
 pub type HeaderLines = Vec<(&'static str, String)>;
 
-/// The headers of a response that goes ahead. The limit it shows is kept as
-/// its report and written out only when the response's headers are set:
-/// rendered into five `String`s at the decision, they cost c1 more than
-/// the `set_map_value` calls that send them (issue 14).
+/// The headers of a response that goes ahead. The decision's reports are
+/// kept (moved, not copied) and the closest limit's lines written out only
+/// when the response's headers are set: rendered into five `String`s at the
+/// decision, they cost c1 more than the `set_map_value` calls that send them
+/// (issue 14).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Passing {
-    /// The report of the limit closest to exhaustion; `None`: no limit applied.
-    /// Boxed: inline it would make every outcome, moved on every decision, 88 bytes larger.
-    pub shown: Option<Box<Report>>,
+    /// Every limit's report; the one closest to exhaustion is shown.
+    pub reports: Vec<Report>,
     /// Lines after the limit's (a graduated rule's warning).
     pub extra: HeaderLines,
 }
 
 impl Passing {
     /// The headers of a response whose limits reported `reports`.
-    pub fn of(reports: &[Report]) -> Passing {
+    pub fn of(reports: Vec<Report>) -> Passing {
         Passing {
-            shown: closest_report(reports).map(|r| Box::new(*r)),
+            reports,
             extra: Vec::new(),
         }
     }
@@ -91,7 +91,7 @@ impl Passing {
     /// Hands each line to `set`, in order: the shown limit's in `plan`'s
     /// style, then the extra lines. `plan` must be the one that decided.
     pub fn each(&self, plan: &Plan, mut set: impl FnMut(&'static str, &str)) {
-        if let Some(s) = self.shown.as_ref().and_then(|r| shown(plan, r)) {
+        if let Some(s) = closest(plan, &self.reports) {
             write(plan.header_style, &s, &mut set);
         }
         for (name, value) in &self.extra {
@@ -286,14 +286,14 @@ mod tests {
             let mut p = plan();
             p.header_style = style;
             for reports in [&reports[..], &[gateway]] {
-                let mut passing = Passing::of(reports);
+                let mut passing = Passing::of(reports.to_vec());
                 passing.extra.push(warning("uploads", 0.9));
                 let mut want = render(style, &closest(&p, reports).unwrap());
                 want.push(warning("uploads", 0.9));
                 assert_eq!(passing.lines(&p), want);
             }
         }
-        assert_eq!(Passing::of(&[]).lines(&plan()), []);
+        assert_eq!(Passing::of(Vec::new()).lines(&plan()), []);
     }
 
     #[test]
