@@ -163,7 +163,7 @@ fn finish_with(
                 FailureMode::Local if eval.soft => {
                     ctx.counts.add(Metric::FallbackLocal, 1);
                     let mut all = p.local_reports;
-                    all.extend(ctx.watch(&eval.fallback));
+                    ctx.watch(&eval.fallback, &mut all);
                     ctx.pass(all)
                 }
                 FailureMode::Local => {

@@ -130,13 +130,9 @@ pub fn start(
             return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
         }
     };
-    // Checked here, not only in `watch`: most requests have no shadow rule,
-    // and the call with its empty list cost c1 53 instructions.
-    if !eval.shadow.is_empty() {
-        reports.extend(ctx.watch(&eval.shadow));
-    }
+    ctx.watch(&eval.shadow, &mut reports);
     if watch_fallback {
-        reports.extend(ctx.watch(&eval.fallback));
+        ctx.watch(&eval.fallback, &mut reports);
     }
     match gate {
         Some(Gate::Call) | Some(Gate::Probe) => {

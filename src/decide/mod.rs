@@ -194,11 +194,18 @@ impl<S: SharedStore> Ctx<'_, S> {
         }
     }
 
-    /// Charges buckets that only watch; what they would have denied is noted.
-    fn watch(&mut self, buckets: &[Bucket]) -> Vec<Report> {
-        if buckets.is_empty() {
-            return Vec::new();
+    /// Charges buckets that only watch and adds their reports to `into`;
+    /// what they would have denied is noted. Most requests have none: that
+    /// case returns here, inlined, since the call cost c1 53 instructions.
+    #[inline(always)]
+    fn watch(&mut self, buckets: &[Bucket], into: &mut Vec<Report>) {
+        if !buckets.is_empty() {
+            self.watch_charge(buckets, into);
         }
+    }
+
+    #[inline(never)]
+    fn watch_charge(&mut self, buckets: &[Bucket], into: &mut Vec<Report>) {
         let mut stats = Stats::default();
         let result = limiter::check_and_consume(
             self.store,
@@ -210,15 +217,14 @@ impl<S: SharedStore> Ctx<'_, S> {
         );
         self.counts.stats(&stats);
         match result {
-            Ok(Decision::Allowed(reports)) => reports,
+            Ok(Decision::Allowed(reports)) => into.extend(reports),
             Ok(Decision::Denied(reports)) => {
                 self.note_shadow(&reports);
-                reports
+                into.extend(reports);
             }
             Err(e) => {
                 self.counts.add(Metric::Errors, 1);
                 self.error = Some(e);
-                Vec::new()
             }
         }
     }
