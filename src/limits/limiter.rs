@@ -9,7 +9,7 @@
 
 use super::algorithm::{Algorithm, Counting};
 use super::store::{SharedStore, StoreError, CREATE_ONLY};
-use super::table::{Placement, Set};
+use super::table::{Pinned, Placement, Set};
 use super::token_bucket::{Check, Limit};
 use super::update::{update, UpdateError};
 
@@ -228,7 +228,7 @@ struct SetWork {
     key: String,
     cas: u32,
     set: Set,
-    pinned: Vec<usize>,
+    pinned: Pinned,
     /// A state of the set changed: it must be written.
     touched: bool,
 }
@@ -288,7 +288,7 @@ pub fn check_and_consume(
             }
             // An unstored bucket is checked as full and its writes go nowhere.
             let e = placement.index().unwrap_or(usize::MAX);
-            sw.pinned.push(e);
+            sw.pinned.insert(e);
             let tats = match placement {
                 Placement::Found(e) => sw.set.tats(e),
                 _ => &[],
@@ -479,7 +479,7 @@ fn read_set(
         key,
         cas,
         set,
-        pinned: Vec::with_capacity(super::table::WAYS),
+        pinned: Pinned::default(),
         touched: false,
     })
 }

@@ -85,6 +85,35 @@ impl Default for Set {
     }
 }
 
+/// The entries of a set that one request has claimed, which its later
+/// buckets must not evict: a bit per entry (a set holds at most 255). A
+/// `Vec` per set read cost an allocation per request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pinned([u64; 4]);
+
+impl Pinned {
+    /// Every entry in `entries`.
+    pub fn of(entries: &[usize]) -> Pinned {
+        let mut p = Pinned::default();
+        for &e in entries {
+            p.insert(e);
+        }
+        p
+    }
+
+    /// Pins entry `i`; an index past 255 (an unstored bucket) pins nothing.
+    pub fn insert(&mut self, i: usize) {
+        if let Some(word) = self.0.get_mut(i / 64) {
+            *word |= 1 << (i % 64);
+        }
+    }
+
+    /// Whether entry `i` is pinned.
+    pub fn contains(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+}
+
 /// A set value that could not be decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Corrupt;
@@ -250,7 +279,7 @@ impl Set {
         fingerprint: u64,
         limits: usize,
         now_ns: u64,
-        pinned: &[usize],
+        pinned: &Pinned,
     ) -> Placement {
         if let Some(i) = self.find(fingerprint) {
             // Sized as `push` and `replace` size it: a rule's changed count of limits starts over.
@@ -265,7 +294,7 @@ impl Set {
             return self.push(fingerprint, limits);
         }
         let victim = (0..n)
-            .filter(|i| !pinned.contains(i))
+            .filter(|&i| !pinned.contains(i))
             .filter_map(|i| self.entry(i).map(|(_, full_at, _)| (i, full_at)))
             .min_by_key(|&(_, full_at)| full_at);
         match victim {
@@ -355,7 +384,8 @@ mod tests {
         let mut s = Set::default();
         for (i, e) in entries.iter().enumerate() {
             assert_eq!(
-                s.place(e.fingerprint, e.tats.len(), 0, &[]).index(),
+                s.place(e.fingerprint, e.tats.len(), 0, &Pinned::default())
+                    .index(),
                 Some(i)
             );
             for (k, &t) in e.tats.iter().enumerate() {
@@ -431,12 +461,18 @@ mod tests {
     fn placement_prefers_found_then_free_then_idle_then_nearest_full() {
         let mut s = Set::default();
         for fp in 1..=4 {
-            assert_eq!(s.place(fp, 2, 100, &[]), Placement::Fresh(fp as usize - 1));
+            assert_eq!(
+                s.place(fp, 2, 100, &Pinned::default()),
+                Placement::Fresh(fp as usize - 1)
+            );
             assert!(s.write(fp as usize - 1, 0, 0, 1000 + fp));
         }
-        assert_eq!(s.place(3, 2, 100, &[]), Placement::Found(2));
+        assert_eq!(s.place(3, 2, 100, &Pinned::default()), Placement::Found(2));
         // All four hold state at t=100: the one full soonest goes.
-        assert_eq!(s.place(9, 2, 100, &[]), Placement::Evicted(0));
+        assert_eq!(
+            s.place(9, 2, 100, &Pinned::default()),
+            Placement::Evicted(0)
+        );
         assert_eq!(
             s.entries()[0],
             Entry {
@@ -447,12 +483,18 @@ mod tests {
         );
         assert!(s.write(0, 0, 0, 5000));
         // At t=1003, fp 2 (full at 1002) is idle: replacing it evicts nothing.
-        assert_eq!(s.place(10, 2, 1003, &[]), Placement::Fresh(1));
+        assert_eq!(
+            s.place(10, 2, 1003, &Pinned::default()),
+            Placement::Fresh(1)
+        );
         // Pinned entries survive; with all pinned the set grows.
-        assert_eq!(s.place(11, 2, 0, &[0, 1, 2, 3]), Placement::Fresh(4));
+        assert_eq!(
+            s.place(11, 2, 0, &Pinned::of(&[0, 1, 2, 3])),
+            Placement::Fresh(4)
+        );
         // A bucket whose rule changed its number of limits starts fresh.
         assert!(s.write(2, 0, 7, 7));
-        assert_eq!(s.place(3, 3, 0, &[]), Placement::Fresh(2));
+        assert_eq!(s.place(3, 3, 0, &Pinned::default()), Placement::Fresh(2));
         assert_eq!(
             s.entries()[2],
             Entry {
@@ -468,7 +510,7 @@ mod tests {
     #[test]
     fn a_set_of_255_entries_all_claimed_stores_no_more() {
         let mut s = Set::default();
-        let all: Vec<usize> = (0..255).collect();
+        let all = Pinned::of(&(0..255).collect::<Vec<_>>());
         for fp in 0..255u64 {
             assert_eq!(s.place(fp, 1, 0, &all), Placement::Fresh(fp as usize));
         }
@@ -538,7 +580,7 @@ mod tests {
             let mut set = Set::default();
             let mut model: Vec<Entry> = Vec::new();
             for (fp, limits, now, pinned, state, value, full_at) in ops {
-                let placed = set.place(fp, limits, now, &pinned);
+                let placed = set.place(fp, limits, now, &Pinned::of(&pinned));
                 prop_assert_eq!(placed, model_place(&mut model, fp, limits, now, &pinned));
                 let i = placed.index().unwrap_or(usize::MAX);
                 let wrote = set.write(i, state, value, full_at);
