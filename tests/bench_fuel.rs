@@ -514,11 +514,19 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
         Err(e) => Err(e
             .downcast_ref::<wasmtime::WasmBacktrace>()
             .map(|b| {
+                let offsets = std::env::var_os("PROFILE_OFFSETS").is_some();
                 b.frames()
                     .iter()
-                    .map(|f| match f.func_name() {
-                        Some(n) => n.to_string(),
-                        None => format!("#{}", f.func_index()),
+                    .enumerate()
+                    .map(|(i, f)| {
+                        let name = match f.func_name() {
+                            Some(n) => n.to_string(),
+                            None => format!("#{}", f.func_index()),
+                        };
+                        match f.module_offset() {
+                            Some(at) if offsets && i == 0 => format!("{name}@{at:#x}"),
+                            _ => name,
+                        }
                     })
                     .collect()
             })
@@ -543,7 +551,8 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
 ///
 /// Functions on top of the stack are also listed with their caller.
 /// `PROFILE_CONFIG=c4` profiles c4, `PROFILE_CLIENT=over` a denial,
-/// `PROFILE_SAMPLES` sets N (150).
+/// `PROFILE_SAMPLES` sets N (150); `PROFILE_OFFSETS=1` adds to the top
+/// frame its module offset (as `wasm-tools print --print-offsets` shows it).
 #[test]
 #[ignore = "a tool: run by hand with a named module (see its doc)"]
 fn profile_of_a_decision() {
@@ -597,4 +606,65 @@ fn profile_of_a_decision() {
         }
     }
     assert!(total > 0);
+}
+
+/// The fuel between the module's calls to the host during one decision:
+/// each line is the instructions since the previous host call and the
+/// function that makes this one. Exact, unlike the sampled profile, whose
+/// straight-line code is charged to the next call or loop. For finer steps, a
+/// throwaway build logs `probe <what>` (`proxy_log`) where it wants a mark:
+/// the mark is named by the message. Named module as for
+/// [`profile_of_a_decision`]; same `PROFILE_CONFIG` and `PROFILE_CLIENT`.
+#[test]
+#[ignore = "a tool: run by hand with a named module (see its doc)"]
+fn trace_of_a_decision() {
+    let config = match std::env::var("PROFILE_CONFIG").as_deref() {
+        Ok("c4") => C4,
+        _ => C1,
+    };
+    let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
+    let mut vm = warm_vm(config, 50);
+    if client == "over" {
+        vm.request(client_request("over"));
+    }
+    let marks: std::sync::Arc<Mutex<Vec<(u64, String)>>> = Default::default();
+    let m = marks.clone();
+    vm.store.call_hook(move |ctx, hook| {
+        if matches!(hook, wasmtime::CallHook::CallingHost) {
+            let fuel = ctx.get_fuel().unwrap_or(0);
+            let caller = wasmtime::WasmBacktrace::capture(&ctx)
+                .frames()
+                .first()
+                .and_then(|f| f.func_name().map(str::to_string))
+                .unwrap_or_default();
+            m.lock().unwrap().push((fuel, caller));
+        }
+        Ok(())
+    });
+    vm.store.set_fuel(u64::MAX / 2).expect("fuel is on");
+    let earlier = vm._harness.logs_containing("probe ").len();
+    let used = run_out_of_fuel(&mut vm, client_request(&client), None).expect("enough fuel");
+    // The context's creation ran first, on the same fuel.
+    let end = vm.fuel_left();
+    let mut last = end + used;
+    // A throwaway build may log `probe …` messages at the points to measure.
+    let mut probes = vm
+        ._harness
+        .logs_containing("probe ")
+        .into_iter()
+        .skip(earlier)
+        .map(|l| l.message);
+    for (fuel, caller) in marks.lock().unwrap().iter() {
+        let caller = match caller.contains("probe") {
+            true => probes.next().unwrap_or_default(),
+            false => caller.clone(),
+        };
+        if *fuel > end + used {
+            continue;
+        }
+        println!("trace: {:6} {caller}", last - fuel);
+        last = *fuel;
+    }
+    println!("trace: {:6} (to the end)", last - end);
+    println!("trace: {used} instructions");
 }
