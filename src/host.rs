@@ -85,24 +85,9 @@ mod raw {
 /// `proxy_wasm::types::StreamType::HttpRequest`.
 const STREAM_HTTP_REQUEST: u32 = 0;
 
-/// Sends a local response; `Err(status)` when the host refused it.
-fn send_local_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), u32> {
-    // The proxy-wasm map encoding: count, then each name and value length, then
-    // the NUL-terminated names and values.
-    // Sized up front: growing it reallocated several times per 429.
-    let bytes: usize = headers.iter().map(|(n, v)| n.len() + v.len() + 10).sum();
-    let mut map = Vec::with_capacity(4 + bytes);
-    map.extend_from_slice(&(headers.len() as u32).to_le_bytes());
-    for (name, value) in headers {
-        map.extend_from_slice(&(name.len() as u32).to_le_bytes());
-        map.extend_from_slice(&(value.len() as u32).to_le_bytes());
-    }
-    for (name, value) in headers {
-        map.extend_from_slice(name.as_bytes());
-        map.push(0);
-        map.extend_from_slice(value.as_bytes());
-        map.push(0);
-    }
+/// Sends a local response whose headers are `map`, in the proxy-wasm map
+/// encoding (`LocalHeaders::into_map`); `Err(status)` when the host refused it.
+fn send_local_response(status: u32, map: &[u8], body: &[u8]) -> Result<(), u32> {
     // SAFETY: every pointer comes with the length of a live buffer.
     let rc = unsafe {
         raw::proxy_send_local_response(
@@ -613,9 +598,7 @@ impl Http {
                 body,
             } => {
                 self.answered = true;
-                let lines: Vec<(&str, &str)> =
-                    headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-                if let Err(rc) = send_local_response(status, &lines, body.as_bytes()) {
+                if let Err(rc) = send_local_response(status, &headers.into_map(), body.as_bytes()) {
                     // Fail closed: a denial whose answer cannot be sent resets the
                     // stream; resuming would admit it, and leaving it paused would
                     // hold it until Envoy's stream timeout.

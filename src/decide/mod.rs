@@ -40,7 +40,7 @@ use crate::policy::request::RequestInfo;
 use crate::respond::headers;
 use crate::respond::problem;
 
-pub use crate::respond::headers::{HeaderLines, Passing};
+pub use crate::respond::headers::{HeaderLines, LocalHeaders, Passing};
 
 /// What the filter does with the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +59,7 @@ pub enum Verdict {
         /// HTTP status.
         status: u32,
         /// Response headers.
-        headers: HeaderLines,
+        headers: LocalHeaders,
         /// Response body.
         body: String,
     },
@@ -187,7 +187,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                     OnError::Allow => Ok(Vec::new()),
                     OnError::Deny => {
                         let body = problem::too_many_after(&self.plan.too_many_head, 1, &[]);
-                        Err(reject(429, Vec::new(), Some(1), body))
+                        Err(reject(429, LocalHeaders::default(), Some(1), body))
                     }
                 }
             }
@@ -262,10 +262,7 @@ impl<S: SharedStore> Ctx<'_, S> {
         } else {
             headers::jittered(retry, self.plan.retry_jitter, units(self.random).0)
         };
-        let lines = shown
-            .as_ref()
-            .map(|s| headers::render(self.plan.header_style, s))
-            .unwrap_or_default();
+        let lines = LocalHeaders::of(self.plan.header_style, shown.as_ref());
         let body = problem::too_many_after(
             &self.plan.too_many_head,
             retry,
@@ -301,10 +298,9 @@ impl<S: SharedStore> Ctx<'_, S> {
                 },
             )
             .collect();
-        let mut lines = headers::closest(self.plan, &shown)
-            .map(|s| headers::render(self.plan.header_style, &s))
-            .unwrap_or_default();
-        lines.push(("link", format!("<{url}>; rel=\"payment\"")));
+        let closest = headers::closest(self.plan, &shown);
+        let mut lines = LocalHeaders::of(self.plan.header_style, closest.as_ref());
+        lines.push("link", &format!("<{url}>; rel=\"payment\""));
         let body =
             problem::quota_exhausted(&self.plan.quota_problem_type, &names, url, renews_secs);
         reject(403, lines, None, body)
@@ -352,7 +348,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             .map_or(1, |g| circuit::retry_after_secs(&g.circuit));
         reject(
             503,
-            Vec::new(),
+            LocalHeaders::default(),
             Some(retry),
             problem::service_unavailable(retry),
         )
@@ -383,16 +379,20 @@ impl<S: SharedStore> Ctx<'_, S> {
     }
 }
 
-fn reject(status: u32, mut lines: HeaderLines, retry_after: Option<u64>, body: String) -> Verdict {
-    lines.reserve(2);
+fn reject(
+    status: u32,
+    mut headers: LocalHeaders,
+    retry_after: Option<u64>,
+    body: String,
+) -> Verdict {
     if let Some(r) = retry_after {
         // itoa: `to_string` goes through `core::fmt`, several times the instructions.
-        lines.push(("retry-after", itoa::Buffer::new().format(r).to_owned()));
+        headers.push("retry-after", itoa::Buffer::new().format(r));
     }
-    lines.push(("content-type", problem::CONTENT_TYPE.to_string()));
+    headers.push("content-type", problem::CONTENT_TYPE);
     Verdict::Reject {
         status,
-        headers: lines,
+        headers,
         body,
     }
 }
