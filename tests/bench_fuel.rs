@@ -534,6 +534,27 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
     }
 }
 
+/// The configuration and client the profiling tools measure:
+/// `PROFILE_CONFIG` (`c4`, else c1) and `PROFILE_CLIENT` (`c50`).
+fn profiled() -> (&'static str, String) {
+    let config = match std::env::var("PROFILE_CONFIG").as_deref() {
+        Ok("c4") => C4,
+        _ => C1,
+    };
+    let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
+    (config, client)
+}
+
+/// A VM of `config` after 50 clients' requests, and one of `over` when it
+/// is the client measured (so that it is denied).
+fn profiled_vm(config: &str, client: &str) -> FuelVm {
+    let mut vm = warm_vm(config, 50);
+    if client == "over" {
+        vm.request(client_request("over"));
+    }
+    vm
+}
+
 /// A per-function profile of one decision, by sampling: the same request,
 /// on a fresh VM each time, is given 1/N, 2/N, … of the fuel it needs, and
 /// the wasm stack where the fuel runs out is one sample. Deterministic, and
@@ -556,22 +577,12 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
 #[test]
 #[ignore = "a tool: run by hand with a named module (see its doc)"]
 fn profile_of_a_decision() {
-    let config = match std::env::var("PROFILE_CONFIG").as_deref() {
-        Ok("c4") => C4,
-        _ => C1,
-    };
-    let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
+    let (config, client) = profiled();
     let samples: u64 = std::env::var("PROFILE_SAMPLES")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(150);
-    let fresh = || {
-        let mut vm = warm_vm(config, 50);
-        if client == "over" {
-            vm.request(client_request("over"));
-        }
-        vm
-    };
+    let fresh = || profiled_vm(config, &client);
     let total = run_out_of_fuel(&mut fresh(), client_request(&client), None)
         .unwrap_or_else(|stack| panic!("ran out of u64::MAX fuel: {stack:?}"));
     let (mut inclusive, mut exclusive, mut callers) =
@@ -618,15 +629,8 @@ fn profile_of_a_decision() {
 #[test]
 #[ignore = "a tool: run by hand with a named module (see its doc)"]
 fn trace_of_a_decision() {
-    let config = match std::env::var("PROFILE_CONFIG").as_deref() {
-        Ok("c4") => C4,
-        _ => C1,
-    };
-    let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
-    let mut vm = warm_vm(config, 50);
-    if client == "over" {
-        vm.request(client_request("over"));
-    }
+    let (config, client) = profiled();
+    let mut vm = profiled_vm(config, &client);
     let marks: std::sync::Arc<Mutex<Vec<(u64, String)>>> = Default::default();
     let m = marks.clone();
     vm.store.call_hook(move |ctx, hook| {
