@@ -186,7 +186,8 @@ impl<S: SharedStore> Ctx<'_, S> {
                 match self.plan.on_error {
                     OnError::Allow => Ok(Vec::new()),
                     OnError::Deny => {
-                        let body = problem::too_many_after(&self.plan.too_many_head, 1, &[]);
+                        let body =
+                            problem::too_many_after(&self.plan.too_many_head, 1, [].into_iter());
                         Err(reject(429, LocalHeaders::default(), Some(1), body))
                     }
                 }
@@ -266,7 +267,7 @@ impl<S: SharedStore> Ctx<'_, S> {
         let body = problem::too_many_after(
             &self.plan.too_many_head,
             retry,
-            &headers::violated(self.plan, reports),
+            headers::violated_rules(self.plan, reports).map(|r| r.name_json.as_str()),
         );
         reject(429, lines, Some(retry), body)
     }

@@ -59,6 +59,9 @@ impl LimitText {
 pub struct RulePlan {
     /// The rule's name.
     pub name: String,
+    /// The name as a JSON string, quotes included, for a 429's
+    /// `violated-policies`: escaped once here rather than on every answer.
+    pub name_json: String,
     /// How the limits count.
     pub algorithm: Algorithm,
     /// Local, or decided by the gateway.
@@ -482,6 +485,11 @@ impl Plan {
             });
             let base = RulePlan {
                 name: rule.name.clone(),
+                name_json: {
+                    let mut q = String::with_capacity(rule.name.len() + 2);
+                    super::json::json_string(&mut q, &rule.name);
+                    q
+                },
                 algorithm: rule.algorithm,
                 scope: rule.scope,
                 shadow: rule.mode == Mode::Shadow,

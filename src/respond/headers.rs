@@ -4,7 +4,7 @@
 use crate::config::HeaderStyle;
 use crate::limits::limiter::Report;
 use crate::limits::token_bucket::ceil_secs;
-use crate::policy::plan::{LimitText, Plan};
+use crate::policy::plan::{LimitText, Plan, RulePlan};
 
 /// The one limit a response reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -228,17 +228,34 @@ pub fn binding<'a>(plan: &'a Plan, reports: &[Report]) -> Option<Shown<'a>> {
         .and_then(|r| shown(plan, r))
 }
 
-/// Names of the rules with a failing limit, each once, in rule order.
-pub fn violated<'a>(plan: &'a Plan, reports: &[Report]) -> Vec<&'a str> {
-    let mut names: Vec<&str> = Vec::new();
-    for r in reports.iter().filter(|r| !r.check.allowed) {
-        if let Some(rule) = plan.rules.get(r.rule) {
-            if !names.contains(&rule.name.as_str()) {
-                names.push(&rule.name);
-            }
-        }
-    }
-    names
+/// Names of the rules with a failing limit, each once, in report order.
+pub fn violated<'a>(plan: &'a Plan, reports: &'a [Report]) -> Vec<&'a str> {
+    violated_rules(plan, reports)
+        .map(|r| r.name.as_str())
+        .collect()
+}
+
+/// The rules with a failing limit, each name once, in report order, without
+/// collecting them: a 429 writes them straight into its body.
+pub fn violated_rules<'a>(
+    plan: &'a Plan,
+    reports: &'a [Report],
+) -> impl Iterator<Item = &'a RulePlan> + Clone {
+    let failing = |r: &&Report| !r.check.allowed;
+    let name = move |r: &Report| plan.rules.get(r.rule).map(|x| x.name.as_str());
+    reports
+        .iter()
+        .enumerate()
+        .filter(move |(i, r)| {
+            !r.check.allowed
+                && !reports
+                    .get(..*i)
+                    .unwrap_or_default()
+                    .iter()
+                    .filter(failing)
+                    .any(|p| name(p) == name(r))
+        })
+        .filter_map(move |(_, r)| plan.rules.get(r.rule))
 }
 
 /// The warning header of a graduated rule past its `warn_at`: the rule and

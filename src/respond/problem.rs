@@ -81,25 +81,43 @@ fn retry_detail(prefix: &str, secs: u64) -> String {
 /// writes it from the plan's compiled head, [`too_many_after`]).
 #[cfg(test)]
 pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[&str]) -> String {
-    too_many_after(&too_many_head(problem_type), retry_after_secs, violated)
+    let quoted: Vec<String> = violated
+        .iter()
+        .map(|n| {
+            let mut q = String::new();
+            json_string(&mut q, n);
+            q
+        })
+        .collect();
+    too_many_after(
+        &too_many_head(problem_type),
+        retry_after_secs,
+        quoted.iter().map(String::as_str),
+    )
 }
 
 /// The body of a 429 whose constant part, [`too_many_head`], the plan
 /// compiled once (`Plan::too_many_head`): only the wait and the names are
-/// written per answer.
-pub fn too_many_after(head: &str, retry_after_secs: u64, violated: &[&str]) -> String {
+/// written per answer. `violated` are the names already written as JSON
+/// strings (`RulePlan::name_json`): escaping them per answer scanned every
+/// byte of every name.
+pub fn too_many_after<'a>(
+    head: &str,
+    retry_after_secs: u64,
+    violated: impl Iterator<Item = &'a str> + Clone,
+) -> String {
     let mut n = itoa::Buffer::new();
     let secs = n.format(retry_after_secs);
-    let names: usize = violated.iter().map(|n| n.len() + 3).sum();
+    let names: usize = violated.clone().map(|n| n.len() + 1).sum();
     let mut out = String::with_capacity(head.len() + secs.len() + 34 + names);
     out.push_str(head);
     out.push_str(secs);
     out.push_str(" seconds.\",\"violated-policies\":[");
-    for (i, name) in violated.iter().enumerate() {
+    for (i, name) in violated.enumerate() {
         if i > 0 {
             out.push(',');
         }
-        json_string(&mut out, name);
+        out.push_str(name);
     }
     out.push_str("]}");
     out
