@@ -15,7 +15,7 @@ use crate::limits::slots::Slots;
 use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
-use siphasher::sip128::SipHasher13;
+use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
 
 /// One set of limits of a rule: the rule's own, a tier's, or a client's override.
