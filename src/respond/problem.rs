@@ -104,12 +104,12 @@ pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[
 pub fn too_many_after<'a>(
     head: &str,
     retry_after_secs: u64,
-    violated: impl Iterator<Item = &'a str> + Clone,
+    violated: impl Iterator<Item = &'a str>,
 ) -> String {
     let mut n = itoa::Buffer::new();
     let secs = n.format(retry_after_secs);
-    let names: usize = violated.clone().map(|n| n.len() + 1).sum();
-    let mut out = String::with_capacity(head.len() + secs.len() + 34 + names);
+    // Room for a few names: sizing it exactly took a second pass over them.
+    let mut out = String::with_capacity(head.len() + secs.len() + 34 + 128);
     out.push_str(head);
     out.push_str(secs);
     out.push_str(" seconds.\",\"violated-policies\":[");
