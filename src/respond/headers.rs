@@ -240,20 +240,27 @@ pub fn violated<'a>(plan: &'a Plan, reports: &'a [Report]) -> Vec<&'a str> {
 pub fn violated_rules<'a>(
     plan: &'a Plan,
     reports: &'a [Report],
-) -> impl Iterator<Item = &'a RulePlan> + Clone {
+) -> impl Iterator<Item = &'a RulePlan> {
     let failing = |r: &&Report| !r.check.allowed;
     let name = move |r: &Report| plan.rules.get(r.rule).map(|x| x.name.as_str());
     reports
         .iter()
         .enumerate()
         .filter(move |(i, r)| {
-            !r.check.allowed
-                && !reports
-                    .get(..*i)
-                    .unwrap_or_default()
-                    .iter()
-                    .filter(failing)
-                    .any(|p| name(p) == name(r))
+            if r.check.allowed {
+                return false;
+            }
+            let earlier = reports.get(..*i).unwrap_or_default();
+            // A rule's limits report one after another: a repeat is nearly
+            // always the report before, which keeps a rule whose every
+            // limit fails from scanning all earlier reports for each.
+            if earlier
+                .last()
+                .is_some_and(|p| !p.check.allowed && p.rule == r.rule)
+            {
+                return false;
+            }
+            !earlier.iter().filter(failing).any(|p| name(p) == name(r))
         })
         .filter_map(move |(_, r)| plan.rules.get(r.rule))
 }
@@ -528,5 +535,29 @@ mod tests {
         assert_eq!(violated(&p, &reports), ["per-client", "uploads"]);
         let tiny = [report(0, 1, false, 0, 1, 1)];
         assert_eq!(binding(&p, &tiny).unwrap().retry_after_secs, 1);
+    }
+
+    proptest::proptest! {
+        /// Each failing rule's name once, in the order of its first failing
+        /// report, however the reports interleave (the list it replaced).
+        #[test]
+        fn violated_names_each_failing_rule_once_in_report_order(
+            seen in proptest::collection::vec((0..3usize, proptest::bool::ANY), 0..24),
+        ) {
+            let p = plan();
+            let reports: Vec<Report> = seen
+                .iter()
+                .map(|&(rule, allowed)| report(rule, 0, allowed, 0, 60, SEC))
+                .collect();
+            let mut want: Vec<&str> = Vec::new();
+            for r in reports.iter().filter(|r| !r.check.allowed) {
+                if let Some(rule) = p.rules.get(r.rule) {
+                    if !want.contains(&rule.name.as_str()) {
+                        want.push(&rule.name);
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(violated(&p, &reports), want);
+        }
     }
 }
