@@ -186,8 +186,11 @@ impl<S: SharedStore> Ctx<'_, S> {
                 match self.plan.on_error {
                     OnError::Allow => Ok(Vec::new()),
                     OnError::Deny => {
-                        let body =
-                            problem::too_many_after(&self.plan.too_many_head, 1, [].into_iter());
+                        let body = problem::too_many_after(
+                            &self.plan.too_many_head,
+                            1,
+                            std::iter::empty(),
+                        );
                         Err(reject(429, LocalHeaders::default(), Some(1), body))
                     }
                 }

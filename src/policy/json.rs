@@ -43,6 +43,13 @@ pub fn json_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
+/// `s` as a JSON string of its own, quotes included.
+pub fn quoted(s: &str) -> String {
+    let mut q = String::with_capacity(s.len() + 2);
+    json_string(&mut q, s);
+    q
+}
+
 /// Title of a 429's problem body.
 pub const TOO_MANY_TITLE: &str = "Too Many Requests";
 

@@ -485,11 +485,7 @@ impl Plan {
             });
             let base = RulePlan {
                 name: rule.name.clone(),
-                name_json: {
-                    let mut q = String::with_capacity(rule.name.len() + 2);
-                    super::json::json_string(&mut q, &rule.name);
-                    q
-                },
+                name_json: super::json::quoted(&rule.name),
                 algorithm: rule.algorithm,
                 scope: rule.scope,
                 shadow: rule.mode == Mode::Shadow,

@@ -203,8 +203,8 @@ impl LocalHeaders {
         (0..self.count)
             .map(|i| {
                 let sizes = COUNT + SIZES * i;
-                let name = take(self.bytes.get(sizes..sizes + 4));
-                (name, take(self.bytes.get(sizes + 4..sizes + 8)))
+                let name = take(self.bytes.get(sizes..sizes + SIZES / 2));
+                (name, take(self.bytes.get(sizes + SIZES / 2..sizes + SIZES)))
             })
             .collect()
     }

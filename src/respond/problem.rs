@@ -12,7 +12,7 @@ pub const UNAVAILABLE_TYPE: &str = "about:blank";
 
 use crate::policy::json::json_string;
 #[cfg(test)]
-use crate::policy::json::too_many_head;
+use crate::policy::json::{quoted, too_many_head};
 
 #[cfg_attr(test, derive(serde::Serialize))]
 struct Problem<'a> {
@@ -81,14 +81,7 @@ fn retry_detail(prefix: &str, secs: u64) -> String {
 /// writes it from the plan's compiled head, [`too_many_after`]).
 #[cfg(test)]
 pub fn too_many_requests(problem_type: &str, retry_after_secs: u64, violated: &[&str]) -> String {
-    let quoted: Vec<String> = violated
-        .iter()
-        .map(|n| {
-            let mut q = String::new();
-            json_string(&mut q, n);
-            q
-        })
-        .collect();
+    let quoted: Vec<String> = violated.iter().map(|n| quoted(n)).collect();
     too_many_after(
         &too_many_head(problem_type),
         retry_after_secs,
