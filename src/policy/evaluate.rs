@@ -95,9 +95,9 @@ impl Plan {
                 ip,
                 &mut eval.bad_input,
                 &mut |tag, value| {
-                    hash_part(&mut hash, tag, value);
+                    key::hash_part(&mut hash, tag, value);
                     if let Some((_, h)) = stand_in.as_mut() {
-                        hash_part(h, tag, value);
+                        key::hash_part(h, tag, value);
                     }
                     if let Some((k, t)) = global.as_mut() {
                         key::encode_part(k, t.is_empty().then_some(t), tag, value);
@@ -191,51 +191,6 @@ impl Plan {
             fingerprint: hash,
             set: self.table.set_of(hash),
             cost,
-        }
-    }
-}
-
-/// Feeds one key part to a bucket hash: its tag, its length (u64, little
-/// endian), its bytes. SipHash is a byte stream, so a short part goes in as
-/// one write of the three together: each write costs its own buffering.
-fn hash_part(h: &mut SipHasher13, tag: u8, value: &[u8]) {
-    let [a, b, c, d, e, f, g, i] = (value.len() as u64).to_le_bytes();
-    let head = [tag, a, b, c, d, e, f, g, i];
-    let mut buf = [0u8; 64];
-    match buf.split_at_mut_checked(head.len()) {
-        Some((front, rest)) if value.len() <= rest.len() => {
-            front.copy_from_slice(&head);
-            let (body, _) = rest.split_at_mut(value.len());
-            body.copy_from_slice(value);
-            h.write(buf.get(..head.len() + value.len()).unwrap_or_default());
-        }
-        _ => {
-            h.write(&head);
-            h.write(value);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        /// One write of a short part hashes as the three writes it replaced.
-        #[test]
-        fn hash_part_is_tag_length_value(
-            tag in any::<u8>(),
-            value in proptest::collection::vec(any::<u8>(), 0..200),
-            keys in any::<(u64, u64)>(),
-        ) {
-            let mut one = SipHasher13::new_with_keys(keys.0, keys.1);
-            hash_part(&mut one, tag, &value);
-            let mut three = SipHasher13::new_with_keys(keys.0, keys.1);
-            three.write(&[tag]);
-            three.write(&(value.len() as u64).to_le_bytes());
-            three.write(&value);
-            prop_assert_eq!(one.finish(), three.finish());
         }
     }
 }

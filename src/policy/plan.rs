@@ -2,7 +2,7 @@
 //! tiers and limits resolved once, so a request does no parsing, no map
 //! lookups but one for a known client, and reads only the headers it needs.
 
-use super::key::{BadInput, IpSource, KeyPart};
+use super::key::{self, BadInput, IpSource, KeyPart};
 use super::matcher::Matcher;
 use super::request::HeaderId;
 use crate::config::{
@@ -382,19 +382,19 @@ impl VariantMaker<'_> {
                 (limit, period_ns.div_ceil(1_000_000_000))
             })
             .collect();
+        // Whole words only, so that a request's key parts start on a word.
         let mut hasher = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
-        for part in [
-            self.config.domain.as_bytes(),
-            self.rule.name.as_bytes(),
-            self.rule.algorithm.name().as_bytes(),
+        for (tag, part) in [
+            (b'd', self.config.domain.as_bytes()),
+            (b'r', self.rule.name.as_bytes()),
+            (b'a', self.rule.algorithm.name().as_bytes()),
         ] {
-            hasher.write(&(part.len() as u64).to_le_bytes());
-            hasher.write(part);
+            key::hash_part(&mut hasher, tag, part);
         }
         for (l, _) in &limits {
-            hasher.write(&l.capacity.to_le_bytes());
-            hasher.write(&l.period_ns.to_le_bytes());
-            hasher.write(&l.burst.to_le_bytes());
+            hasher.write_u64(l.capacity);
+            hasher.write_u64(l.period_ns);
+            hasher.write_u64(l.burst);
         }
         let texts = limits
             .iter()
