@@ -287,6 +287,9 @@ pub struct Plan {
     /// Rules a request may charge locally (neither global nor a stand-in):
     /// the most buckets an evaluation holds, to size its list once.
     pub(super) local_rules: usize,
+    /// Some rule has graduated stages: only then does an allowed request's
+    /// answer look for a warning or a delay.
+    pub any_graduated: bool,
 }
 
 /// When a request's peer address is needed.
@@ -568,6 +571,7 @@ impl Plan {
             .count();
         Plan {
             local_rules,
+            any_graduated: rules.iter().any(|r| r.graduated.is_some()),
             header_names: h.0,
             header_needed,
             source,
