@@ -397,9 +397,9 @@ fn reject(
 ) -> Verdict {
     if let Some(r) = retry_after {
         // itoa: `to_string` goes through `core::fmt`, several times the instructions.
-        headers.push("retry-after", itoa::Buffer::new().format(r));
+        headers.push_named(headers::RETRY_AFTER, itoa::Buffer::new().format(r));
     }
-    headers.push("content-type", problem::CONTENT_TYPE);
+    headers.push_named(headers::CONTENT_TYPE, problem::MEDIA_TYPE);
     Verdict::Reject {
         status,
         headers,

@@ -5,7 +5,7 @@
 //! cost thousands of wasm instructions per 429 (issue 14, Performance).
 
 /// Media type of problem bodies.
-pub const CONTENT_TYPE: &str = "application/problem+json";
+pub const MEDIA_TYPE: &str = "application/problem+json";
 
 /// Problem type of a 503: the generic one, since HTTP's status says it all.
 pub const UNAVAILABLE_TYPE: &str = "about:blank";
