@@ -181,7 +181,8 @@ pub enum LimitError {
     Store(StoreError),
     /// Every attempt lost a CAS race.
     Contention,
-    /// A set key could not be created.
+    /// A set read for this request was not found among those read: a
+    /// guard that never fires, kept instead of indexing.
     Vanished,
 }
 
@@ -192,7 +193,7 @@ impl std::fmt::Display for LimitError {
             LimitError::Contention => {
                 write!(f, "gave up after {MAX_ATTEMPTS} compare-and-swap conflicts")
             }
-            LimitError::Vanished => write!(f, "a bucket set could not be created in shared data"),
+            LimitError::Vanished => write!(f, "a bucket set read for this request went missing"),
         }
     }
 }
@@ -267,18 +268,18 @@ pub fn check_and_consume(
         let mut denied = false;
         let mut evictions = 0;
         for b in buckets {
+            let Some(rule) = plan.rule(b.rule, b.variant) else {
+                continue;
+            };
             let w = match work.iter().position(|w| w.index == b.set) {
                 Some(w) => w,
                 None => {
-                    work.push(read_set(store, plan, b.set, stats)?);
+                    work.push(read_set(store, plan, b.set, rule.states(), stats)?);
                     work.len() - 1
                 }
             };
             let Some(sw) = work.get_mut(w) else {
                 return Err(LimitError::Vanished);
-            };
-            let Some(rule) = plan.rule(b.rule, b.variant) else {
-                continue;
             };
             let placement = sw
                 .set
@@ -454,26 +455,29 @@ fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
     }
 }
 
-/// Reads a set, creating its key first when it was never written. The
-/// creation carries no charge, so two workers creating it at once lose nothing.
+/// Reads a set. A set never written reads as empty (with `room` for an
+/// entry of that many states), to be written create-only: of two workers
+/// creating it at once, the second loses the swap and charges again on the
+/// first one's set (creating an empty set first cost two more host calls
+/// per new set).
 fn read_set(
     store: &impl SharedStore,
     plan: &impl Rules,
     index: u64,
+    room: usize,
     stats: &mut Stats,
 ) -> Result<SetWork, LimitError> {
     let key = plan.set_key(index);
-    let (bytes, cas) = match store.get(&key)? {
-        Some(found) => found,
-        None => {
-            store.compare_and_set(&key, Set::default().bytes(), CREATE_ONLY)?;
-            store.get(&key)?.ok_or(LimitError::Vanished)?
+    let (set, cas) = match store.get(&key)? {
+        Some((bytes, cas)) => {
+            let set = Set::from_bytes(bytes).unwrap_or_else(|_| {
+                stats.corrupt_sets += 1;
+                Set::default()
+            });
+            (set, cas)
         }
+        None => (Set::with_room(room), CREATE_ONLY),
     };
-    let set = Set::from_bytes(bytes).unwrap_or_else(|_| {
-        stats.corrupt_sets += 1;
-        Set::default()
-    });
     Ok(SetWork {
         index,
         key,

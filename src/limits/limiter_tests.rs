@@ -118,7 +118,8 @@ fn a_racing_writer_costs_a_retry_not_an_admission() {
 
 #[test]
 fn first_insert_race_loses_nothing() {
-    // The other worker creates the set and charges it between our "missing" read and our create.
+    // The other worker creates the set and charges it between our "missing"
+    // read and our create-only write of the set.
     let p = plan(r#"{"domain":"t","rules":[{"name":"r","limits":[{"requests":2,"per":"1h"}]}]}"#);
     let mem = MemoryStore::default();
     let b = [bucket(0, 42, 1)];
@@ -136,6 +137,8 @@ fn first_insert_race_loses_nothing() {
     assert!(allowed(
         &check_and_consume(&racing, &p, &b, T0, 0.0, &mut st).unwrap()
     ));
+    // Our create-only write lost to theirs, and the retry charged their set.
+    assert_eq!(st.cas_retries, 1);
     assert!(!allowed(
         &check_and_consume(&mem, &p, &b, T0, 0.0, &mut st).unwrap()
     ));

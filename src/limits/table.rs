@@ -144,6 +144,14 @@ impl Placement {
 }
 
 impl Set {
+    /// An empty set with room for one entry of `limits` TATs: a new set's
+    /// first entry then takes no second allocation and copy.
+    pub fn with_room(limits: usize) -> Set {
+        let mut bytes = Vec::with_capacity(2 + entry_len(limits));
+        bytes.extend_from_slice(&[VERSION, 0]);
+        Set { bytes }
+    }
+
     /// Takes a stored value, checking that it is a valid set; an empty value
     /// is an empty set.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Set, Corrupt> {
@@ -403,6 +411,7 @@ mod tests {
         assert_eq!(Set::decode(s.bytes()).unwrap(), s);
         assert_eq!(Set::decode(b"").unwrap(), Set::default());
         assert_eq!(Set::default().bytes(), [VERSION, 0]);
+        assert_eq!(Set::with_room(3), Set::default());
     }
 
     #[test]
