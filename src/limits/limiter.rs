@@ -234,17 +234,6 @@ struct SetWork {
     touched: bool,
 }
 
-/// A state to write into an entry: (set in `work`, entry, state index, value).
-struct Write {
-    set: usize,
-    entry: usize,
-    state: usize,
-    value: u128,
-    full_at_ns: u64,
-    /// Written even when the request is denied (graduated demand and blocks).
-    always: bool,
-}
-
 /// Checks every bucket at its cost and charges all of them, or none.
 /// `spread` (in `[0, 1)`) places a new block's end within `retry_jitter`.
 pub fn check_and_consume(
@@ -255,17 +244,23 @@ pub fn check_and_consume(
     spread: f64,
     stats: &mut Stats,
 ) -> Result<Decision, LimitError> {
-    for _ in 0..MAX_ATTEMPTS {
+    // Writes go into the sets as each check is made. A denial stores only
+    // graduated demand and blocks (and a bound on a stepped-back clock): when
+    // it has any, the sets are read again and only those written. A pending
+    // `Write` list applied at the end cost c4 800 instructions (issue 14).
+    let mut only_always = false;
+    let mut conflicts = 0;
+    while conflicts < MAX_ATTEMPTS {
         let mut work: Vec<SetWork> = Vec::with_capacity(buckets.len());
-        // Sized up front: growing them from empty cost more than the check itself.
+        // Sized up front: growing it from empty cost more than the check itself.
         let limits: usize = buckets
             .iter()
             .filter_map(|b| plan.rule(b.rule, b.variant))
             .map(|r| r.states())
             .sum();
         let mut reports = Vec::with_capacity(limits);
-        let mut writes = Vec::with_capacity(limits);
         let mut denied = false;
+        let mut any_always = false;
         let mut evictions = 0;
         for b in buckets {
             let Some(rule) = plan.rule(b.rule, b.variant) else {
@@ -281,24 +276,31 @@ pub fn check_and_consume(
             let Some(sw) = work.get_mut(w) else {
                 return Err(LimitError::Vanished);
             };
-            let placement = sw
+            let (placement, e) = sw
                 .set
-                .place(b.fingerprint, rule.states(), now_ns, &sw.pinned);
+                .claim(b.fingerprint, rule.states(), now_ns, &sw.pinned);
             if matches!(placement, Placement::Evicted(_)) {
                 evictions += 1;
             }
             // An unstored bucket is checked as full and its writes go nowhere.
-            let e = placement.index().unwrap_or(usize::MAX);
-            sw.pinned.insert(e);
-            let tats = match placement {
-                Placement::Found(e) => sw.set.tats(e),
-                _ => &[],
+            sw.pinned.insert(placement.index().unwrap_or(usize::MAX));
+            let found = matches!(placement, Placement::Found(_));
+            // Read before this bucket's own write to the same state.
+            let state = |set: &Set, i: usize| match found {
+                true => Set::tat(set.tats_at(e), i),
+                false => None,
             };
-            let state = |i: usize| Set::tat(tats, i);
+            let mut write =
+                |sw: &mut SetWork, state: usize, value: u128, full_at_ns: u64, always: bool| {
+                    any_always |= always;
+                    if (always || !only_always) && sw.set.write_at(e, state, value, full_at_ns) {
+                        sw.touched = true;
+                    }
+                };
             let limits = rule.limits;
             if let Some(g) = rule.graduated {
-                let stored_until =
-                    state(limits.len() + 1).map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
+                let stored_until = state(&sw.set, limits.len() + 1)
+                    .map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
                 // A block longer than its longest span (block_for plus the most jitter)
                 // only comes from a clock that stepped back: bounded and stored, it ends
                 // at most that span after the step.
@@ -310,14 +312,13 @@ pub fn check_and_consume(
                     denied = true;
                     reports.push(blocked_report(b, blocked_until - now_ns));
                     if blocked_until < stored_until {
-                        writes.push(Write {
-                            set: w,
-                            entry: e,
-                            state: limits.len() + 1,
-                            value: u128::from(blocked_until),
-                            full_at_ns: blocked_until,
-                            always: true,
-                        });
+                        write(
+                            sw,
+                            limits.len() + 1,
+                            u128::from(blocked_until),
+                            blocked_until,
+                            true,
+                        );
                     }
                     continue;
                 }
@@ -327,7 +328,7 @@ pub fn check_and_consume(
                         burst: ((limit.capacity as f64) * block_at).ceil() as u64,
                         ..*limit
                     };
-                    let d = demand_limit.check(state(limits.len()), now_ns, b.cost);
+                    let d = demand_limit.check(state(&sw.set, limits.len()), now_ns, b.cost);
                     let demand = if d.allowed {
                         d.new_state
                     } else {
@@ -342,42 +343,25 @@ pub fn check_and_consume(
                             .saturating_add(spread_ns);
                         denied = true;
                         reports.push(blocked_report(b, until - now_ns));
-                        writes.push(Write {
-                            set: w,
-                            entry: e,
-                            state: d_index,
-                            value: 0,
-                            full_at_ns: until,
-                            always: true,
-                        });
-                        writes.push(Write {
-                            set: w,
-                            entry: e,
-                            state: d_index + 1,
-                            value: u128::from(until),
-                            full_at_ns: until,
-                            always: true,
-                        });
+                        write(sw, d_index, 0, until, true);
+                        write(sw, d_index + 1, u128::from(until), until, true);
                         continue;
                     }
                     let full_at_ns = demand_limit.full_at_ns(demand);
-                    writes.push(Write {
-                        set: w,
-                        entry: e,
-                        state: d_index,
-                        value: demand,
-                        full_at_ns,
-                        always: true,
-                    });
+                    write(sw, d_index, demand, full_at_ns, true);
                 }
             }
             for (l, (limit, _)) in limits.iter().enumerate() {
-                let check = rule.algorithm.check(limit, state(l), now_ns, b.cost);
+                let check = rule
+                    .algorithm
+                    .check(limit, state(&sw.set, l), now_ns, b.cost);
                 denied |= !check.allowed;
                 let used_share = match (&rule.graduated, check.allowed) {
                     (None, _) => 0.0,
                     (Some(_), true) => limit.used_share(check.new_state, now_ns),
-                    (Some(_), false) => state(l).map_or(0.0, |t| limit.used_share(t, now_ns)),
+                    (Some(_), false) => {
+                        state(&sw.set, l).map_or(0.0, |t| limit.used_share(t, now_ns))
+                    }
                 };
                 reports.push(Report {
                     rule: b.rule,
@@ -402,24 +386,23 @@ pub fn check_and_consume(
                 // the bound, so that the bucket refills from the step on.
                 let bounded = rule.algorithm == Algorithm::TokenBucket
                     && !check.allowed
-                    && state(l).is_some_and(|t| t > check.new_state);
-                writes.push(Write {
-                    set: w,
-                    entry: e,
-                    state: l,
-                    value: check.new_state,
-                    full_at_ns,
-                    always: bounded,
-                });
+                    && state(&sw.set, l).is_some_and(|t| t > check.new_state);
+                write(sw, l, check.new_state, full_at_ns, bounded);
             }
         }
-        if denied {
-            writes.retain(|w| w.always);
-            if writes.is_empty() {
-                return Ok(Decision::Denied(reports));
-            }
+        if denied && !any_always {
+            return Ok(Decision::Denied(reports));
         }
-        apply(&mut work, &writes);
+        if denied != only_always {
+            // Denied: again, writing demand and blocks only. Allowed where a
+            // denial was seen: the sets changed in between, so a conflict.
+            if only_always {
+                conflicts += 1;
+                stats.cas_retries += 1;
+            }
+            only_always = denied;
+            continue;
+        }
         // A denial writes only demand and blocks, which are never refunded.
         let refundable = if denied { &[][..] } else { buckets };
         match write_all(store, plan, &work, refundable, now_ns)? {
@@ -431,7 +414,10 @@ pub fn check_and_consume(
                     Decision::Allowed(reports)
                 });
             }
-            false => stats.cas_retries += 1,
+            false => {
+                conflicts += 1;
+                stats.cas_retries += 1;
+            }
         }
     }
     Err(LimitError::Contention)
@@ -486,18 +472,6 @@ fn read_set(
         pinned: Pinned::default(),
         touched: false,
     })
-}
-
-/// Writes the new states into the decoded sets, marking the sets changed.
-fn apply(work: &mut [SetWork], writes: &[Write]) {
-    for w in writes {
-        let Some(sw) = work.get_mut(w.set) else {
-            continue;
-        };
-        if sw.set.write(w.entry, w.state, w.value, w.full_at_ns) {
-            sw.touched = true;
-        }
-    }
 }
 
 /// CAS-writes every touched set; on a conflict refunds the charges (made at

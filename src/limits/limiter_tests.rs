@@ -229,3 +229,104 @@ fn table_stays_bounded_and_a_drained_client_is_never_the_one_evicted() {
     assert_eq!(hot_admitted, 5);
     assert!(st.evictions > 19_000, "{st:?}");
 }
+
+const GRADUATED_AND_PLAIN: &str = r#"{"domain":"t","max_buckets":64,"rules":[
+    {"name":"a","limits":[{"requests":10,"per":"1h"}],
+     "graduated":{"block_at":3.0,"block_for":"5m"}},
+    {"name":"b","limits":[{"requests":1,"per":"1h"}]}]}"#;
+
+/// The stored TATs of bucket `fp` in set `set`.
+fn stored_tats(mem: &MemoryStore, p: &Plan, set: u64, fp: u64) -> Vec<u128> {
+    let (bytes, _) = mem.get(&p.set_key(set)).unwrap().unwrap();
+    let s = Set::from_bytes(bytes).unwrap();
+    s.entries()
+        .into_iter()
+        .find(|e| e.fingerprint == fp)
+        .map(|e| e.tats)
+        .unwrap()
+}
+
+#[test]
+fn a_denial_stores_graduated_demand_and_no_charge() {
+    let p = plan(GRADUATED_AND_PLAIN);
+    let mem = MemoryStore::default();
+    let mut st = Stats::default();
+    let both = [bucket(0, 1, 0), bucket(1, 2, 5)];
+    let hour = u128::from(3600 * SEC);
+    let now = u128::from(T0) * 10;
+    assert!(allowed(
+        &check_and_consume(&mem, &p, &both, T0, 0.0, &mut st).unwrap()
+    ));
+    // Rule b denies; rule a passed its own check, but only its demand is stored.
+    assert!(!allowed(
+        &check_and_consume(&mem, &p, &both, T0, 0.0, &mut st).unwrap()
+    ));
+    assert_eq!(stored_tats(&mem, &p, 0, 1), [now + hour, now + 2 * hour, 0]);
+    let d = check_and_consume(&mem, &p, &both[..1], T0, 0.0, &mut st).unwrap();
+    let Decision::Allowed(r) = d else {
+        panic!("denied")
+    };
+    assert_eq!(
+        r[0].check.remaining, 8,
+        "a was charged twice in three requests"
+    );
+    assert_eq!(st, Stats::default());
+}
+
+/// A store that runs a closure just before its Nth read.
+struct ChangedBeforeRead<'a> {
+    inner: &'a MemoryStore,
+    nth: u32,
+    change: Box<dyn Fn(&MemoryStore) + 'a>,
+    reads: Cell<u32>,
+}
+
+impl SharedStore for ChangedBeforeRead<'_> {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        self.reads.set(self.reads.get() + 1);
+        if self.reads.get() == self.nth {
+            (self.change)(self.inner);
+        }
+        self.inner.get(key)
+    }
+    fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
+        self.inner.compare_and_set(key, value, cas)
+    }
+}
+
+#[test]
+fn a_denial_gone_when_the_sets_are_read_again_is_charged() {
+    let p = plan(GRADUATED_AND_PLAIN);
+    let mem = MemoryStore::default();
+    let both = [bucket(0, 1, 0), bucket(1, 2, 5)];
+    check_and_consume(&mem, &p, &both, T0, 0.0, &mut Stats::default()).unwrap();
+    // Between the denying pass and the pass that writes only demand, rule b's
+    // set is emptied (as by another worker's eviction): that pass admits, so
+    // the request goes round again and is charged in full.
+    let set5 = p.set_key(5);
+    let emptied = |m: &MemoryStore| {
+        let (_, cas) = m.get(&set5).unwrap().unwrap();
+        assert!(m
+            .compare_and_set(&set5, Set::default().bytes(), cas)
+            .unwrap());
+    };
+    let store = ChangedBeforeRead {
+        inner: &mem,
+        nth: 4,
+        change: Box::new(emptied),
+        reads: Cell::new(0),
+    };
+    let mut st = Stats::default();
+    assert!(allowed(
+        &check_and_consume(&store, &p, &both, T0, 0.0, &mut st).unwrap()
+    ));
+    assert_eq!(st.cas_retries, 1);
+    assert_eq!(store.reads.get(), 6, "three passes of two sets");
+    let hour = u128::from(3600 * SEC);
+    let now = u128::from(T0) * 10;
+    assert_eq!(
+        stored_tats(&mem, &p, 0, 1),
+        [now + 2 * hour, now + 2 * hour, 0]
+    );
+    assert_eq!(stored_tats(&mem, &p, 5, 2), [u128::from(T0) + hour]);
+}

@@ -70,19 +70,38 @@ pub struct Entry {
 /// TATs and the TATs (little-endian). A charge reads a field or two of a set
 /// and writes a field or two; decoding it into vectors and encoding it again
 /// cost more than the rest of the check.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Set {
     /// Always a valid encoding: [`Set::from_bytes`] checks it, and every
     /// change keeps it.
     bytes: Vec<u8>,
+    /// Times an entry changed size and moved those after it: an [`At`]
+    /// taken before a move is stale.
+    moves: u32,
 }
+
+impl PartialEq for Set {
+    fn eq(&self, other: &Set) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for Set {}
 
 impl Default for Set {
     fn default() -> Self {
-        Set {
-            bytes: vec![VERSION, 0],
-        }
+        Set::from_valid(vec![VERSION, 0])
     }
+}
+
+/// Where a placed entry starts in its set's bytes. Writing through it skips
+/// the walk to the entry (a third of applying a request's writes), unless an
+/// entry has changed size since; then the write walks to the entry's index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct At {
+    index: usize,
+    start: usize,
+    moves: u32,
 }
 
 /// The entries of a set that one request has claimed, which its later
@@ -149,7 +168,11 @@ impl Set {
     pub fn with_room(limits: usize) -> Set {
         let mut bytes = Vec::with_capacity(2 + entry_len(limits));
         bytes.extend_from_slice(&[VERSION, 0]);
-        Set { bytes }
+        Set::from_valid(bytes)
+    }
+
+    fn from_valid(bytes: Vec<u8>) -> Set {
+        Set { bytes, moves: 0 }
     }
 
     /// Takes a stored value, checking that it is a valid set; an empty value
@@ -170,7 +193,7 @@ impl Set {
         if !rest.is_empty() {
             return Err(Corrupt);
         }
-        Ok(Set { bytes })
+        Ok(Set::from_valid(bytes))
     }
 
     /// Decodes a set from borrowed bytes (see [`Set::from_bytes`]).
@@ -215,17 +238,36 @@ impl Set {
             .collect()
     }
 
+    /// Where each entry starts, in order: one walk over the set.
+    fn starts(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut at = 2;
+        (0..self.len()).map_while(move |_| {
+            let start = at;
+            at += HEAD + TAT * usize::from(*self.bytes.get(at + HEAD - 1)?);
+            Some(start)
+        })
+    }
+
+    /// Byte range of the entry starting at `start`.
+    fn span_at(&self, start: usize) -> Option<std::ops::Range<usize>> {
+        let k = usize::from(*self.bytes.get(start.checked_add(HEAD - 1)?)?);
+        Some(start..start + HEAD + TAT * k)
+    }
+
     /// Byte range of entry `i`.
     fn span(&self, i: usize) -> Option<std::ops::Range<usize>> {
-        let mut at = 2;
-        for j in 0..self.len() {
-            let end = at + HEAD + TAT * usize::from(*self.bytes.get(at + HEAD - 1)?);
-            if j == i {
-                return Some(at..end);
-            }
-            at = end;
-        }
-        None
+        self.span_at(self.starts().nth(i)?)
+    }
+
+    /// The fingerprint of the entry starting at `start`.
+    fn fingerprint_at(&self, start: usize) -> Option<u64> {
+        let b = self.bytes.get(start..start.checked_add(8)?)?;
+        Some(u64::from_le_bytes(b.try_into().ok()?))
+    }
+
+    /// The full-at of the entry starting at `start`.
+    fn full_at(&self, start: usize) -> Option<u64> {
+        self.fingerprint_at(start.checked_add(8)?)
     }
 
     /// Entry `i`: fingerprint, full-at and the bytes of its TATs.
@@ -253,20 +295,36 @@ impl Set {
     /// Stores `value` as TAT `state` of entry `i` and raises its full-at to
     /// at least `full_at_ns`; false when there is no such TAT.
     pub fn write(&mut self, i: usize, state: usize, value: u128, full_at_ns: u64) -> bool {
-        let Some(span) = self.span(i) else {
-            return false;
-        };
-        let Some(at) = state
-            .checked_mul(TAT)
-            .map(|s| span.start + HEAD + s)
-            .filter(|&at| at + TAT <= span.end)
+        let start = self.starts().nth(i);
+        start.is_some_and(|start| self.write_from(start, state, value, full_at_ns))
+    }
+
+    /// [`Set::write`] to the entry placed at `at`.
+    pub fn write_at(&mut self, at: At, state: usize, value: u128, full_at_ns: u64) -> bool {
+        if at.moves == self.moves {
+            self.write_from(at.start, state, value, full_at_ns)
+        } else {
+            self.write(at.index, state, value, full_at_ns)
+        }
+    }
+
+    /// [`Set::write`] to the entry starting at byte `start`.
+    fn write_from(&mut self, start: usize, state: usize, value: u128, full_at_ns: u64) -> bool {
+        let Some((head, tats)) = self
+            .bytes
+            .get_mut(start..)
+            .and_then(|e| e.split_first_chunk_mut::<HEAD>())
         else {
             return false;
         };
-        if let Some(t) = self.bytes.get_mut(at..at + TAT) {
-            t.copy_from_slice(&value.to_le_bytes());
+        if state >= usize::from(head.last().copied().unwrap_or(0)) {
+            return false;
         }
-        if let Some(f) = self.bytes.get_mut(span.start + 8..span.start + 16) {
+        let Some(t) = tats.get_mut(state * TAT..(state + 1) * TAT) else {
+            return false;
+        };
+        t.copy_from_slice(&value.to_le_bytes());
+        if let Some(f) = head.get_mut(8..16) {
             let old = u64::from_le_bytes(f.try_into().unwrap_or([0; 8]));
             f.copy_from_slice(&old.max(full_at_ns).to_le_bytes());
         }
@@ -275,7 +333,14 @@ impl Set {
 
     /// The index of bucket `fingerprint`, if the set holds it.
     pub fn find(&self, fingerprint: u64) -> Option<usize> {
-        (0..self.len()).find(|&i| self.entry(i).is_some_and(|(fp, _, _)| fp == fingerprint))
+        self.find_at(fingerprint).map(|(i, _)| i)
+    }
+
+    /// The index and start of bucket `fingerprint`, if the set holds it.
+    fn find_at(&self, fingerprint: u64) -> Option<(usize, usize)> {
+        self.starts()
+            .enumerate()
+            .find(|&(_, start)| self.fingerprint_at(start) == Some(fingerprint))
     }
 
     /// Finds the bucket `fingerprint`, or makes room for it: a free way first,
@@ -289,40 +354,80 @@ impl Set {
         now_ns: u64,
         pinned: &Pinned,
     ) -> Placement {
-        if let Some(i) = self.find(fingerprint) {
+        self.claim(fingerprint, limits, now_ns, pinned).0
+    }
+
+    /// [`Set::place`], with where the entry starts, for [`Set::write_at`] and
+    /// [`Set::tats_at`]. An unstored bucket's `At` writes nowhere.
+    pub fn claim(
+        &mut self,
+        fingerprint: u64,
+        limits: usize,
+        now_ns: u64,
+        pinned: &Pinned,
+    ) -> (Placement, At) {
+        let (placement, start) = self.claim_start(fingerprint, limits, now_ns, pinned);
+        let at = At {
+            index: placement.index().unwrap_or(usize::MAX),
+            start,
+            moves: self.moves,
+        };
+        (placement, at)
+    }
+
+    fn claim_start(
+        &mut self,
+        fingerprint: u64,
+        limits: usize,
+        now_ns: u64,
+        pinned: &Pinned,
+    ) -> (Placement, usize) {
+        if let Some((i, start)) = self.find_at(fingerprint) {
             // Sized as `push` and `replace` size it: a rule's changed count of limits starts over.
-            if HEAD + self.tats(i).len() != entry_len(limits) {
-                self.replace(i, fingerprint, limits);
-                return Placement::Fresh(i);
+            if self.span_at(start).map(|s| s.len()) != Some(entry_len(limits)) {
+                return (Placement::Fresh(i), self.replace(i, fingerprint, limits));
             }
-            return Placement::Found(i);
+            return (Placement::Found(i), start);
         }
         let n = self.len();
         if n < WAYS {
             return self.push(fingerprint, limits);
         }
-        let victim = (0..n)
-            .filter(|&i| !pinned.contains(i))
-            .filter_map(|i| self.entry(i).map(|(_, full_at, _)| (i, full_at)))
+        let victim = self
+            .starts()
+            .enumerate()
+            .filter(|&(i, _)| !pinned.contains(i))
+            .filter_map(|(i, start)| Some((i, self.full_at(start)?)))
             .min_by_key(|&(_, full_at)| full_at);
         match victim {
             Some((i, full_at)) => {
-                self.replace(i, fingerprint, limits);
+                let start = self.replace(i, fingerprint, limits);
                 if full_at <= now_ns {
-                    Placement::Fresh(i)
+                    (Placement::Fresh(i), start)
                 } else {
-                    Placement::Evicted(i)
+                    (Placement::Evicted(i), start)
                 }
             }
             None => self.push(fingerprint, limits),
         }
     }
 
-    /// Appends a new, full entry, unless the count is at its most.
-    fn push(&mut self, fingerprint: u64, limits: usize) -> Placement {
+    /// The TATs of the entry placed at `at` (see [`Set::tats`]).
+    pub fn tats_at(&self, at: At) -> &[u8] {
+        if at.moves != self.moves {
+            return self.tats(at.index);
+        }
+        self.span_at(at.start)
+            .and_then(|s| self.bytes.get(s.start + HEAD..s.end))
+            .unwrap_or(&[])
+    }
+
+    /// Appends a new, full entry, unless the count is at its most; with
+    /// where it starts.
+    fn push(&mut self, fingerprint: u64, limits: usize) -> (Placement, usize) {
         let n = self.len();
         let Some(count) = self.bytes.get_mut(1).filter(|c| **c < u8::MAX) else {
-            return Placement::Unstored;
+            return (Placement::Unstored, usize::MAX);
         };
         *count += 1;
         let start = self.bytes.len();
@@ -338,13 +443,13 @@ impl Set {
         }
         self.bytes.resize(end, 0);
         self.fill_fresh(start, fingerprint, limits);
-        Placement::Fresh(n)
+        (Placement::Fresh(n), start)
     }
 
-    /// Makes entry `i` a new, full entry of `fingerprint`.
-    fn replace(&mut self, i: usize, fingerprint: u64, limits: usize) {
+    /// Makes entry `i` a new, full entry of `fingerprint`; returns where it starts.
+    fn replace(&mut self, i: usize, fingerprint: u64, limits: usize) -> usize {
         let Some(span) = self.span(i) else {
-            return;
+            return usize::MAX;
         };
         let len = entry_len(limits);
         if span.len() == len {
@@ -354,8 +459,10 @@ impl Set {
         } else {
             // The rule's count of limits changed: the entry changes size.
             self.bytes.splice(span.clone(), std::iter::repeat_n(0, len));
+            self.moves = self.moves.wrapping_add(1);
         }
         self.fill_fresh(span.start, fingerprint, limits);
+        span.start
     }
 
     /// Writes the head of a new entry over zeroes at `start`.
@@ -603,6 +710,39 @@ mod tests {
                 set = Set::from_bytes(set.into_bytes()).expect("a set's own bytes decode");
                 prop_assert_eq!(set.entries(), model.clone());
                 prop_assert_eq!(set.find(fp), model.iter().position(|e| e.fingerprint == fp));
+            }
+        }
+
+        /// A write through where an entry was placed lands where a write to
+        /// its index does, even after later placements moved it.
+        #[test]
+        fn a_write_at_a_placement_matches_a_write_by_index(
+            start in proptest::collection::vec((0u64..8, 1usize..4), 0..6),
+            claims in proptest::collection::vec((0u64..8, 1usize..4), 1..6),
+            state in 0usize..4,
+            value in any::<u128>(),
+        ) {
+            let mut set = Set::default();
+            for (fp, limits) in start {
+                set.place(fp, limits, 0, &Pinned::default());
+            }
+            let mut pinned = Pinned::default();
+            let mut placed = Vec::new();
+            for (fp, limits) in claims {
+                let (placement, at) = set.claim(fp, limits, 0, &pinned);
+                pinned.insert(placement.index().unwrap_or(usize::MAX));
+                prop_assert_eq!(
+                    set.tats_at(at),
+                    placement.index().map_or(&[][..], |i| set.tats(i))
+                );
+                placed.push((placement, at));
+            }
+            for (placement, at) in placed {
+                let mut by_index = set.clone();
+                let wrote = set.write_at(at, state, value, 7);
+                let i = placement.index().unwrap_or(usize::MAX);
+                prop_assert_eq!(wrote, by_index.write(i, state, value, 7));
+                prop_assert_eq!(set.bytes(), by_index.bytes());
             }
         }
 
