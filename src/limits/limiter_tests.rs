@@ -68,21 +68,47 @@ fn reports_cover_every_limit() {
     );
 }
 
-/// A store that runs a closure just before the first N compare-and-sets on existing keys.
+/// A store that runs `change` (another worker) just before the first
+/// `sets` compare-and-sets, or just before its read number `read` (from 1).
 struct Racing<'a> {
     inner: &'a MemoryStore,
-    before_set: Box<dyn Fn(&MemoryStore) + 'a>,
-    remaining: Cell<u32>,
+    change: Box<dyn Fn(&MemoryStore) + 'a>,
+    sets: Cell<u32>,
+    read: u32,
+    reads: Cell<u32>,
+}
+
+impl<'a> Racing<'a> {
+    fn before_sets(inner: &'a MemoryStore, sets: u32, change: impl Fn(&MemoryStore) + 'a) -> Self {
+        Racing {
+            inner,
+            change: Box::new(change),
+            sets: Cell::new(sets),
+            read: 0,
+            reads: Cell::new(0),
+        }
+    }
+
+    fn before_read(inner: &'a MemoryStore, read: u32, change: impl Fn(&MemoryStore) + 'a) -> Self {
+        Racing {
+            read,
+            ..Racing::before_sets(inner, 0, change)
+        }
+    }
 }
 
 impl SharedStore for Racing<'_> {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        self.reads.set(self.reads.get() + 1);
+        if self.reads.get() == self.read {
+            (self.change)(self.inner);
+        }
         self.inner.get(key)
     }
     fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
-        if self.remaining.get() > 0 {
-            self.remaining.set(self.remaining.get() - 1);
-            (self.before_set)(self.inner);
+        if self.sets.get() > 0 {
+            self.sets.set(self.sets.get() - 1);
+            (self.change)(self.inner);
         }
         self.inner.compare_and_set(key, value, cas)
     }
@@ -96,11 +122,7 @@ fn a_racing_writer_costs_a_retry_not_an_admission() {
     let other = |m: &MemoryStore| {
         check_and_consume(m, &p, &b, T0, 0.0, &mut Stats::default()).unwrap();
     };
-    let racing = Racing {
-        inner: &mem,
-        before_set: Box::new(other),
-        remaining: Cell::new(3),
-    };
+    let racing = Racing::before_sets(&mem, 3, other);
     let mut st = Stats::default();
     let mut admitted_here = 0;
     for _ in 0..5 {
@@ -128,11 +150,7 @@ fn first_insert_race_loses_nothing() {
             &check_and_consume(m, &p, &b, T0, 0.0, &mut Stats::default()).unwrap()
         ));
     };
-    let racing = Racing {
-        inner: &mem,
-        before_set: Box::new(other),
-        remaining: Cell::new(1),
-    };
+    let racing = Racing::before_sets(&mem, 1, other);
     let mut st = Stats::default();
     assert!(allowed(
         &check_and_consume(&racing, &p, &b, T0, 0.0, &mut st).unwrap()
@@ -161,11 +179,7 @@ fn conflict_on_the_second_set_refunds_the_first() {
             assert!(m.compare_and_set(&set5, &v, cas).unwrap());
         }
     };
-    let racing = Racing {
-        inner: &mem,
-        before_set: Box::new(bump),
-        remaining: Cell::new(2),
-    };
+    let racing = Racing::before_sets(&mem, 2, bump);
     let mut st = Stats::default();
     assert!(allowed(
         &check_and_consume(&racing, &p, &both, T0, 0.0, &mut st).unwrap()
@@ -273,27 +287,6 @@ fn a_denial_stores_graduated_demand_and_no_charge() {
     assert_eq!(st, Stats::default());
 }
 
-/// A store that runs a closure just before its Nth read.
-struct ChangedBeforeRead<'a> {
-    inner: &'a MemoryStore,
-    nth: u32,
-    change: Box<dyn Fn(&MemoryStore) + 'a>,
-    reads: Cell<u32>,
-}
-
-impl SharedStore for ChangedBeforeRead<'_> {
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
-        self.reads.set(self.reads.get() + 1);
-        if self.reads.get() == self.nth {
-            (self.change)(self.inner);
-        }
-        self.inner.get(key)
-    }
-    fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
-        self.inner.compare_and_set(key, value, cas)
-    }
-}
-
 #[test]
 fn a_denial_gone_when_the_sets_are_read_again_is_charged() {
     let p = plan(GRADUATED_AND_PLAIN);
@@ -310,12 +303,7 @@ fn a_denial_gone_when_the_sets_are_read_again_is_charged() {
             .compare_and_set(&set5, Set::default().bytes(), cas)
             .unwrap());
     };
-    let store = ChangedBeforeRead {
-        inner: &mem,
-        nth: 4,
-        change: Box::new(emptied),
-        reads: Cell::new(0),
-    };
+    let store = Racing::before_read(&mem, 4, emptied);
     let mut st = Stats::default();
     assert!(allowed(
         &check_and_consume(&store, &p, &both, T0, 0.0, &mut st).unwrap()

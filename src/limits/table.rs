@@ -94,9 +94,9 @@ impl Default for Set {
     }
 }
 
-/// Where a placed entry starts in its set's bytes. Writing through it skips
-/// the walk to the entry (a third of applying a request's writes), unless an
-/// entry has changed size since; then the write walks to the entry's index.
+/// Where a placed entry starts in its set's bytes. Reading or writing through
+/// it skips the walk to the entry, unless an entry has changed size since
+/// (and moved those after it); then it walks to the entry's index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct At {
     index: usize,
@@ -251,7 +251,7 @@ impl Set {
     /// Byte range of the entry starting at `start`.
     fn span_at(&self, start: usize) -> Option<std::ops::Range<usize>> {
         let k = usize::from(*self.bytes.get(start.checked_add(HEAD - 1)?)?);
-        Some(start..start + HEAD + TAT * k)
+        Some(start..start.checked_add(HEAD + TAT * k)?)
     }
 
     /// Byte range of entry `i`.
