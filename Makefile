@@ -46,7 +46,7 @@ deps: ## install what is missing (idempotent, cheap when present)
 
 wasm: ## build the filter and the test fixtures for wasm32-wasip1 (release)
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
-	cargo build --release --target $(WASM_TARGET) -p trap-filter -p noop-filter
+	cargo build --release --target $(WASM_TARGET) -p trap-filter -p noop-filter -p hostcalls-filter
 
 build: wasm ## build the filter (wasm32-wasip1) and every host crate
 	cargo build --workspace
@@ -59,7 +59,7 @@ fmt-check: ## check the formatting, changing nothing
 
 lint: ## clippy, host and wasm32, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter --target $(WASM_TARGET) --release -- -D warnings
+	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter -p hostcalls-filter --target $(WASM_TARGET) --release -- -D warnings
 
 test: deps fmt-check lint wasm ## deps, fmt-check, lint, the wasm build, then every test (unit, harness, real Envoy, Redis)
 	cargo test --workspace
@@ -129,7 +129,7 @@ bench: deps ## side-by-side throughput, latency and memory (BENCHMARKS.md)
 	$(call install,wrk,wrk)
 	$(call install,redis-benchmark,redis-tools)
 	$(call install,h2load,nghttp2-client)
-	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm -p noop-filter
+	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm -p noop-filter -p hostcalls-filter
 	cargo build --release -p ratelimit-gateway
 	rm -rf $(BENCH_WASM_OUT)
 	BENCH_WASM_OUT=$(BENCH_WASM_OUT) cargo test --test bench_fuel -- --include-ignored --nocapture

@@ -2,7 +2,7 @@
 //! code rather than a running Envoy:
 //!
 //! * **Instructions per decision** inside the compiled module: the release
-//!   `ratelimit_wasm.wasm` (and the no-op `noop_filter.wasm` as a baseline)
+//!   `ratelimit_wasm.wasm` (and the baselines `noop_filter.wasm` and `hostcalls_filter.wasm`)
 //!   runs in wasmtime with fuel metering on, driven by the test harness's host
 //!   (`tests/harness`: same headers, properties, shared data and clock as
 //!   every harness test). Wasmtime charges one unit of fuel per wasm
@@ -53,11 +53,23 @@ const WARMUP: u32 = 100;
 /// Distinct client ids the requests cycle through, as the Envoy bench's load.
 const CLIENTS: u32 = 1000;
 
-fn noop_wasm_path() -> PathBuf {
-    if let Ok(p) = std::env::var("NOOP_FILTER_WASM") {
+/// A test-only module: `$<env>` if set, else `<file>` of the release build.
+fn fixture_wasm_path(env: &str, file: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(env) {
         return PathBuf::from(p);
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("target/wasm32-wasip1/release/noop_filter.wasm")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/wasm32-wasip1/release")
+        .join(file)
+}
+
+fn noop_wasm_path() -> PathBuf {
+    fixture_wasm_path("NOOP_FILTER_WASM", "noop_filter.wasm")
+}
+
+/// `make bench`'s a3: the module that makes only c1's host calls.
+fn hostcalls_wasm_path() -> PathBuf {
+    fixture_wasm_path("HOSTCALLS_FILTER_WASM", "hostcalls_filter.wasm")
 }
 
 /// Prints `figures` and writes them to `$BENCH_WASM_OUT/<name>.json`.
@@ -155,7 +167,7 @@ fn prune(dir: &Path, keep: usize) {
 }
 
 /// Fuel consumed by one request's callbacks.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct RequestFuel {
     /// `proxy_on_request_headers`: the decision.
     request_headers: u64,
@@ -164,6 +176,8 @@ struct RequestFuel {
     total: u64,
     /// `proxy_on_request_headers` returned Continue and sent no local reply.
     passed: bool,
+    /// The response's header names after every callback, in order.
+    response_headers: Vec<String>,
 }
 
 impl FuelVm {
@@ -304,11 +318,18 @@ impl FuelVm {
         self.call::<i32, i32>(ctx, "proxy_on_done", c);
         self.call::<i32, ()>(ctx, "proxy_on_delete", c);
         let total = start - self.fuel_left();
-        self.store.data_mut().streams.remove(&ctx);
+        let stream = self.store.data_mut().streams.remove(&ctx);
+        let response_headers = stream
+            .and_then(|s| s.response_headers)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
         RequestFuel {
             request_headers,
             total,
             passed,
+            response_headers,
         }
     }
 }
@@ -333,6 +354,81 @@ fn mean_passing(vm: &mut FuelVm) -> (f64, f64) {
     (decide as f64 / n, total as f64 / n)
 }
 
+/// Calls from the module to the host, and entries from the host into the
+/// module (the callbacks and the allocations for what the host returns),
+/// during one request of `client`; and the response's header names.
+fn calls_of_a_request(vm: &mut FuelVm, client: &str) -> (u32, u32, Vec<String>) {
+    let counts: std::sync::Arc<Mutex<(u32, u32)>> = Default::default();
+    let c = counts.clone();
+    vm.store.call_hook(move |_, hook| {
+        let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+        match hook {
+            wasmtime::CallHook::CallingHost => c.0 += 1,
+            wasmtime::CallHook::CallingWasm => c.1 += 1,
+            _ => {}
+        }
+        Ok(())
+    });
+    let f = vm.request(client_request(client));
+    vm.store.call_hook(|_, _| Ok(()));
+    assert!(f.passed, "{client} was not let through");
+    let (to_host, into_vm) = *counts.lock().unwrap_or_else(|e| e.into_inner());
+    (to_host, into_vm, f.response_headers)
+}
+
+/// `make bench`'s floor (a3) is only a floor if it makes the calls c1 makes:
+/// the same number into the host and back into the VM, for a new client and
+/// for one seen before, and the same response headers. A change to c1's
+/// calls fails here until `tests/fixtures/hostcalls-filter` follows it.
+#[test]
+fn the_floor_module_makes_the_calls_c1_makes() {
+    let path = hostcalls_wasm_path();
+    assert!(
+        path.exists(),
+        "{} is missing: cargo build --release --target wasm32-wasip1 -p hostcalls-filter",
+        path.display()
+    );
+    let mut c1 = FuelVm::new(&harness::default_wasm_path(), C1);
+    let mut floor = FuelVm::new(&path, C1);
+    // A new client's read finds nothing, so nothing is allocated for it.
+    for (client, calls) in [("c1", (10, 7)), ("c1", (10, 8)), ("c2", (10, 7))] {
+        let c1_calls = calls_of_a_request(&mut c1, client);
+        let floor_calls = calls_of_a_request(&mut floor, client);
+        assert_eq!(c1_calls, floor_calls, "client {client}");
+        assert_eq!((c1_calls.0, c1_calls.1), calls, "client {client}");
+        assert_eq!(
+            c1_calls.2,
+            [
+                ":status",
+                "content-length",
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+                "ratelimit-policy",
+                "ratelimit"
+            ]
+        );
+    }
+}
+
+/// A baseline module's mean fuel per decision and per request, or null when
+/// it is not built: only a reference figure, which `make bench` builds (and
+/// then requires) but a plain `cargo test` may not have.
+fn baseline_fuel(path: &Path, package: &str) -> Value {
+    if path.exists() || std::env::var_os("BENCH_WASM_OUT").is_some() {
+        let mut vm = FuelVm::new(path, "{}");
+        let (decide, total) = mean_passing(&mut vm);
+        json!({ "decision": decide, "request": total })
+    } else {
+        println!(
+            "bench-wasm: no baseline: {} is not built (cargo build --release --target \
+             wasm32-wasip1 -p {package})",
+            path.display()
+        );
+        Value::Null
+    }
+}
+
 #[test]
 fn instructions_per_decision_in_the_compiled_module() {
     let filter = harness::default_wasm_path();
@@ -350,21 +446,8 @@ fn instructions_per_decision_in_the_compiled_module() {
     let mut c4 = FuelVm::new(&filter, C4);
     let (c4_decide, c4_total) = mean_passing(&mut c4);
 
-    // The no-op baseline is only a reference figure: `make bench` builds
-    // the module (and then requires it); a plain `cargo test` may not have.
-    let noop_path = noop_wasm_path();
-    let noop = if noop_path.exists() || std::env::var_os("BENCH_WASM_OUT").is_some() {
-        let mut vm = FuelVm::new(&noop_path, "{}");
-        let (decide, total) = mean_passing(&mut vm);
-        json!({ "decision": decide, "request": total })
-    } else {
-        println!(
-            "bench-wasm: no baseline: {} is not built (cargo build --release --target \
-             wasm32-wasip1 -p noop-filter)",
-            noop_path.display()
-        );
-        Value::Null
-    };
+    let noop = baseline_fuel(&noop_wasm_path(), "noop-filter");
+    let host_calls = baseline_fuel(&hostcalls_wasm_path(), "hostcalls-filter");
 
     let figures = json!({
         "unit": "wasm instructions (wasmtime fuel), mean per request",
@@ -373,6 +456,7 @@ fn instructions_per_decision_in_the_compiled_module() {
         "c1": { "decision": c1_decide, "request": c1_total, "denied_decision": denied_decide },
         "c4": { "decision": c4_decide, "request": c4_total },
         "noop": noop,
+        "hostcalls": host_calls,
         "c4_over_c1": c4_decide / c1_decide,
     });
     report("fuel", &figures);

@@ -2,7 +2,7 @@
 //! rate-limit filter, the gateway against raw Redis, and the report
 //! (BENCHMARKS.md, BENCHMARKS.svg).
 //!
-//! Every variant runs in one session, interleaved (a a2 b c1 c4 d g e b-f c1-f d-f,
+//! Every variant runs in one session, interleaved (a a2 a3 b c1 c4 d g e b-f c1-f d-f,
 //! then again, `--repeats` times), each on a fresh Envoy (`--concurrency 2`,
 //! the same flags in every variant) whose configuration is the shipped
 //! template `envoy/envoy.yaml` rendered by testkit and then changed only in
@@ -101,7 +101,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 11] = [
+pub const VARIANTS: [Variant; 12] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -114,6 +114,14 @@ pub const VARIANTS: [Variant; 11] = [
         id: "a2",
         what: "Envoy + no-op wasm filter",
         filter: FilterVariant::Noop,
+        plugin: C1_JSON,
+        load: LoadMode::Spread,
+        needs_gateway: false,
+    },
+    Variant {
+        id: "a3",
+        what: "Envoy + a wasm module making c1's host calls and nothing else (the floor under c1)",
+        filter: FilterVariant::HostCalls,
         plugin: C1_JSON,
         load: LoadMode::Spread,
         needs_gateway: false,
@@ -212,7 +220,7 @@ pub struct Args {
 }
 
 const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--connections C] \
-                     [--threads T] [--only a,a2,b,c1,c4,d,g,e,b-f,c1-f,d-f,gw] [--wait-quiet SECONDS] \
+                     [--threads T] [--only a,a2,a3,b,c1,c4,d,g,e,b-f,c1-f,d-f,gw] [--wait-quiet SECONDS] \
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
 fn parse_args() -> Result<Args> {
@@ -416,14 +424,15 @@ fn utc_now() -> String {
         .unwrap_or_default()
 }
 
-fn noop_wasm_path() -> Result<PathBuf> {
-    let path = match std::env::var_os("NOOP_FILTER_WASM") {
+/// A baseline module: `$<env>` if set, else `<file>` of `package`'s release build.
+fn baseline_wasm_path(env: &str, file: &str, package: &str) -> Result<PathBuf> {
+    let path = match std::env::var_os(env) {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => target_dir().join("wasm32-wasip1/release/noop_filter.wasm"),
+        _ => target_dir().join("wasm32-wasip1/release").join(file),
     };
     if !path.is_file() {
         bail!(
-            "{} is missing: run `cargo build --release --target wasm32-wasip1 -p noop-filter`",
+            "{} is missing: run `cargo build --release --target wasm32-wasip1 -p {package}`",
             path.display()
         );
     }
@@ -474,7 +483,14 @@ fn run() -> Result<()> {
     // Everything must be there before anything is measured.
     let envoy = envoy_bin()?;
     let wasm = wasm_path()?;
-    let noop = noop_wasm_path()?;
+    let baselines = configs::Baselines {
+        noop: baseline_wasm_path("NOOP_FILTER_WASM", "noop_filter.wasm", "noop-filter")?,
+        host_calls: baseline_wasm_path(
+            "HOSTCALLS_FILTER_WASM",
+            "hostcalls_filter.wasm",
+            "hostcalls-filter",
+        )?,
+    };
     require("wrk", "wrk")?;
     require("redis-benchmark", "redis-tools")?;
     let needs_gateway = VARIANTS
@@ -511,7 +527,7 @@ fn run() -> Result<()> {
     let ctx = RunContext {
         args: &args,
         wasm: &wasm,
-        noop: &noop,
+        baselines: &baselines,
         upstream_port: infra.upstream.ports().upstream,
         gateway_port: infra
             .gateway
@@ -713,7 +729,7 @@ fn publish(session: &Session) -> Result<()> {
 struct RunContext<'a> {
     args: &'a Args,
     wasm: &'a Path,
-    noop: &'a Path,
+    baselines: &'a configs::Baselines,
     upstream_port: u16,
     gateway_port: u16,
     grpc_port: u16,
@@ -846,7 +862,7 @@ impl RunContext<'_> {
             self.gateway_port,
             self.grpc_port,
             self.wasm,
-            self.noop,
+            self.baselines,
             v.plugin,
         )?;
         let dir = self.args.work_dir.join("runs").join(v.id);

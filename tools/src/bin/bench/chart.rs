@@ -24,7 +24,7 @@ struct Bar {
 
 fn color_of(id: &str) -> RGBColor {
     match id {
-        "a" | "a2" => RGBColor(140, 140, 140),
+        "a" | "a2" | "a3" => RGBColor(140, 140, 140),
         "b" => RGBColor(230, 145, 56),
         "b-f" => RGBColor(246, 196, 140),
         "c1" | "c4" => RGBColor(54, 110, 190),

@@ -15,7 +15,7 @@
 //!   `envoy.filters.http.local_ratelimit` ([`NATIVE_LOCAL_RATELIMIT`], b).
 //!   `jwt_authn` and the router stay as shipped.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_norway::Value;
@@ -32,6 +32,8 @@ pub enum FilterVariant {
     None,
     /// a2: the same `envoy.filters.http.wasm` entry with the no-op module.
     Noop,
+    /// a3: the same entry with the module that makes only c1's host calls.
+    HostCalls,
     /// b: Envoy's native local rate limiter instead.
     Native,
     /// c, d: the shipped entry, unchanged.
@@ -177,6 +179,15 @@ fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Va
 }
 
 /// The measured Envoy's configuration: the shipped template rendered with
+/// The baseline modules loaded in place of the filter (test fixtures).
+#[derive(Debug, Clone)]
+pub struct Baselines {
+    /// a2's `noop_filter.wasm`.
+    pub noop: PathBuf,
+    /// a3's `hostcalls_filter.wasm`.
+    pub host_calls: PathBuf,
+}
+
 /// `ports` (whose `upstream` is the separate upstream's port), the built-in
 /// upstream listener removed, and the wasm filter entry as `variant` says.
 pub fn proxy_config(
@@ -185,7 +196,7 @@ pub fn proxy_config(
     gateway_port: u16,
     grpc_port: u16,
     wasm: &Path,
-    noop_wasm: &Path,
+    baselines: &Baselines,
     plugin_config: &str,
 ) -> Result<String> {
     let mut doc = rendered(ports, gateway_port, wasm, plugin_config)?;
@@ -210,14 +221,18 @@ pub fn proxy_config(
             filters[at] =
                 serde_norway::from_str(NATIVE_RLS).context("parsing the native ratelimit entry")?;
         }
-        FilterVariant::Noop => {
+        FilterVariant::Noop | FilterVariant::HostCalls => {
+            let module = match variant {
+                FilterVariant::Noop => &baselines.noop,
+                _ => &baselines.host_calls,
+            };
             let entry = filters.get_mut(at).context("the wasm entry")?;
             let local = ["typed_config", "config", "vm_config", "code", "local"]
                 .iter()
                 .try_fold(entry, |v, k| field(v, k))?;
-            let file = noop_wasm
+            let file = module
                 .to_str()
-                .ok_or_else(|| anyhow!("{} is not UTF-8", noop_wasm.display()))?;
+                .ok_or_else(|| anyhow!("{} is not UTF-8", module.display()))?;
             *field(local, "filename")? = Value::String(file.to_string());
         }
     }
@@ -280,7 +295,10 @@ mod tests {
             4,
             5,
             Path::new("/x/ratelimit_wasm.wasm"),
-            Path::new("/x/noop_filter.wasm"),
+            &Baselines {
+                noop: PathBuf::from("/x/noop_filter.wasm"),
+                host_calls: PathBuf::from("/x/hostcalls_filter.wasm"),
+            },
             "{}",
         )
         .unwrap()
@@ -302,6 +320,11 @@ mod tests {
         let noop = config(FilterVariant::Noop);
         assert_eq!(filters_of(&noop), [jwt, WASM_FILTER, router]);
         assert!(noop.contains("/x/noop_filter.wasm") && !noop.contains("ratelimit_wasm.wasm"));
+        let calls = config(FilterVariant::HostCalls);
+        assert_eq!(filters_of(&calls), [jwt, WASM_FILTER, router]);
+        assert!(
+            calls.contains("/x/hostcalls_filter.wasm") && !calls.contains("ratelimit_wasm.wasm")
+        );
         let g = config(FilterVariant::NativeRls);
         assert_eq!(
             filters_of(&g),
@@ -316,6 +339,7 @@ mod tests {
             FilterVariant::None,
             FilterVariant::Native,
             FilterVariant::Noop,
+            FilterVariant::HostCalls,
         ] {
             let yaml = config(v);
             // The built-in upstream listener is gone; the cluster still points at port 3.

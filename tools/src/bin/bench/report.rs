@@ -29,6 +29,29 @@ pub const TARGETS: [(&str, &str, f64); 9] = [
 /// Gateway checks/s over raw EVALSHA/s.
 pub const GATEWAY_TARGET: f64 = 0.70;
 
+/// The floor under c1: a3 makes c1's host calls and nothing else, so a3 ÷ a2
+/// is what those calls cost Envoy and c1 ÷ a3 what the filter's own work does.
+fn floor(m: &mut String, s: &Session) {
+    if ["a2", "a3", "c1"]
+        .iter()
+        .any(|id| runs_of(s, id).is_empty())
+    {
+        return;
+    }
+    let cpu = |id: &str| spread_of(s, id, |r| r.envoy_cpu_us).show(1);
+    let _ = writeln!(
+        m,
+        "**The floor under c1** (a3: a module making c1's host calls and nothing else): \
+         a3 ÷ a2 {}, what the host calls cost; c1 ÷ a3 {}, what the filter's own work costs \
+         on top of them. Envoy CPU per request: a2 {} µs, a3 {} µs, c1 {} µs.\n",
+        ratio(s, "a3", "a2").show(3),
+        ratio(s, "c1", "a3").show(3),
+        cpu("a2"),
+        cpu("a3"),
+        cpu("c1"),
+    );
+}
+
 fn runs_of<'a>(s: &'a Session, id: &str) -> Vec<&'a Run> {
     s.runs.iter().filter(|r| r.variant == id).collect()
 }
@@ -389,6 +412,7 @@ pub fn markdown(s: &Session, svg: &str) -> String {
         );
     }
     let _ = writeln!(m);
+    floor(&mut m, s);
 
     if !s.gateway_runs.is_empty() {
         let g = |f: &dyn Fn(&crate::GatewayRun) -> f64| {
@@ -476,6 +500,14 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             n(&f["noop"]["decision"]),
             n(&f["noop"]["request"])
         );
+        if !f["hostcalls"].is_null() {
+            let _ = writeln!(
+                m,
+                "| a3's module: c1's host calls, nothing else | {} | {} |",
+                n(&f["hostcalls"]["decision"]),
+                n(&f["hostcalls"]["request"])
+            );
+        }
         let _ = writeln!(
             m,
             "| c1: 1 rule, allowed | {} | {} |",
