@@ -176,8 +176,8 @@ struct RequestFuel {
     total: u64,
     /// `proxy_on_request_headers` returned Continue and sent no local reply.
     passed: bool,
-    /// The response's header names after every callback, in order.
-    response_headers: Vec<String>,
+    /// The response's headers after every callback, in order.
+    response_headers: Vec<(String, String)>,
 }
 
 impl FuelVm {
@@ -323,7 +323,7 @@ impl FuelVm {
             .and_then(|s| s.response_headers)
             .unwrap_or_default()
             .into_iter()
-            .map(|(name, _)| name)
+            .map(|(name, value)| (name, String::from_utf8_lossy(&value).into_owned()))
             .collect();
         RequestFuel {
             request_headers,
@@ -356,8 +356,9 @@ fn mean_passing(vm: &mut FuelVm) -> (f64, f64) {
 
 /// Calls from the module to the host, and entries from the host into the
 /// module (the callbacks and the allocations for what the host returns),
-/// during one request of `client`; and the response's header names.
-fn calls_of_a_request(vm: &mut FuelVm, client: &str) -> (u32, u32, Vec<String>) {
+/// during one request of `client`; and the response's header names with the
+/// lengths of their values.
+fn calls_of_a_request(vm: &mut FuelVm, client: &str) -> (u32, u32, Vec<(String, usize)>) {
     let counts: std::sync::Arc<Mutex<(u32, u32)>> = Default::default();
     let c = counts.clone();
     vm.store.call_hook(move |_, hook| {
@@ -373,13 +374,19 @@ fn calls_of_a_request(vm: &mut FuelVm, client: &str) -> (u32, u32, Vec<String>) 
     vm.store.call_hook(|_, _| Ok(()));
     assert!(f.passed, "{client} was not let through");
     let (to_host, into_vm) = *counts.lock().unwrap_or_else(|e| e.into_inner());
-    (to_host, into_vm, f.response_headers)
+    let headers = f
+        .response_headers
+        .into_iter()
+        .map(|(name, value)| (name, value.len()))
+        .collect();
+    (to_host, into_vm, headers)
 }
 
 /// `make bench`'s floor (a3) is only a floor if it makes the calls c1 makes:
 /// the same number into the host and back into the VM, for a new client and
-/// for one seen before, and the same response headers. A change to c1's
-/// calls fails here until `tests/fixtures/hostcalls-filter` follows it.
+/// for one seen before, the same response headers with values as long, and
+/// shared-data values as long. A change to c1's calls fails here until
+/// `tests/fixtures/hostcalls-filter` follows it.
 #[test]
 fn the_floor_module_makes_the_calls_c1_makes() {
     let path = hostcalls_wasm_path();
@@ -396,8 +403,9 @@ fn the_floor_module_makes_the_calls_c1_makes() {
         let floor_calls = calls_of_a_request(&mut floor, client);
         assert_eq!(c1_calls, floor_calls, "client {client}");
         assert_eq!((c1_calls.0, c1_calls.1), calls, "client {client}");
+        let names: Vec<&str> = c1_calls.2.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
-            c1_calls.2,
+            names,
             [
                 ":status",
                 "content-length",
@@ -409,6 +417,21 @@ fn the_floor_module_makes_the_calls_c1_makes() {
             ]
         );
     }
+    // And the values it reads and writes are as long as c1's sets.
+    let value_lengths = |vm: &FuelVm, marker: &str| -> Vec<usize> {
+        let mut lengths: Vec<usize> = vm
+            ._harness
+            .shared_keys()
+            .iter()
+            .filter(|k| k.contains(marker))
+            .filter_map(|k| vm._harness.shared_get(k))
+            .map(|(value, _)| value.len())
+            .collect();
+        lengths.sort_unstable();
+        lengths
+    };
+    assert_eq!(value_lengths(&c1, "/set/"), [35, 35]);
+    assert_eq!(value_lengths(&floor, "hostcalls/"), [35, 35]);
 }
 
 /// A baseline module's mean fuel per decision and per request, or null when
