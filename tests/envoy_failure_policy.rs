@@ -177,16 +177,27 @@ fn fail_reload_answers_503_then_a_fresh_vm_serves() {
     );
     let c = envoy.client(ConnectionMode::NewPerRequest);
 
-    // 1. Both workers serve: two VMs, each on its own worker.
+    // 1. Both workers serve: two VMs, each on its own worker. Right after
+    // the start one worker may take every new connection for a while (its
+    // listener is up first), so keep asking until both answer, up to 10 s.
     let mut vms = BTreeSet::new();
     let mut shared = 0;
-    for i in 0..200 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for i in 0.. {
         let s = passed(&send(&c, false), &format!("warm-up request {i}"));
         assert_eq!(s.shared, shared + 1, "the shared count goes up by one");
         shared = s.shared;
         vms.insert(s.vm);
         if vms.len() == 2 && i >= 10 {
             break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "two workers, two VMs: only {vms:?} after {} requests in 10 s",
+            i + 1
+        );
+        if i >= 200 {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
     assert_eq!(vms.len(), 2, "two workers, two VMs: {vms:?}");
