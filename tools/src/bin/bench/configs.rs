@@ -178,7 +178,6 @@ fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Va
     )
 }
 
-/// The measured Envoy's configuration: the shipped template rendered with
 /// The baseline modules loaded in place of the filter (test fixtures).
 #[derive(Debug, Clone)]
 pub struct Baselines {
@@ -188,6 +187,20 @@ pub struct Baselines {
     pub host_calls: PathBuf,
 }
 
+/// The wasm filter entry `entry` with `module` in place of the shipped one,
+/// every other setting (runtime, `vm_id`, failure policy) kept.
+fn load_module(entry: &mut Value, module: &Path) -> Result<()> {
+    let local = ["typed_config", "config", "vm_config", "code", "local"]
+        .iter()
+        .try_fold(entry, |v, k| field(v, k))?;
+    let file = module
+        .to_str()
+        .ok_or_else(|| anyhow!("{} is not UTF-8", module.display()))?;
+    *field(local, "filename")? = Value::String(file.to_string());
+    Ok(())
+}
+
+/// The measured Envoy's configuration: the shipped template rendered with
 /// `ports` (whose `upstream` is the separate upstream's port), the built-in
 /// upstream listener removed, and the wasm filter entry as `variant` says.
 pub fn proxy_config(
@@ -221,19 +234,17 @@ pub fn proxy_config(
             filters[at] =
                 serde_norway::from_str(NATIVE_RLS).context("parsing the native ratelimit entry")?;
         }
-        FilterVariant::Noop | FilterVariant::HostCalls => {
-            let module = match variant {
-                FilterVariant::Noop => &baselines.noop,
-                _ => &baselines.host_calls,
-            };
-            let entry = filters.get_mut(at).context("the wasm entry")?;
-            let local = ["typed_config", "config", "vm_config", "code", "local"]
-                .iter()
-                .try_fold(entry, |v, k| field(v, k))?;
-            let file = module
-                .to_str()
-                .ok_or_else(|| anyhow!("{} is not UTF-8", module.display()))?;
-            *field(local, "filename")? = Value::String(file.to_string());
+        FilterVariant::Noop => {
+            load_module(
+                filters.get_mut(at).context("the wasm entry")?,
+                &baselines.noop,
+            )?;
+        }
+        FilterVariant::HostCalls => {
+            load_module(
+                filters.get_mut(at).context("the wasm entry")?,
+                &baselines.host_calls,
+            )?;
         }
     }
     if variant == FilterVariant::NativeRls {
