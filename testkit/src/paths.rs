@@ -65,6 +65,17 @@ pub fn wasm_path() -> Result<PathBuf> {
     Ok(path)
 }
 
+/// A test-only wasm module (`tests/fixtures/`) built for `wasm32-wasip1` in
+/// release mode: `$<env>` if set, else the target directory's
+/// `wasm32-wasip1/release/<file>`. Not checked: whether a missing module is an
+/// error is the caller's to say.
+pub fn fixture_wasm_path(env: &str, file: &str) -> PathBuf {
+    match std::env::var_os(env) {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => target_dir().join("wasm32-wasip1/release").join(file),
+    }
+}
+
 /// Cargo's target directory: `$CARGO_TARGET_DIR`, else `<workspace>/target`.
 pub fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {

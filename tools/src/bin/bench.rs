@@ -424,12 +424,9 @@ fn utc_now() -> String {
         .unwrap_or_default()
 }
 
-/// A baseline module: `$<env>` if set, else `<file>` of `package`'s release build.
+/// A baseline module (`testkit::paths::fixture_wasm_path`), which must be built.
 fn baseline_wasm_path(env: &str, file: &str, package: &str) -> Result<PathBuf> {
-    let path = match std::env::var_os(env) {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => target_dir().join("wasm32-wasip1/release").join(file),
-    };
+    let path = testkit::paths::fixture_wasm_path(env, file);
     if !path.is_file() {
         bail!(
             "{} is missing: run `cargo build --release --target wasm32-wasip1 -p {package}`",
