@@ -27,18 +27,17 @@
 //! `BENCHMARKS.md` (between its result markers) and `BENCHMARKS.svg`.
 //!
 //! This file holds the variants and the session's order of work. The parts,
-//! under `bench/`: `args.rs` (the command line), `children.rs` (what Ctrl-C
-//! stops), `infra.rs` (the processes every variant shares), `runs.rs` (one
-//! measured run), `configs.rs` (each variant's Envoy configuration), `wrk.rs`,
-//! `gateway.rs` and `lookup.rs` (the loads and the in-process timing),
-//! `machine.rs` (CPU, memory, quiet), `stats.rs`, `report.rs` and `chart.rs`.
+//! under `bench/`: `args.rs` (the command line), `infra.rs` (the processes
+//! every variant shares), `runs.rs` (one measured run), `configs.rs` (each
+//! variant's Envoy configuration), `wrk.rs`, `gateway.rs` and `lookup.rs`
+//! (the loads and the in-process timing), `machine.rs` (CPU, memory, quiet),
+//! `stats.rs`, `report.rs` and `chart.rs`. What Ctrl-C stops is
+//! `tools::children`, shared with the demo.
 
 #[path = "bench/args.rs"]
 mod args;
 #[path = "bench/chart.rs"]
 mod chart;
-#[path = "bench/children.rs"]
-mod children;
 #[path = "bench/configs.rs"]
 mod configs;
 #[path = "bench/gateway.rs"]
@@ -65,12 +64,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use args::{parse_args, Args};
-use children::stop_children_from_signal;
 use configs::FilterVariant;
 use infra::Infra;
 use runs::RunContext;
 use testkit::paths::target_dir;
 use testkit::{envoy_bin, wasm_path, workspace_root, Gateway};
+use tools::children::stop_children_from_signal;
 
 /// The plugin configurations of the c and d variants (also read by
 /// `tests/bench_fuel.rs`).

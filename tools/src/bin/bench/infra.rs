@@ -8,8 +8,8 @@ use testkit::redis::Redis;
 use testkit::{free_port, Envoy, EnvoyOptions, Gateway, GatewayOptions, Ports};
 
 use crate::args::Args;
-use crate::children::{register, unregister};
 use crate::{configs, machine, AUTH_CALLERS, DF_JSON, D_JSON, E_JSON};
+use tools::children::{start_child, unregister};
 
 /// The processes every variant shares: the upstream Envoy, and Redis and the
 /// gateway (for d and the gateway bench).
@@ -31,8 +31,7 @@ impl Infra {
         let mut gateway_auth = None;
         let grpc_port = free_port()?;
         if needs_gateway {
-            let r = Redis::start()?;
-            register(r.pid());
+            let r = start_child(Redis::start, |r| vec![r.pid()])?;
             // The gateway's policy: the plugin configurations of d and e (and
             // of the wrk script, which is d's domain and rule).
             let opts = GatewayOptions::new(r.url())
@@ -44,12 +43,17 @@ impl Infra {
             std::fs::write(&rls, configs::RLS_CONFIG).context("writing the bench's rls config")?;
             let grpc = format!("127.0.0.1:{grpc_port}");
             let rls = rls.display().to_string();
-            let g =
-                Gateway::start(
-                    opts.clone()
-                        .args(&["--grpc-listen", &grpc, "--rls-config", &rls]),
-                )?;
-            register(g.pid());
+            let g = start_child(
+                || {
+                    Gateway::start(opts.clone().args(&[
+                        "--grpc-listen",
+                        &grpc,
+                        "--rls-config",
+                        &rls,
+                    ]))
+                },
+                |g| vec![g.pid()],
+            )?;
             let tokens = args.work_dir.join("gateway-tokens");
             let mut text = String::new();
             for i in 0..AUTH_CALLERS {
@@ -57,11 +61,15 @@ impl Infra {
             }
             std::fs::write(&tokens, text).context("writing the bench's token file")?;
             let tokens = tokens.display().to_string();
-            let ga = Gateway::start(
-                opts.args(&["--auth-tokens", &tokens])
-                    .work_dir(args.work_dir.join("gateway-auth")),
+            let ga = start_child(
+                || {
+                    Gateway::start(
+                        opts.args(&["--auth-tokens", &tokens])
+                            .work_dir(args.work_dir.join("gateway-auth")),
+                    )
+                },
+                |g| vec![g.pid()],
             )?;
-            register(ga.pid());
             redis = Some(r);
             gateway = Some(g);
             gateway_auth = Some(ga);
@@ -78,8 +86,7 @@ impl Infra {
         opts.log_level = "warning".into();
         opts.component_log_level = "wasm:warning".into();
         opts.work_dir = Some(dir.join("run"));
-        let upstream = Envoy::start(opts)?;
-        register(Some(upstream.pid()));
+        let upstream = start_child(|| Envoy::start(opts), |e| vec![Some(e.pid())])?;
         let cpu = nproc.saturating_sub(1);
         machine::pin_process(upstream.pid(), cpu)
             .with_context(|| format!("pinning the upstream Envoy to CPU {cpu}"))?;

@@ -10,11 +10,11 @@ use testkit::redis::Redis;
 use testkit::{free_port, Envoy, EnvoyOptions, Gateway, Ports};
 
 use crate::args::Args;
-use crate::children::{register, unregister};
 use crate::{
     configs, gateway, lookup, machine, wrk, GatewayRun, Run, Variant, AUTH_TOKEN, CLIENTS, DF_JSON,
     D_JSON, E_JSON, VARIANTS,
 };
+use tools::children::{start_child, unregister};
 
 /// What every run needs.
 pub struct RunContext<'a> {
@@ -169,8 +169,8 @@ impl RunContext<'_> {
         opts.log_level = "warning".into();
         opts.component_log_level = "wasm:warning".into();
         opts.work_dir = Some(dir.join("run"));
-        let mut envoy = Envoy::start(opts).with_context(|| format!("starting variant {}", v.id))?;
-        register(Some(envoy.pid()));
+        let mut envoy = start_child(|| Envoy::start(opts), |e| vec![Some(e.pid())])
+            .with_context(|| format!("starting variant {}", v.id))?;
         let result = self.measure(v, repeat, &envoy);
         unregister(Some(envoy.pid()));
         let stopped = envoy.stop();

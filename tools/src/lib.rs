@@ -1,0 +1,3 @@
+//! What the tools' binaries (`demo`, `bench`) share.
+
+pub mod children;
