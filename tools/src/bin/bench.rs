@@ -31,7 +31,7 @@
 //! every variant shares), `runs.rs` (one measured run), `configs.rs` (each
 //! variant's Envoy configuration), `wrk.rs`, `gateway.rs` and `lookup.rs`
 //! (the loads and the in-process timing), `machine.rs` (CPU, memory, quiet),
-//! `stats.rs`, `report.rs` and `chart.rs`. What Ctrl-C stops is
+//! `stats.rs`, `report.rs`, `results_json.rs` and `chart.rs`. What Ctrl-C stops is
 //! `tools::children`, shared with the demo.
 
 #[path = "bench/args.rs"]
@@ -50,6 +50,8 @@ mod lookup;
 mod machine;
 #[path = "bench/report.rs"]
 mod report;
+#[path = "bench/results_json.rs"]
+mod results_json;
 #[path = "bench/runs.rs"]
 mod runs;
 #[path = "bench/stats.rs"]
@@ -468,8 +470,11 @@ fn read_wasm_figures(dir: &Path) -> Result<(BTreeMap<String, serde_json::Value>,
 fn publish(session: &Session) -> Result<()> {
     let args = &session.args;
     let json_path = args.work_dir.join("results.json");
-    std::fs::write(&json_path, format!("{:#}\n", report::to_json(session)))
-        .with_context(|| format!("writing {}", json_path.display()))?;
+    std::fs::write(
+        &json_path,
+        format!("{:#}\n", results_json::to_json(session)),
+    )
+    .with_context(|| format!("writing {}", json_path.display()))?;
     let dir = if args.publish {
         workspace_root()
     } else {
