@@ -28,6 +28,7 @@ const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--co
                      [--threads T] [--only a,a2,a3,b,c1,c4,d,g,e,b-f,c1-f,d-f,gw] [--wait-quiet SECONDS] \
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
+/// The process's command line, parsed.
 pub fn parse_args() -> Result<Args> {
     parse_args_from(std::env::args().skip(1).collect())
 }

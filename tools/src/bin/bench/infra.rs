@@ -6,10 +6,10 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use testkit::redis::Redis;
 use testkit::{free_port, Envoy, EnvoyOptions, Gateway, GatewayOptions, Ports};
+use tools::children::{start_child, unregister};
 
 use crate::args::Args;
 use crate::{configs, machine, AUTH_CALLERS, DF_JSON, D_JSON, E_JSON};
-use tools::children::{start_child, unregister};
 
 /// The processes every variant shares: the upstream Envoy, and Redis and the
 /// gateway (for d and the gateway bench).

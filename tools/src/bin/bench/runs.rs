@@ -8,13 +8,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use testkit::redis::Redis;
 use testkit::{free_port, Envoy, EnvoyOptions, Gateway, Ports};
+use tools::children::{start_child, unregister};
 
 use crate::args::Args;
 use crate::{
     configs, gateway, lookup, machine, wrk, GatewayRun, Run, Variant, AUTH_TOKEN, CLIENTS, DF_JSON,
     D_JSON, E_JSON, VARIANTS,
 };
-use tools::children::{start_child, unregister};
 
 /// What every run needs.
 pub struct RunContext<'a> {
