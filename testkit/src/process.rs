@@ -283,6 +283,18 @@ impl Drop for Process {
     }
 }
 
+/// Whether process `pid` is gone or a zombie (exited, not reaped yet), by
+/// `/proc/<pid>/stat`: for a PID this process does not hold a `Child` for.
+pub fn has_exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state is the field after the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
 /// The whole file at `path` (lossy UTF-8; empty if unreadable).
 pub fn read_log(path: &Path) -> String {
     let mut bytes = Vec::new();

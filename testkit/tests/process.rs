@@ -4,19 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use testkit::process::has_exited;
 use testkit::redis::Redis;
-
-/// Whether `pid` is gone or a zombie (exited, not reaped: a forgotten
-/// [`std::process::Child`] is never reaped).
-fn exited(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        // The state is the field after the parenthesised command name.
-        Ok(stat) => stat
-            .rsplit_once(") ")
-            .is_some_and(|(_, rest)| rest.starts_with('Z')),
-    }
-}
 
 #[test]
 fn a_redis_dies_with_the_thread_that_started_it() {
@@ -30,10 +19,10 @@ fn a_redis_dies_with_the_thread_that_started_it() {
     .join()
     .unwrap_or_else(|_| panic!("the starting thread panicked"));
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !exited(pid) && Instant::now() < deadline {
+    while !has_exited(pid) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let alive = !exited(pid);
+    let alive = !has_exited(pid);
     if alive {
         // Clean up what the old code leaves behind.
         // SAFETY: kill(2) has no memory-safety preconditions.

@@ -7,6 +7,8 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use testkit::process::has_exited;
+
 /// The PIDs of `parent`'s children, with their command names.
 fn children_of(parent: u32) -> Vec<(u32, String)> {
     let mut out = Vec::new();
@@ -37,14 +39,6 @@ fn children_of(parent: u32) -> Vec<(u32, String)> {
         }
     }
     out
-}
-
-/// Whether `pid` still runs (a zombie does not).
-fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_string()))
-        .is_some_and(|r| !r.starts_with('Z'))
 }
 
 #[test]
@@ -111,6 +105,9 @@ fn ctrl_c_stops_every_process_the_demo_started() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(status.code(), Some(130), "the demo's exit after Ctrl-C");
-    let left: Vec<_> = started.iter().filter(|(pid, _)| running(*pid)).collect();
+    let left: Vec<_> = started
+        .iter()
+        .filter(|(pid, _)| !has_exited(*pid))
+        .collect();
     assert!(left.is_empty(), "still running after Ctrl-C: {left:?}");
 }
