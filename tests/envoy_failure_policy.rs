@@ -50,7 +50,7 @@ fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
 
 /// `target/wasm32-wasip1/release/trap_filter.wasm`; fails saying how to build it.
 fn trap_wasm() -> PathBuf {
-    let path = testkit::paths::target_dir().join("wasm32-wasip1/release/trap_filter.wasm");
+    let path = testkit::paths::release_wasm_path("trap_filter.wasm");
     assert!(
         path.is_file(),
         "{} is missing: build it with `cargo build --release --target wasm32-wasip1 -p trap-filter`",

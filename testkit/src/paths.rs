@@ -52,7 +52,7 @@ pub fn envoy_bin() -> Result<PathBuf> {
 pub fn wasm_path() -> Result<PathBuf> {
     let path = match std::env::var_os(WASM_ENV) {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => target_dir().join("wasm32-wasip1/release/ratelimit_wasm.wasm"),
+        _ => release_wasm_path("ratelimit_wasm.wasm"),
     };
     if !path.is_file() {
         bail!(
@@ -72,8 +72,14 @@ pub fn wasm_path() -> Result<PathBuf> {
 pub fn fixture_wasm_path(env: &str, file: &str) -> PathBuf {
     match std::env::var_os(env) {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => target_dir().join("wasm32-wasip1/release").join(file),
+        _ => release_wasm_path(file),
     }
+}
+
+/// `file` among the workspace's release builds for `wasm32-wasip1`, in
+/// Cargo's target directory ([`target_dir`]).
+pub fn release_wasm_path(file: &str) -> PathBuf {
+    target_dir().join("wasm32-wasip1/release").join(file)
 }
 
 /// Cargo's target directory: `$CARGO_TARGET_DIR`, else `<workspace>/target`.
