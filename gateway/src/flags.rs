@@ -120,6 +120,9 @@ pub struct Args {
     /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
     #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
     pub rls_near_limit_ratio: f64,
+    /// Whether the rate limit service honours a descriptor's own `limit` (Envoy's override), as envoyproxy/ratelimit does: true or false.
+    #[arg(long, env = "RLGW_RLS_ALLOW_OVERRIDES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub rls_allow_overrides: bool,
     /// Worker threads, each with its own runtime and Redis connection, all accepting from the same listening sockets; 0: one per available CPU.
     #[arg(long, env = "RLGW_WORKER_THREADS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1024))]
     pub worker_threads: u64,
@@ -186,6 +189,8 @@ pub struct RlsOptions {
     pub config: Vec<PathBuf>,
     /// `--rls-near-limit-ratio`, in thousandths.
     pub near_limit_permille: u32,
+    /// `--rls-allow-overrides`: a descriptor's own `limit` applies.
+    pub allow_overrides: bool,
 }
 
 impl Default for RlsOptions {
@@ -195,6 +200,7 @@ impl Default for RlsOptions {
             grpc_listen: None,
             config: Vec::new(),
             near_limit_permille: 800,
+            allow_overrides: true,
         }
     }
 }
@@ -351,6 +357,7 @@ impl TryFrom<Args> for Config {
                 grpc_listen: a.grpc_listen,
                 config: a.rls_config,
                 near_limit_permille: (a.rls_near_limit_ratio * 1000.0).round() as u32,
+                allow_overrides: a.rls_allow_overrides,
             },
             deny_cache_entries: usize::try_from(a.deny_cache_entries).unwrap_or(usize::MAX),
             worker_threads: match a.worker_threads {

@@ -180,6 +180,7 @@ fn load_rls(
         loaded,
         config.rls.near_limit_permille as f32 / 1000.0,
         config.key_prefix.clone(),
+        config.rls.allow_overrides,
     )
     .context("registering the rate limit service's metrics")?;
     Ok(Some((addr, service)))

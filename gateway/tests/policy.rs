@@ -171,7 +171,7 @@ fn a_quota_amount_or_limit_cannot_be_named() {
         &redis,
         "/v1/check",
         &other,
-        "quotas[0].variant: unknown tier `enterprise` in domain `api`",
+        "quotas[0].variant: not a variant this key may use",
     );
     let (_, c) = post(&gw, "/v1/check", &bob(1));
     assert_eq!(c["quotas"][0]["remaining"], 9998, "bob lost his month: {c}");

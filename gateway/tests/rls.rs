@@ -726,10 +726,11 @@ const SHARED_POLICY: &str = r#"{"domain":"shop",
  "global":{"cluster":"ratelimit_gateway","timeout_ms":1000,"failure_mode":"closed"},
  "rules":[{"name":"per-user","scope":"global","key":["header:x-user"],"limits":[{"requests":10,"per":"1m"}]}]}"#;
 
-/// The native side of the sharing test: `(user)` in domain `shop-native`
-/// stands for the wasm rule `per-user` of policy domain `shop`; `(team)` is
-/// a plain fixed window, 10 a minute, for the two native Envoys.
-const SHARED_RLS: &str = "domain: shop-native\ndescriptors:\n- key: user\n  rate_limit:\n    shared: {domain: shop, rule: per-user, entries: [user]}\n- key: team\n  rate_limit: {unit: minute, requests_per_unit: 10}\n";
+/// The native side of the sharing test: `(user)` in domain `shop` stands
+/// for the wasm rule `per-user` of policy domain `shop` (a descriptor shares
+/// only a rule of its own domain); `(team)` is a plain fixed window, 10 a
+/// minute, for the two native Envoys.
+const SHARED_RLS: &str = "domain: shop\ndescriptors:\n- key: user\n  rate_limit:\n    shared: {rule: per-user, entries: [user]}\n- key: team\n  rate_limit: {unit: minute, requests_per_unit: 10}\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_and_wasm_envoys_share_one_limit_exactly_and_redis_down_follows_failure_mode_deny() {
@@ -740,7 +741,7 @@ async fn native_and_wasm_envoys_share_one_limit_exactly_and_redis_down_follows_f
     let routes = || {
         vec![Route {
             prefix: "/",
-            domain: "shop-native",
+            domain: "shop",
             descriptors: vec![vec!["user"], vec!["team"]],
         }]
     };

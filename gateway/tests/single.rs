@@ -170,7 +170,7 @@ async fn keys_expire_when_full_again_and_denials_write_nothing() {
     let (_, resp) = check(&client, &gw.url(), &body).await;
     assert_eq!(resp["allowed"], true);
     let tb = redis
-        .cli(&["pttl", "rl:{ttl|c=t}|k|0|token_bucket|5|3600000"])
+        .cli(&["pttl", "rl:{ttl|c=t}|k/c=t|0|token_bucket|5|3600000"])
         .unwrap();
     let tb: i64 = tb.parse().unwrap();
     // The TTL is the time to refill, less only the time since the check (at
@@ -188,7 +188,7 @@ async fn keys_expire_when_full_again_and_denials_write_nothing() {
     );
     // Sliding window: until the charged window has faded, reset_ms (W to 2W).
     let sw: i64 = redis
-        .cli(&["pttl", "rl:{ttl|c=t}|ksw|0|sliding_window|10|60000"])
+        .cli(&["pttl", "rl:{ttl|c=t}|ksw/c=t|0|sliding_window|10|60000"])
         .unwrap()
         .parse()
         .unwrap();
@@ -211,7 +211,7 @@ async fn keys_expire_when_full_again_and_denials_write_nothing() {
     assert_eq!(limit(&resp, 0, 0)["remaining"], 5);
     assert_eq!(
         redis
-            .cli(&["exists", "rl:{ttl|c=t}|fresh|0|token_bucket|5|3600000"])
+            .cli(&["exists", "rl:{ttl|c=t}|fresh/c=t|0|token_bucket|5|3600000"])
             .unwrap(),
         "0"
     );

@@ -136,15 +136,25 @@ impl RlsAlgorithm {
 /// `rate_limit.shared`: the descriptor counts in the bucket of a global rule
 /// of the gateway's policy, the one a wasm filter with that plugin
 /// configuration charges, so native-filter and wasm-filter proxies share it.
+///
+/// Only a rule of the file's own domain: a caller's token names one domain
+/// (`--auth-tokens`), and a descriptor of that domain must not reach the
+/// buckets of another; a `shared.domain` naming another is refused at load.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Shared {
-    /// A domain of `--policy` (default: this file's domain).
+    /// The domain: this file's (a domain of `--policy` too).
     pub domain: String,
     /// A global rule of that domain; its limits and algorithm apply.
     pub rule: String,
     /// For each key part of the rule, in order, the descriptor entry whose
     /// value it is (e.g. `[user]` for a rule keyed on `["header:x-user"]`).
     pub entries: Vec<String>,
+    /// For each of `entries`, its position in a matching request
+    /// descriptor: the level of the configuration path that has this key
+    /// (the first, when several do). A matching descriptor has exactly the
+    /// path's entries, so the value is read from the parsed entry at that
+    /// position, never searched for in bytes the caller wrote.
+    pub positions: Vec<usize>,
 }
 
 /// One `rate_limit` of the configuration.
@@ -294,7 +304,7 @@ pub fn parse(sources: &[Source]) -> Result<RlsConfig, String> {
                 first.display()
             ));
         }
-        let level = load_level(&root.descriptors, "descriptors", "", &root.domain)
+        let level = load_level(&root.descriptors, "descriptors", "", &[], &root.domain)
             .map_err(|e| format!("{file}: {e}"))?;
         from.insert(root.domain.clone(), s.path.clone());
         config.domains.insert(root.domain, level);
@@ -306,6 +316,7 @@ fn load_level(
     descriptors: &[YamlDescriptor],
     at: &str,
     parent: &str,
+    keys: &[&str],
     domain: &str,
 ) -> Result<Level, String> {
     let mut level = Level::default();
@@ -335,17 +346,28 @@ fn load_level(
                 "{at}.share_threshold: can only be used with wildcard values (ending with '*')"
             ));
         }
+        let mut keys = keys.to_vec();
+        keys.push(&d.key);
         let limit = match &d.rate_limit {
             Some(r) => Some(load_limit(
                 r,
                 &format!("{at}.rate_limit"),
                 d,
-                &path,
+                &Path {
+                    path: &path,
+                    keys: &keys,
+                },
                 domain,
             )?),
             None => None,
         };
-        let children = load_level(&d.descriptors, &format!("{at}.descriptors"), &path, domain)?;
+        let children = load_level(
+            &d.descriptors,
+            &format!("{at}.descriptors"),
+            &path,
+            &keys,
+            domain,
+        )?;
         if wildcard {
             level.wildcards.push(composite.clone());
         }
@@ -361,13 +383,21 @@ fn load_level(
     Ok(level)
 }
 
+/// Where a `rate_limit` sits: its key path (the metrics label) and the
+/// descriptor keys from the top level down to its own.
+struct Path<'a> {
+    path: &'a str,
+    keys: &'a [&'a str],
+}
+
 fn load_limit(
     r: &YamlRateLimit,
     at: &str,
     d: &YamlDescriptor,
-    path: &str,
+    place: &Path<'_>,
     domain: &str,
 ) -> Result<RateLimit, String> {
+    let path = place.path;
     let unit = if r.unit.is_empty() {
         None
     } else {
@@ -387,11 +417,10 @@ fn load_limit(
             ))
         }
     };
-    let shared = r.shared.as_ref().map(|s| Shared {
-        domain: s.domain.clone().unwrap_or_else(|| domain.to_string()),
-        rule: s.rule.clone(),
-        entries: s.entries.clone(),
-    });
+    let shared = match &r.shared {
+        Some(s) => Some(load_shared(s, &format!("{at}.shared"), place.keys, domain)?),
+        None => None,
+    };
     if r.unlimited {
         if unit.is_some() {
             return Err(format!(
@@ -409,14 +438,6 @@ fn load_limit(
                 "{at}.shared: the limits and algorithm are those of rule `{}` in the policy: \
                  give no unit, requests_per_unit or algorithm",
                 s.rule
-            ));
-        }
-        if s.rule.is_empty() {
-            return Err(format!("{at}.shared.rule: must not be empty"));
-        }
-        if s.entries.is_empty() || s.entries.len() > MAX_ENTRIES {
-            return Err(format!(
-                "{at}.shared.entries: name 1 to {MAX_ENTRIES} descriptor entries, one per key part of the rule"
             ));
         }
     } else if unit.is_none() {
@@ -451,6 +472,41 @@ fn load_limit(
         algorithm,
         shared,
         path: path.to_string(),
+    })
+}
+
+/// Reads `rate_limit.shared` at `at`, for a descriptor whose path has
+/// `keys`, in the file of `domain`.
+fn load_shared(s: &YamlShared, at: &str, keys: &[&str], domain: &str) -> Result<Shared, String> {
+    if let Some(other) = s.domain.as_deref().filter(|d| *d != domain) {
+        return Err(format!(
+            "{at}.domain: `{other}` is not this file's domain `{domain}`: a descriptor shares \
+             only a rule of its own domain (a caller's token reaches one domain)"
+        ));
+    }
+    if s.rule.is_empty() {
+        return Err(format!("{at}.rule: must not be empty"));
+    }
+    if s.entries.is_empty() || s.entries.len() > MAX_ENTRIES {
+        return Err(format!(
+            "{at}.entries: name 1 to {MAX_ENTRIES} descriptor entries, one per key part of the rule"
+        ));
+    }
+    let mut positions = Vec::with_capacity(s.entries.len());
+    for (j, want) in s.entries.iter().enumerate() {
+        let Some(p) = keys.iter().position(|k| k == want) else {
+            return Err(format!(
+                "{at}.entries[{j}]: `{want}` is not a key of this descriptor's path ({})",
+                keys.join(".")
+            ));
+        };
+        positions.push(p);
+    }
+    Ok(Shared {
+        domain: domain.to_string(),
+        rule: s.rule.clone(),
+        entries: s.entries.clone(),
+        positions,
     })
 }
 
@@ -626,9 +682,30 @@ mod tests {
                 "domain: d\ndescriptors:\n- key: a\n  rate_limit: {unit: second, requests_per_unit: 1, shared: {rule: r, entries: [a]}}\n",
                 "c.yaml: descriptors[0].rate_limit.shared: the limits and algorithm are those of rule `r` in the policy: give no unit, requests_per_unit or algorithm",
             ),
+            (
+                "domain: d\ndescriptors:\n- key: a\n  rate_limit: {shared: {domain: other, rule: r, entries: [a]}}\n",
+                "c.yaml: descriptors[0].rate_limit.shared.domain: `other` is not this file's domain `d`: \
+                 a descriptor shares only a rule of its own domain (a caller's token reaches one domain)",
+            ),
+            (
+                "domain: d\ndescriptors:\n- key: t\n  descriptors:\n  - key: a\n    rate_limit: {shared: {rule: r, entries: [a, b]}}\n",
+                "c.yaml: descriptors[0].descriptors[0].rate_limit.shared.entries[1]: `b` is not a key of this descriptor's path (t.a)",
+            ),
         ];
         for (yaml, want) in cases {
             assert_eq!(parse_one(yaml).unwrap_err(), want, "{yaml}");
+        }
+        // Its own domain, spelt out or not; the values are read by position.
+        for yaml in [
+            "domain: d\ndescriptors:\n- key: t\n  descriptors:\n  - key: a\n    rate_limit: {shared: {domain: d, rule: r, entries: [a, t]}}\n",
+            "domain: d\ndescriptors:\n- key: t\n  descriptors:\n  - key: a\n    rate_limit: {shared: {rule: r, entries: [a, t]}}\n",
+        ] {
+            let c = parse_one(yaml).unwrap();
+            let shared = c.find("d", &[("t", "1"), ("a", "2")]).unwrap().limit.shared.clone();
+            assert_eq!(
+                shared.map(|s| (s.domain, s.positions)),
+                Some(("d".to_string(), vec![1, 0]))
+            );
         }
         let e = parse_one("domain: d\ndescriptors:\n- key: a\n  bogus: 1\n").unwrap_err();
         assert!(

@@ -1,8 +1,9 @@
 //! The rate limit service's metrics, as envoyproxy/ratelimit keeps them per
 //! descriptor (`total_hits`, `over_limit`, `near_limit`, `within_limit`,
 //! `shadow_mode`), labelled by `domain` and `descriptor`: the descriptor's key
-//! path in `--rls-config` (`key_value.key2`), never a value from a request,
-//! so the label values are bounded by the configuration.
+//! path in `--rls-config` (`key_value.key2`), or [`OVERRIDE_DESCRIPTOR`] for
+//! every descriptor that brought its own `limit`; never a key or value from
+//! a request, so the label values are bounded by the configuration.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,6 +19,12 @@ pub const CODES: [&str; 6] = [
     "permission_denied",
     "invalid",
 ];
+
+/// The `descriptor` label of every descriptor counted under its own `limit`
+/// (Envoy's override, `--rls-allow-overrides`): one series per domain
+/// whatever keys the request sent. A configuration key path is never empty
+/// and has no parentheses unless a key does.
+pub const OVERRIDE_DESCRIPTOR: &str = "(override)";
 
 /// Most (domain, descriptor) pairs a [`RlsMetrics`] keeps resolved; past
 /// it the cache starts over (it only grows with configuration reloads).

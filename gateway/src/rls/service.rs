@@ -13,6 +13,14 @@
 //!   `check.lua` call each through the HTTP side's [`crate::orchestrate`]: a
 //!   denied hit is not counted.
 //!
+//! A descriptor's own `limit` (Envoy's override) is honoured only with
+//! `--rls-allow-overrides` (the default, as theirs); its metrics are counted
+//! under the one descriptor label [`OVERRIDE_DESCRIPTOR`], never under
+//! anything the request wrote. A `shared` descriptor reads the rule's key
+//! parts from its parsed entries, at the positions the configuration fixed
+//! ([`super::config::Shared::positions`]); hits above the most the policy
+//! lets one request cost the rule answer `OVER_LIMIT` without Redis.
+//!
 //! Callers authenticate with `authorization: Bearer <token>` metadata
 //! (`--auth-tokens`, the same file as `/v1/*`): `UNAUTHENTICATED` without a
 //! known token, `PERMISSION_DENIED` for another domain; neither touches Redis.
@@ -32,7 +40,7 @@ use redis::cluster_routing::Slot;
 use tonic::{Request, Response, Status};
 
 use super::config::{replaced, RateLimit, RlsAlgorithm, RlsConfig, Unit};
-use super::metrics::RlsMetrics;
+use super::metrics::{RlsMetrics, OVERRIDE_DESCRIPTOR};
 use crate::auth::{Caller, Refusal};
 use crate::keys;
 use crate::logging::Escaped;
@@ -57,16 +65,19 @@ pub struct Rls {
     metrics: RlsMetrics,
     near_limit_ratio: f32,
     prefix: String,
+    allow_overrides: bool,
 }
 
 impl Rls {
     /// A service answering from `config`, counting in the Redis of `app`
-    /// under keys starting with `prefix`.
+    /// under keys starting with `prefix`; a descriptor's own `limit` is
+    /// honoured when `allow_overrides` (`--rls-allow-overrides`).
     pub fn new(
         app: Arc<App>,
         config: Arc<Reloadable<RlsConfig>>,
         near_limit_ratio: f32,
         prefix: String,
+        allow_overrides: bool,
     ) -> Result<Rls, prometheus::Error> {
         let metrics = RlsMetrics::new(app.metrics.registry())?;
         Ok(Rls {
@@ -75,6 +86,7 @@ impl Rls {
             metrics,
             near_limit_ratio,
             prefix,
+            allow_overrides,
         })
     }
 
@@ -94,9 +106,23 @@ enum Plan<'a> {
     Count {
         limit: std::borrow::Cow<'a, RateLimit>,
         hits: u64,
-        /// The entries as they go into a fixed-window or native bucket key.
+        /// The entries as they go into a fixed-window or native bucket key
+        /// (empty for a shared limit).
         entries: String,
+        /// A shared limit's key part values, one per `shared.entries`, taken
+        /// from the request's parsed entries (empty otherwise).
+        shared: Vec<&'a str>,
     },
+}
+
+/// What a token-bucket, sliding-window or shared descriptor asks Redis.
+enum Resolution {
+    /// One bucket to check.
+    Check(Resolved),
+    /// A shared descriptor whose hits pass the most one request may cost
+    /// the rule: over the limit without a look at Redis, with the rule's
+    /// limits for the answer.
+    TooCostly(Vec<Limit>),
 }
 
 /// A fixed-window descriptor in a script call: (descriptor index, key
@@ -179,7 +205,7 @@ impl RateLimitService for Rls {
             ));
         }
         let config = self.config.current();
-        let plans = match plan(&config, &req) {
+        let plans = match plan(&config, &req, self.allow_overrides) {
             Ok(p) => p,
             Err(message) => return Err(self.refuse("invalid", Status::invalid_argument(message))),
         };
@@ -286,12 +312,17 @@ impl Rls {
             limit,
             hits,
             entries,
+            shared,
         }] = plans
         {
             if limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some() {
-                let resolved = self.resolve(domain, limit, *hits, entries)?;
-                let answer = self.app.limiter.check(&resolved).await?;
-                place_bucket(&mut out, plans, 0, &answer);
+                match self.resolve(domain, limit, *hits, entries, shared)? {
+                    Resolution::Check(resolved) => {
+                        let answer = self.app.limiter.check(&resolved).await?;
+                        place_bucket(&mut out, plans, 0, &answer);
+                    }
+                    Resolution::TooCostly(limits) => place_too_costly(&mut out, plans, 0, &limits),
+                }
                 return Ok(out);
             }
         }
@@ -302,6 +333,7 @@ impl Rls {
                 limit,
                 hits,
                 entries,
+                ..
             } = p
             {
                 if limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some() {
@@ -349,6 +381,7 @@ impl Rls {
                     limit,
                     hits,
                     entries,
+                    shared,
                 } = p
                 else {
                     return None;
@@ -356,11 +389,15 @@ impl Rls {
                 if limit.algorithm == RlsAlgorithm::FixedWindow && limit.shared.is_none() {
                     return None;
                 }
-                let resolved = self.resolve(domain, limit, *hits, entries);
+                let resolution = self.resolve(domain, limit, *hits, entries, shared);
                 Some(async move {
-                    let resolved = resolved?;
-                    let answer = self.app.limiter.check(&resolved).await?;
-                    Ok::<_, StoreError>((i, answer))
+                    match resolution? {
+                        Resolution::Check(resolved) => {
+                            let answer = self.app.limiter.check(&resolved).await?;
+                            Ok::<_, StoreError>((i, Ok(answer)))
+                        }
+                        Resolution::TooCostly(limits) => Ok((i, Err(limits))),
+                    }
                 })
             }));
         let (fixed, buckets) = tokio::join!(fixed, buckets);
@@ -397,8 +434,10 @@ impl Rls {
             }
         }
         for r in buckets {
-            let (i, answer) = r?;
-            place_bucket(&mut out, plans, i, &answer);
+            match r? {
+                (i, Ok(answer)) => place_bucket(&mut out, plans, i, &answer),
+                (i, Err(limits)) => place_too_costly(&mut out, plans, i, &limits),
+            }
         }
         Ok(out)
     }
@@ -413,20 +452,23 @@ impl Rls {
         limit: &RateLimit,
         hits: u64,
         entries: &str,
-    ) -> Result<Resolved, StoreError> {
+        values: &[&str],
+    ) -> Result<Resolution, StoreError> {
         if let Some(shared) = &limit.shared {
-            let values = shared_values(limit, entries);
             let bucket = self
                 .app
                 .policy
                 .current()
-                .shared_bucket(&shared.domain, &shared.rule, &values, hits)
+                .shared_bucket(&shared.domain, &shared.rule, values, hits)
                 .map_err(|e| StoreError::Reply(format!("rls_config shared: {e}")))?;
-            return Ok(Resolved {
+            if hits > bucket.max_cost {
+                return Ok(Resolution::TooCostly(bucket.bucket.limits));
+            }
+            return Ok(Resolution::Check(Resolved {
                 domain: shared.domain.clone(),
-                buckets: vec![bucket],
+                buckets: vec![bucket.bucket],
                 quotas: vec![],
-            });
+            }));
         }
         let unit = limit.unit.unwrap_or(Unit::Second);
         let algorithm = match limit.algorithm {
@@ -435,7 +477,7 @@ impl Rls {
         };
         // A domain of its own (`|rls` cannot end an escaped policy domain's
         // hash tag part the same way), so native buckets never meet a filter's.
-        Ok(Resolved {
+        Ok(Resolution::Check(Resolved {
             domain: format!("{domain}|rls"),
             buckets: vec![ResolvedBucket {
                 key: entries.to_string(),
@@ -448,30 +490,35 @@ impl Rls {
                 }],
             }],
             quotas: vec![],
-        })
+        }))
     }
 }
 
-/// The values of the entries a shared limit names, from the encoded entries
-/// (`key=value|…`, as [`entries_key`] wrote them, before any hashing).
-fn shared_values<'a>(limit: &RateLimit, entries: &'a str) -> Vec<&'a str> {
-    let Some(shared) = &limit.shared else {
-        return Vec::new();
+/// Puts the answer of shared descriptor `i`, whose hits pass what one
+/// request may cost its rule, into `out[i]`: over, nothing left, the rule's
+/// smallest limit as the current one. Its hits count as over the limit.
+fn place_too_costly(out: &mut [Option<Outcome>], plans: &[Plan<'_>], i: usize, limits: &[Limit]) {
+    let Some(Plan::Count { limit, hits, .. }) = plans.get(i) else {
+        return;
     };
-    shared
-        .entries
-        .iter()
-        .map(|want| {
-            entries
-                .split('\u{1f}')
-                .find_map(|kv| {
-                    kv.split_once('\u{1e}')
-                        .filter(|(k, _)| k == want)
-                        .map(|(_, v)| v)
-                })
-                .unwrap_or("")
-        })
-        .collect()
+    let Some(binding) = limits.iter().min_by_key(|l| l.requests) else {
+        return;
+    };
+    if let Some(slot) = out.get_mut(i) {
+        *slot = Some(Outcome {
+            over: true,
+            remaining: 0,
+            before: binding.requests,
+            after: binding.requests.saturating_add(*hits),
+            // No wait lets these hits through.
+            reset_ms: 0,
+            current: proto_limit(
+                limit,
+                binding.requests,
+                Unit::of_window_ms(binding.window_ms),
+            ),
+        });
+    }
 }
 
 fn proto_limit(limit: &RateLimit, requests: u64, unit: Option<Unit>) -> ProtoLimit {
@@ -567,12 +614,19 @@ fn entries_key(d: &RateLimitDescriptor, shared_values: &[Option<&str>]) -> Strin
     bounded(s, "entries")
 }
 
+/// A found limit, with its entries key and shared values (see [`Plan::Count`]).
+type FoundLimit<'a> = (std::borrow::Cow<'a, RateLimit>, String, Vec<&'a str>);
+
 /// Finds every descriptor's limit and drops the replaced ones; the error is
-/// an `INVALID_ARGUMENT` message naming the field.
-fn plan<'a>(config: &'a RlsConfig, req: &'a RateLimitRequest) -> Result<Vec<Plan<'a>>, String> {
+/// an `INVALID_ARGUMENT` message naming the field. A descriptor's own `limit`
+/// applies when `allow_overrides`, else it is ignored.
+fn plan<'a>(
+    config: &'a RlsConfig,
+    req: &'a RateLimitRequest,
+    allow_overrides: bool,
+) -> Result<Vec<Plan<'a>>, String> {
     let known = config.has_domain(&req.domain);
-    let mut found: Vec<Option<(std::borrow::Cow<'a, RateLimit>, String)>> =
-        Vec::with_capacity(req.descriptors.len());
+    let mut found: Vec<Option<FoundLimit<'a>>> = Vec::with_capacity(req.descriptors.len());
     for (i, d) in req.descriptors.iter().enumerate() {
         let pairs: Vec<(&str, &str)> = d
             .entries
@@ -586,11 +640,11 @@ fn plan<'a>(config: &'a RlsConfig, req: &'a RateLimitRequest) -> Result<Vec<Plan
             ));
         }
         // Theirs: an override from Envoy applies to a known domain only, as
-        // a fixed window without shadow mode.
-        if let (Some(o), true) = (&d.limit, known) {
+        // a fixed window without shadow mode. Its metrics label is one fixed
+        // value: the request's keys are the caller's, unbounded.
+        if let (Some(o), true, true) = (&d.limit, known, allow_overrides) {
             let unit = Unit::from_proto(o.unit)
                 .ok_or_else(|| format!("descriptors[{i}].limit.unit: unknown unit {}", o.unit))?;
-            let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
             let limit = RateLimit {
                 requests_per_unit: o.requests_per_unit,
                 unit: Some(unit),
@@ -600,35 +654,46 @@ fn plan<'a>(config: &'a RlsConfig, req: &'a RateLimitRequest) -> Result<Vec<Plan
                 shadow_mode: false,
                 algorithm: RlsAlgorithm::FixedWindow,
                 shared: None,
-                path: format!("override:{}", keys.join(".")),
+                path: OVERRIDE_DESCRIPTOR.to_string(),
             };
-            found.push(Some((std::borrow::Cow::Owned(limit), entries_key(d, &[]))));
+            found.push(Some((
+                std::borrow::Cow::Owned(limit),
+                entries_key(d, &[]),
+                Vec::new(),
+            )));
             continue;
         }
         match config.find(&req.domain, &pairs) {
             Some(f) => {
-                let entries = if f.limit.shared.is_some() {
-                    // The values the policy's key is built from, unhashed.
-                    let mut s = String::new();
-                    for (j, (k, v)) in pairs.iter().enumerate() {
-                        if j > 0 {
-                            s.push('\u{1f}');
+                let found_limit = match &f.limit.shared {
+                    // The values the policy's key is built from, unhashed,
+                    // each from its own parsed entry.
+                    Some(shared) => {
+                        let mut values = Vec::with_capacity(shared.positions.len());
+                        for (j, p) in shared.positions.iter().enumerate() {
+                            let Some((_, v)) = pairs.get(*p) else {
+                                return Err(format!(
+                                    "descriptors[{i}]: has no entry `{}` at position {p}",
+                                    shared.entries.get(j).map_or("", String::as_str)
+                                ));
+                            };
+                            values.push(*v);
                         }
-                        s.push_str(k);
-                        s.push('\u{1e}');
-                        s.push_str(v);
+                        (std::borrow::Cow::Borrowed(f.limit), String::new(), values)
                     }
-                    s
-                } else {
-                    entries_key(d, &f.shared_values)
+                    None => (
+                        std::borrow::Cow::Borrowed(f.limit),
+                        entries_key(d, &f.shared_values),
+                        Vec::new(),
+                    ),
                 };
-                found.push(Some((std::borrow::Cow::Borrowed(f.limit), entries)));
+                found.push(Some(found_limit));
             }
             None => found.push(None),
         }
     }
     let names: std::collections::HashSet<String> =
-        replaced(found.iter().flatten().map(|(l, _)| l.as_ref()))
+        replaced(found.iter().flatten().map(|(l, _, _)| l.as_ref()))
             .into_iter()
             .map(str::to_string)
             .collect();
@@ -637,12 +702,13 @@ fn plan<'a>(config: &'a RlsConfig, req: &'a RateLimitRequest) -> Result<Vec<Plan
         .zip(&req.descriptors)
         .map(|(f, d)| match f {
             None => Plan::None,
-            Some((l, _)) if l.unlimited => Plan::Unlimited,
-            Some((l, _)) if l.name.as_ref().is_some_and(|n| names.contains(n)) => Plan::None,
-            Some((limit, entries)) => Plan::Count {
+            Some((l, _, _)) if l.unlimited => Plan::Unlimited,
+            Some((l, _, _)) if l.name.as_ref().is_some_and(|n| names.contains(n)) => Plan::None,
+            Some((limit, entries, shared)) => Plan::Count {
                 hits: hits_of(req, d),
                 limit,
                 entries,
+                shared,
             },
         })
         .collect())

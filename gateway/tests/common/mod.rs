@@ -48,7 +48,9 @@ pub type L = (u64, u64, &'static str);
 
 /// What the requests of this test process named, as plugin configurations:
 /// one global rule per key prefix (its limits; other limits for the same
-/// rule become client overrides `v<i>`), one quota per quota key prefix.
+/// rule become tiers `v<i>`), one quota per quota key prefix. Tiers, not
+/// client overrides: the gateway takes `client:<id>` only on that client's
+/// key, and these requests name keys of their own.
 #[derive(Default)]
 struct Registry {
     domains: BTreeMap<String, Domain>,
@@ -61,7 +63,7 @@ struct Registry {
 }
 
 /// A rule's algorithm and its limit sets: (requests, window_ms) per limit;
-/// the first is `default`, the others client overrides `v<i>`.
+/// the first is `default`, the others tiers `v<i>`.
 type RuleSets = (String, Vec<Vec<(u64, u64)>>);
 
 #[derive(Default)]
@@ -149,7 +151,7 @@ fn variant_name(i: usize) -> String {
     if i == 0 {
         "default".to_string()
     } else {
-        format!("client:v{i}")
+        format!("tier:v{i}")
     }
 }
 
@@ -163,17 +165,18 @@ fn write_domain(domain: &str, d: &Domain) {
             })
             .collect()
     };
-    let mut clients: BTreeMap<String, Value> = BTreeMap::new();
+    // Tier v0 (every request naming `default`) and one per other set.
+    let mut tiers: BTreeMap<String, Value> = BTreeMap::new();
+    tiers.insert("v0".to_string(), json!({}));
     let mut rules = Vec::new();
     for (name, (algorithm, sets)) in &d.rules {
-        rules.push(
-            json!({"name": name, "scope": "global", "algorithm": algorithm,
-                          "key": ["client"], "limits": limits(&sets[0])}),
-        );
+        let mut rule = json!({"name": name, "scope": "global", "algorithm": algorithm,
+                          "key": ["client"], "limits": limits(&sets[0])});
         for (i, set) in sets.iter().enumerate().skip(1) {
-            let c = clients.entry(format!("v{i}")).or_insert_with(|| json!({}));
-            c["limits"][name] = json!(limits(set));
+            tiers.insert(format!("v{i}"), json!({}));
+            rule["tiers"][format!("v{i}")] = json!(limits(set));
         }
+        rules.push(rule);
     }
     if rules.is_empty() {
         // A configuration needs a rule: a local one, which no request can name.
@@ -181,18 +184,17 @@ fn write_domain(domain: &str, d: &Domain) {
     }
     let mut quotas = Vec::new();
     for (name, (period, amounts)) in &d.quotas {
-        quotas.push(
-            json!({"name": name, "key": ["client"], "period": period, "limit": amounts[0],
-                           "count": "cost", "upgrade_url": "https://example.com/upgrade"}),
-        );
+        let mut quota = json!({"name": name, "key": ["client"], "period": period, "limit": amounts[0],
+                           "count": "cost", "upgrade_url": "https://example.com/upgrade"});
         for (i, a) in amounts.iter().enumerate().skip(1) {
-            let c = clients.entry(format!("v{i}")).or_insert_with(|| json!({}));
-            c["quotas"][name] = json!(a);
+            tiers.insert(format!("v{i}"), json!({}));
+            quota["tiers"][format!("v{i}")] = json!(a);
         }
+        quotas.push(quota);
     }
     let mut config = json!({"domain": domain,
         "global": {"cluster": "gw", "lease": {"fraction": 1.0, "ttl_ms": 3_600_000}},
-        "identity": {"clients": clients}, "rules": rules, "quotas": quotas});
+        "tiers": tiers, "identity": {"default_tier": "v0"}, "rules": rules, "quotas": quotas});
     if d.max_cost > 1 {
         config["costs"] = json!([{"match": {"path_prefix": "/"}, "cost": d.max_cost}]);
     }
@@ -227,21 +229,34 @@ pub fn sync_policy() {
     }
 }
 
+/// The key sent for `key` with hash tag `tag`: the gateway derives the tag
+/// from the key's first part (`rule/c=alice` → `c=alice`), so a key without
+/// parts gets `tag` as its one part (`k`, `c=t` → `k/c=t`); a key with parts
+/// is sent as it is.
+pub fn keyed(key: &str, tag: &str) -> String {
+    if key.contains(['/', '#']) || tag.is_empty() {
+        key.to_string()
+    } else {
+        format!("{key}/{tag}")
+    }
+}
+
 /// A check request body with one or more buckets (key, tag, limits): each
-/// names its rule (the key's first part) and the variant holding `limits`.
+/// names its rule (the key's first part) and the variant holding `limits`;
+/// the key is [`keyed`].
 pub fn request(domain: &str, cost: u64, buckets: &[(&str, &str, &[L])]) -> Value {
     let buckets: Vec<Value> = buckets
         .iter()
         .map(|(key, tag, limits)| {
             let variant = file_rule(domain, key, limits, cost);
-            json!({ "rule": rule_of(key), "key": key, "tag": tag, "variant": variant, "cost": cost })
+            json!({ "rule": rule_of(key), "key": keyed(key, tag), "tag": tag, "variant": variant, "cost": cost })
         })
         .collect();
     registry().domains.entry(domain.to_string()).or_default();
     json!({ "version": 2, "domain": domain, "buckets": buckets })
 }
 
-/// A lease request body for one bucket (key, tag, limits).
+/// A lease request body for one bucket (key, tag, limits); the key is [`keyed`].
 pub fn lease_request(
     domain: &str,
     key: &str,
@@ -251,7 +266,7 @@ pub fn lease_request(
     give_back: u64,
 ) -> Value {
     let variant = file_rule(domain, key, limits, 1);
-    json!({ "version": 2, "domain": domain, "rule": rule_of(key), "key": key, "tag": tag,
+    json!({ "version": 2, "domain": domain, "rule": rule_of(key), "key": keyed(key, tag), "tag": tag,
             "variant": variant, "want": want, "return": give_back })
 }
 
@@ -269,7 +284,7 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value)
 }
 
 /// A quota of `domain` (`limit` per `period` filed in its policy): `{quota,
-/// key, tag, variant, amount}`.
+/// key, tag, variant, amount}`; the key is [`keyed`].
 pub fn quota(domain: &str, key: &str, tag: &str, limit: u64, period: &str, amount: u64) -> Value {
     let variant = file_in(domain, amount, |d| {
         let q = d
@@ -279,7 +294,7 @@ pub fn quota(domain: &str, key: &str, tag: &str, limit: u64, period: &str, amoun
         assert_eq!(q.0, period, "quota {key} named with two periods");
         variant_of(&mut q.1, limit)
     });
-    json!({ "quota": rule_of(key), "key": key, "tag": tag, "variant": variant, "amount": amount })
+    json!({ "quota": rule_of(key), "key": keyed(key, tag), "tag": tag, "variant": variant, "amount": amount })
 }
 
 /// `body` with `quotas` set.
