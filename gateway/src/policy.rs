@@ -200,7 +200,10 @@ impl Domain {
     fn new(c: &plugin::Config) -> Result<Domain, String> {
         for (id, spec) in &c.identity.clients {
             for rule in spec.limits.keys() {
-                let global = c.rules.iter().find(|r| r.name == *rule && r.scope == Scope::Global);
+                let global = c
+                    .rules
+                    .iter()
+                    .find(|r| r.name == *rule && r.scope == Scope::Global);
                 if global.is_some_and(|r| !r.key.iter().any(|k| k == "client")) {
                     let at = format!("identity.clients.{id}.limits.{rule}");
                     return Err(unverifiable(at, "global rule", rule));
@@ -696,13 +699,21 @@ mod tests {
 
     /// alice's bucket of `rule`, or vip's for a `client:` variant.
     fn bucket(rule: &str, variant: &str, cost: u64) -> serde_json::Value {
-        let who = if variant.starts_with("client:") { "vip" } else { "alice" };
+        let who = if variant.starts_with("client:") {
+            "vip"
+        } else {
+            "alice"
+        };
         json!({"rule": rule, "key": format!("{rule}/c={who}"), "tag": "c=alice", "variant": variant, "cost": cost})
     }
 
     /// As [`bucket`], for a quota.
     fn quota(name: &str, variant: &str, amount: u64) -> serde_json::Value {
-        let who = if variant.starts_with("client:") { "vip" } else { "alice" };
+        let who = if variant.starts_with("client:") {
+            "vip"
+        } else {
+            "alice"
+        };
         json!({"quota": name, "key": format!("{name}/c={who}"), "tag": "c=alice", "variant": variant, "amount": amount})
     }
 
@@ -746,7 +757,10 @@ mod tests {
         assert_eq!(r.buckets[0].limits, [tb(100, 60_000)]);
         assert_eq!(r.quotas[0].limit, 7);
         // The tags are the keys' first parts, whatever the request said.
-        assert_eq!((r.buckets[0].tag.as_str(), r.quotas[0].tag.as_str()), ("c=vip", "c=vip"));
+        assert_eq!(
+            (r.buckets[0].tag.as_str(), r.quotas[0].tag.as_str()),
+            ("c=vip", "c=vip")
+        );
     }
 
     #[test]

@@ -143,7 +143,10 @@ async fn metrics(gw: &Running) -> String {
 /// The samples of the rate limit service's per-descriptor metrics.
 fn rls_series(text: &str) -> Vec<String> {
     text.lines()
-        .filter(|l| l.starts_with("ratelimit_gateway_rls_") && !l.starts_with("ratelimit_gateway_rls_requests_total"))
+        .filter(|l| {
+            l.starts_with("ratelimit_gateway_rls_")
+                && !l.starts_with("ratelimit_gateway_rls_requests_total")
+        })
         .map(str::to_string)
         .collect()
 }
@@ -167,7 +170,8 @@ fn align(unit_s: u64, need_ms: u64) {
 /// The placeholder policy the gateway needs beside an rls configuration.
 const PLACEHOLDER: &str = r#"{"domain":"placeholder","rules":[{"name":"r","scope":"global","limits":[{"requests":1,"per":"1s"}]}],"global":{"cluster":"gw"}}"#;
 
-const OV: &str = "domain: ov\ndescriptors:\n- key: user\n  rate_limit: {unit: minute, requests_per_unit: 3}\n";
+const OV: &str =
+    "domain: ov\ndescriptors:\n- key: user\n  rate_limit: {unit: minute, requests_per_unit: 3}\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overrides_with_long_distinct_keys_add_no_metrics_series() {
@@ -214,7 +218,9 @@ async fn overrides_with_long_distinct_keys_add_no_metrics_series() {
 async fn without_allow_overrides_the_configured_limit_applies() {
     let redis = Redis::start().unwrap();
     let work = dir("nooverride");
-    let gw = gateway(&redis, &work, OV, PLACEHOLDER, false).await.unwrap();
+    let gw = gateway(&redis, &work, OV, PLACEHOLDER, false)
+        .await
+        .unwrap();
     let mut c = client(&gw).await;
     align(60, 5_000);
     let mut seen = Vec::new();
@@ -260,7 +266,10 @@ async fn a_shared_descriptor_charges_the_client_of_its_own_entry() {
         .unwrap();
     let mut c = client(&gw).await;
     let d = descriptor(
-        &[("t", "x\u{1f}client_id\u{1e}victim"), ("client_id", "attacker")],
+        &[
+            ("t", "x\u{1f}client_id\u{1e}victim"),
+            ("client_id", "attacker"),
+        ],
         None,
     );
     let r = ask(&mut c, "sh", vec![d]).await.unwrap();

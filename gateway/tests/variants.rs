@@ -86,7 +86,11 @@ fn lease(client: &str, variant: &str, want: u64) -> Value {
 fn drain_alice(gw: &Gateway) {
     for i in 0..3 {
         let (s, c) = post(gw, "/v1/check", &check("alice", "c=alice", "default"));
-        assert_eq!((s, c["allowed"].as_bool()), (200, Some(true)), "check {i}: {c}");
+        assert_eq!(
+            (s, c["allowed"].as_bool()),
+            (200, Some(true)),
+            "check {i}: {c}"
+        );
     }
     let (s, c) = post(gw, "/v1/check", &check("alice", "c=alice", "default"));
     assert_eq!((s, c["allowed"].as_bool()), (200, Some(false)), "{c}");
@@ -142,7 +146,11 @@ fn the_tag_is_derived_from_the_key_so_a_drained_client_stays_drained() {
     // The old gateway: allowed, 2 left, in a fresh `rl:{api|fresh}|...` key.
     for tag in ["fresh", "c=alice2", ""] {
         let (s, c) = post(&gw, "/v1/check", &check("alice", tag, "default"));
-        assert_eq!((s, c["allowed"].as_bool()), (200, Some(false)), "{tag}: {c}");
+        assert_eq!(
+            (s, c["allowed"].as_bool()),
+            (200, Some(false)),
+            "{tag}: {c}"
+        );
     }
     assert_eq!(
         keys(&redis),
@@ -172,10 +180,7 @@ fn a_lease_cannot_name_another_clients_override() {
     let (s, a) = post(&gw, "/v1/lease", &tagged);
     assert_eq!((s, a["granted"].as_u64()), (200, Some(1)), "{a}");
     let k = keys(&redis);
-    assert!(
-        k.lines().all(|l| l.starts_with("rl:{api|c=alice}|")),
-        "{k}"
-    );
+    assert!(k.lines().all(|l| l.starts_with("rl:{api|c=alice}|")), "{k}");
 }
 
 #[test]
@@ -183,7 +188,11 @@ fn a_quotas_amount_cannot_be_raised_by_naming_another_client() {
     let redis = ok(Redis::start(), "starting redis-server");
     let gw = start(&redis);
     let (s, c) = post(&gw, "/v1/check", &quota_check("alice", "default"));
-    assert_eq!((s, c["quotas"][0]["limit"].as_u64()), (200, Some(100)), "{c}");
+    assert_eq!(
+        (s, c["quotas"][0]["limit"].as_u64()),
+        (200, Some(100)),
+        "{c}"
+    );
     assert_eq!(c["quotas"][0]["remaining"], 99, "{c}");
     // The old gateway: 200, limit 1,000,000 on alice's own counter.
     refused(

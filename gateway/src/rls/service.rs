@@ -97,6 +97,9 @@ impl Rls {
 }
 
 /// What one request descriptor asks for.
+// Unboxed on purpose: a call's few plans live in one vector for the call,
+// and boxing the large variant would allocate once more per descriptor.
+#[allow(clippy::large_enum_variant)]
 enum Plan<'a> {
     /// No limit found (or replaced): OK, nothing counted.
     None,
