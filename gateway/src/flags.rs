@@ -412,6 +412,29 @@ mod tests {
     }
 
     #[test]
+    fn rls_overrides_are_honoured_unless_turned_off() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["gw", "--redis", "redis://x", "--insecure-no-auth"];
+            argv.extend_from_slice(extra);
+            Config::try_from(Args::try_parse_from(argv).unwrap()).unwrap()
+        };
+        assert!(parse(&[]).rls.allow_overrides);
+        assert!(
+            !parse(&["--rls-allow-overrides", "false"])
+                .rls
+                .allow_overrides
+        );
+        assert!(
+            parse(&["--rls-allow-overrides", "true"])
+                .rls
+                .allow_overrides
+        );
+        assert!(
+            Args::try_parse_from(["gw", "--redis", "x", "--rls-allow-overrides", "no"]).is_err()
+        );
+    }
+
+    #[test]
     fn auth_is_required_and_bounds_parse() {
         let no_auth = Args::try_parse_from(["gw", "--redis", "redis://x"]).unwrap();
         assert_eq!(
