@@ -367,7 +367,8 @@ impl Policy {
     /// The bucket of global rule `rule` of `domain` that a wasm filter with
     /// this plugin configuration charges for a request whose key parts are
     /// `values` (one per key part of the rule, in order), with the rule's own
-    /// limits: the same key and tag the filter writes, so the same Redis keys.
+    /// limits: the key the filter writes, with the tag [`tag_of`] derives
+    /// from it, so the Redis keys of a `/v1/check` of that bucket.
     /// A `client` part is the client id (the filter's `c=` part). Used by the
     /// rate limit service (`crate::rls`) for `rate_limit.shared`, which
     /// answers a cost above [`SharedBucket::max_cost`] over the limit.

@@ -13,8 +13,9 @@
 //! * `algorithm`: `fixed_window` (theirs, the default), `token_bucket` or
 //!   `sliding_window` (the gateway's exact buckets, with `requests_per_unit`
 //!   per `unit`);
-//! * `shared`: count in the bucket of a global rule of the `--policy`, the very
-//!   Redis key a wasm filter of that policy writes (see [`Shared`]).
+//! * `shared`: count in the bucket of a global rule of the `--policy` domain
+//!   of the same name as the file's, the very Redis key a wasm filter of that
+//!   policy writes (see [`Shared`]).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
