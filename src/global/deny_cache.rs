@@ -16,8 +16,9 @@
 //!
 //! Times are the filter's monotonic epoch time: a wall-clock step cannot
 //! stretch an entry. An entry read before it was written (the clock went
-//! back) or reaching further than the gateway can say (twice the window) is
-//! not trusted, and the gateway is asked.
+//! back) or reaching further than the gateway can say (twice the window, the
+//! gateway's declared window bounded by the rule's own longest) is not
+//! trusted, and the gateway is asked.
 
 use crate::limits::limiter::{Enforced, LimitError, Report, Seen, MAX_ATTEMPTS};
 use crate::limits::slots::{Placed, Slots};
@@ -201,6 +202,15 @@ pub fn remember(
                 window_ms: own.map_or(0, |(l, _)| l.period_ns / MS),
             }
         });
+        // The gateway's window is bounded by the rule's own: an answer
+        // declaring a longer one cannot keep a client cached as denied
+        // past twice the longest window this proxy's configuration gives.
+        let own_ms = plan
+            .limits(g.rule, g.variant)
+            .iter()
+            .map(|(l, _)| l.period_ns / MS)
+            .max()
+            .unwrap_or(0);
         let entry = Entry {
             fingerprint: placed.fingerprint,
             cost: g.cost,
@@ -209,7 +219,7 @@ pub fn remember(
             reset_at_ns: sent_ns.saturating_add(binding.check.reset_ns),
             limit: binding.limit as u64,
             requests: enforced.requests,
-            window_ms: enforced.window_ms,
+            window_ms: enforced.window_ms.min(own_ms),
         }
         .encode();
         update(store, &placed.key, MAX_ATTEMPTS, |_| {
@@ -337,6 +347,39 @@ mod tests {
         assert_eq!(lookup(&p, &s, &ab[1..], T0).unwrap(), None);
         assert!(lookup(&p, &s, &ab[..1], T0).unwrap().is_some());
         assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn a_gateway_window_longer_than_the_rules_own_is_not_cached() {
+        // A hostile or mismatched gateway declares a 366-day window and a
+        // 370-day wait: the rule's own longest window is 1 minute, so the
+        // denial holds for that one answer and the next request calls out.
+        let p = plan(4);
+        let s = MemoryStore::default();
+        let a = [bucket("a", 1)];
+        let day_ms = 86_400_000;
+        let mut hostile = answer(&[370 * day_ms, 0]);
+        for r in &mut hostile {
+            r.enforced = Some(Enforced {
+                requests: 1,
+                window_ms: 366 * day_ms,
+            });
+        }
+        remember(&p, &s, &a, &hostile, T0).unwrap();
+        assert_eq!(lookup(&p, &s, &a, T0 + MS).unwrap(), None);
+        // Within the rule's own bound (twice its longest window), a long
+        // declared window still caches the wait.
+        let mut long = answer(&[90_000, 0]);
+        for r in &mut long {
+            r.enforced = Some(Enforced {
+                requests: 1,
+                window_ms: 366 * day_ms,
+            });
+        }
+        remember(&p, &s, &a, &long, T0).unwrap();
+        let r = lookup(&p, &s, &a, T0 + MS).unwrap().unwrap();
+        assert_eq!(r[0].check.retry_after_ns, 89_999 * MS);
+        assert_eq!(lookup(&p, &s, &a, T0 + 90_000 * MS).unwrap(), None);
     }
 
     #[test]
