@@ -248,7 +248,9 @@ impl Root {
         self.next_refresh_ns = now.saturating_add(REFRESH_EVERY_NS);
         let recent = self.leases.borrow_mut().recent(now, lp.ttl_ns);
         for lease in recent {
-            let Some(r) = decide::refresh_start(plan, &HostStore, &lease, now) else {
+            let (started, counts) = decide::refresh_start(plan, &HostStore, &lease, now);
+            self.metrics.add_all(&counts);
+            let Some(r) = started else {
                 continue;
             };
             match dispatch(plan, &r.body, &lp.path, lp.max_wait_ms) {

@@ -17,16 +17,36 @@ pub struct Refresh {
 }
 
 /// Starts a refresh of `l` when its live batch is at half or less and the
-/// circuit lets calls through.
+/// circuit lets calls through; a shared-data error on the way is counted in
+/// the returned counts, as on every other path.
 pub fn refresh_start(
     plan: &Plan,
     store: &impl SharedStore,
     l: &Lease,
     now_ns: u64,
+) -> (Option<Refresh>, Counts) {
+    let mut counts = Counts::default();
+    let started = try_refresh(plan, store, l, now_ns, &mut counts);
+    (started, counts)
+}
+
+/// [`refresh_start`]'s steps.
+fn try_refresh(
+    plan: &Plan,
+    store: &impl SharedStore,
+    l: &Lease,
+    now_ns: u64,
+    counts: &mut Counts,
 ) -> Option<Refresh> {
     let g = plan.global.as_ref()?;
     let lp = g.lease.as_ref()?;
-    let claim = lease::claim(store, l, lp, now_ns, true).ok()??;
+    let claim = match lease::claim(store, l, lp, now_ns, true) {
+        Ok(claim) => claim?,
+        Err(_) => {
+            counts.add(Metric::Errors, 1);
+            return None;
+        }
+    };
     let longest = longest_timeout_ms(g);
     let probe = match circuit::gate(
         store,
@@ -40,7 +60,9 @@ pub fn refresh_start(
         Gate::Probe => true,
         Gate::Open => {
             // The requests themselves take the failure mode; a batch in hand is still spent.
-            let _ = lease::release(store, l);
+            if lease::release(store, l).is_err() {
+                counts.add(Metric::Errors, 1);
+            }
             return None;
         }
     };

@@ -613,3 +613,20 @@ fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses
         1
     );
 }
+
+#[test]
+fn a_refresh_that_cannot_read_shared_data_counts_an_error() {
+    let p = plan(
+        r#"{"domain":"d","global":{"cluster":"gw","lease":{"fraction":0.04}},
+           "rules":[{"name":"shared","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1m"}]}]}"#,
+    );
+    let r = req(&p, "/", Some("ann"));
+    let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
+    let (started, counts) = refresh_start(&p, &Broken, &l, T0);
+    assert_eq!(started, None);
+    assert_eq!(counts.get(Metric::Errors), 1);
+    // A slot with nothing to refresh is no error.
+    let (started, counts) = refresh_start(&p, &MemoryStore::default(), &l, T0);
+    assert_eq!(started, None);
+    assert_eq!(counts, Counts::default());
+}
