@@ -8,6 +8,23 @@ pub(super) fn is_token(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
+/// Why `name` can never name a request header the filter reads, or `None`
+/// when it can: not a token, or `host`, which Envoy keeps as `:authority`
+/// (HTTP/1's `Host` included), so a rule keyed or matched on it would
+/// silently never apply.
+pub(super) fn header_name_problem(name: &str) -> Option<String> {
+    if !is_token(name) {
+        return Some(format!("{name:?} is not a header name"));
+    }
+    if name.eq_ignore_ascii_case("host") {
+        return Some(format!(
+            "{name:?} never reaches the filter: Envoy keeps the host as :authority, which \
+             rules cannot read; give each virtual host its own plugin configuration instead"
+        ));
+    }
+    None
+}
+
 /// True for names that can stand in a structured-field string and a shared-data key.
 pub(super) fn is_plain_name(s: &str) -> bool {
     !s.is_empty()

@@ -446,3 +446,23 @@ fn the_gateway_token_is_a_b64token_from_the_config_or_the_environment() {
     let none = global(json!({"cluster": "gw"})).unwrap().global.unwrap();
     assert_eq!(none.bearer(|_| Some("x".into())).unwrap(), None);
 }
+
+#[test]
+fn the_host_header_is_refused_where_a_header_name_is_read() {
+    let why = "never reaches the filter: Envoy keeps the host as :authority, which rules \
+               cannot read; give each virtual host its own plugin configuration instead";
+    for name in ["host", "Host", "HOST"] {
+        let mut k = base();
+        k["rules"][0]["key"] = json!([format!("header:{name}")]);
+        assert_eq!(err(k), format!("rules[0].key[0]: {name:?} {why}"));
+        let mut m = base();
+        m["rules"][0]["match"] = json!({"headers": {name: "api.example.com"}});
+        assert_eq!(err(m), format!("rules[0].match.headers: {name:?} {why}"));
+        let mut c = base();
+        c["identity"] = json!({"client_id_header": name});
+        assert_eq!(err(c), format!("identity.client_id_header: {name:?} {why}"));
+    }
+    let mut other = base();
+    other["rules"][0]["key"] = json!(["header:x-host"]);
+    assert!(parse(other.to_string().as_bytes()).is_ok());
+}

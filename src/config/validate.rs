@@ -32,11 +32,8 @@ impl Config {
             ));
         }
         let id = &self.identity;
-        if !is_token(&id.client_id_header) {
-            return Err(ConfigError::field(
-                "identity.client_id_header",
-                format!("{:?} is not a header name", id.client_id_header),
-            ));
+        if let Some(why) = header_name_problem(&id.client_id_header) {
+            return Err(ConfigError::field("identity.client_id_header", why));
         }
         if id.trusted_proxy_hops > MAX_TRUSTED_HOPS {
             return Err(ConfigError::field(
@@ -149,8 +146,10 @@ fn validate_key(at: &str, key: &[String]) -> Result<(), ConfigError> {
         ));
     }
     for (k, part) in key.iter().enumerate() {
-        let ok = KEY_PARTS.contains(&part.as_str())
-            || part.strip_prefix("header:").is_some_and(is_token);
+        if let Some(why) = part.strip_prefix("header:").and_then(header_name_problem) {
+            return Err(ConfigError::field(format!("{at}[{k}]"), why));
+        }
+        let ok = KEY_PARTS.contains(&part.as_str()) || part.starts_with("header:");
         if !ok {
             return Err(ConfigError::field(
                 format!("{at}[{k}]"),
@@ -331,11 +330,8 @@ impl Config {
             _ => {}
         }
         if let Some(h) = &id.tier_header {
-            if !is_token(h) {
-                return Err(ConfigError::field(
-                    "identity.tier_header",
-                    format!("{h:?} is not a header name"),
-                ));
+            if let Some(why) = header_name_problem(h) {
+                return Err(ConfigError::field("identity.tier_header", why));
             }
         }
         for (field, path) in [
@@ -484,11 +480,8 @@ impl Match {
             }
         }
         for name in self.headers.keys() {
-            if !is_token(name) {
-                return Err(ConfigError::field(
-                    format!("{at}.headers"),
-                    format!("{name:?} is not a header name"),
-                ));
+            if let Some(why) = header_name_problem(name) {
+                return Err(ConfigError::field(format!("{at}.headers"), why));
             }
         }
         Ok(())
