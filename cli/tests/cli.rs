@@ -238,6 +238,36 @@ fn validate_refuses_inexact_global_limits_anywhere_and_header_injection() {
     }
 }
 
+/// A configuration the gateway would refuse on every request (more global
+/// rules than one check carries, a `Host` header it never sees) validated ok.
+#[test]
+fn validate_refuses_what_the_gateway_or_envoy_would_never_run() {
+    let rules: Vec<String> = (0..70)
+        .map(|i| {
+            format!(r#"{{"name":"g{i}","scope":"global","limits":[{{"requests":5,"per":"1m"}}]}}"#)
+        })
+        .collect();
+    let seventy = format!(
+        r#"{{"domain":"d","global":{{"cluster":"gw"}},"rules":[{}]}}"#,
+        rules.join(",")
+    );
+    let r = run(&["validate", &file("seventy.json", &seventy)]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("seventy.json: rules[64].scope: a 65th global rule; one gateway check carries at most 64 buckets"),
+        "{}",
+        r.stderr
+    );
+    let host = r#"{"domain":"d","rules":[{"name":"h","key":["header:Host"],"limits":[{"requests":5,"per":"1m"}]}]}"#;
+    let r = run(&["validate", &file("host.json", host)]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains(r#"host.json: rules[0].key[0]: "Host" never reaches the filter: Envoy keeps the host as :authority"#),
+        "{}",
+        r.stderr
+    );
+}
+
 /// `envoy/envoy.yaml` rendered by testkit as every test renders it, with the
 /// four edge settings the test removes taken out, written to `name`.
 fn rendered_envoy(name: &str, remove: &[&str]) -> String {

@@ -10,11 +10,15 @@ use std::fmt;
 
 /// Most rules one configuration may hold; more make every request slower to match.
 pub const MAX_RULES: usize = 1024;
-/// Most quotas one configuration may hold, as for rules: a request may
-/// count against each, and a decision's counters are sized by it.
-pub const MAX_QUOTAS: usize = 1024;
-/// Most limits one rule may hold; they share one shared-data entry.
-pub const MAX_LIMITS_PER_RULE: usize = 8;
+/// Most quotas one configuration may hold: a request may count against
+/// each, and one gateway check carries them all (the protocol's bound).
+pub const MAX_QUOTAS: usize = ratelimit_protocol::MAX_QUOTAS;
+/// Most global rules one configuration may hold: a request may match each,
+/// and one gateway check carries a bucket per global rule (the protocol's bound).
+pub const MAX_GLOBAL_RULES: usize = ratelimit_protocol::MAX_BUCKETS;
+/// Most limits one rule may hold; they share one shared-data entry, and a
+/// gateway bucket carries as many (the protocol's bound).
+pub const MAX_LIMITS_PER_RULE: usize = ratelimit_protocol::MAX_LIMITS;
 /// Most key parts one rule may hold.
 pub const MAX_KEY_PARTS: usize = 8;
 /// Largest `requests` of one limit.

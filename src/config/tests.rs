@@ -125,10 +125,7 @@ fn too_many_quotas_names_the_limit() {
         .map(|i| json!({"name": format!("q{i}"), "period": "month", "limit": 5, "upgrade_url": "https://x"}))
         .collect();
     v["quotas"] = json!(quotas);
-    assert_eq!(
-        err(v.clone()),
-        "quotas: 1025 quotas exceed the maximum of 1024"
-    );
+    assert_eq!(err(v.clone()), "quotas: 65 quotas exceed the maximum of 64");
     v["quotas"].as_array_mut().unwrap().pop();
     assert!(parse(v.to_string().as_bytes()).is_ok());
 }
@@ -465,4 +462,37 @@ fn the_host_header_is_refused_where_a_header_name_is_read() {
     let mut other = base();
     other["rules"][0]["key"] = json!(["header:x-host"]);
     assert!(parse(other.to_string().as_bytes()).is_ok());
+}
+
+#[test]
+fn more_global_rules_than_one_gateway_check_carries_are_refused() {
+    // One check carries a bucket per global rule a request matches, at most
+    // the protocol's MAX_BUCKETS; a 65th global rule would make every
+    // request matching all of them a 400 at the gateway.
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw"});
+    let rules: Vec<_> = (0..70)
+        .map(|i| json!({"name": format!("g{i}"), "scope": "global", "limits": [{"requests": 1, "per": 1}]}))
+        .collect();
+    v["rules"] = json!(rules);
+    assert_eq!(
+        err(v.clone()),
+        "rules[64].scope: a 65th global rule; one gateway check carries at most 64 buckets, one per global rule"
+    );
+    v["rules"].as_array_mut().unwrap().truncate(64);
+    // Local rules beside them do not count.
+    v["rules"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "local", "limits": [{"requests": 1, "per": 1}]}));
+    assert!(parse(v.to_string().as_bytes()).is_ok());
+}
+
+#[test]
+fn the_configurations_bounds_are_the_protocols() {
+    assert_eq!(MAX_QUOTAS, ratelimit_protocol::MAX_QUOTAS);
+    assert_eq!(MAX_GLOBAL_RULES, ratelimit_protocol::MAX_BUCKETS);
+    assert_eq!(MAX_LIMITS_PER_RULE, ratelimit_protocol::MAX_LIMITS);
+    assert_eq!(MAX_QUOTA, ratelimit_protocol::MAX_QUOTA_LIMIT);
+    assert_eq!(MAX_GLOBAL_PRODUCT, ratelimit_protocol::MAX_EXACT);
 }

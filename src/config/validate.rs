@@ -45,6 +45,7 @@ impl Config {
             return Err(ConfigError::field("rules", "at least one rule is required"));
         }
         at_most("rules", self.rules.len(), MAX_RULES)?;
+        self.validate_global_count()?;
         let mut names = HashSet::new();
         for (i, rule) in self.rules.iter().enumerate() {
             let at = format!("rules[{i}]");
@@ -128,6 +129,30 @@ impl Config {
 
 /// A top-level list of `n` entries holds at most `max`; the error names the
 /// list and counts in its own word (`rules: 1025 rules exceed …`).
+impl Config {
+    /// Refuses more global rules than one gateway check carries buckets: a
+    /// request matching them all would be refused by the gateway.
+    fn validate_global_count(&self) -> Result<(), ConfigError> {
+        let over = self
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.scope == Scope::Global)
+            .nth(MAX_GLOBAL_RULES);
+        match over {
+            Some((i, _)) => Err(ConfigError::field(
+                format!("rules[{i}].scope"),
+                format!(
+                    "a {}th global rule; one gateway check carries at most \
+                     {MAX_GLOBAL_RULES} buckets, one per global rule",
+                    MAX_GLOBAL_RULES + 1
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 fn at_most(list: &str, n: usize, max: usize) -> Result<(), ConfigError> {
     if n > max {
         return Err(ConfigError::field(
@@ -301,7 +326,7 @@ fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), Config
 }
 
 /// Largest quota amount.
-pub const MAX_QUOTA: u64 = 1 << 50;
+pub const MAX_QUOTA: u64 = ratelimit_protocol::MAX_QUOTA_LIMIT;
 
 impl Config {
     fn validate_identity(&self) -> Result<(), ConfigError> {
