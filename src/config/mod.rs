@@ -11,6 +11,7 @@ mod read;
 pub mod schema;
 mod syntax;
 pub mod validate;
+mod validate_cost;
 pub mod validate_global;
 
 pub use schema::*;

@@ -29,7 +29,7 @@ fn the_issue_example_parses_with_defaults() {
             { "name": "per-ip", "key": ["ip"], "limits": [ { "requests": 50, "per": "1s" } ] }
           ],
           "costs": [ { "match": { "path_prefix": "/search" }, "cost": 5 },
-                     { "match": { "path_prefix": "/export" }, "cost": 50 } ],
+                     { "match": { "path_prefix": "/export" }, "cost": 10 } ],
           "response": { "headers": "both", "problem_type": "https://iana.org/assignments/http-problem-types#quota-exceeded" }
         }"#,
     )
@@ -495,4 +495,34 @@ fn the_configurations_bounds_are_the_protocols() {
     assert_eq!(MAX_LIMITS_PER_RULE, ratelimit_protocol::MAX_LIMITS);
     assert_eq!(MAX_QUOTA, ratelimit_protocol::MAX_QUOTA_LIMIT);
     assert_eq!(MAX_GLOBAL_PRODUCT, ratelimit_protocol::MAX_EXACT);
+}
+
+#[test]
+fn a_cost_above_the_capacity_of_a_rule_it_can_match_is_refused() {
+    let shipped = json!({"domain": "d",
+        "rules": [
+            {"name": "per-client", "key": ["client"],
+             "limits": [{"requests": 60, "per": "1m"}, {"requests": 10, "per": "1s"}]},
+            {"name": "uploads", "match": {"path_prefix": "/upload"}, "limits": [{"requests": 5, "per": "1m"}]}],
+        "costs": [{"match": {"path_prefix": "/search"}, "cost": 5},
+                  {"match": {"path_prefix": "/export"}, "cost": 50}]});
+    assert_eq!(
+        err(shipped.clone()),
+        r#"costs[1].cost: 50 is above rules[0].limits[1].requests (10), the capacity of rule "per-client", which it can match: such a request could never pass"#
+    );
+    // /upload's rule never meets /export or /search's costs; 10 fits per-client.
+    let mut fits = shipped.clone();
+    fits["costs"][1]["cost"] = json!(10);
+    assert!(parse(fits.to_string().as_bytes()).is_ok());
+    // A rule's own cost is held to its own limits.
+    let mut own = fits.clone();
+    own["rules"][1]["cost"] = json!(6);
+    assert_eq!(
+        err(own),
+        r#"rules[1].cost: 6 is above rules[1].limits[0].requests (5), the capacity of rule "uploads", which it can match: such a request could never pass"#
+    );
+    // A shadow rule never denies.
+    let mut shadow = shipped;
+    shadow["rules"][0]["mode"] = json!("shadow");
+    assert!(parse(shadow.to_string().as_bytes()).is_ok());
 }

@@ -100,6 +100,7 @@ impl Config {
             cost.matches.validate(&format!("costs[{i}].match"))?;
             check_cost(&format!("costs[{i}].cost"), cost.cost)?;
         }
+        self.validate_costs_fit()?;
         if !(0.0..=0.5).contains(&self.response.retry_jitter) {
             return Err(ConfigError::field(
                 "response.retry_jitter",

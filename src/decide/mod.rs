@@ -256,6 +256,9 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     fn too_many(&mut self, reports: &[Report]) -> Verdict {
         let shown = headers::binding(self.plan, reports);
+        if let Some(verdict) = never_passes(self.plan, reports, shown.as_ref()) {
+            return verdict;
+        }
         let retry = shown.as_ref().map_or(1, |s| s.retry_after_secs);
         let blocked = reports.iter().any(|r| r.blocked && !r.check.allowed);
         // A block's end is already spread when the block starts; spreading its
@@ -387,6 +390,36 @@ impl<S: SharedStore> Ctx<'_, S> {
             lease: None,
         }
     }
+}
+
+/// A 429 without `Retry-After` when a denying limit holds fewer tokens than
+/// the request costs (a tier's or an override's smaller limit, or the
+/// gateway's): no wait would let it pass. Out of line: most denials are not.
+#[inline(never)]
+fn never_passes(
+    plan: &Plan,
+    reports: &[Report],
+    shown: Option<&headers::Shown>,
+) -> Option<Verdict> {
+    let (r, capacity) = reports.iter().filter(|r| !r.check.allowed).find_map(|r| {
+        let capacity = match r.enforced {
+            Some(e) => e.requests,
+            None => {
+                let (l, _) = plan.limits(r.rule, r.variant).get(r.limit)?;
+                l.burst.max(l.capacity)
+            }
+        };
+        (r.cost > capacity).then_some((r, capacity))
+    })?;
+    let rule = plan.rules.get(r.rule)?;
+    let violated: Vec<&str> = headers::violated(plan, reports);
+    let body = problem::never_passes(&plan.problem_type, r.cost, &rule.name, capacity, &violated);
+    Some(reject(
+        429,
+        LocalHeaders::of(plan.header_style, shown),
+        None,
+        body,
+    ))
 }
 
 fn reject(

@@ -630,3 +630,36 @@ fn a_refresh_that_cannot_read_shared_data_counts_an_error() {
     assert_eq!(started, None);
     assert_eq!(counts, Counts::default());
 }
+
+#[test]
+fn a_cost_above_a_limits_capacity_says_it_can_never_pass_without_a_retry_after() {
+    // The rule's own limits hold /export's cost of 8; the free tier's 5 do not.
+    let p = plan(
+        r#"{"domain":"d","tiers":{"free":{},"gold":{}},"identity":{"default_tier":"free","tier_header":"x-tier"},
+            "rules":[{"name":"api","key":["client"],"limits":[{"requests":10,"per":"1m"}],
+                      "tiers":{"free":[{"requests":5,"per":"1m"}]}}],
+            "costs":[{"match":{"path_prefix":"/export"},"cost":8}]}"#,
+    );
+    let s = MemoryStore::default();
+    let o = done(start(&p, &req(&p, "/export", Some("a")), &s, T0, NEUTRAL));
+    let (status, headers, body) = rejected(&o);
+    assert_eq!(*status, 429);
+    assert_eq!(header(headers, "retry-after"), "<absent>");
+    assert_eq!(
+        body,
+        "{\"type\":\"https://iana.org/assignments/http-problem-types#quota-exceeded\",\
+         \"title\":\"Too Many Requests\",\"status\":429,\
+         \"detail\":\"This request costs 8, more than a limit of api holds (5): it can never pass.\",\
+         \"violated-policies\":[\"api\"]}"
+    );
+    assert_eq!(o.counts.get(Metric::Denied), 1);
+    // A request the bucket can hold but not now keeps its Retry-After.
+    for _ in 0..5 {
+        assert!(matches!(
+            done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL)).verdict,
+            Verdict::Pass(_)
+        ));
+    }
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert_eq!(header(rejected(&o).1, "retry-after"), "12");
+}

@@ -270,6 +270,8 @@ pub struct Plan {
     /// A 429 body of the configured `problem_type` up to its wait
     /// ([`super::json::too_many_head`]), written once.
     pub too_many_head: String,
+    /// `type` of 429 problem bodies (the whole body of one that can never pass).
+    pub problem_type: String,
     /// `type` of quota 403 problem bodies.
     pub quota_problem_type: String,
     /// Share of random spread on `Retry-After` and block releases, upwards only.
@@ -581,6 +583,7 @@ impl Plan {
             quotas,
             header_style: config.response.headers,
             too_many_head: super::json::too_many_head(&config.response.problem_type),
+            problem_type: config.response.problem_type.clone(),
             quota_problem_type: config.response.quota_problem_type.clone(),
             retry_jitter: config.response.retry_jitter,
             on_error: config.on_error,

@@ -289,7 +289,7 @@ fn a_quota_limit_applies_when_no_tiers_are_declared() {
 fn quotas_by_tier_and_client() {
     let json = r#"{"domain":"d","tiers":{"free":{},"pro":{}},"global":{"cluster":"gw"},
         "identity":{"default_tier":"free","tier_header":"x-tier","clients":{"big":{"quotas":{"monthly":5}}}},
-        "rules":[{"name":"api","key":["client"],"limits":[{"requests":10,"per":"1m"}]}],
+        "rules":[{"name":"api","key":["client"],"limits":[{"requests":100,"per":"1m"}]}],
         "costs":[{"match":{"path_prefix":"/export"},"cost":50}],
         "quotas":[{"name":"monthly","key":["client"],"period":"month","tiers":{"free":100,"pro":1000},
                    "upgrade_url":"https://example.com/upgrade","count":"cost"}]}"#;

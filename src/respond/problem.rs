@@ -116,6 +116,29 @@ pub fn too_many_after<'a>(
     out
 }
 
+/// The body of a 429 whose cost is above the capacity of a limit of rule
+/// `rule` (`capacity`): waiting cannot help, so it promises no wait.
+pub fn never_passes(
+    problem_type: &str,
+    cost: u64,
+    rule: &str,
+    capacity: u64,
+    violated: &[&str],
+) -> String {
+    Problem {
+        kind: problem_type,
+        title: crate::policy::json::TOO_MANY_TITLE,
+        status: 429,
+        detail: format!(
+            "This request costs {cost}, more than a limit of {rule} holds ({capacity}): \
+             it can never pass."
+        ),
+        violated_policies: Some(violated),
+        upgrade_url: None,
+    }
+    .render()
+}
+
 /// The body of a 403 when a quota is spent: no `Retry-After` — waiting a few
 /// seconds will not help; the period's end or an upgrade will.
 pub fn quota_exhausted(
