@@ -9,7 +9,8 @@
 -- ARGV[2i], ARGV[2i+1]
 --              per key i: the unit in seconds, the hits to add (>= 0)
 --
--- Returns { now_ms, then per key: the count after the hits, ms until the window ends }.
+-- Returns { now_ms, then per key: the count after the hits (at most 2^53),
+-- ms until the window ends }.
 --
 -- As theirs (INCRBY, then compare): the hits are added whether or not they
 -- fit, so a client over the limit stays over until the window ends, and two
@@ -20,6 +21,9 @@
 --
 -- clock, divmod and fmt come from common.lua, which script.rs puts in front.
 
+-- The largest stored count (2^53, the protocol's MAX_EXACT).
+local MAX_COUNT = 9007199254740992
+
 local now, override = clock(ARGV[1])
 local sec = divmod(now, 1000)
 local out = { now }
@@ -29,7 +33,13 @@ for i = 1, #KEYS do
   local start = sec - math.fmod(sec, unit)
   local stop_ms = (start + unit) * 1000
   local key = KEYS[i] .. '|' .. fmt(start)
-  local count = redis.call('INCRBY', key, fmt(hits))
+  -- Capped at 2^53: past it INCRBY would overflow at 2^63 and fail, and the
+  -- count would no longer be exact in Lua; a capped count stays over any limit.
+  local count = redis.pcall('INCRBY', key, fmt(hits))
+  if type(count) ~= 'number' or count > MAX_COUNT then
+    redis.call('SET', key, fmt(MAX_COUNT))
+    count = MAX_COUNT
+  end
   if not override then
     redis.call('PEXPIREAT', key, fmt(stop_ms))
   end

@@ -968,3 +968,36 @@ async fn an_over_limit_descriptor_is_answered_from_the_deny_cache_without_redis(
     assert_eq!(gw.app.metrics.deny_cache_hits.get(), 20);
     gw.stop().await.unwrap();
 }
+
+/// A fixed-window count is capped below 2^53: a caller's large
+/// `hits_addend`s cannot push the stored count past what `INCRBY` holds
+/// (2^63), where it used to fail and answer UNKNOWN, which a native Envoy
+/// with `failure_mode_deny: false` lets through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_window_count_near_the_integer_limit_stays_over_the_limit() {
+    let redis = Redis::start().unwrap();
+    let work = dir("fw-overflow");
+    let gw = gateway(&redis, &work, &[FW], &[], None).await;
+    let mut c = client(&gw).await;
+    align(60, 10_000);
+    let big = 1u64 << 53;
+    let user = |hits| vec![descriptor(&[("user", "eve")], Some(hits))];
+    let r = ask(&mut c, "fw", user(big), None).await.unwrap();
+    assert_eq!(codes(&r).1, [(Code::OverLimit, 0)]);
+    let key = dump(&redis).split_whitespace().next().unwrap().to_string();
+    // Where 1,023 more such calls would have brought it.
+    redis
+        .cli(&["SET", &key, "9223372036854775000", "KEEPTTL"])
+        .unwrap();
+    for _ in 0..3 {
+        let r = ask(&mut c, "fw", user(big), None).await.unwrap();
+        assert_eq!(codes(&r), (Code::OverLimit, vec![(Code::OverLimit, 0)]));
+    }
+    let stored = redis.cli(&["GET", &key]).unwrap();
+    assert_eq!(
+        stored.trim(),
+        big.to_string(),
+        "the count is capped at 2^53"
+    );
+    gw.stop().await.unwrap();
+}

@@ -448,6 +448,17 @@ fn load_limit(
             "{at}.requests_per_unit: a {} needs at least 1 (0 denies all only in a fixed_window)",
             algorithm.name()
         ));
+    } else if algorithm != RlsAlgorithm::FixedWindow
+        && unit.is_some_and(|u| {
+            u64::from(r.requests_per_unit).saturating_mul(u.seconds() * 1000)
+                > ratelimit_protocol::MAX_EXACT
+        })
+    {
+        return Err(format!(
+            "{at}.requests_per_unit: requests_per_unit × unit must stay under 2^53 milliseconds \
+             in a {} (the gateway's arithmetic is exact only below it)",
+            algorithm.name()
+        ));
     }
     let mut replaces = Vec::with_capacity(r.replaces.len());
     for (j, rep) in r.replaces.iter().enumerate() {
@@ -674,6 +685,10 @@ mod tests {
             (
                 "domain: d\ndescriptors:\n- key: a\n  rate_limit: {unit: second, requests_per_unit: 0, algorithm: token_bucket}\n",
                 "c.yaml: descriptors[0].rate_limit.requests_per_unit: a token_bucket needs at least 1 (0 denies all only in a fixed_window)",
+            ),
+            (
+                "domain: d\ndescriptors:\n- key: a\n  rate_limit: {unit: year, requests_per_unit: 300000, algorithm: token_bucket}\n",
+                "c.yaml: descriptors[0].rate_limit.requests_per_unit: requests_per_unit × unit must stay under 2^53 milliseconds in a token_bucket (the gateway's arithmetic is exact only below it)",
             ),
             (
                 "domain: d\ndescriptors:\n- key: a\n  rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n",
