@@ -32,6 +32,7 @@
 pub mod auth;
 pub mod deny_cache;
 pub mod flags;
+pub mod health;
 pub mod keys;
 pub mod logging;
 pub mod metrics;
@@ -131,6 +132,7 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
         tokens,
         bounds: config.bounds,
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.bounds.max_in_flight)),
+        health: health::Probe::default(),
     }))
 }
 

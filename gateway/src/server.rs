@@ -64,6 +64,8 @@ pub struct App {
     pub bounds: Bounds,
     /// One permit per `/v1/*` request served (`bounds.max_in_flight`).
     pub in_flight: Arc<Semaphore>,
+    /// The Redis write probe every health check shares.
+    pub health: crate::health::Probe,
 }
 
 /// The routes.
@@ -406,34 +408,22 @@ async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
 /// `GET /healthz` and `GET /readyz`: 200 only when every worker has its
 /// connection and a write goes through (`SET <prefix>health:<instance> 1 PX
 /// 5000` on the connection the checks use), so a Redis turned replica (`READONLY`) or full under `noeviction`
-/// (`OOM`) takes the pod out of service, as an unreachable one does.
+/// (`OOM`) takes the pod out of service, as an unreachable one does. One
+/// probe a second at most, shared by every caller ([`crate::health`]).
 async fn healthz(State(app): State<Arc<App>>) -> Response {
-    match app.limiter.store().probe_write().await {
-        Ok(()) => (
-            StatusCode::OK,
-            Json(Health {
-                status: "ok".to_string(),
-                redis: "up".to_string(),
-            }),
-        )
-            .into_response(),
-        Err(e) => {
-            tracing::debug!(error = %Escaped(&e), "health check: cannot write to Redis");
-            let redis = match e.kind() {
-                "readonly" => "readonly",
-                "oom" => "oom",
-                _ => "down",
-            };
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                Json(Health {
-                    status: "unavailable".to_string(),
-                    redis: redis.to_string(),
-                }),
-            )
-                .into_response()
-        }
-    }
+    let redis = app.health.redis(app.limiter.store()).await;
+    let (status, word) = match redis {
+        crate::health::Redis::Up => (StatusCode::OK, "ok"),
+        _ => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+    };
+    (
+        status,
+        Json(Health {
+            status: word.to_string(),
+            redis: redis.name().to_string(),
+        }),
+    )
+        .into_response()
 }
 
 /// `GET /livez`: the process answers HTTP; never touches Redis, so a Redis

@@ -22,8 +22,9 @@ use tokio::task::JoinHandle;
 pub use config::RlsConfig;
 pub use service::Rls;
 
-/// How often the gRPC health service's status follows a Redis write probe.
-pub const HEALTH_POLL: Duration = Duration::from_secs(1);
+/// How often the gRPC health service's status follows the shared Redis
+/// write probe ([`crate::health`]).
+pub const HEALTH_POLL: Duration = crate::health::EVERY;
 
 /// Serves the rate limit service and the gRPC health service on `listener`
 /// until `shutdown` completes. The health status of the rate limit service
@@ -40,7 +41,7 @@ pub async fn serve(
         let mut tick = tokio::time::interval(HEALTH_POLL);
         loop {
             tick.tick().await;
-            let up = app.limiter.store().probe_write().await.is_ok();
+            let up = app.health.redis(app.limiter.store()).await == crate::health::Redis::Up;
             for name in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
                 let status = if up {
                     tonic_health::ServingStatus::Serving
