@@ -92,6 +92,30 @@ struct Entry {
 /// The callers of the token file.
 pub struct Tokens {
     entries: Vec<Entry>,
+    /// Where the tokens below [`MIN_TOKEN_BITS`] are (`<file>: line <n>`).
+    short: Vec<String>,
+}
+
+/// Tokens estimated below this many bits of entropy are warned about.
+pub const MIN_TOKEN_BITS: f64 = 128.0;
+
+/// An upper bound on a token's entropy in bits: its length times log2 of
+/// the alphabet its character classes span (digits 10, lower case 26,
+/// upper case 26, `-._~+/=` 7). A 32-character hex token (128 random bits)
+/// counts 165; a phrase counts as if random, so this only catches the short.
+pub fn token_bits(token: &str) -> f64 {
+    let classes: [(fn(u8) -> bool, u32); 4] = [
+        (|b| b.is_ascii_digit(), 10),
+        (|b| b.is_ascii_lowercase(), 26),
+        (|b| b.is_ascii_uppercase(), 26),
+        (|b| !b.is_ascii_alphanumeric(), 7),
+    ];
+    let alphabet: u32 = classes
+        .iter()
+        .filter(|(is, _)| token.bytes().any(is))
+        .map(|(_, n)| n)
+        .sum();
+    token.len() as f64 * f64::from(alphabet.max(1)).log2()
 }
 
 impl std::fmt::Debug for Tokens {
@@ -128,11 +152,18 @@ fn sha256(bytes: &[u8]) -> [u64; 4] {
 pub const MAX_TOKEN_LEN: usize = 4096;
 
 impl Tokens {
+    /// Where the tokens estimated below [`MIN_TOKEN_BITS`] are, each
+    /// warned about when the file is loaded.
+    pub fn short(&self) -> &[String] {
+        &self.short
+    }
+
     /// Parses the token file(s); the error names the file and line, never
     /// the token.
     pub fn parse(sources: &[Source]) -> Result<Tokens, String> {
         let mut entries: Vec<Entry> = Vec::new();
         let mut lines_of: Vec<String> = Vec::new();
+        let mut short = Vec::new();
         for source in sources {
             let file = source.path.display();
             let text = std::str::from_utf8(&source.bytes)
@@ -166,6 +197,13 @@ impl Tokens {
                         "{file}: line {n}: the same token as {first} (one token, one domain)"
                     ));
                 }
+                if token_bits(token) < MIN_TOKEN_BITS {
+                    tracing::warn!(
+                        "{file}: line {n}: the token of domain {domain:?} has under 128 bits of \
+                         entropy; use at least 32 random hex or 22 random base64 characters"
+                    );
+                    short.push(format!("{file}: line {n}"));
+                }
                 // The first 48 bits of the digest, in hex.
                 let id = format!("{domain}/{:012x}", d[0] >> 16);
                 entries.push(Entry {
@@ -178,7 +216,7 @@ impl Tokens {
                 lines_of.push(format!("{file}: line {n}"));
             }
         }
-        Ok(Tokens { entries })
+        Ok(Tokens { entries, short })
     }
 
     /// How many callers the file names.
@@ -272,6 +310,19 @@ mod tests {
             "tokens: line 3: the same token as tokens: line 1 (one token, one domain)"
         );
         assert!(!e.contains("s3cr3t"));
+    }
+
+    #[test]
+    fn tokens_under_128_bits_are_named_and_long_random_ones_are_not() {
+        let t = parse(
+            "api s3cr3t\n\
+             web 0123456789abcdef0123456789abcdef\n\
+             ops AbCdEfGhIjKlMnOpQrSt12\n\
+             dev abcdefghijklmnopqrstuvwxyz\n",
+        )
+        .unwrap();
+        assert_eq!(t.short(), ["tokens: line 1", "tokens: line 4"]);
+        assert!((token_bits("0123456789abcdef0123456789abcdef") - 32.0 * 36f64.log2()).abs() < 1e-9);
     }
 
     #[test]
