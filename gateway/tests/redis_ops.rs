@@ -314,7 +314,11 @@ async fn a_redis_turned_replica_fails_health_within_2s_and_checks_fast() {
     })
     .await;
     eprintln!("checks answered 200 again {took:?} after REPLICAOF NO ONE");
-    assert_eq!(get(&client, &gw.url(), "/healthz").await.0, 200);
+    // Health answers from one probe a second (gateway/src/health.rs).
+    until("/healthz 200", Duration::from_secs(2), || async {
+        get(&client, &gw.url(), "/healthz").await.0 == 200
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -581,6 +585,11 @@ async fn the_password_shows_nowhere() {
     let body = daily("k", "t", 5);
     assert_eq!(check(&client, &base, &body).await.0, 200);
     redis.kill();
+    // Health answers from one probe a second (gateway/src/health.rs).
+    until("/healthz 503", Duration::from_secs(2), || async {
+        client.get(format!("{base}/healthz")).send().await.unwrap().status().as_u16() == 503
+    })
+    .await;
     let mut bodies = Vec::new();
     for path in ["/v1/check", "/healthz"] {
         let resp = if path == "/healthz" {
