@@ -19,10 +19,10 @@ pub struct Args {
     /// Address to listen on.
     #[arg(long, env = "RLGW_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
-    /// A single Redis server, e.g. redis://127.0.0.1:6379 or rediss://user:pw@host:6380 (TLS); never printed with its password.
+    /// A single Redis server, e.g. redis://127.0.0.1:6379 or rediss://redis.internal:6380 (TLS); give its password with --redis-password-file (a mounted Secret), never in the URL on the command line, where `ps` shows it to every user of the host.
     #[arg(long, env = "RLGW_REDIS", hide_env_values = true)]
     pub redis: Option<String>,
-    /// Redis Cluster seed nodes, comma-separated, e.g. redis://10.0.0.1:6379,redis://10.0.0.2:6379.
+    /// Redis Cluster seed nodes, comma-separated, e.g. redis://10.0.0.1:6379,redis://10.0.0.2:6379; the password with --redis-password-file, never in the URLs.
     #[arg(
         long,
         env = "RLGW_REDIS_CLUSTER",

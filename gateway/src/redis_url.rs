@@ -21,43 +21,62 @@ impl fmt::Display for Redacted<'_> {
             Some(i) => url.split_at(i + 3),
             None => ("", url),
         };
-        // The authority ends at the first '/', '?' or '#'; user info is
-        // what comes before its last '@'.
-        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(end);
         f.write_str(scheme)?;
-        match authority.rfind('@') {
+        // User info is everything before the last '@' of the whole URL, not
+        // of the authority: a password may hold '/', '?' or '#', which would
+        // end the authority early and leave it in the "path".
+        let tail = match rest.rfind('@') {
             Some(at) => {
-                let (info, host) = authority.split_at(at);
-                match info.find(':') {
-                    Some(colon) => write!(f, "{}:***{host}", info.get(..colon).unwrap_or(""))?,
-                    None => write!(f, "***{host}")?,
+                let (info, host) = rest.split_at(at);
+                match info.split_once(':') {
+                    Some((user, _)) if !user.contains(['/', '?', '#']) => {
+                        write!(f, "{user}:***")?
+                    }
+                    _ => f.write_str("***")?,
                 }
+                host
             }
-            None => f.write_str(authority)?,
-        }
-        // Query parameters that carry a password (Unix socket URLs).
-        let mut first = true;
-        for (i, part) in tail.split('&').enumerate() {
-            if i > 0 {
-                f.write_str("&")?;
-            }
-            let name_start = if first {
-                part.find('?').map_or(0, |q| q + 1)
-            } else {
-                0
-            };
-            first = false;
-            let (head, param) = part.split_at(name_start);
-            match param.split_once('=') {
-                Some((name, _)) if name == "pass" || name == "password" => {
-                    write!(f, "{head}{name}=***")?
+            None => {
+                // No '@': `host:port`, unless what follows the colon is no
+                // port (`redis://user:password` without a host).
+                let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+                let (authority, tail) = rest.split_at(end);
+                match authority.rsplit_once(':') {
+                    Some((host, port)) if !port.bytes().all(|b| b.is_ascii_digit()) => {
+                        write!(f, "{host}:***")?
+                    }
+                    _ => f.write_str(authority)?,
                 }
-                _ => f.write_str(part)?,
+                tail
             }
-        }
-        Ok(())
+        };
+        write_query_redacted(f, tail)
     }
+}
+
+/// `tail` with the values of its `pass=` and `password=` query parameters
+/// (Unix socket URLs) replaced by `***`.
+fn write_query_redacted(f: &mut fmt::Formatter<'_>, tail: &str) -> fmt::Result {
+    let mut first = true;
+    for (i, part) in tail.split('&').enumerate() {
+        if i > 0 {
+            f.write_str("&")?;
+        }
+        let name_start = if first {
+            part.find('?').map_or(0, |q| q + 1)
+        } else {
+            0
+        };
+        first = false;
+        let (head, param) = part.split_at(name_start);
+        match param.split_once('=') {
+            Some((name, _)) if name == "pass" || name == "password" => {
+                write!(f, "{head}{name}=***")?
+            }
+            _ => f.write_str(part)?,
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Debug for Redacted<'_> {
@@ -289,6 +308,36 @@ mod tests {
         );
         assert_eq!(r("h:26379"), "h:26379");
         assert_eq!(format!("{:?}", Secret::new("s3cret")), "***");
+    }
+
+    /// Malformed URLs: a password holding `/`, `?` or `#`, no `://`, no
+    /// host. Neither the shown URL nor the start-up error holds any of it.
+    #[test]
+    fn no_malformed_url_shows_its_password() {
+        let pieces = ["zq", "XY", "KW", "VU"];
+        let urls = [
+            "redis://user:zq/XY?KW#VU@host:6379",
+            "redis://:zq/XY?KW#VU@host:6379/0",
+            "rediss://:zq#XY@host",
+            "redis://u:zq?XY@host?db=1",
+            "user:zqXYKWVU@host:6379",
+            ":zqXYKWVU@host:6379",
+            "redis:/user:zqXYKWVU@host",
+            "redis//:zqXYKWVU@host",
+            "redis://:zqXYKWVU@",
+            "redis://user:zqXYKWVU@:6379",
+            "redis://user:zqXYKWVU",
+            "redis://:zqXYKWVU",
+            "redis://host:6379/0?password=zqXYKWVU",
+        ];
+        for url in urls {
+            let shown = Redacted(url).to_string();
+            let error = client(url, &RedisOptions::default(), false).err().unwrap_or_default();
+            for piece in pieces {
+                assert!(!shown.contains(piece), "{url} shown as {shown}");
+                assert!(!error.contains(piece), "{url}: {error}");
+            }
+        }
     }
 
     #[test]
