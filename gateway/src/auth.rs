@@ -104,7 +104,8 @@ pub const MIN_TOKEN_BITS: f64 = 128.0;
 /// upper case 26, `-._~+/=` 7). A 32-character hex token (128 random bits)
 /// counts 165; a phrase counts as if random, so this only catches the short.
 pub fn token_bits(token: &str) -> f64 {
-    let classes: [(fn(u8) -> bool, u32); 4] = [
+    type Class = (fn(u8) -> bool, u32);
+    let classes: [Class; 4] = [
         (|b| b.is_ascii_digit(), 10),
         (|b| b.is_ascii_lowercase(), 26),
         (|b| b.is_ascii_uppercase(), 26),
@@ -322,7 +323,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(t.short(), ["tokens: line 1", "tokens: line 4"]);
-        assert!((token_bits("0123456789abcdef0123456789abcdef") - 32.0 * 36f64.log2()).abs() < 1e-9);
+        assert!(
+            (token_bits("0123456789abcdef0123456789abcdef") - 32.0 * 36f64.log2()).abs() < 1e-9
+        );
     }
 
     #[test]

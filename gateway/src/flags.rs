@@ -97,9 +97,12 @@ pub struct Args {
     /// Longest wait for a request's whole body once its headers are read, in ms.
     #[arg(long, env = "RLGW_BODY_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
     pub body_timeout_ms: u64,
-    /// Most /v1/* requests served at once; more are answered 503 with Retry-After.
+    /// Most /v1/* and gRPC ShouldRateLimit requests served at once; more are answered 503 (UNAVAILABLE) with Retry-After.
     #[arg(long, env = "RLGW_MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub max_in_flight: u64,
+    /// Most connections open at once on each listener (--listen, --grpc-listen); more are closed at accept and counted.
+    #[arg(long, env = "RLGW_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections: u64,
     /// After SIGTERM, how long requests in flight may finish (e.g. 10s, 500ms) before the process exits.
     #[arg(long, env = "RLGW_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
@@ -164,6 +167,8 @@ pub struct Bounds {
     pub body_timeout: Duration,
     /// `/v1/*` requests served at once.
     pub max_in_flight: usize,
+    /// Connections open at once on each listener; more are closed at accept.
+    pub max_connections: usize,
     /// Drain deadline after the shutdown signal.
     pub drain_timeout: Duration,
 }
@@ -175,6 +180,7 @@ impl Default for Bounds {
             header_timeout: Duration::from_millis(5000),
             body_timeout: Duration::from_millis(5000),
             max_in_flight: 256,
+            max_connections: DEFAULT_MAX_CONNECTIONS as usize,
             drain_timeout: Duration::from_secs(10),
         }
     }
@@ -262,6 +268,9 @@ impl Config {
         }
     }
 }
+
+/// `--max-connections`' default.
+pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 
 /// `--deny-cache-entries`' default.
 pub const DEFAULT_DENY_CACHE_ENTRIES: u64 = 16384;
@@ -351,6 +360,7 @@ impl TryFrom<Args> for Config {
                 header_timeout: Duration::from_millis(a.header_timeout_ms),
                 body_timeout: Duration::from_millis(a.body_timeout_ms),
                 max_in_flight: usize::try_from(a.max_in_flight).unwrap_or(usize::MAX),
+                max_connections: usize::try_from(a.max_connections).unwrap_or(usize::MAX),
                 drain_timeout: a.drain_timeout,
             },
             rls: RlsOptions {

@@ -30,6 +30,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod conn;
 pub mod deny_cache;
 pub mod flags;
 pub mod health;
@@ -124,6 +125,14 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
             None
         }
     };
+    let http_slots = conn::Slots::new(
+        config.bounds.max_connections,
+        metrics.connections_refused.with_label_values(&["http"]),
+    );
+    let grpc_slots = conn::Slots::new(
+        config.bounds.max_connections,
+        metrics.connections_refused.with_label_values(&["grpc"]),
+    );
     Ok(Arc::new(App {
         limiter,
         metrics,
@@ -133,19 +142,29 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
         bounds: config.bounds,
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.bounds.max_in_flight)),
         health: health::Probe::default(),
+        http_slots,
+        grpc_slots,
     }))
+}
+
+/// The TLS acceptors of the two listeners (`None`: plaintext): the same
+/// certificate and client CA, each with its own ALPN.
+#[derive(Clone, Default)]
+struct Acceptors {
+    http: Option<tokio_rustls::TlsAcceptor>,
+    grpc: Option<tokio_rustls::TlsAcceptor>,
 }
 
 /// Starts what runs beside the server (the policy's and the token file's
 /// reload tasks) and makes the TLS acceptor; the tasks end when the returned
 /// guards drop.
-fn prepare(
-    config: &Config,
-    app: &App,
-) -> Result<(Option<tokio_rustls::TlsAcceptor>, Vec<AbortOnDrop>)> {
+fn prepare(config: &Config, app: &App) -> Result<(Acceptors, Vec<AbortOnDrop>)> {
     let tls = match &config.tls {
-        Some(files) => Some(tls::acceptor(files).map_err(anyhow::Error::msg)?),
-        None => None,
+        Some(files) => Acceptors {
+            http: Some(tls::acceptor(files, tls::Alpn::Http1).map_err(anyhow::Error::msg)?),
+            grpc: Some(tls::acceptor(files, tls::Alpn::H2).map_err(anyhow::Error::msg)?),
+        },
+        None => Acceptors::default(),
     };
     let mut watch = vec![AbortOnDrop(app.policy.watch(reload::POLL))];
     watch.extend(
@@ -242,6 +261,7 @@ fn bind_each(
 fn spawn_rls(
     grpc: Option<(tokio::net::TcpListener, rls::Rls)>,
     app: &Arc<App>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Option<JoinHandle<()>> {
     let (listener, service) = grpc?;
@@ -250,7 +270,7 @@ fn spawn_rls(
         let shutdown = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        if let Err(e) = rls::serve(listener, service, app, shutdown).await {
+        if let Err(e) = rls::serve(listener, service, app, tls, shutdown).await {
             tracing::error!(error = %e, "the rate limit service (--grpc-listen) failed");
         }
     }))
@@ -300,7 +320,7 @@ pub async fn run(
         listen = %config.listen,
         grpc_listen = ?config.rls.grpc_listen,
         target = ?config.target,
-        tls = tls.is_some(),
+        tls = tls.http.is_some(),
         client_certificates = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
         worker_threads = workers,
         "ratelimit-gateway listening"
@@ -365,12 +385,12 @@ async fn worker(
     listener: tokio::net::TcpListener,
     grpc: Option<(tokio::net::TcpListener, rls::Rls)>,
     app: Arc<App>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Acceptors,
     stopped: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let grpc = spawn_rls(grpc, &app, stopped.clone());
+    let grpc = spawn_rls(grpc, &app, tls.grpc, stopped.clone());
     let mut http_stopped = stopped;
-    let served = server::serve(listener, Arc::clone(&app), tls, async move {
+    let served = server::serve(listener, Arc::clone(&app), tls.http, async move {
         let _ = http_stopped.wait_for(|s| *s).await;
     })
     .await;
@@ -436,8 +456,8 @@ pub async fn start(config: Config, connect_wait: std::time::Duration) -> Result<
     app.limiter.store().wait_connected(connect_wait).await;
     let (stop, stopped) = oneshot::channel::<()>();
     let (grpc_stop, grpc_stopped) = tokio::sync::watch::channel(false);
-    let grpc = spawn_rls(grpc, &app, grpc_stopped);
-    let served = server::serve(listener, Arc::clone(&app), tls, async move {
+    let grpc = spawn_rls(grpc, &app, tls.grpc, grpc_stopped);
+    let served = server::serve(listener, Arc::clone(&app), tls.http, async move {
         let _ = stopped.await;
         let _ = grpc_stop.send(true);
     });

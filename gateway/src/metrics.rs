@@ -59,6 +59,9 @@ pub const CHARGE_FAILURES: [&str; 3] = ["timeout", "reply", "client_gone"];
 /// `header`, `body`.
 pub const TIMEOUT_PHASES: [&str; 3] = ["handshake", "header", "body"];
 
+/// The `listener` label values of `connections_refused_total`.
+pub const LISTENERS: [&str; 2] = ["http", "grpc"];
+
 /// Every metric the gateway exports.
 #[derive(Clone)]
 pub struct Metrics {
@@ -96,6 +99,10 @@ pub struct Metrics {
     /// `ratelimit_gateway_read_timeouts_total{phase}`: connections closed
     /// because a TLS handshake, headers or a body took too long.
     pub read_timeouts: IntCounterVec,
+    /// `ratelimit_gateway_connections_refused_total{listener}`: connections
+    /// closed at accept because `--max-connections` were open on that
+    /// listener (`http` or `grpc`).
+    pub connections_refused: IntCounterVec,
     /// `ratelimit_gateway_deny_cache_hits_total`: checks answered denied
     /// from the deny cache, without charging Redis.
     pub deny_cache_hits: IntCounter,
@@ -196,6 +203,13 @@ impl Metrics {
             ),
             &["phase"],
         )?;
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_connections_refused_total",
+                "Connections closed at accept because --max-connections were open on the listener.",
+            ),
+            &["listener"],
+        )?;
         let deny_cache_hits = IntCounter::new(
             "ratelimit_gateway_deny_cache_hits_total",
             "Checks answered denied from the deny cache (--deny-cache-entries): a bucket \
@@ -206,6 +220,10 @@ impl Metrics {
         registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(charged_then_failed.clone()))?;
         registry.register(Box::new(read_timeouts.clone()))?;
+        registry.register(Box::new(connections_refused.clone()))?;
+        for l in LISTENERS {
+            connections_refused.with_label_values(&[l]);
+        }
         for r in AUTH_REASONS {
             auth_failures.with_label_values(&[r]);
         }
@@ -263,6 +281,7 @@ impl Metrics {
             shed,
             charged_then_failed,
             read_timeouts,
+            connections_refused,
             deny_cache_hits,
         })
     }

@@ -681,7 +681,7 @@ mod tests {
           {"name":"per-client","scope":"global","key":["client"],"limits":[{"requests":20,"per":"1m"},{"requests":5,"per":"1s"}],
            "tiers":{"gold":[{"requests":40,"per":"1m"}]}},
           {"name":"search","scope":"global","key":["client"],"cost":3,"algorithm":"sliding_window","limits":[{"requests":10,"per":"1m"}]},
-          {"name":"local","key":["client"],"limits":[{"requests":1,"per":"1s"}]}],
+          {"name":"local","key":["client"],"limits":[{"requests":5,"per":"1s"}]}],
         "quotas":[
           {"name":"monthly","key":["client"],"period":"month","limit":1000,"tiers":{"gold":5000},"upgrade_url":"https://example.com/up"},
           {"name":"spend","key":["client"],"period":"day","count":"cost","tiers":{"gold":50},"upgrade_url":"https://example.com/up"}]}"#;

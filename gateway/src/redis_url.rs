@@ -29,9 +29,7 @@ impl fmt::Display for Redacted<'_> {
             Some(at) => {
                 let (info, host) = rest.split_at(at);
                 match info.split_once(':') {
-                    Some((user, _)) if !user.contains(['/', '?', '#']) => {
-                        write!(f, "{user}:***")?
-                    }
+                    Some((user, _)) if !user.contains(['/', '?', '#']) => write!(f, "{user}:***")?,
                     _ => f.write_str("***")?,
                 }
                 host
@@ -332,7 +330,9 @@ mod tests {
         ];
         for url in urls {
             let shown = Redacted(url).to_string();
-            let error = client(url, &RedisOptions::default(), false).err().unwrap_or_default();
+            let error = client(url, &RedisOptions::default(), false)
+                .err()
+                .unwrap_or_default();
             for piece in pieces {
                 assert!(!shown.contains(piece), "{url} shown as {shown}");
                 assert!(!error.contains(piece), "{url}: {error}");

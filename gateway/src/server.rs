@@ -66,6 +66,10 @@ pub struct App {
     pub in_flight: Arc<Semaphore>,
     /// The Redis write probe every health check shares.
     pub health: crate::health::Probe,
+    /// The HTTP listener's places among `--max-connections`.
+    pub http_slots: crate::conn::Slots,
+    /// The gRPC listener's places among `--max-connections`.
+    pub grpc_slots: crate::conn::Slots,
 }
 
 /// The routes.
@@ -200,6 +204,9 @@ pub async fn serve(
                 }
             },
         };
+        let Some(slot) = app.http_slots.take() else {
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let watcher = graceful.watcher();
         let http = http.clone();
@@ -208,6 +215,8 @@ pub async fn serve(
         let metrics = app.metrics.clone();
         let mut cut_rx = cut_rx.clone();
         tokio::spawn(async move {
+            // Its place among --max-connections, until the connection ends.
+            let _slot = slot;
             let served = async {
                 match tls {
                     None => {

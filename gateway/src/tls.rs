@@ -1,4 +1,5 @@
-//! TLS and mutual TLS on the gateway's listener (rustls, ring provider).
+//! TLS and mutual TLS on the gateway's listeners, HTTP and gRPC alike
+//! (rustls, ring provider).
 //!
 //! `--tls-cert` (PEM chain, leaf first) and `--tls-key` (PEM private key:
 //! PKCS#8, PKCS#1 or SEC1) turn TLS on; `--client-ca` (PEM, one or more CA
@@ -37,8 +38,17 @@ fn certs(path: &Path, flag: &str) -> Result<Vec<CertificateDer<'static>>, String
     Ok(certs)
 }
 
-/// The acceptor of [`TlsFiles`]; the error names the flag and file.
-pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, String> {
+/// The application protocol a listener speaks, offered in ALPN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpn {
+    /// `--listen`: Envoy's callouts and the probes speak HTTP/1.1.
+    Http1,
+    /// `--grpc-listen`: gRPC is HTTP/2.
+    H2,
+}
+
+/// The acceptor of [`TlsFiles`] offering `alpn`; the error names the flag and file.
+pub fn acceptor(files: &TlsFiles, alpn: Alpn) -> Result<TlsAcceptor, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let chain = certs(&files.cert, "--tls-cert")?;
     let key = PrivateKeyDer::from_pem_file(&files.key)
@@ -64,7 +74,9 @@ pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, String> {
     let mut config = builder
         .with_single_cert(chain, key)
         .map_err(|e| format!("--tls-cert/--tls-key: {e}"))?;
-    // Envoy's callouts and the probes speak HTTP/1.1.
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    config.alpn_protocols = vec![match alpn {
+        Alpn::Http1 => b"http/1.1".to_vec(),
+        Alpn::H2 => b"h2".to_vec(),
+    }];
     Ok(TlsAcceptor::from(Arc::new(config)))
 }

@@ -139,7 +139,10 @@ async fn before_redis_exists_checks_answer_503_then_recover_when_it_starts() {
     // Health answers from one probe a second: it follows within that.
     let deadline = Instant::now() + Duration::from_secs(3);
     while get(&client, &gw.url(), "/healthz").await.0 != 200 {
-        assert!(Instant::now() < deadline, "/healthz not 200 3 s after Redis came up");
+        assert!(
+            Instant::now() < deadline,
+            "/healthz not 200 3 s after Redis came up"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -29,7 +29,11 @@ async fn a_health_check_flood_writes_to_redis_once_an_interval_and_follows_redis
     redis.cli(&["CONFIG", "RESETSTAT"]).unwrap();
     let started = Instant::now();
     for round in 0..50 {
-        let path = if round % 2 == 0 { "/healthz" } else { "/readyz" };
+        let path = if round % 2 == 0 {
+            "/healthz"
+        } else {
+            "/readyz"
+        };
         let calls: Vec<_> = (0..10).map(|_| get(&client, &url, path)).collect();
         for (status, _) in futures_util::future::join_all(calls).await {
             assert_eq!(status, 200);
@@ -50,7 +54,10 @@ async fn a_health_check_flood_writes_to_redis_once_an_interval_and_follows_redis
             assert_eq!(body["redis"], "down", "{body}");
             break;
         }
-        assert!(Instant::now() < deadline, "still {status} 5 s after Redis died");
+        assert!(
+            Instant::now() < deadline,
+            "still {status} 5 s after Redis died"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     gw.stop().await.unwrap();

@@ -587,7 +587,14 @@ async fn the_password_shows_nowhere() {
     redis.kill();
     // Health answers from one probe a second (gateway/src/health.rs).
     until("/healthz 503", Duration::from_secs(2), || async {
-        client.get(format!("{base}/healthz")).send().await.unwrap().status().as_u16() == 503
+        client
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+            == 503
     })
     .await;
     let mut bodies = Vec::new();

@@ -17,7 +17,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+use tonic::service::interceptor::InterceptedService;
+
+use crate::conn::Guarded;
 
 pub use config::RlsConfig;
 pub use service::Rls;
@@ -26,22 +31,34 @@ pub use service::Rls;
 /// write probe ([`crate::health`]).
 pub const HEALTH_POLL: Duration = crate::health::EVERY;
 
+/// Largest number of concurrent streams one HTTP/2 connection may open.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 128;
+
 /// Serves the rate limit service and the gRPC health service on `listener`
-/// until `shutdown` completes. The health status of the rate limit service
-/// (and of the server, `""`) is `SERVING` while a write to Redis goes
-/// through, as `/healthz`.
+/// (over TLS when `tls` is given) until `shutdown` completes, with the
+/// bounds of the HTTP listener: `--max-connections` ([`crate::conn`]), an
+/// idle deadline and a TLS handshake deadline of `--header-timeout-ms`, a
+/// deadline of the header and body timeouts on each call, streams per
+/// connection, a message of at most `MAX_BODY_BYTES`, and `--max-in-flight`
+/// and the token checked from the metadata before the message is read
+/// ([`Rls::admit`]). The health status of the rate limit service (and of
+/// the server, `""`) is `SERVING` while the shared Redis probe
+/// ([`crate::health`]) finds a write goes through, as `/healthz`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     rls: Rls,
     app: Arc<crate::App>,
+    tls: Option<TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
+    let probe_app = Arc::clone(&app);
     let probe: JoinHandle<()> = tokio::spawn(async move {
         let mut tick = tokio::time::interval(HEALTH_POLL);
         loop {
             tick.tick().await;
-            let up = app.health.redis(app.limiter.store()).await == crate::health::Redis::Up;
+            let up =
+                probe_app.health.redis(probe_app.limiter.store()).await == crate::health::Redis::Up;
             for name in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
                 let status = if up {
                     tonic_health::ServingStatus::Serving
@@ -52,16 +69,85 @@ pub async fn serve(
             }
         }
     });
+    let bounds = app.bounds;
+    let gate = rls.clone();
+    let service = InterceptedService::new(
+        RateLimitServiceServer::new(rls).max_decoding_message_size(crate::server::MAX_BODY_BYTES),
+        move |request| gate.admit(request),
+    );
     let served = tonic::transport::Server::builder()
+        .timeout(bounds.header_timeout + bounds.body_timeout)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(crate::server::MAX_HEAD_BYTES as u32)
         .add_service(health)
-        .add_service(RateLimitServiceServer::new(rls))
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
+        .add_service(service)
+        .serve_with_incoming_shutdown(accepted(listener, app, tls), shutdown)
         .await;
     probe.abort();
     served
+}
+
+/// A connection's stream, plain or TLS.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+/// The connections of `listener` that found a place among
+/// `--max-connections` (the others are closed at once, counted) and
+/// finished their TLS handshake within `--header-timeout-ms`; each is closed
+/// when idle that long. Handshakes run in tasks of their own, so a slow one
+/// holds up no other.
+fn accepted(
+    listener: tokio::net::TcpListener,
+    app: Arc<crate::App>,
+    tls: Option<TlsAcceptor>,
+) -> impl futures_util::Stream<Item = std::io::Result<Guarded<Box<dyn Io>>>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Guarded<Box<dyn Io>>>(64);
+    tokio::spawn(async move {
+        loop {
+            let stream = tokio::select! {
+                () = tx.closed() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed (--grpc-listen)");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let Some(slot) = app.grpc_slots.take() else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let (tx, tls, app) = (tx.clone(), tls.clone(), Arc::clone(&app));
+            tokio::spawn(async move {
+                let idle = app.bounds.header_timeout;
+                let io: Box<dyn Io> = match tls {
+                    None => Box::new(stream),
+                    Some(acceptor) => {
+                        match tokio::time::timeout(idle, acceptor.accept(stream)).await {
+                            Ok(Ok(s)) => Box::new(s),
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, "TLS handshake failed (--grpc-listen)");
+                                return;
+                            }
+                            Err(_) => {
+                                app.metrics
+                                    .read_timeouts
+                                    .with_label_values(&["handshake"])
+                                    .inc();
+                                return;
+                            }
+                        }
+                    }
+                };
+                let _ = tx.send(Guarded::new(io, slot, idle)).await;
+            });
+        }
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|conn| (Ok(conn), rx))
+    })
 }
 
 /// Binds `addr` for [`serve`] (a bind error names the flag).

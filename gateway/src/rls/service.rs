@@ -57,6 +57,13 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// Longest descriptor entries, as they go into a key, before they are hashed.
 pub const MAX_KEY_ENTRIES_BYTES: usize = 512;
 
+/// A call's place among `--max-in-flight`, taken by [`Rls::admit`] and
+/// carried in the request's extensions (which need `Clone`).
+#[derive(Clone)]
+struct InFlight {
+    _permit: Arc<tokio::sync::OwnedSemaphorePermit>,
+}
+
 /// The rate limit service (cloned once per worker thread of `crate::run`).
 #[derive(Clone)]
 pub struct Rls {
@@ -149,32 +156,21 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        let Ok(_permit) = self.app.in_flight.try_acquire() else {
-            self.app.metrics.shed.inc();
+        // Both put there by `admit`, before the message was read.
+        let Some(_in_flight) = request.extensions().get::<InFlight>().cloned() else {
             return Err(self.refuse(
                 "error",
                 Status::unavailable("busy: too many requests in flight"),
             ));
         };
-        let caller = match &self.app.tokens {
-            None => Caller::anonymous(),
-            Some(tokens) => {
-                let value = request
-                    .metadata()
-                    .get("authorization")
-                    .map(|v| v.as_bytes());
-                match tokens.current().authenticate(value) {
-                    Ok(c) => c,
-                    Err(refusal) => {
-                        self.count_refusal(refusal);
-                        return Err(self.refuse(
-                            "unauthenticated",
-                            Status::unauthenticated(
-                                "authorization: a known bearer token is required",
-                            ),
-                        ));
-                    }
-                }
+        let caller = match request.extensions().get::<Caller>() {
+            Some(c) => c.clone(),
+            None if self.app.tokens.is_none() => Caller::anonymous(),
+            None => {
+                return Err(self.refuse(
+                    "unauthenticated",
+                    Status::unauthenticated("authorization: a known bearer token is required"),
+                ))
             }
         };
         let req = request.into_inner();
@@ -277,6 +273,45 @@ impl RateLimitService for Rls {
 }
 
 impl Rls {
+    /// The interceptor in front of the service, run on a call's metadata
+    /// before its message is read: its place among `--max-in-flight`
+    /// (`UNAVAILABLE` when none is free), then its bearer token, so that
+    /// neither a caller without a token nor one over the bound can make the
+    /// gateway buffer a message. The place and the caller go into the
+    /// request's extensions, held until the call is answered.
+    pub fn admit(&self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let Ok(permit) = Arc::clone(&self.app.in_flight).try_acquire_owned() else {
+            self.app.metrics.shed.inc();
+            return Err(self.refuse(
+                "error",
+                Status::unavailable("busy: too many requests in flight"),
+            ));
+        };
+        request.extensions_mut().insert(InFlight {
+            _permit: Arc::new(permit),
+        });
+        let Some(tokens) = &self.app.tokens else {
+            return Ok(request);
+        };
+        let value = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        match tokens.current().authenticate(value) {
+            Ok(caller) => {
+                request.extensions_mut().insert(caller);
+                Ok(request)
+            }
+            Err(refusal) => {
+                self.count_refusal(refusal);
+                Err(self.refuse(
+                    "unauthenticated",
+                    Status::unauthenticated("authorization: a known bearer token is required"),
+                ))
+            }
+        }
+    }
+
     fn refuse(&self, code: &str, status: Status) -> Status {
         self.metrics.requests.with_label_values(&[code]).inc();
         status

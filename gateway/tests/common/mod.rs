@@ -170,7 +170,11 @@ fn write_domain(domain: &str, d: &Domain) {
     tiers.insert("v0".to_string(), json!({}));
     let mut rules = Vec::new();
     for (name, (algorithm, sets)) in &d.rules {
+        // The requests here name their own costs: the `costs` entry below
+        // only sets the policy's largest, on requests no rule matches (a
+        // cost above a rule it can match is refused at load).
         let mut rule = json!({"name": name, "scope": "global", "algorithm": algorithm,
+                          "match": {"headers": {"x-test-cost": "rule"}},
                           "key": ["client"], "limits": limits(&sets[0])});
         for (i, set) in sets.iter().enumerate().skip(1) {
             tiers.insert(format!("v{i}"), json!({}));
@@ -180,7 +184,10 @@ fn write_domain(domain: &str, d: &Domain) {
     }
     if rules.is_empty() {
         // A configuration needs a rule: a local one, which no request can name.
-        rules.push(json!({"name": "zz-local", "limits": [{"requests": 1, "per": 1}]}));
+        rules.push(
+            json!({"name": "zz-local", "match": {"headers": {"x-test-cost": "rule"}},
+                          "limits": [{"requests": 1, "per": 1}]}),
+        );
     }
     let mut quotas = Vec::new();
     for (name, (period, amounts)) in &d.quotas {
@@ -196,7 +203,8 @@ fn write_domain(domain: &str, d: &Domain) {
         "global": {"cluster": "gw", "lease": {"fraction": 1.0, "ttl_ms": 3_600_000}},
         "tiers": tiers, "identity": {"default_tier": "v0"}, "rules": rules, "quotas": quotas});
     if d.max_cost > 1 {
-        config["costs"] = json!([{"match": {"path_prefix": "/"}, "cost": d.max_cost}]);
+        config["costs"] =
+            json!([{"match": {"headers": {"x-test-cost": "max"}}, "cost": d.max_cost}]);
     }
     let file = policy_dir().join(format!("{}.json", hex(domain)));
     let tmp = file.with_extension("tmp");
