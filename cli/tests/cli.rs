@@ -119,7 +119,32 @@ fn service(name: &str, requests: u64) -> String {
 #[test]
 fn budget_sums_service_wide_global_limits_against_the_provider() {
     let (a, b) = (service("svc-a", 300), service("svc-b", 400));
+    // Each can send its full bucket and then its refill in one minute:
+    // 600 + 800 = 1,400 against 2,000 less 10 %.
     let ok = run(&[
+        "budget",
+        &a,
+        &b,
+        "--provider-limit",
+        "2000/1m",
+        "--headroom",
+        "10%",
+    ]);
+    assert_eq!(ok.code, 0, "{}{}", ok.stdout, ok.stderr);
+    assert!(ok.stdout.contains("11.667"), "{}", ok.stdout);
+    assert!(ok.stdout.contains(" 1400\n"), "{}", ok.stdout);
+    assert!(
+        ok.stdout.contains("ok: 77.8% of the allowance"),
+        "{}",
+        ok.stdout
+    );
+    assert!(
+        ok.stdout.contains("does not bound the total"),
+        "{}",
+        ok.stdout
+    );
+    // 1,000 a minute was "ok" when bursts were left out.
+    let over = run(&[
         "budget",
         &a,
         &b,
@@ -128,31 +153,10 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
         "--headroom",
         "10%",
     ]);
-    assert_eq!(ok.code, 0, "{}{}", ok.stdout, ok.stderr);
-    assert!(ok.stdout.contains("11.667"), "{}", ok.stdout);
-    assert!(
-        ok.stdout.contains("15.000"),
-        "allowance 1000/60 × 0.9: {}",
-        ok.stdout
-    );
-    assert!(
-        ok.stdout.contains("does not bound the total"),
-        "{}",
-        ok.stdout
-    );
-    let over = run(&[
-        "budget",
-        &a,
-        &b,
-        "--provider-limit",
-        "750/1m",
-        "--headroom",
-        "10%",
-    ]);
     assert_eq!(over.code, 1);
     assert!(
         over.stderr
-            .contains("over budget: 11.667 requests/s exceed the allowance of 11.250"),
+            .contains("over budget: up to 1400 requests in 1m exceed the allowance of 900"),
         "{}",
         over.stderr
     );
@@ -187,6 +191,51 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
         local_only.stderr.contains("no service-wide global rule"),
         "{}",
         local_only.stderr
+    );
+}
+
+/// Each tier and each client override is a counter of its own: a free
+/// 60/min and a gold 6,000/min rule against a 100/min provider printed
+/// "ok: 66.7%", taking the least of them.
+#[test]
+fn budget_counts_every_tier_and_override_as_its_own_counter() {
+    let tiers = file(
+        "svc-tiers.json",
+        r#"{"domain":"svc-tiers","global":{"cluster":"gw"},"tiers":{"free":{},"gold":{}},
+            "identity":{"default_tier":"free","clients":{"vip":{"limits":{"all":[{"requests":100,"per":"1m"}]}}}},
+            "rules":[{"name":"all","scope":"global","limits":[{"requests":60,"per":"1m"}],
+                      "tiers":{"gold":[{"requests":6000,"per":"1m"}]}}]}"#,
+    );
+    let r = run(&[
+        "budget",
+        &tiers,
+        "--provider-limit",
+        "100/1m",
+        "--headroom",
+        "10%",
+    ]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    // (60 + 60) + (6,000 + 6,000) + (100 + 100) in one minute, three counters.
+    assert!(
+        r.stderr
+            .contains("over budget: up to 12320 requests in 1m exceed the allowance of 90"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stdout.contains(" 3 "), "{}", r.stdout);
+    let unlimited = file(
+        "svc-unlimited.json",
+        r#"{"domain":"svc-unlimited","global":{"cluster":"gw"},"tiers":{"free":{},"staff":{"unlimited":true}},
+            "identity":{"default_tier":"free"},
+            "rules":[{"name":"all","scope":"global","limits":[{"requests":60,"per":"1m"}]}]}"#,
+    );
+    let r = run(&["budget", &unlimited, "--provider-limit", "1000/1m"]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr
+            .contains(r#"rule "all": tier "staff" is unlimited: the total is unbounded"#),
+        "{}",
+        r.stderr
     );
 }
 
