@@ -447,3 +447,78 @@ fn make_help_lists_every_target_and_test_runs_the_checks() {
         "one install helper"
     );
 }
+
+/// The row of `field` in the configuration reference, as cells.
+fn reference_row(field: &str) -> Vec<String> {
+    section(CONFIGURATION, "Configuration reference")
+        .lines()
+        .find(|l| l.starts_with(&format!("| `{field}` ")))
+        .map(cells)
+        .unwrap_or_else(|| panic!("{CONFIGURATION} has no row for {field}"))
+}
+
+/// The `a–b` range of a reference row's second cell.
+fn documented_range(field: &str) -> (f64, f64) {
+    let cell = reference_row(field).get(1).cloned().unwrap_or_default();
+    let range = cell
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .find(|w| w.contains('–'))
+        .unwrap_or_else(|| panic!("{field}: no a–b range in {cell:?}"));
+    let (a, b) = range.split_once('–').unwrap();
+    (a.parse().unwrap(), b.parse().unwrap())
+}
+
+/// The graduated shares' documented ranges are the parser's: each end is
+/// accepted and just outside it is refused, naming the field.
+#[test]
+fn the_graduated_ranges_are_the_parsers() {
+    let config = |field: &str, v: f64| {
+        let mut g = serde_json::json!({"reject_at": 100.0});
+        g[field] = serde_json::json!(v);
+        if field == "delay_at" {
+            g["delay_ms"] = serde_json::json!(10);
+        }
+        if field == "block_at" {
+            g["block_for"] = serde_json::json!("1m");
+            g["reject_at"] = serde_json::json!(1.0);
+        }
+        if field == "reject_at" {
+            g = serde_json::json!({"reject_at": v});
+        }
+        serde_json::json!({"domain": "d", "rules": [{"name": "r",
+            "limits": [{"requests": 10, "per": "1m"}], "graduated": g}]})
+        .to_string()
+    };
+    for field in ["warn_at", "delay_at", "reject_at", "block_at"] {
+        let (lo, hi) = documented_range(&format!("rules[].graduated.{field}"));
+        // delay_at must stay below reject_at: its top end is checked one step down.
+        let top = if field == "delay_at" { hi - 0.01 } else { hi };
+        for ok in [lo, top] {
+            let parsed = ratelimit_wasm::config::parse(config(field, ok).as_bytes());
+            assert!(parsed.is_ok(), "{field} {ok}: {:?}", parsed.err());
+        }
+        for bad in [lo - lo / 2.0, hi + 1.0] {
+            let e = ratelimit_wasm::config::parse(config(field, bad).as_bytes())
+                .err()
+                .unwrap_or_else(|| panic!("{field} {bad} was accepted"));
+            assert!(
+                e.to_string().contains(&format!("graduated.{field}")),
+                "{field} {bad}: {e}"
+            );
+        }
+    }
+}
+
+/// What `ratelimit_wasm_requests_denied` counts is what the decisions count
+/// as denied: every answer the filter makes itself, 429, 403 and 503.
+#[test]
+fn the_denied_metric_names_every_status_the_filter_answers() {
+    let ops = read("docs/operations.md");
+    let row = ops
+        .lines()
+        .find(|l| l.starts_with("| `ratelimit_wasm_requests_denied` "))
+        .expect("the requests_denied row");
+    for status in ["429", "403", "503"] {
+        assert!(row.contains(status), "{status} missing from {row}");
+    }
+}

@@ -1,7 +1,10 @@
-//! The `explain` table: what each tier (and each client override) gets from each rule.
+//! The `explain` table: what each tier (and each client override) gets from
+//! each rule, with each limit's `RateLimit-Policy` item (a response carries
+//! one of them: the limit closest to exhaustion).
 
-use ratelimit_wasm::config::{Config, LimitSpec, Mode, Rule};
+use ratelimit_wasm::config::{Config, HeaderStyle, LimitSpec, Mode, Rule};
 use ratelimit_wasm::limits::algorithm::Algorithm;
+use ratelimit_wasm::respond::headers::{self, Shown};
 
 /// One row per rule × tier (or rule × client override).
 pub fn table(c: &Config) -> String {
@@ -78,7 +81,7 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
             .collect::<Vec<_>>();
         let policy = limits
             .iter()
-            .map(|l| format!("\"{}\";q={};w={}", rule.name, l.requests, l.per.0))
+            .map(|l| policy_item(&rule.name, l))
             .collect::<Vec<_>>();
         (shown.join(" + "), burst.join(" + "), policy.join(" | "))
     };
@@ -98,6 +101,25 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
         .to_string(),
         policy,
     ]
+}
+
+/// The `RateLimit-Policy` value a response showing limit `l` of rule
+/// `name` carries, written by the filter's own header code.
+fn policy_item(name: &str, l: &LimitSpec) -> String {
+    let shown = Shown {
+        policy: name,
+        quota: l.requests,
+        window_secs: l.per.0,
+        remaining: l.requests,
+        reset_secs: 0,
+        retry_after_secs: 1,
+        text: None,
+    };
+    headers::render(HeaderStyle::Ietf, &shown)
+        .into_iter()
+        .find(|(n, _)| *n == headers::POLICY.as_str())
+        .map(|(_, v)| v)
+        .unwrap_or_default()
 }
 
 fn render(rows: &[[String; 9]]) -> String {

@@ -511,6 +511,8 @@ fn a_spent_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
     );
     assert!(body.contains("tag:ratelimit-wasm,2026:quota-exhausted"));
     assert_eq!(o.counts.get(Metric::QuotaExhausted), 1);
+    // A 403 is an answer the filter made itself: ratelimit_wasm_requests_denied.
+    assert_eq!(o.counts.get(Metric::Denied), 1);
     // The local charge was refunded: 5 local requests still pass the burst rule.
     for _ in 0..5 {
         let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
