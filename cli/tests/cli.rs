@@ -124,17 +124,19 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
         &a,
         &b,
         "--provider-limit",
-        "1000/1m",
+        "1600/1m",
         "--headroom",
         "10%",
     ]);
     assert_eq!(ok.code, 0, "{}{}", ok.stdout, ok.stderr);
     assert!(ok.stdout.contains("11.667"), "{}", ok.stdout);
     assert!(
-        ok.stdout.contains("15.000"),
-        "allowance 1000/60 × 0.9: {}",
+        ok.stdout.contains("24.000"),
+        "allowance 1600/60 × 0.9: {}",
         ok.stdout
     );
+    // Full buckets (300 + 400) plus a minute's refill (300 + 400).
+    assert!(ok.stdout.contains(" 1400\n"), "{}", ok.stdout);
     assert!(
         ok.stdout.contains("does not bound the total"),
         "{}",
@@ -145,14 +147,16 @@ fn budget_sums_service_wide_global_limits_against_the_provider() {
         &a,
         &b,
         "--provider-limit",
-        "750/1m",
+        "1500/1m",
         "--headroom",
         "10%",
     ]);
     assert_eq!(over.code, 1);
     assert!(
-        over.stderr
-            .contains("over budget: 11.667 requests/s exceed the allowance of 11.250"),
+        over.stderr.contains(
+            "over budget: 11.667 requests/s (1400 in one 60s window, bursts included) \
+             exceed the allowance of 22.500 (1350 per window)"
+        ),
         "{}",
         over.stderr
     );
@@ -633,6 +637,85 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(
         r.stderr.contains("warning: global.token is inline"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// Each tier and each client override of a service-wide rule is its own
+/// counter, and a full bucket adds its capacity to what its rate refills:
+/// the budget sums them all.
+#[test]
+fn budget_sums_every_tier_override_and_burst() {
+    let tiered = file(
+        "svc-tiers.json",
+        r#"{"domain":"svc-tiers","global":{"cluster":"gw"},"tiers":{"free":{},"gold":{}},
+            "identity":{"default_tier":"free"},
+            "rules":[{"name":"all","scope":"global","limits":[{"requests":60,"per":"1m"}],
+                      "tiers":{"gold":[{"requests":6000,"per":"1m"}]}}]}"#,
+    );
+    let r = run(&[
+        "budget",
+        &tiered,
+        "--provider-limit",
+        "100/1m",
+        "--headroom",
+        "0%",
+    ]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains(
+            "over budget: 101.000 requests/s (12120 in one 60s window, bursts included) \
+             exceed the allowance of 1.667 (100 per window)"
+        ),
+        "{}",
+        r.stderr
+    );
+    let overridden = file(
+        "svc-override.json",
+        r#"{"domain":"svc-override","global":{"cluster":"gw"},
+            "identity":{"clients":{"acme":{"limits":{"all":[{"requests":30,"per":"1m"}]}}}},
+            "rules":[{"name":"all","scope":"global","limits":[{"requests":30,"per":"1m"}]}]}"#,
+    );
+    // 30/min shared plus acme's own 30/min: 1 request/s, 120 in a minute.
+    let r = run(&[
+        "budget",
+        &overridden,
+        "--provider-limit",
+        "119/1m",
+        "--headroom",
+        "0%",
+    ]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("1.000 requests/s (120 in one 60s window"),
+        "{}",
+        r.stderr
+    );
+    let r = run(&[
+        "budget",
+        &overridden,
+        "--provider-limit",
+        "120/1m",
+        "--headroom",
+        "0%",
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("ok: 100.0% of the allowance"),
+        "{}",
+        r.stdout
+    );
+    let vip = file(
+        "svc-vip.json",
+        r#"{"domain":"svc-vip","global":{"cluster":"gw"},"tiers":{"free":{},"vip":{"unlimited":true}},
+            "identity":{"default_tier":"free"},
+            "rules":[{"name":"all","scope":"global","limits":[{"requests":1,"per":"1m"}]}]}"#,
+    );
+    let r = run(&["budget", &vip, "--provider-limit", "1000/1m"]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("tier \"vip\" is unlimited"),
         "{}",
         r.stderr
     );
