@@ -2342,3 +2342,94 @@ fn the_gateway_policy_admits_the_native_rate_limit_path() {
         "the README warns that a refused native caller fails open"
     );
 }
+
+/// The trial Redis: a password from a Secret that the gateway reads too,
+/// mTLS STRICT on its pods, and an ALLOW policy that lets only the gateway's
+/// service account connect.
+#[test]
+fn the_trial_redis_admits_only_the_gateway_with_a_password() {
+    let gw = yaml_file(GATEWAY_YAML);
+    let deploy = object(&gw, "Deployment", "ratelimit-gateway");
+    let gw_sa = str_at(deploy, "/spec/template/spec/serviceAccountName");
+    let docs = yaml_file(REDIS_YAML);
+    let sts = object(&docs, "StatefulSet", "redis");
+    let redis_labels = &sts["spec"]["template"]["metadata"]["labels"];
+    let [redis] = containers(sts).as_slice() else {
+        panic!("one redis container");
+    };
+    // The password: `--requirepass $(REDIS_PASSWORD)`, from a Secret key.
+    let args: Vec<&str> = redis["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let at = args
+        .iter()
+        .position(|a| *a == "--requirepass")
+        .expect("redis-server --requirepass");
+    assert_eq!(args.get(at + 1), Some(&"$(REDIS_PASSWORD)"));
+    let env = redis["env"].as_array().expect("redis env");
+    let secret_of = |name: &str| -> (String, String) {
+        let e = env
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("redis env {name}"));
+        (
+            str_at(e, "/valueFrom/secretKeyRef/name").to_string(),
+            str_at(e, "/valueFrom/secretKeyRef/key").to_string(),
+        )
+    };
+    let (secret, key) = secret_of("REDIS_PASSWORD");
+    // redis-cli (the probe) authenticates from REDISCLI_AUTH.
+    assert_eq!(secret_of("REDISCLI_AUTH"), (secret.clone(), key.clone()));
+    // The gateway reads the same Secret key as its password file.
+    let [gw_container] = containers(deploy).as_slice() else {
+        panic!("one gateway container");
+    };
+    let file = env_of(gw_container)
+        .get("RLGW_REDIS_PASSWORD_FILE")
+        .cloned()
+        .expect("RLGW_REDIS_PASSWORD_FILE");
+    let volume = deploy["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"]["secretName"] == secret.as_str())
+        .unwrap_or_else(|| panic!("the gateway mounts Secret {secret}"));
+    let mount = gw_container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .expect("its mount");
+    assert_eq!(file, format!("{}/{key}", str_at(mount, "/mountPath")));
+
+    // STRICT mTLS and an ALLOW for the gateway's identity only.
+    let pa = object(&docs, "PeerAuthentication", "redis");
+    assert!(labels_select(
+        &pa["spec"]["selector"]["matchLabels"],
+        redis_labels
+    ));
+    assert_eq!(str_at(pa, "/spec/mtls/mode"), "STRICT");
+    let ap = object(&docs, "AuthorizationPolicy", "redis");
+    assert!(labels_select(
+        &ap["spec"]["selector"]["matchLabels"],
+        redis_labels
+    ));
+    assert_eq!(str_at(ap, "/spec/action"), "ALLOW");
+    assert_eq!(
+        ap["spec"]["rules"],
+        json!([{
+            "from": [{ "source": { "principals": [format!("cluster.local/ns/ratelimit/sa/{gw_sa}")] } }],
+            "to": [{ "operation": { "ports": ["6379"] } }]
+        }])
+    );
+    for doc in [pa, ap] {
+        let kind = str_at(doc, "/kind");
+        let (_, validator) = crd_validator_at(security_crd_file(kind), "v1");
+        let errors = schema_errors(&validator, doc);
+        assert!(errors.is_empty(), "{kind} redis: {}", errors.join("\n"));
+        check_security_cel_rules(&format!("{kind} redis"), kind, &doc["spec"]);
+    }
+}
