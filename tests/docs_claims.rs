@@ -447,3 +447,82 @@ fn make_help_lists_every_target_and_test_runs_the_checks() {
         "one install helper"
     );
 }
+
+/// The documented range `A–B` of each graduated share: the parser accepts
+/// both ends and refuses just outside them, so the reference cannot drift
+/// from the code's bounds.
+#[test]
+fn the_graduated_shares_have_their_documented_ranges() {
+    let text = read(CONFIGURATION);
+    let range_of = |field: &str| -> (f64, f64) {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| `rules[].graduated.{field}` |")))
+            .unwrap_or_else(|| panic!("{CONFIGURATION}: no row for graduated.{field}"));
+        let cell = cells(row).get(1).cloned().unwrap_or_default();
+        let range = cell
+            .split(", ")
+            .last()
+            .and_then(|r| r.split_once('–'))
+            .and_then(|(a, b)| Some((a.trim().parse().ok()?, b.trim().parse().ok()?)))
+            .unwrap_or_else(|| panic!("graduated.{field}: {cell:?} gives no range A–B"));
+        range
+    };
+    // Each field with the others it needs, so that only its own bound decides.
+    let config = |field: &str, v: f64| {
+        let graduated = match field {
+            "warn_at" => format!(r#"{{"warn_at":{v},"reject_at":100}}"#),
+            "reject_at" => format!(r#"{{"reject_at":{v}}}"#),
+            "delay_at" => format!(r#"{{"delay_at":{v},"delay_ms":1,"reject_at":100.01}}"#),
+            _ => format!(r#"{{"block_at":{v},"block_for":"1m","reject_at":1}}"#),
+        };
+        format!(
+            r#"{{"domain":"d","rules":[{{"name":"r","limits":[{{"requests":10,"per":"1s"}}],"graduated":{graduated}}}]}}"#
+        )
+    };
+    for field in ["warn_at", "reject_at", "block_at"] {
+        let (low, high) = range_of(field);
+        for v in [low, high] {
+            let c = config(field, v);
+            assert!(
+                ratelimit_wasm::config::parse(c.as_bytes()).is_ok(),
+                "graduated.{field} = {v} is documented as accepted: {c}"
+            );
+        }
+        for v in [low - 0.001, high + 0.001] {
+            let c = config(field, v);
+            assert!(
+                ratelimit_wasm::config::parse(c.as_bytes()).is_err(),
+                "graduated.{field} = {v} is outside the documented range: {c}"
+            );
+        }
+    }
+}
+
+/// `ratelimit_wasm_requests_denied` counts every response the filter answers
+/// itself, so its row names every status a problem body of
+/// `src/respond/problem.rs` is built with.
+#[test]
+fn the_denied_metric_names_every_status_the_filter_answers() {
+    let row = section("docs/operations.md", "Metrics")
+        .lines()
+        .find(|l| l.starts_with("| `ratelimit_wasm_requests_denied` |"))
+        .expect("the requests_denied row")
+        .to_string();
+    let source = read("src/respond/problem.rs");
+    let statuses: std::collections::BTreeSet<&str> = source
+        .split("status: ")
+        .skip(1)
+        .filter_map(|rest| {
+            rest.get(..3)
+                .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    assert!(statuses.contains("429"), "{statuses:?}");
+    for status in &statuses {
+        assert!(
+            row.contains(status),
+            "requests_denied does not mention {status}: {row}"
+        );
+    }
+}

@@ -2,7 +2,8 @@
 //!
 //! - `validate FILE...`: exit 1 with field paths on errors; fit for CI.
 //! - `explain FILE`: every rule × tier with its effective limits, burst, cost
-//!   and scope, and the `RateLimit-Policy` header clients will see.
+//!   and scope, and each limit's `RateLimit-Policy` item (a response shows the
+//!   one closest to its end).
 //! - `budget FILE... --provider-limit N/1m --headroom 10%`: whether the
 //!   service-wide global limits of several services sharing one paid upstream
 //!   fit under the provider's limit.

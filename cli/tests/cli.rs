@@ -77,6 +77,15 @@ fn explain_shows_every_rule_and_tier_with_the_policy_header() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let lines: Vec<&str> = r.stdout.lines().collect();
     assert!(lines[0].starts_with("rule"), "{}", r.stdout);
+    // Each limit's policy item; a response's header carries only the one
+    // closest to its end, so the column does not claim to be the header.
+    assert!(
+        lines[0]
+            .trim_end()
+            .ends_with("policy items (a response shows one)"),
+        "{}",
+        r.stdout
+    );
     let row = |rule: &str, tier: &str| {
         lines
             .iter()
