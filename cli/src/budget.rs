@@ -12,12 +12,7 @@ use crate::load;
 use ratelimit_wasm::config::duration;
 use ratelimit_wasm::config::{Config, LimitSpec, Rule, Scope};
 
-/// Parses `<requests>/<duration>` into requests per second.
-pub fn parse_rate(text: &str) -> Result<f64, String> {
-    parse_limit(text).map(|(n, secs)| n as f64 / secs as f64)
-}
-
-/// Parses `<requests>/<duration>` into requests and seconds.
+/// Parses `<requests>/<duration>` (`--provider-limit`) into requests and seconds.
 fn parse_limit(text: &str) -> Result<(u64, u64), String> {
     let (n, per) = text.split_once('/').ok_or_else(|| {
         format!("--provider-limit {text:?}: expected <requests>/<duration>, e.g. 1000/1m")
@@ -205,11 +200,11 @@ mod tests {
 
     #[test]
     fn rates_and_shares() {
-        assert_eq!(parse_rate("600/1m").unwrap(), 10.0);
-        assert_eq!(parse_rate("5/1s").unwrap(), 5.0);
-        assert!(parse_rate("600").is_err());
-        assert!(parse_rate("x/1m").is_err());
-        assert!(parse_rate("1/0s").is_err());
+        assert_eq!(parse_limit("600/1m").unwrap(), (600, 60));
+        assert_eq!(parse_limit("5/1s").unwrap(), (5, 1));
+        assert!(parse_limit("600").is_err());
+        assert!(parse_limit("x/1m").is_err());
+        assert!(parse_limit("1/0s").is_err());
         assert_eq!(parse_share("10%").unwrap(), 0.1);
         assert_eq!(parse_share("0.25").unwrap(), 0.25);
         assert!(parse_share("100%").is_err());
