@@ -2091,7 +2091,7 @@ fn only_the_filters_proxies_may_call_the_gateway() {
     ));
     assert_eq!(str_at(ap, "/spec/action"), "ALLOW");
     let rules = ap["spec"]["rules"].as_array().expect("rules");
-    assert_eq!(rules.len(), 2, "{rules:?}");
+    assert_eq!(rules.len(), 3, "{rules:?}");
     let strings = |v: &Value| -> Vec<String> {
         v.as_array()
             .unwrap_or_else(|| panic!("a list: {v}"))
@@ -2125,9 +2125,19 @@ fn only_the_filters_proxies_may_call_the_gateway() {
             panic!("one operation per rule: {rule}");
         };
         let op = &to["operation"];
-        assert_eq!(strings(&op["ports"]), std::slice::from_ref(&port), "{rule}");
         let methods = strings(&op["methods"]);
         let paths = strings(&op["paths"]);
+        if strings(&op["ports"]) == ["8091"] {
+            // The native filter's gRPC port: its one method only.
+            assert_eq!(methods, ["POST"], "{rule}");
+            assert_eq!(
+                paths,
+                ["/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"],
+                "{rule}"
+            );
+            continue;
+        }
+        assert_eq!(strings(&op["ports"]), std::slice::from_ref(&port), "{rule}");
         if paths.iter().any(|p| istio_path_matches(p, "/v1/check")) {
             // The API: POST under /v1/, covering the path the filter calls.
             assert_eq!(methods, ["POST"], "{rule}");
@@ -2261,4 +2271,165 @@ fn the_gateway_reads_caller_tokens_from_a_secret() {
     assert_eq!(u64_at(volume, "/secret/defaultMode"), 0o444);
     let readme = read("deploy/istio/README.md");
     assert!(readme.contains("ratelimit-gateway-auth-tokens"));
+}
+
+/// The native rate-limit path of `deploy/istio/README.md`: the EnvoyFilter
+/// there calls the gateway's gRPC port, and the AuthorizationPolicy must admit
+/// that call, or the native filter's `failure_mode_deny: false` lets every
+/// request through unlimited.
+#[test]
+fn the_gateway_policy_admits_the_native_rate_limit_path() {
+    let readme = read("deploy/istio/README.md");
+    let block = readme
+        .split("```yaml\n")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .find(|b| b.contains("kind: EnvoyFilter"))
+        .expect("the README's native EnvoyFilter");
+    let filter = yaml_docs(block, "the README's EnvoyFilter").remove(0);
+    let namespace = str_at(&filter, "/metadata/namespace");
+    let patch = &filter["spec"]["configPatches"][0]["patch"]["value"]["typed_config"];
+    let cluster = str_at(
+        patch,
+        "/rate_limit_service/grpc_service/envoy_grpc/cluster_name",
+    );
+    let port = cluster
+        .strip_prefix("outbound|")
+        .and_then(|r| r.split("||").next())
+        .unwrap_or_else(|| panic!("cluster {cluster:?} is not outbound|PORT||HOST"));
+    let path = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    let docs = yaml_file(GATEWAY_SECURITY_YAML);
+    let policy = object(&docs, "AuthorizationPolicy", "ratelimit-gateway");
+    let matches = |pattern: &str, value: &str| match pattern.strip_suffix('*') {
+        Some(prefix) => value.starts_with(prefix),
+        None => pattern == value,
+    };
+    let listed = |v: &Value, key: &str, value: &str| {
+        v.get(key)
+            .and_then(Value::as_array)
+            .is_none_or(|a| a.iter().any(|p| matches(p.as_str().unwrap_or(""), value)))
+    };
+    let admits = |principal: &str| {
+        policy["spec"]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|rule| {
+                let from = rule["from"].as_array().unwrap().iter().any(|f| {
+                    f["source"]["principals"].as_array().is_some_and(|a| {
+                        a.iter()
+                            .any(|p| matches(p.as_str().unwrap_or(""), principal))
+                    })
+                });
+                let to = rule["to"].as_array().unwrap().iter().any(|t| {
+                    let op = &t["operation"];
+                    listed(op, "ports", port)
+                        && listed(op, "methods", "POST")
+                        && listed(op, "paths", path)
+                });
+                from && to
+            })
+    };
+    let caller = format!("cluster.local/ns/{namespace}/sa/{namespace}");
+    assert!(
+        admits(&caller),
+        "{GATEWAY_SECURITY_YAML} does not admit the native path: POST {path} on port {port} from {caller}"
+    );
+    // The filter callouts' rule does not admit gRPC to the filter's port and vice versa.
+    assert!(!admits("cluster.local/ns/other/sa/other"));
+    assert!(
+        readme.contains("a caller the policy refuses is **not limited at all**"),
+        "the README warns that a refused native caller fails open"
+    );
+}
+
+/// The trial Redis: a password from a Secret that the gateway reads too,
+/// mTLS STRICT on its pods, and an ALLOW policy that lets only the gateway's
+/// service account connect.
+#[test]
+fn the_trial_redis_admits_only_the_gateway_with_a_password() {
+    let gw = yaml_file(GATEWAY_YAML);
+    let deploy = object(&gw, "Deployment", "ratelimit-gateway");
+    let gw_sa = str_at(deploy, "/spec/template/spec/serviceAccountName");
+    let docs = yaml_file(REDIS_YAML);
+    let sts = object(&docs, "StatefulSet", "redis");
+    let redis_labels = &sts["spec"]["template"]["metadata"]["labels"];
+    let [redis] = containers(sts).as_slice() else {
+        panic!("one redis container");
+    };
+    // The password: `--requirepass $(REDIS_PASSWORD)`, from a Secret key.
+    let args: Vec<&str> = redis["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let at = args
+        .iter()
+        .position(|a| *a == "--requirepass")
+        .expect("redis-server --requirepass");
+    assert_eq!(args.get(at + 1), Some(&"$(REDIS_PASSWORD)"));
+    let env = redis["env"].as_array().expect("redis env");
+    let secret_of = |name: &str| -> (String, String) {
+        let e = env
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("redis env {name}"));
+        (
+            str_at(e, "/valueFrom/secretKeyRef/name").to_string(),
+            str_at(e, "/valueFrom/secretKeyRef/key").to_string(),
+        )
+    };
+    let (secret, key) = secret_of("REDIS_PASSWORD");
+    // redis-cli (the probe) authenticates from REDISCLI_AUTH.
+    assert_eq!(secret_of("REDISCLI_AUTH"), (secret.clone(), key.clone()));
+    // The gateway reads the same Secret key as its password file.
+    let [gw_container] = containers(deploy).as_slice() else {
+        panic!("one gateway container");
+    };
+    let file = env_of(gw_container)
+        .get("RLGW_REDIS_PASSWORD_FILE")
+        .cloned()
+        .expect("RLGW_REDIS_PASSWORD_FILE");
+    let volume = deploy["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"]["secretName"] == secret.as_str())
+        .unwrap_or_else(|| panic!("the gateway mounts Secret {secret}"));
+    let mount = gw_container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .expect("its mount");
+    assert_eq!(file, format!("{}/{key}", str_at(mount, "/mountPath")));
+
+    // STRICT mTLS and an ALLOW for the gateway's identity only.
+    let pa = object(&docs, "PeerAuthentication", "redis");
+    assert!(labels_select(
+        &pa["spec"]["selector"]["matchLabels"],
+        redis_labels
+    ));
+    assert_eq!(str_at(pa, "/spec/mtls/mode"), "STRICT");
+    let ap = object(&docs, "AuthorizationPolicy", "redis");
+    assert!(labels_select(
+        &ap["spec"]["selector"]["matchLabels"],
+        redis_labels
+    ));
+    assert_eq!(str_at(ap, "/spec/action"), "ALLOW");
+    assert_eq!(
+        ap["spec"]["rules"],
+        json!([{
+            "from": [{ "source": { "principals": [format!("cluster.local/ns/ratelimit/sa/{gw_sa}")] } }],
+            "to": [{ "operation": { "ports": ["6379"] } }]
+        }])
+    );
+    for doc in [pa, ap] {
+        let kind = str_at(doc, "/kind");
+        let (_, validator) = crd_validator_at(security_crd_file(kind), "v1");
+        let errors = schema_errors(&validator, doc);
+        assert!(errors.is_empty(), "{kind} redis: {}", errors.join("\n"));
+        check_security_cel_rules(&format!("{kind} redis"), kind, &doc["spec"]);
+    }
 }

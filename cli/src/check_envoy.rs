@@ -160,11 +160,80 @@ fn runs_the_filter(hcm: &Value) -> bool {
     })
 }
 
+/// Whether `filter` is this filter (see [`runs_the_filter`]).
+fn is_ours(f: &Value) -> bool {
+    let Some(typed) = f.get("typed_config") else {
+        return false;
+    };
+    let is_wasm = type_url(typed).is_some_and(|t| t.ends_with(".filters.http.wasm.v3.Wasm"))
+        || f.get("name").and_then(Value::as_str) == Some("envoy.filters.http.wasm");
+    let config = typed.get("config");
+    let root_id = config
+        .and_then(|c| c.get("root_id"))
+        .and_then(Value::as_str);
+    let file = config
+        .and_then(|c| c.pointer("/vm_config/code/local/filename"))
+        .and_then(Value::as_str);
+    is_wasm
+        && (root_id == Some(ROOT_ID)
+            || file.is_some_and(|f| f.rsplit('/').next() == Some(WASM_FILE)))
+}
+
+/// The header the filter takes the client id from, when its embedded
+/// configuration parses and keys a rule or quota on `client` by header.
+fn client_id_header(ours: &Value) -> Option<String> {
+    let configuration = ours.pointer("/typed_config/config/configuration")?;
+    let text = configuration
+        .get("value")
+        .and_then(Value::as_str)
+        .or(configuration.as_str())?;
+    let c = ratelimit_wasm::config::parse(text.as_bytes()).ok()?;
+    let keyed = c.rules.iter().any(|r| r.key.iter().any(|k| k == "client"))
+        || c.quotas.iter().any(|q| q.key.iter().any(|k| k == "client"));
+    (keyed && c.identity.client_id_metadata.is_none())
+        .then(|| c.identity.client_id_header.to_ascii_lowercase())
+}
+
+/// Warns when the client id header is one the client writes: no filter in
+/// front of ours names it.
+fn check_client_id(listener: &str, hcm: &Value, report: &mut Report) {
+    let filters: Vec<&Value> = hcm
+        .get("http_filters")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .collect();
+    let Some(at) = filters.iter().position(|f| is_ours(f)) else {
+        return;
+    };
+    let Some(ours) = filters.get(at) else {
+        return;
+    };
+    let Some(header) = client_id_header(ours) else {
+        return;
+    };
+    let quoted = format!("\"{header}\"");
+    let names_it = |v: &Value| v.to_string().to_ascii_lowercase().contains(&quoted);
+    let handled = filters.iter().take(at).any(|f| names_it(f))
+        || hcm
+            .get("early_header_mutation_extensions")
+            .is_some_and(names_it);
+    if !handled {
+        report.warnings.push(format!(
+            "{listener}: the client id comes from header \"{header}\", which no filter in front \
+             of the ratelimit filter sets or removes, so a client writes its own id and gets a \
+             fresh bucket per forged id; remove it (header_mutation), set it from a verified \
+             token (jwt_authn claim_to_headers), or read identity.client_id_metadata"
+        ));
+    }
+}
+
 fn is_true(hcm: &Value, field: &str) -> bool {
     hcm.get(field).and_then(Value::as_bool) == Some(true)
 }
 
 fn check_hcm(listener: &str, hcm: &Value, report: &mut Report) {
+    check_client_id(listener, hcm, report);
     let hops = hcm
         .get("xff_num_trusted_hops")
         .and_then(Value::as_u64)
@@ -323,6 +392,61 @@ mod tests {
         let r = check(&bootstrap(ext, ROOT_ID));
         assert!(r.warnings.is_empty(), "{r:?}");
         assert!(r.notes[0].contains("(envoy.extensions.http.original_ip_detection.custom_header)"));
+    }
+
+    /// `bootstrap` with the filter's configuration embedded and `before`
+    /// placed ahead of it in `http_filters`.
+    fn with_config(plugin: Value, before: Vec<Value>) -> Value {
+        let mut doc = bootstrap(safe(), ROOT_ID);
+        let filters = doc
+            .pointer_mut(
+                "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/http_filters",
+            )
+            .and_then(Value::as_array_mut)
+            .unwrap();
+        filters[0]["typed_config"]["config"]["configuration"] =
+            json!({ "value": plugin.to_string() });
+        for (i, f) in before.into_iter().enumerate() {
+            filters.insert(i, f);
+        }
+        doc
+    }
+
+    fn keyed_on_header() -> Value {
+        json!({ "domain": "d", "identity": { "client_id_header": "x-client-id" },
+                "rules": [ { "name": "c", "key": ["client"],
+                             "limits": [ { "requests": 10, "per": "1m" } ] } ] })
+    }
+
+    #[test]
+    fn a_client_id_header_nothing_in_front_sets_is_a_warning() {
+        let r = check(&with_config(keyed_on_header(), vec![]));
+        assert_eq!(r.warnings.len(), 1, "{r:?}");
+        assert!(
+            r.warnings[0].contains(
+                "the client id comes from header \"x-client-id\", which no filter in front of \
+                 the ratelimit filter sets or removes"
+            ),
+            "{r:?}"
+        );
+        // jwt_authn writing the header from a verified claim: it is trusted.
+        let jwt = json!({ "name": "envoy.filters.http.jwt_authn", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": { "p": { "claim_to_headers": [ { "header_name": "X-Client-Id", "claim_name": "sub" } ] } } } });
+        let r = check(&with_config(keyed_on_header(), vec![jwt]));
+        assert!(r.warnings.is_empty(), "{r:?}");
+        // A header mutation removing it.
+        let strip = json!({ "name": "envoy.filters.http.header_mutation", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": { "request_mutations": [ { "remove": "x-client-id" } ] } } });
+        let r = check(&with_config(keyed_on_header(), vec![strip]));
+        assert!(r.warnings.is_empty(), "{r:?}");
+        // Metadata from jwt_authn: no header is read.
+        let mut meta = keyed_on_header();
+        meta["identity"] =
+            json!({ "client_id_metadata": ["envoy.filters.http.jwt_authn", "payload", "sub"] });
+        let r = check(&with_config(meta, vec![]));
+        assert!(r.warnings.is_empty(), "{r:?}");
     }
 
     #[test]

@@ -17,7 +17,9 @@ pub fn table(c: &Config) -> String {
         "scope",
         "algorithm",
         "mode",
-        "RateLimit-Policy",
+        // Every limit's `RateLimit-Policy` item; a response carries only the
+        // one of the limit closest to its end (the filter's `binding`).
+        "policy items (a response shows one)",
     ]
     .map(String::from)];
     let cost = if c.costs.is_empty() {

@@ -47,9 +47,24 @@ pub struct Options {
     /// The OCI image of the filter (pin the tag).
     #[arg(long, default_value = "oci://ghcr.io/example/ratelimit-wasm:0.1.0")]
     pub image: String,
-    /// The image manifest's digest, 64 hex digits without `sha256:`.
-    #[arg(long, default_value = SHA256_PLACEHOLDER)]
-    pub sha256: String,
+    /// The image manifest's digest, 64 hex digits without `sha256:`;
+    /// required for `--target istio` (64 zeros only as an explicit placeholder).
+    #[arg(long)]
+    pub sha256: Option<String>,
+    /// The gateway's Kubernetes service host; for `--target istio` it sets
+    /// `global.cluster` to `outbound|PORT||HOST`, the name Istio gives it.
+    #[arg(long)]
+    pub gateway_host: Option<String>,
+    /// The gateway's service port, with `--gateway-host`.
+    #[arg(long, default_value_t = 8081)]
+    pub gateway_port: u16,
+    /// The variable a literal `global.token` is rendered as (`token_env`).
+    #[arg(long, default_value = "RATELIMIT_GATEWAY_TOKEN")]
+    pub token_env: String,
+    /// Keep a literal `global.token` in the rendered files (it is then in
+    /// the manifests and in Envoy's config_dump).
+    #[arg(long)]
+    pub inline_token: bool,
     /// Where the module is inside the proxy (file:// url, or a path).
     #[arg(long, default_value = "file:///opt/filters/ratelimit_wasm.wasm")]
     pub file_url: String,
@@ -62,26 +77,75 @@ pub struct Options {
 }
 
 /// The checksum placeholder: 64 zeros, which makes Istio's fetch fail (so an
-/// unedited file never runs an unverified module).
+/// unedited file never runs an unverified module); accepted only when given
+/// explicitly, with a warning.
 pub const SHA256_PLACEHOLDER: &str =
     "0000000000000000000000000000000000000000000000000000000000000000";
 
 /// Renders `file` into `out` and returns the names of the files written.
 pub fn run(file: &str, out: &str, opts: &Options) -> Result<Vec<String>, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: cannot read: {e}"))?;
+    let original =
+        std::fs::read_to_string(file).map_err(|e| format!("{file}: cannot read: {e}"))?;
+    ratelimit_wasm::config::parse(original.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
+    let mut source: Value =
+        serde_json::from_str(&original).map_err(|e| format!("{file}: not valid JSON: {e}"))?;
+    let mut rewritten = false;
+    if let Some(global) = source.get_mut("global").and_then(Value::as_object_mut) {
+        if global.contains_key("token") && !opts.inline_token {
+            // A literal token would be in the manifests and in Envoy's
+            // config_dump, readable by any container of the pod.
+            global.remove("token");
+            global.insert("token_env".into(), Value::String(opts.token_env.clone()));
+            rewritten = true;
+            eprintln!(
+                "{file}: note: global.token is not rendered: the files name token_env {:?} \
+                 instead; put the token in that variable of the proxy (from a Secret), \
+                 or pass --inline-token to keep the literal",
+                opts.token_env
+            );
+        } else if global.contains_key("token") {
+            eprintln!(
+                "{file}: warning: global.token is inline, so whoever can read the rendered files \
+                 (WasmPlugins, Envoy configs, config_dump) reads the token; prefer global.token_env"
+            );
+        }
+        if opts.target == "istio" {
+            let cluster = global.get("cluster").and_then(Value::as_str).unwrap_or("");
+            match &opts.gateway_host {
+                Some(host) => {
+                    let istio = format!("outbound|{}||{host}", opts.gateway_port);
+                    if cluster != istio {
+                        global.insert("cluster".into(), Value::String(istio));
+                        rewritten = true;
+                    }
+                }
+                None if !cluster.starts_with("outbound|") => {
+                    return Err(format!(
+                        "{file}: global.cluster {cluster:?}: Istio names the gateway's cluster \
+                         outbound|PORT||HOST; pass --gateway-host (and --gateway-port) or write it"
+                    ))
+                }
+                None => {}
+            }
+        }
+    }
+    // Verbatim unless a flag changed it; then the JSON re-serialized.
+    let text = if rewritten {
+        let mut t = serde_json::to_string_pretty(&source)
+            .map_err(|e| format!("{file}: cannot serialize: {e}"))?;
+        t.push('\n');
+        t
+    } else {
+        original
+    };
     let parsed =
         ratelimit_wasm::config::parse(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
-    let source: Value =
-        serde_json::from_str(&text).map_err(|e| format!("{file}: not valid JSON: {e}"))?;
     let token_env = source
         .pointer("/global/token_env")
         .and_then(Value::as_str)
         .map(str::to_string);
-    if source.pointer("/global/token").is_some() {
-        eprintln!(
-            "{file}: warning: global.token is inline, so whoever can read the rendered files \
-             (WasmPlugins, Envoy configs) reads the token; prefer global.token_env"
-        );
+    if opts.target == "istio" {
+        check_sha256(opts.sha256.as_deref())?;
     }
     let target = match opts.target.as_str() {
         "istio" => istio,
@@ -105,6 +169,31 @@ pub fn run(file: &str, out: &str, opts: &Options) -> Result<Vec<String>, String>
         names.push(name);
     }
     Ok(names)
+}
+
+/// Checks `--sha256` for the OCI WasmPlugin: required, 64 lower-case hex
+/// digits; the all-zeros placeholder only with a warning.
+fn check_sha256(sha: Option<&str>) -> Result<(), String> {
+    let sha = sha.ok_or(
+        "--sha256 is required for --target istio: the digest of the image's manifest \
+         (e.g. `crane digest IMAGE`), 64 hex digits without `sha256:`",
+    )?;
+    if sha.len() != 64
+        || !sha
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Err(format!(
+            "--sha256 {sha:?}: expected 64 lower-case hex digits without `sha256:`"
+        ));
+    }
+    if sha == SHA256_PLACEHOLDER {
+        eprintln!(
+            "warning: --sha256 64 zeros is a placeholder: Istio refuses to load wasmplugin.yaml \
+             until it is replaced with the image's digest"
+        );
+    }
+    Ok(())
 }
 
 /// `text` with every line prefixed by `indent` spaces (empty lines stay empty).
@@ -257,7 +346,7 @@ spec:
 {spec_common}",
         header("The filter pulled from an OCI image."),
         q(&o.image),
-        q(&o.sha256)
+        q(o.sha256.as_deref().unwrap_or(SHA256_PLACEHOLDER))
     );
     let from_file = format!(
         "{}{metadata}  # A file inside the proxy container; Istio reads no sha256 for file://.

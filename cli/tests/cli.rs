@@ -77,6 +77,15 @@ fn explain_shows_every_rule_and_tier_with_the_policy_header() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let lines: Vec<&str> = r.stdout.lines().collect();
     assert!(lines[0].starts_with("rule"), "{}", r.stdout);
+    // Each limit's policy item; a response's header carries only the one
+    // closest to its end, so the column does not claim to be the header.
+    assert!(
+        lines[0]
+            .trim_end()
+            .ends_with("policy items (a response shows one)"),
+        "{}",
+        r.stdout
+    );
     let row = |rule: &str, tier: &str| {
         lines
             .iter()
@@ -346,8 +355,14 @@ const EDGE_SETTINGS: [&str; 4] = [
     "path_with_escaped_slashes_action: UNESCAPE_AND_REDIRECT",
 ];
 
+/// The warning for a client id header the client writes itself.
+const CLIENT_ID_WARNING: &str = "the client id comes from header \"x-client-id\", which no filter in front of the ratelimit filter sets or removes, so a client writes its own id and gets a fresh bucket per forged id; remove it (header_mutation), set it from a verified token (jwt_authn claim_to_headers), or read identity.client_id_metadata";
+
+/// The shipped edge listener passes every setting check, but paired with
+/// `envoy/ratelimit.json` (keyed on the client-written `x-client-id`) it is
+/// not "ok": forged ids got 15 of 15 requests past a limit of 10.
 #[test]
-fn check_envoy_passes_the_shipped_envoy_configs() {
+fn check_envoy_passes_the_shipped_envoy_configs_but_flags_a_client_written_id() {
     let template = rendered_envoy("rendered-envoy.yaml", &[]);
     let compose = format!(
         "{}/../deploy/compose/envoy.yaml",
@@ -356,15 +371,18 @@ fn check_envoy_passes_the_shipped_envoy_configs() {
     // The template itself too: its `${NAME}` placeholders are read as strings.
     let raw = shipped("envoy.yaml");
     let r = run(&["check-envoy", &template, &compose, &raw]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    assert_eq!(r.stderr, "");
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert_eq!(
+        r.stderr,
+        format!(
+            "{template}: warning: listener \"ingress\": {CLIENT_ID_WARNING}\n\
+             {compose}: warning: listener \"ingress\": {CLIENT_ID_WARNING}\n"
+        )
+    );
+    // The template alone (its configuration a placeholder) has nothing else.
     assert_eq!(
         r.stdout,
-        format!(
-            "{template}: ok (listener \"ingress\" runs the filter)\n\
-             {compose}: ok (listener \"ingress\" runs the filter)\n\
-             {raw}: ok (listener \"ingress\" runs the filter)\n"
-        )
+        format!("{raw}: ok (listener \"ingress\" runs the filter)\n")
     );
 }
 
@@ -375,7 +393,8 @@ fn check_envoy_warns_on_the_old_unsafe_template_in_yaml_and_json() {
     let l = "listener \"ingress\"";
     let want = |f: &str| {
         format!(
-            "{f}: warning: {l}: use_remote_address is not true, so Envoy takes source.address (the filter's `ip`) from X-Forwarded-For (its last entry), which a client that reaches this listener directly writes itself; set use_remote_address: true (behind N trusted proxies, with xff_num_trusted_hops: N)\n\
+            "{f}: warning: {l}: {CLIENT_ID_WARNING}\n\
+             {f}: warning: {l}: use_remote_address is not true, so Envoy takes source.address (the filter's `ip`) from X-Forwarded-For (its last entry), which a client that reaches this listener directly writes itself; set use_remote_address: true (behind N trusted proxies, with xff_num_trusted_hops: N)\n\
              {f}: warning: {l}: normalize_path is not true, so `/a/../upload` and `/%75pload` reach the filter as written and pass a path_prefix \"/upload\" rule; set normalize_path: true\n\
              {f}: warning: {l}: merge_slashes is not true, so `//upload` passes a path_prefix \"/upload\" rule; set merge_slashes: true\n\
              {f}: warning: {l}: path_with_escaped_slashes_action is unset, so `/api%2Fupload` passes a path_prefix \"/api/upload\" rule and reaches an upstream that may decode it; set UNESCAPE_AND_REDIRECT (or REJECT_REQUEST, UNESCAPE_AND_FORWARD)\n"
@@ -409,7 +428,7 @@ fn check_envoy_warns_on_the_old_unsafe_template_in_yaml_and_json() {
     assert_eq!(r.code, 1);
     assert_eq!(
         r.stderr,
-        format!("{hops}: warning: {l}: use_remote_address is not true, so Envoy takes source.address (the filter's `ip`) from X-Forwarded-For (entry 2 from the right, as xff_num_trusted_hops is 1), which a client that reaches this listener directly writes itself; set use_remote_address: true (behind N trusted proxies, with xff_num_trusted_hops: N)\n")
+        format!("{hops}: warning: {l}: {CLIENT_ID_WARNING}\n{hops}: warning: {l}: use_remote_address is not true, so Envoy takes source.address (the filter's `ip`) from X-Forwarded-For (entry 2 from the right, as xff_num_trusted_hops is 1), which a client that reaches this listener directly writes itself; set use_remote_address: true (behind N trusted proxies, with xff_num_trusted_hops: N)\n")
     );
 }
 
@@ -477,7 +496,7 @@ fn render(src: &str, out: &Path, extra: &[&str]) -> Run {
 
 const RENDER_CONFIG: &str = r#"{
   "domain": "shop:eu",
-  "global": { "cluster": "gw", "failure_mode": "closed" },
+  "global": { "cluster": "outbound|8081||gw.ratelimit.svc.cluster.local", "failure_mode": "closed" },
   "rules": [
     { "name": "api", "scope": "global", "key": ["client"],
       "limits": [ { "requests": 30, "per": "1m" } ] }
@@ -501,6 +520,8 @@ fn render_istio_writes_one_configuration_for_the_plugins_and_the_gateway() {
             "tier=edge",
             "--policy-namespace",
             "gw",
+            "--sha256",
+            &"ab".repeat(32),
         ],
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
@@ -546,7 +567,7 @@ fn render_istio_writes_one_configuration_for_the_plugins_and_the_gateway() {
         oci["spec"]["url"],
         "oci://ghcr.io/example/ratelimit-wasm:0.1.0"
     );
-    assert_eq!(oci["spec"]["sha256"], "0".repeat(64));
+    assert_eq!(oci["spec"]["sha256"], "ab".repeat(32));
     assert_eq!(
         from_file["spec"]["url"],
         "file:///opt/filters/ratelimit_wasm.wasm"
@@ -617,7 +638,11 @@ fn render_refuses_bad_input_and_writes_nothing() {
     let r = render(&good, &out, &["--target", "helm"]);
     assert_eq!(r.code, 1);
     assert_eq!(r.stderr, "--target \"helm\": expected istio or envoy\n");
-    let r = render(&good, &out, &["--selector", "app"]);
+    let r = render(
+        &good,
+        &out,
+        &["--selector", "app", "--sha256", &"ab".repeat(32)],
+    );
     assert_eq!(r.code, 1);
     assert_eq!(r.stderr, "--selector \"app\": expected key=value\n");
     assert!(!out.exists());
@@ -636,6 +661,8 @@ fn shipped_istio_manifests_are_rendered_from_one_configuration() {
         "deploy/istio/ratelimit.json",
         "--out",
         out.to_str().unwrap(),
+        "--sha256",
+        &"0".repeat(64),
     ]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let names = [
@@ -682,7 +709,7 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
     assert_ne!(config, RENDER_CONFIG);
     let src = file("render-token.json", &config);
     let out = out_dir("token");
-    let r = render(&src, &out, &[]);
+    let r = render(&src, &out, &["--sha256", &"ab".repeat(32)]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.stderr, "");
     for name in ["wasmplugin.yaml", "wasmplugin-file.yaml"] {
@@ -700,7 +727,8 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
         filter["typed_config"]["config"]["vm_config"]["environment_variables"],
         serde_json::json!({ "host_env_keys": ["RL_TOKEN"] })
     );
-    // An inline token is rendered, with a warning that it is readable.
+    // An inline token kept by --inline-token is rendered, with a warning
+    // that it is readable.
     let inline = file(
         "render-inline.json",
         &RENDER_CONFIG.replace(
@@ -708,11 +736,123 @@ fn render_passes_the_token_variable_from_the_proxy_into_the_vm() {
             r#""failure_mode": "closed", "token": "abc123" }"#,
         ),
     );
-    let r = render(&inline, &out, &[]);
+    let r = render(
+        &inline,
+        &out,
+        &["--inline-token", "--sha256", &"ab".repeat(32)],
+    );
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(
         r.stderr.contains("warning: global.token is inline"),
         "{}",
         r.stderr
     );
+}
+
+/// An Istio render without a pinned digest, or whose gateway cluster is not
+/// Istio's `outbound|PORT||HOST`, fails and says which flag fills it in.
+#[test]
+fn render_istio_refuses_an_unpinned_digest_and_a_non_istio_cluster() {
+    let src = file(
+        "render-unpinned.json",
+        &RENDER_CONFIG.replace("outbound|8081||gw.ratelimit.svc.cluster.local", "gw"),
+    );
+    let out = out_dir("unpinned");
+    let sha = "ab".repeat(32);
+    let r = render(
+        &src,
+        &out,
+        &["--gateway-host", "gw.ratelimit.svc.cluster.local"],
+    );
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("--sha256 is required for --target istio"),
+        "{}",
+        r.stderr
+    );
+    let zeros = out_dir("zeros");
+    let r = render(
+        &src,
+        &zeros,
+        &["--sha256", &"0".repeat(64), "--gateway-host", "gw.x"],
+    );
+    assert_eq!(r.code, 0, "an explicit placeholder renders: {}", r.stderr);
+    assert!(
+        r.stderr.contains("64 zeros is a placeholder"),
+        "{}",
+        r.stderr
+    );
+    let r = render(
+        &src,
+        &out,
+        &["--sha256", "sha256:abc", "--gateway-host", "gw.x"],
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("expected 64 lower-case hex digits"),
+        "{}",
+        r.stderr
+    );
+    let r = render(&src, &out, &["--sha256", &sha]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains(
+            r#"global.cluster "gw": Istio names the gateway's cluster outbound|PORT||HOST; pass --gateway-host"#
+        ),
+        "{}",
+        r.stderr
+    );
+    assert!(!out.exists());
+    let r = render(
+        &src,
+        &out,
+        &[
+            "--sha256",
+            &sha,
+            "--gateway-host",
+            "gw.ratelimit.svc.cluster.local",
+            "--gateway-port",
+            "9000",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let oci = yaml(&out.join("wasmplugin.yaml"));
+    assert_eq!(oci["spec"]["sha256"], sha.as_str());
+    assert_eq!(
+        oci["spec"]["pluginConfig"]["global"]["cluster"],
+        "outbound|9000||gw.ratelimit.svc.cluster.local"
+    );
+}
+
+/// A literal `global.token` is rendered as `token_env`, so the token is not
+/// in the manifests nor in Envoy's config_dump; `--inline-token` keeps it.
+#[test]
+fn render_moves_a_literal_token_to_token_env() {
+    let config = r#"{"domain":"d","global":{"cluster":"gw","token":"s3cret-s3cret-s3cret"},
+        "rules":[{"name":"api","scope":"global","limits":[{"requests":30,"per":"1m"}]}]}"#;
+    let src = file("render-literal-token.json", config);
+    let out = out_dir("literal-token");
+    let r = render(&src, &out, &["--target", "envoy"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let filter = std::fs::read_to_string(out.join("envoy-wasm-filter.yaml")).unwrap();
+    let policy = std::fs::read_to_string(out.join("d.json")).unwrap();
+    for text in [&filter, &policy] {
+        assert!(!text.contains("s3cret"), "{text}");
+        assert!(text.contains("RATELIMIT_GATEWAY_TOKEN"), "{text}");
+    }
+    let f = yaml(&out.join("envoy-wasm-filter.yaml"));
+    assert_eq!(
+        f["typed_config"]["config"]["vm_config"]["environment_variables"]["host_env_keys"],
+        serde_json::json!(["RATELIMIT_GATEWAY_TOKEN"])
+    );
+    assert!(
+        r.stderr.contains("global.token is not rendered"),
+        "{}",
+        r.stderr
+    );
+    let out2 = out_dir("literal-token-inline");
+    let r = render(&src, &out2, &["--target", "envoy", "--inline-token"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let filter = std::fs::read_to_string(out2.join("envoy-wasm-filter.yaml")).unwrap();
+    assert!(filter.contains("s3cret"), "{filter}");
 }

@@ -183,6 +183,12 @@ fn run() -> Result<()> {
             "\nEverything keeps running: try `curl -i -H 'x-client-id: me' {}`",
             envoy.url("/")
         );
+        // The demo's clients name themselves; a real edge must not let them.
+        println!(
+            "(this demo trusts the client-written x-client-id header on purpose, so that you can \
+             play several clients; `ratelimit check-envoy` warns about it, and a real edge sets \
+             the id from a verified token: identity.client_id_metadata)"
+        );
         println!(
             "or the graduated rule: `curl -si -H 'x-client-id: me' {} | grep -i ratelimit`",
             load_envoy.url("/")
