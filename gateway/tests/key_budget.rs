@@ -150,3 +150,70 @@ async fn expired_keys_leave_the_budget() {
     );
     assert_eq!(redis.cli(&["ZCARD", "rl:{kb-e|live}"]).unwrap(), "1");
 }
+
+/// On a Redis Cluster the ledger is one per domain and slot, in that slot:
+/// with `--key-budget 1` a slot holds 4 keys of a domain. One client's five
+/// monthly quotas (one slot, its hash tag) fill it; another slot and another
+/// domain are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_the_budget_is_per_domain_and_slot() {
+    use ratelimit_gateway::keys::live_ledger_in_slot;
+    use redis::cluster_routing::Slot;
+
+    let cluster = redis_cluster();
+    let gw = gateway_with(Target::Cluster(cluster.seeds()), 2000, |mut c| {
+        c.key_budget = 1;
+        c
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let base = gw.url();
+    let quotas = |domain: &str, names: &[&str]| {
+        let qs: Vec<Value> = names
+            .iter()
+            .map(|n| quota(domain, &format!("{n}/c=x"), "c=x", 100, "month", 1))
+            .collect();
+        quota_request(domain, &qs)
+    };
+    let (status, body) = check(&client, &base, &quotas("kbc", &["m1", "m2", "m3", "m4"])).await;
+    assert_eq!(
+        (status, &body["allowed"]),
+        (200, &Value::Bool(true)),
+        "{body}"
+    );
+    let (status, body) = check(&client, &base, &quotas("kbc", &["m5"])).await;
+    assert_eq!(status, 503, "{body}");
+    let (status, body) = check(&client, &base, &quotas("kbc", &["m1"])).await;
+    assert_eq!(
+        (status, &body["allowed"]),
+        (200, &Value::Bool(true)),
+        "{body}"
+    );
+    let (status, body) = check(&client, &base, &quotas("kbc2", &["m5"])).await;
+    assert_eq!(
+        (status, &body["allowed"]),
+        (200, &Value::Bool(true)),
+        "{body}"
+    );
+
+    let slot = Slot::for_key("{kbc|c=x}");
+    let ledger = live_ledger_in_slot("rl:", "kbc", slot);
+    let members = cluster
+        .cli(&["--raw", "ZRANGE", &ledger, "0", "-1"])
+        .unwrap();
+    let names: Vec<&str> = members
+        .lines()
+        .map(|k| k.rsplit_once('|').map_or(k, |(head, _)| head))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "rl:{kbc|c=x}|q|m1/c=x|month",
+            "rl:{kbc|c=x}|q|m2/c=x|month",
+            "rl:{kbc|c=x}|q|m3/c=x|month",
+            "rl:{kbc|c=x}|q|m4/c=x|month",
+        ]
+    );
+    let refused = "ratelimit_gateway_key_budget_refusals_total{domain=\"kbc\"}";
+    assert_eq!(metric(&client, &base, refused).await, 1.0);
+}
