@@ -142,9 +142,10 @@ async fn checks_over_tls_with_a_password_mutual_tls_and_a_wrong_ca_refused() {
     let gw = connected_gateway(Target::Single(url.clone()), tls_options(&pki), 2000).await;
     assert_eq!(checks(&client, &gw.url(), &body, 5).await, (3, 2, 0));
     assert_eq!(get(&client, &gw.url(), "/healthz").await.0, 200);
-    // The state is on the TLS server: one bucket key and the health key.
+    // The state is on the TLS server: one bucket key, the domain's ledger
+    // of live keys and the health key.
     let keys = redis.cli(&[&auth[..], &["KEYS", "rl:*"]].concat()).unwrap();
-    assert_eq!(keys.lines().count(), 2, "{keys}");
+    assert_eq!(keys.lines().count(), 3, "{keys}");
     gw.stop().await.unwrap();
 
     // Mutual TLS: once the server demands a client certificate, only a
