@@ -279,7 +279,9 @@ async fn a_shared_descriptor_charges_the_client_of_its_own_entry() {
     let keys = dump(&redis);
     assert_eq!(keys.lines().count(), 2, "{keys}");
     assert!(
-        keys.lines().nth(1).is_some_and(|l| l.starts_with("rl:{sh|live} zset ")),
+        keys.lines()
+            .nth(1)
+            .is_some_and(|l| l.starts_with("rl:{sh|live} zset ")),
         "{keys}"
     );
     assert!(
