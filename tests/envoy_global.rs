@@ -1097,11 +1097,13 @@ fn auth_failures(gateway: &Gateway, reason: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {sample} in the gateway's /metrics"))
 }
 
-/// Every Redis key but the gateway's health-check key, with value and expiry.
+/// Every Redis key but the gateway's health-check key and its ledgers of
+/// live keys (`rl:{<domain>|live}`, the key budget's), with value and expiry.
 fn data_keys(redis: &Redis) -> String {
     ok(redis.dump(), "dumping Redis")
         .lines()
         .filter(|l| !l.starts_with("rl:health:"))
+        .filter(|l| !l.split(' ').next().is_some_and(|k| k.ends_with("|live}")))
         .map(|l| format!("{l}\n"))
         .collect()
 }

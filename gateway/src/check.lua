@@ -19,6 +19,14 @@
 -- ARGV[4L+3j+1..4L+3j+3]
 --                  per quota j (j = 1..Q): period ("minute" | "hour" | "day" | "month"),
 --                  limit (0..2^50), amount (>= 1)
+-- KEYS[L+Q+1]      the domain's ledger of live keys, "<prefix>{<domain>|live}"
+--                  (on a cluster "<prefix>{<domain>|live|<n>}", n chosen so
+--                  that it shares the other keys' slot): a sorted set of the
+--                  keys the domain holds, scored by their expiry (ms)
+-- ARGV[last]       the key budget: how many live keys the ledger may hold
+--                  (0: no budget). A charge that would create a key past it
+--                  is refused with the error "KEYBUDGET"; existing keys keep
+--                  working, and nothing is written.
 --
 -- Returns { all_allowed (1|0), now_ms,
 --           then per limit: allowed (1|0), remaining, reset_ms, retry_after_ms,
@@ -34,6 +42,16 @@
 
 local commit = ARGV[1] == '1'
 local now, override = clock(ARGV[2])
+local ledger = KEYS[#KEYS]
+local budget = tonumber(ARGV[#ARGV]) or 0
+local fresh = {} -- keys this call would create, as a set
+local n_fresh = 0
+local function created(key)
+  if not fresh[key] then
+    fresh[key] = true
+    n_fresh = n_fresh + 1
+  end
+end
 
 -- Token bucket (GCRA). State "tat_ms:rem": TAT = tat_ms + rem/C ms, 0 <= rem < C.
 -- The bucket holds TAT - now = d + r/C ms of use (0 when the TAT is past), i.e.
@@ -150,7 +168,10 @@ for i = 1, n_limits do
   local window = tonumber(ARGV[4 * i + 2])
   local cost = tonumber(ARGV[4 * i + 3])
   local state = pending[key]
-  if state == nil then state = redis.call('GET', key) end
+  if state == nil then
+    state = redis.call('GET', key)
+    if not state then created(key) end
+  end
   local ok, new_state, remaining, reset, retry, ttl
   if algorithm == 'token_bucket' then
     ok, new_state, remaining, reset, retry, ttl = token_bucket(state, requests, window, cost)
@@ -178,7 +199,7 @@ end
 local sec = divmod(now, 1000)
 local counts = {}
 local quotas = {}
-for j = 1, #KEYS - n_limits do
+for j = 1, #KEYS - n_limits - 1 do
   local a = 4 * n_limits + 3 * j
   local period = ARGV[a + 1]
   local limit = tonumber(ARGV[a + 2])
@@ -189,7 +210,11 @@ for j = 1, #KEYS - n_limits do
   end
   local key = KEYS[n_limits + j] .. '|' .. fmt(start)
   local count = counts[key]
-  if count == nil then count = tonumber(redis.call('GET', key) or '0') or 0 end
+  if count == nil then
+    local stored = redis.call('GET', key)
+    if not stored then created(key) end
+    count = tonumber(stored or '0') or 0
+  end
   local ok = amount <= limit - count
   if ok then counts[key] = count + amount else all = false end
   quotas[j] = { key, ok, limit - count, amount, stop * 1000 - now, stop * 1000 }
@@ -217,17 +242,41 @@ local function set_all(list)
   end
 end
 
+-- The ledger forgets expired keys, then must have room for the new ones.
+-- Without an expiry (time override) a key is scored 2^53: never forgotten.
+local function track(key, expire_ms)
+  if budget > 0 then
+    if override then expire_ms = 9007199254740992 end
+    redis.call('ZADD', ledger, fmt(expire_ms), key)
+  end
+end
+
 if not all then
   out[1] = 0
   if commit then set_all(bounds) end
 elseif commit then
+  if budget > 0 and n_fresh > 0 then
+    redis.call('ZREMRANGEBYSCORE', ledger, '-inf', fmt(now))
+    local live = redis.call('ZCARD', ledger)
+    if live + n_fresh > budget then
+      return redis.error_reply('KEYBUDGET ratelimit: ' .. fmt(live) .. ' live keys of '
+        .. fmt(budget) .. ', ' .. fmt(n_fresh) .. ' more refused')
+    end
+  end
   set_all(writes)
+  for _, wr in ipairs(writes) do track(wr[1], now + wr[3]) end
   for _, q in ipairs(quotas) do
     redis.call('INCRBY', q[1], fmt(q[4]))
     if not override then
       -- The key names its period, so a late write can never extend an old one.
       redis.call('PEXPIREAT', q[1], fmt(q[6]))
     end
+    track(q[1], q[6])
+  end
+  if budget > 0 and not override then
+    -- The ledger lives as long as its longest-lived key.
+    local last = redis.call('ZRANGE', ledger, -1, -1, 'WITHSCORES')
+    if last[2] then redis.call('PEXPIREAT', ledger, last[2]) end
   end
 end
 return out

@@ -120,6 +120,9 @@ pub struct Args {
     /// Buckets the deny cache remembers: a bucket Redis denied is answered denied from memory, without a Redis call, until Redis's wait is over; 0 turns it off.
     #[arg(long, env = "RLGW_DENY_CACHE_ENTRIES", default_value_t = DEFAULT_DENY_CACHE_ENTRIES, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
     pub deny_cache_entries: u64,
+    /// Live Redis keys one domain and tag (one hash tag) may hold; a check that would create one more is refused with 503 for that hash tag only, existing keys keep working; 0 turns it off.
+    #[arg(long, env = "RLGW_KEY_BUDGET", default_value_t = DEFAULT_KEY_BUDGET)]
+    pub key_budget: u64,
     /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
     #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
     pub rls_near_limit_ratio: f64,
@@ -236,6 +239,8 @@ pub struct Config {
     pub rls: RlsOptions,
     /// Slots of the deny cache (`crate::deny_cache`); 0: off.
     pub deny_cache_entries: usize,
+    /// Live keys per hash tag (`--key-budget`); 0: no budget.
+    pub key_budget: u64,
     /// Worker threads of [`crate::run`] (`--worker-threads`, 0 resolved to
     /// the available CPUs); at least 1. [`crate::start`] serves on its
     /// caller's runtime instead.
@@ -264,6 +269,7 @@ impl Config {
             bounds: Bounds::default(),
             rls: RlsOptions::default(),
             deny_cache_entries: DEFAULT_DENY_CACHE_ENTRIES as usize,
+            key_budget: DEFAULT_KEY_BUDGET,
             worker_threads: 1,
         }
     }
@@ -271,6 +277,10 @@ impl Config {
 
 /// `--max-connections`' default.
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
+
+/// `--key-budget`'s default: live keys per domain (on a cluster, see
+/// `crate::keys::slot_budget`).
+pub const DEFAULT_KEY_BUDGET: u64 = 100_000;
 
 /// `--deny-cache-entries`' default.
 pub const DEFAULT_DENY_CACHE_ENTRIES: u64 = 16384;
@@ -370,6 +380,7 @@ impl TryFrom<Args> for Config {
                 allow_overrides: a.rls_allow_overrides,
             },
             deny_cache_entries: usize::try_from(a.deny_cache_entries).unwrap_or(usize::MAX),
+            key_budget: a.key_budget,
             worker_threads: match a.worker_threads {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
                 n => usize::try_from(n).unwrap_or(1),

@@ -215,6 +215,39 @@ pub fn group_by_slot(limits: Vec<LimitKey>, quotas: Vec<QuotaKey>) -> Vec<Group>
     groups.into_iter().map(|(_, g)| g).collect()
 }
 
+/// The ledger of a domain's live keys on a single Redis (or Sentinel
+/// master): `<prefix>{<domain>|live}`, a sorted set of key → expiry (ms)
+/// that `check.lua` keeps to enforce the key budget. Its hash tag holds a
+/// `|` that no escaped tag holds, so it never names a limit or quota key.
+pub fn live_ledger(prefix: &str, domain: &str) -> String {
+    format!("{prefix}{{{}|live}}", escape(domain))
+}
+
+/// A domain's ledger of live keys in cluster slot `slot` (a script's keys
+/// share one slot): `<prefix>{<domain>|live|<n>}` for the first `n` whose
+/// hash tag falls in `slot` (about 16,384 tries; the caller caches it).
+pub fn live_ledger_in_slot(prefix: &str, domain: &str, slot: Slot) -> String {
+    let domain = escape(domain);
+    let mut n: u32 = 0;
+    loop {
+        let key = format!("{prefix}{{{domain}|live|{n}}}");
+        // 2^24 tries find every slot with certainty in practice; the last
+        // one is used otherwise (the script then fails CROSSSLOT: a 503).
+        if Slot::for_key(key.as_bytes()) == slot || n == 1 << 24 {
+            return key;
+        }
+        n += 1;
+    }
+}
+
+/// The live keys a domain may hold in one cluster slot for a budget of
+/// `budget` per domain: four times its even share of the 16,384 slots,
+/// rounded up (hashing spreads a domain's keys unevenly), so a domain holds
+/// at most 65,536 × ceil(budget / 16,384) keys on a cluster.
+pub fn slot_budget(budget: u64) -> u64 {
+    budget.div_ceil(16_384).saturating_mul(4)
+}
+
 /// A key prefix must not contain a hash-tag brace, or the `{…}` would not be
 /// the first one in the key.
 pub fn check_prefix(prefix: &str) -> Result<(), String> {
@@ -229,6 +262,25 @@ pub fn check_prefix(prefix: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_domains_ledger_of_live_keys_can_sit_in_any_slot() {
+        assert_eq!(live_ledger("rl:", "a|b"), "rl:{a%7Cb|live}");
+        for key in [
+            "rl:{api|c=1}|q|m/c=1|month",
+            "rl:{api|c=2}|x",
+            "rl:{api|}|y",
+        ] {
+            let slot = Slot::for_key(key.as_bytes());
+            let ledger = live_ledger_in_slot("rl:", "api", slot);
+            assert!(ledger.starts_with("rl:{api|live|"), "{ledger}");
+            assert_eq!(Slot::for_key(ledger.as_bytes()), slot, "{ledger}");
+        }
+        assert_eq!(
+            (slot_budget(0), slot_budget(1), slot_budget(100_000)),
+            (0, 4, 28)
+        );
+    }
     use crate::protocol::Algorithm;
 
     const TB: LimitSpec = LimitSpec {

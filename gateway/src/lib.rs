@@ -90,7 +90,8 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
         config.key_prefix.clone(),
         metrics.clone(),
         deny_cache::DenyCache::new(config.deny_cache_entries),
-    );
+    )
+    .with_key_budget(config.key_budget);
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
     if config.policy.is_empty() {
         anyhow::bail!(

@@ -10,7 +10,7 @@ use prometheus::{
 /// the `result` label.
 pub const RESULTS: [&str; 4] = ["allowed", "denied", "lease", "error"];
 /// Error kinds, as the `kind` label.
-pub const ERROR_KINDS: [&str; 8] = [
+pub const ERROR_KINDS: [&str; 9] = [
     "bad_request",
     "timeout",
     "redis",
@@ -19,10 +19,11 @@ pub const ERROR_KINDS: [&str; 8] = [
     "refund",
     "oom",
     "readonly",
+    "key_budget",
 ];
 /// Kinds of the warnings callers can cause (a 400, or a 503 of this error
 /// kind), as the `kind` label of the suppressed log lines (`crate::logging`).
-pub const WARNING_KINDS: [&str; 7] = [
+pub const WARNING_KINDS: [&str; 8] = [
     "bad_request",
     "timeout",
     "redis",
@@ -30,6 +31,7 @@ pub const WARNING_KINDS: [&str; 7] = [
     "reply",
     "oom",
     "readonly",
+    "key_budget",
 ];
 /// Redis operations, as the `op` label.
 pub const OPS: [&str; 8] = [
@@ -106,6 +108,10 @@ pub struct Metrics {
     /// `ratelimit_gateway_deny_cache_hits_total`: checks answered denied
     /// from the deny cache, without charging Redis.
     pub deny_cache_hits: IntCounter,
+    /// `ratelimit_gateway_key_budget_refusals_total{domain}`: checks refused
+    /// because they would create a key past the key budget of a hash tag of
+    /// the domain (the domain is the policy's).
+    pub key_budget_refusals: IntCounterVec,
 }
 
 impl Metrics {
@@ -216,6 +222,14 @@ impl Metrics {
              Redis denied, its wait not over; nothing was charged.",
         )?;
         registry.register(Box::new(deny_cache_hits.clone()))?;
+        let key_budget_refusals = IntCounterVec::new(
+            Opts::new(
+                "ratelimit_gateway_key_budget_refusals_total",
+                "Checks refused because they would create a key past a hash tag's key budget, by domain.",
+            ),
+            &["domain"],
+        )?;
+        registry.register(Box::new(key_budget_refusals.clone()))?;
         registry.register(Box::new(auth_failures.clone()))?;
         registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(charged_then_failed.clone()))?;
@@ -283,6 +297,7 @@ impl Metrics {
             read_timeouts,
             connections_refused,
             deny_cache_hits,
+            key_budget_refusals,
         })
     }
 

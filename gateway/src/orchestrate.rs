@@ -20,7 +20,11 @@
 //! (`Mode::Peek`) so that every limit and quota still has an answer. Both
 //! front ends (`/v1/check` and the gRPC rate limit service) check here.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+use redis::cluster_routing::Slot;
 
 use crate::deny_cache::DenyCache;
 use crate::keys::{self, Group};
@@ -39,6 +43,10 @@ pub struct Limiter {
     prefix: String,
     metrics: Metrics,
     deny: DenyCache,
+    key_budget: u64,
+    /// Ledgers of live keys found per (domain, slot) on a cluster; at most
+    /// 16,384 per domain of the policy.
+    ledgers: Arc<Mutex<HashMap<(String, Slot), String>>>,
 }
 
 impl Limiter {
@@ -49,7 +57,18 @@ impl Limiter {
             prefix,
             metrics,
             deny,
+            key_budget: crate::flags::DEFAULT_KEY_BUDGET,
+            ledgers: Arc::default(),
         }
+    }
+
+    /// The most live keys one domain may hold (`--key-budget`; on a cluster
+    /// per slot, [`keys::slot_budget`]); 0: no budget. A check that would
+    /// create a key past it is refused (a Redis error of kind `key_budget`,
+    /// answered 503) for that domain only; its existing keys keep working.
+    pub fn with_key_budget(mut self, budget: u64) -> Self {
+        self.key_budget = budget;
+        self
     }
 
     /// The store, for health checks.
@@ -68,6 +87,24 @@ impl Limiter {
     /// period (so a test can step into the next minute, day or month) and
     /// write keys without an expiry. Nothing reachable over HTTP sets it.
     pub async fn check_at(
+        &self,
+        req: &Resolved,
+        now_ms: Option<u64>,
+    ) -> Result<CheckResponse, StoreError> {
+        let answer = self.check_groups(req, now_ms).await;
+        if let Err(e) = &answer {
+            if e.kind() == "key_budget" {
+                // The domain is the policy's (resolved), so the label's values are bounded.
+                self.metrics
+                    .key_budget_refusals
+                    .with_label_values(&[req.domain.as_str()])
+                    .inc();
+            }
+        }
+        answer
+    }
+
+    async fn check_groups(
         &self,
         req: &Resolved,
         now_ms: Option<u64>,
@@ -135,13 +172,13 @@ impl Limiter {
                     quotas: group.quotas.clone(),
                 };
                 if !rest.limits.is_empty() || !rest.quotas.is_empty() {
-                    let reply = self.run(&rest, Mode::Peek, now_ms).await?;
+                    let reply = self.run(&rest, Mode::Peek, now_ms, &req.domain).await?;
                     place(&mut slots, &mut quota_slots, &rest, &reply);
                 }
             }
         } else {
             for (gi, group) in groups.iter().enumerate() {
-                match self.run(group, Mode::Charge, now_ms).await {
+                match self.run(group, Mode::Charge, now_ms, &req.domain).await {
                     Ok(reply) => {
                         place(&mut slots, &mut quota_slots, group, &reply);
                         if reply.allowed {
@@ -162,7 +199,7 @@ impl Limiter {
         if let Some(d) = denied_at {
             self.refund_all(&groups, &charged, now_ms).await;
             for group in groups.iter().skip(d + 1) {
-                let reply = self.run(group, Mode::Peek, now_ms).await?;
+                let reply = self.run(group, Mode::Peek, now_ms, &req.domain).await?;
                 place(&mut slots, &mut quota_slots, group, &reply);
             }
             // The groups charged before were refunded: their quotas report
@@ -302,8 +339,10 @@ impl Limiter {
         group: &Group,
         mode: Mode,
         now_ms: Option<u64>,
+        domain: &str,
     ) -> Result<CheckReply, StoreError> {
-        let (keys, args) = script::check_args(group, mode, now_ms);
+        let (ledger, budget) = self.ledger(group, domain);
+        let (keys, args) = script::check_args(group, mode, now_ms, &ledger, budget);
         let op = match mode {
             Mode::Charge => "check",
             Mode::Peek => "peek",
@@ -311,6 +350,28 @@ impl Limiter {
         let reply: Vec<i64> = self.store.eval(script::check(), &keys, &args, op).await?;
         script::parse_check_reply(&reply, group.limits.len(), group.quotas.len())
             .map_err(StoreError::Reply)
+    }
+
+    /// The domain's ledger of live keys for `group` and its budget: one per
+    /// domain on a single Redis; on a cluster one per domain and slot (the
+    /// script's keys share a slot), with [`keys::slot_budget`].
+    fn ledger(&self, group: &Group, domain: &str) -> (String, u64) {
+        if !self.store.is_cluster() {
+            return (keys::live_ledger(&self.prefix, domain), self.key_budget);
+        }
+        let first = group
+            .limits
+            .first()
+            .map(|l| l.key.as_str())
+            .or_else(|| group.quotas.first().map(|q| q.base.as_str()))
+            .unwrap_or_default();
+        let slot = Slot::for_key(first.as_bytes());
+        let mut cache = self.ledgers.lock().unwrap_or_else(|e| e.into_inner());
+        let ledger = cache
+            .entry((domain.to_string(), slot))
+            .or_insert_with(|| keys::live_ledger_in_slot(&self.prefix, domain, slot))
+            .clone();
+        (ledger, keys::slot_budget(self.key_budget))
     }
 
     /// Gives back every charged group; failures are logged and counted (the

@@ -63,6 +63,11 @@ pub const ACL_COMMANDS: &[&str] = &[
     "incrby",
     "decrby",
     "pexpireat",
+    // The key budget's ledger (check.lua).
+    "zadd",
+    "zremrangebyscore",
+    "zcard",
+    "zrange",
 ];
 
 /// Where Redis is. `Debug` and `Display` show the addresses redacted.
@@ -126,6 +131,7 @@ impl StoreError {
             StoreError::Timeout(_) => "timeout",
             StoreError::Redis(e) if e.is_timeout() => "timeout",
             StoreError::Redis(e) if is_oom(e) => "oom",
+            StoreError::Redis(e) if e.code() == Some("KEYBUDGET") => "key_budget",
             StoreError::Redis(e) if e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) => {
                 "readonly"
             }

@@ -83,7 +83,16 @@ pub enum Mode {
 /// comes from Redis `TIME`); `Some` only in tests (through
 /// `Limiter::check_at`), which replay generated times or step into another
 /// quota period. With an override the script writes keys without an expiry.
-pub fn check_args(group: &Group, mode: Mode, now_ms: Option<u64>) -> (Vec<String>, Vec<String>) {
+///
+/// `budget` is the most live keys `ledger` (the domain's ledger of live keys
+/// in the group's slot, [`crate::keys::live_ledger`]) may hold; 0: no budget.
+pub fn check_args(
+    group: &Group,
+    mode: Mode,
+    now_ms: Option<u64>,
+    ledger: &str,
+    budget: u64,
+) -> (Vec<String>, Vec<String>) {
     let mut args = vec![
         match mode {
             Mode::Charge => "1".to_string(),
@@ -97,7 +106,10 @@ pub fn check_args(group: &Group, mode: Mode, now_ms: Option<u64>) -> (Vec<String
         args.push(q.limit.to_string());
         args.push(q.amount.to_string());
     }
-    (keys(&group.limits, &group.quotas), args)
+    args.push(budget.to_string());
+    let mut keys = keys(&group.limits, &group.quotas);
+    keys.push(ledger.to_string());
+    (keys, args)
 }
 
 /// Keys and arguments of a `refund.lua` call for a charge made at `charged_at_ms`

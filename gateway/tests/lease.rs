@@ -271,8 +271,9 @@ async fn leases_and_checks_share_one_bucket() {
         grant(&lease_at(&gw, &lease7, T0).await),
         (0, vec![(0, MINUTE, 6000)])
     );
-    // One bucket, one key (and the caller's ledger of its lease).
-    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "2");
+    // One bucket, one key (and the caller's ledger of its lease, and the
+    // domain's ledger of live keys).
+    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "3");
 
     // Over HTTP with Redis time (10 per hour: no refill during the test).
     let per_hour: &[L] = &[(10, HOUR, "token_bucket")];
@@ -290,7 +291,8 @@ async fn leases_and_checks_share_one_bucket() {
     assert_eq!(resp["allowed"], false, "{resp}");
     let (_, resp) = lease(&client, &gw.url(), &lease7).await;
     assert_eq!(resp["granted"], 0, "{resp}");
-    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "4");
+    // Each domain: its bucket, the lease ledger and its ledger of live keys.
+    assert_eq!(redis.cli(&["dbsize"]).unwrap(), "6");
     gw.stop().await.unwrap();
 }
 

@@ -698,8 +698,9 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
     }
     let (_, resp) = check(&client, base, &body).await;
     assert_eq!(resp["allowed"], false, "{resp}");
+    // Per master: its quota key and the domain's ledger of live keys in that slot.
     let sizes = cluster.cli_each(&["dbsize"]).unwrap();
-    assert!(sizes.iter().all(|s| s == "1"), "keys on {sizes:?}");
+    assert!(sizes.iter().all(|s| s == "2"), "keys on {sizes:?}");
 
     // A quota denial in a later slot group refunds the bucket charged before.
     let wide: &[L] = &[(10, HOUR, "token_bucket")];
@@ -834,4 +835,81 @@ async fn the_filter_s_request_and_answer_round_trip() {
     let start = cal::period("month", now_ms()).0 / 1000;
     let key = format!("rl:{{roundtrip|c=alice}}|q|monthly/c=alice|month|{start}");
     assert_eq!(redis.cli(&["get", &key]).unwrap(), "2");
+}
+
+/// Random quota keys under one domain filled a `noeviction` Redis and took
+/// every domain down. With `--key-budget 3`, the 4th key of domain `kbfull`
+/// is refused (503, counted by domain) and written nowhere, its existing
+/// keys keep counting, and domain `kbother` creates keys as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_domain_at_its_key_budget_is_refused_new_keys_and_other_domains_are_not() {
+    let redis = redis();
+    let gw = gateway_with(Target::Single(redis.url()), 2000, |c| {
+        ratelimit_gateway::Config { key_budget: 3, ..c }
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let monthly = |domain: &str, who: &str| {
+        quota_request(
+            domain,
+            &[quota(
+                domain,
+                &format!("monthly/c={who}"),
+                &format!("c={who}"),
+                5,
+                "month",
+                1,
+            )],
+        )
+    };
+    for who in ["k1", "k2", "k3"] {
+        let (status, resp) = check(&client, &gw.url(), &monthly("kbfull", who)).await;
+        assert_eq!((status, &resp["allowed"]), (200, &json!(true)), "{resp}");
+    }
+    let (status, resp) = check(&client, &gw.url(), &monthly("kbfull", "k4")).await;
+    assert_eq!(status, 503, "{resp}");
+    // An existing key keeps counting: 5 - 2.
+    let (status, resp) = check(&client, &gw.url(), &monthly("kbfull", "k1")).await;
+    assert_eq!((status, q(&resp, 0).1), (200, 3), "{resp}");
+    let (status, resp) = check(&client, &gw.url(), &monthly("kbother", "k4")).await;
+    assert_eq!((status, q(&resp, 0).1), (200, 4), "{resp}");
+    let base = &gw.url();
+    let sample = "ratelimit_gateway_key_budget_refusals_total{domain=\"kbfull\"}";
+    assert_eq!(metric(&client, base, sample).await, 1.0);
+    let sample = "ratelimit_gateway_errors_total{kind=\"key_budget\"}";
+    assert_eq!(metric(&client, base, sample).await, 1.0);
+
+    let start = cal::period("month", now_ms()).0 / 1000;
+    let key = |domain: &str, who: &str| {
+        format!("rl:{{{domain}|c={who}}}|q|monthly/c={who}|month|{start}")
+    };
+    let mut keys: Vec<String> = redis
+        .cli(&["keys", "rl:{*"])
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    keys.sort();
+    let mut expected = vec![
+        key("kbfull", "k1"),
+        key("kbfull", "k2"),
+        key("kbfull", "k3"),
+        "rl:{kbfull|live}".to_string(),
+        key("kbother", "k4"),
+        "rl:{kbother|live}".to_string(),
+    ];
+    expected.sort();
+    assert_eq!(keys, expected);
+    assert_eq!(redis.cli(&["get", &key("kbfull", "k1")]).unwrap(), "2");
+    assert_eq!(
+        redis
+            .cli(&["zrange", "rl:{kbfull|live}", "0", "-1"])
+            .unwrap(),
+        [
+            key("kbfull", "k1"),
+            key("kbfull", "k2"),
+            key("kbfull", "k3")
+        ]
+        .join("\n")
+    );
 }

@@ -275,8 +275,15 @@ async fn a_shared_descriptor_charges_the_client_of_its_own_entry() {
     let r = ask(&mut c, "sh", vec![d]).await.unwrap();
     assert_eq!(codes(&r), (Code::Ok, vec![(Code::Ok, 4, 5)]));
     // The old gateway split the joined entries again and charged `victim`.
+    // One bucket key, then the domain's ledger of live keys naming it.
     let keys = dump(&redis);
-    assert_eq!(keys.lines().count(), 1, "{keys}");
+    assert_eq!(keys.lines().count(), 2, "{keys}");
+    assert!(
+        keys.lines()
+            .nth(1)
+            .is_some_and(|l| l.starts_with("rl:{sh|live} zset ")),
+        "{keys}"
+    );
     assert!(
         keys.starts_with("rl:{sh|c=attacker}|per-client/c=attacker|0|token_bucket|5|60000 "),
         "{keys}"

@@ -58,8 +58,9 @@ fn dump(redis: &Redis) -> String {
         .collect()
 }
 
+/// The limit keys of domain `api` (not its ledger of live keys), sorted.
 fn keys(redis: &Redis) -> String {
-    let mut k: Vec<String> = ok(redis.cli(&["--raw", "KEYS", "rl:{api*"]), "KEYS")
+    let mut k: Vec<String> = ok(redis.cli(&["--raw", "KEYS", "rl:{api|c=*"]), "KEYS")
         .lines()
         .map(str::to_string)
         .collect();

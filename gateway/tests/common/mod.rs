@@ -15,6 +15,15 @@ use serde_json::{json, Value};
 /// policy is this process's [`policy_dir`]: the requests built here add what
 /// they name to it, and the post helpers put it in force before posting.
 pub async fn gateway(target: Target, timeout_ms: u64) -> Running {
+    gateway_with(target, timeout_ms, |c| c).await
+}
+
+/// [`gateway`] with its configuration changed by `change` first.
+pub async fn gateway_with(
+    target: Target,
+    timeout_ms: u64,
+    change: impl FnOnce(Config) -> Config,
+) -> Running {
     let config = Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         target,
@@ -27,6 +36,7 @@ pub async fn gateway(target: Target, timeout_ms: u64) -> Running {
             vec![policy_dir()],
         )
     };
+    let config = change(config);
     let running = ratelimit_gateway::start(config, Duration::from_secs(15))
         .await
         .unwrap();
