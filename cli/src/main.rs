@@ -35,6 +35,8 @@ struct Cli {
     command: Command,
 }
 
+// One Command is parsed per run, so Render's larger options cost nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Validate plugin configurations; exit 1 if any is refused.
