@@ -64,7 +64,7 @@ lint: ## clippy, host and wasm32, warnings are errors
 test: deps fmt-check lint wasm ## deps, fmt-check, lint, the wasm build, then every test (unit, harness, real Envoy, Redis)
 	cargo test --workspace
 
-demo: deps build ## Envoy with envoy/ratelimit.json: a burst, a steady load with a live table and a chart, two Envoys sharing a global limit
+demo: deps build ## Envoy with envoy/ratelimit-demo.json: a burst, a steady load with a live table and a chart, two Envoys sharing a global limit
 	cargo run --quiet -p tools --bin demo
 
 validate-configs: deps wasm ## `envoy --mode validate` on every shipped config, rendered

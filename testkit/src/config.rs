@@ -46,9 +46,11 @@ pub fn template_path() -> PathBuf {
     workspace_root().join("envoy/envoy.yaml")
 }
 
-/// Path of the demo's plugin configuration, `<workspace>/envoy/ratelimit.json`.
+/// Path of the demo's plugin configuration, `<workspace>/envoy/ratelimit-demo.json`:
+/// `envoy/ratelimit.json` keyed on the client-written `x-client-id` on purpose,
+/// so that one machine can play several clients.
 pub fn demo_plugin_config_path() -> PathBuf {
-    workspace_root().join("envoy/ratelimit.json")
+    workspace_root().join("envoy/ratelimit-demo.json")
 }
 
 /// Path of the demo's plugin configuration with a global rule (two proxies

@@ -182,7 +182,7 @@ impl Client {
     }
 
     /// `GET path` as client `client_id` (the `x-client-id` header that the
-    /// demo configuration `envoy/ratelimit.json` and the tests key on);
+    /// demo configuration `envoy/ratelimit-demo.json` and the tests key on);
     /// panics like [`Client::must_get`].
     pub fn get_as(&self, path: &str, client_id: &str) -> Response {
         self.must_get(path, &[("x-client-id", client_id)])

@@ -1,6 +1,6 @@
 //! `make demo`, in three parts, then stops everything it started (also on Ctrl-C):
 //!
-//! 1. Local limits: renders `envoy/envoy.yaml` with `envoy/ratelimit.json`,
+//! 1. Local limits: renders `envoy/envoy.yaml` with `envoy/ratelimit-demo.json`,
 //!    starts Envoy on loopback, sends a few bursts through the rate-limit
 //!    filter and prints one line per request.
 //! 2. A steady load: a second Envoy with `envoy/ratelimit-demo-graduated.json`
@@ -237,7 +237,7 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-/// Part 1: one Envoy with `envoy/ratelimit.json`; returns it still running.
+/// Part 1: one Envoy with `envoy/ratelimit-demo.json`; returns it still running.
 fn local_part(args: &Args) -> Result<Envoy> {
     let ports = args.ports;
     let config_path = demo_plugin_config_path();
