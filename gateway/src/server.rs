@@ -37,9 +37,10 @@ use crate::orchestrate::Limiter;
 use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
 use crate::redis_store::StoreError;
 
-/// Largest accepted request body. A maximal valid request (64 buckets with
-/// 512-byte keys and tags and 8 limits each, and 64 quotas with 512-byte keys
-/// and tags) is about 210 KiB.
+/// Largest accepted request body (and gRPC message). A maximal valid
+/// request (`ratelimit_protocol::MAX_BUCKETS` buckets with 512-byte keys and
+/// tags and `MAX_LIMITS` limits each, and `MAX_QUOTAS` quotas with 512-byte
+/// keys and tags) is about 210 KiB.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 /// Largest request head (request line and headers) hyper buffers.
