@@ -2,16 +2,18 @@
 //! `config/`, `policy/`, `limits/`, `global/`, `respond/`, `decide/` and the
 //! files `host.rs`, `vm.rs`, `metrics.rs`) name each other through
 //! `crate::<module>` paths; the graph of those names must be acyclic, so each
-//! folder can be read with only the ones below it in mind. Test code (a
-//! `#[cfg(test)]` module at the bottom of a file, or a `*tests.rs` file) may
-//! build its fixtures from higher layers and is left out. Only `host.rs` may
-//! name `proxy_wasm`: everything else is plain Rust, tested on the host.
+//! folder can be read with only the ones below it in mind. Each file is
+//! parsed whole (`syn`); test code (any `#[cfg(test)]` item, wherever it sits
+//! in the file, or a `*tests.rs` file) may build its fixtures from higher
+//! layers and is left out, and so are comments. Only the host
+//! layer (`host.rs` or `host/`) may name `proxy_wasm`: everything else is plain Rust, tested on the host.
 //!
 //! `MODULE_GRAPH_SRC` points the test at another tree (e.g. an older
 //! checkout) to see what it finds there.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use syn::visit::{self, Visit};
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -24,29 +26,119 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The file's code without its test module (by convention the last item).
-fn non_test_code(text: &str) -> &str {
-    text.find("#[cfg(test)]").map_or(text, |i| &text[..i])
+/// The `crate::<name>` and `proxy_wasm` paths a file's code names, its test
+/// items (`#[cfg(test)]` modules, functions, impls, uses, wherever they sit)
+/// and its comments left out: the file is parsed whole with `syn`.
+#[derive(Default)]
+struct Names {
+    crate_modules: BTreeSet<String>,
+    proxy_wasm: bool,
 }
 
-/// Every `crate::<name>` in `code`, comments left out.
-fn crate_names(code: &str) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for line in code.lines() {
-        let line = line.split("//").next().unwrap_or("");
-        let mut rest = line;
-        while let Some(i) = rest.find("crate::") {
-            rest = &rest[i + "crate::".len()..];
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            if !name.is_empty() {
-                names.insert(name);
+impl Names {
+    fn of(code: &str) -> Names {
+        let file = syn::parse_file(code).unwrap_or_else(|e| panic!("does not parse: {e}"));
+        let mut names = Names::default();
+        names.visit_file(&file);
+        names
+    }
+
+    /// A path's leading segments: `crate::x::…` names module `x`.
+    fn path<'a>(&mut self, mut segments: impl Iterator<Item = &'a syn::Ident>) {
+        match segments.next().map(|i| i.to_string()).as_deref() {
+            Some("crate") => {
+                if let Some(next) = segments.next() {
+                    self.crate_modules.insert(next.to_string());
+                }
             }
+            Some("proxy_wasm") => self.proxy_wasm = true,
+            _ => {}
         }
     }
-    names
+
+    /// `use crate::{a::X, b}` names `a` and `b`.
+    fn use_tree(&mut self, tree: &syn::UseTree, prefix: &[syn::Ident]) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                let mut longer = prefix.to_vec();
+                longer.push(p.ident.clone());
+                self.use_tree(&p.tree, &longer);
+            }
+            syn::UseTree::Group(g) => g.items.iter().for_each(|t| self.use_tree(t, prefix)),
+            syn::UseTree::Name(n) => self.path(prefix.iter().chain([&n.ident])),
+            syn::UseTree::Rename(r) => self.path(prefix.iter().chain([&r.ident])),
+            syn::UseTree::Glob(_) => self.path(prefix.iter()),
+        }
+    }
+}
+
+/// `#[cfg(test)]` (also inside `all(..)`/`any(..)`): code the filter does not run.
+fn is_test(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| {
+        a.path().is_ident("cfg") && {
+            let tokens = a.meta.require_list().map(|l| l.tokens.to_string());
+            tokens.is_ok_and(|t| {
+                t.split(|c: char| !c.is_alphanumeric() && c != '_')
+                    .any(|w| w == "test")
+            })
+        }
+    })
+}
+
+impl<'ast> Visit<'ast> for Names {
+    fn visit_item(&mut self, item: &'ast syn::Item) {
+        let attrs = match item {
+            syn::Item::Mod(m) => &m.attrs,
+            syn::Item::Fn(f) => &f.attrs,
+            syn::Item::Impl(i) => &i.attrs,
+            syn::Item::Use(u) => &u.attrs,
+            syn::Item::Const(c) => &c.attrs,
+            syn::Item::Static(s) => &s.attrs,
+            syn::Item::Struct(s) => &s.attrs,
+            syn::Item::Enum(e) => &e.attrs,
+            syn::Item::Trait(t) => &t.attrs,
+            syn::Item::Macro(m) => &m.attrs,
+            _ => return visit::visit_item(self, item),
+        };
+        if is_test(attrs) {
+            return;
+        }
+        if let syn::Item::Use(u) = item {
+            return self.use_tree(&u.tree, &[]);
+        }
+        visit::visit_item(self, item);
+    }
+
+    fn visit_impl_item_fn(&mut self, f: &'ast syn::ImplItemFn) {
+        if !is_test(&f.attrs) {
+            visit::visit_impl_item_fn(self, f);
+        }
+    }
+
+    fn visit_path(&mut self, p: &'ast syn::Path) {
+        self.path(p.segments.iter().map(|s| &s.ident));
+        visit::visit_path(self, p);
+    }
+
+    /// Macro bodies are not parsed by `syn`: their `crate::`/`proxy_wasm::`
+    /// paths are read from the tokens.
+    fn visit_macro(&mut self, m: &'ast syn::Macro) {
+        let idents: Vec<syn::Ident> = m
+            .tokens
+            .clone()
+            .into_iter()
+            .filter_map(|t| match t {
+                proc_macro2::TokenTree::Ident(i) => Some(i),
+                _ => None,
+            })
+            .collect();
+        for (i, id) in idents.iter().enumerate() {
+            if id == "crate" || id == "proxy_wasm" {
+                self.path(idents[i..].iter());
+            }
+        }
+        visit::visit_macro(self, m);
+    }
 }
 
 struct Graph {
@@ -80,12 +172,12 @@ fn graph(root: &Path) -> Graph {
                 .into_owned(),
         };
         let text = std::fs::read_to_string(&file).unwrap();
-        let code = non_test_code(&text);
-        if code.contains("proxy_wasm") {
+        let names = Names::of(&text);
+        if names.proxy_wasm {
             proxy_wasm.push(rel_name);
         }
-        let names = edges.entry(unit.clone()).or_default();
-        names.extend(crate_names(code).into_iter().filter(|n| *n != unit));
+        let edges = edges.entry(unit.clone()).or_default();
+        edges.extend(names.crate_modules.into_iter().filter(|n| *n != unit));
     }
     Graph { edges, proxy_wasm }
 }
@@ -168,9 +260,15 @@ fn the_top_level_modules_form_no_import_loop() {
 }
 
 #[test]
-fn only_host_rs_names_proxy_wasm() {
+fn only_the_host_layer_names_proxy_wasm() {
     let g = graph(&source_root());
-    assert_eq!(g.proxy_wasm, vec!["host.rs".to_string()]);
+    assert!(!g.proxy_wasm.is_empty(), "nothing names proxy_wasm");
+    let elsewhere: Vec<_> = g
+        .proxy_wasm
+        .iter()
+        .filter(|f| *f != "host.rs" && !f.starts_with("host/"))
+        .collect();
+    assert!(elsewhere.is_empty(), "{elsewhere:?} name proxy_wasm");
 }
 
 #[test]
@@ -184,9 +282,31 @@ fn the_graph_finds_a_loop_and_skips_tests_and_comments() {
         cycle(&edges),
         Some(["a", "b", "c", "a"].map(String::from).to_vec())
     );
-    let code = "use crate::x::Y; // crate::z\nfn f() { crate::w::g() }\n#[cfg(test)]\nmod tests { use crate::t; }";
+    let code = r#"
+        use crate::x::Y; // crate::z
+        /// [`crate::d`]
+        fn f() { crate::w::g(); log!("{}", crate::m::n); }
+        #[cfg(test)]
+        mod tests { use crate::t; }
+        #[cfg(test)]
+        fn helper() { crate::u::v() }
+        impl S {
+            #[cfg(all(test, feature = "x"))]
+            fn only_in_tests() { crate::k::j() }
+            fn kept() { use crate::{a::B, c}; }
+        }
+        fn host() { proxy_wasm::hostcalls::log(); }
+        #[cfg(test)]
+        mod more { fn g() { crate::after::f() } }
+    "#;
+    let names = Names::of(code);
     assert_eq!(
-        crate_names(non_test_code(code)),
-        ["w", "x"].map(String::from).into_iter().collect()
+        names.crate_modules,
+        ["a", "c", "m", "w", "x"]
+            .map(String::from)
+            .into_iter()
+            .collect()
     );
+    assert!(names.proxy_wasm);
+    assert!(!Names::of("#[cfg(test)] mod t { use proxy_wasm::x; }").proxy_wasm);
 }
