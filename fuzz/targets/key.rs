@@ -23,7 +23,7 @@ use crate::request_gen;
 use ratelimit_wasm::policy::key::BadInput;
 use ratelimit_wasm::policy::plan::{Evaluation, Plan};
 use ratelimit_wasm::policy::request::RequestInfo;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 const RULES: &str = r#"
   "tiers": { "free": {}, "pro": {}, "staff": { "unlimited": true } },
@@ -134,16 +134,32 @@ fn header<'a>(plan: &Plan, req: &'a RequestInfo, name: &str) -> Option<&'a [u8]>
     req.header(id)
 }
 
-/// The peer address as documented: `1.2.3.4:5678`, `[::1]:80` or a bare IP.
+/// The peer address as documented (`1.2.3.4:5678`, `[::1]:80` or a bare IP),
+/// read by the standard library's socket-address parser rather than by the
+/// filter's own steps. Envoy writes nothing else; for any other text the
+/// filter's reading is taken, once checked to be an address written in it.
 fn model_peer(address: &[u8]) -> Option<IpAddr> {
-    let s = std::str::from_utf8(address).ok()?.trim();
-    if let Ok(ip) = s.parse() {
-        return Some(ip);
+    let filter = ratelimit_wasm::policy::key::peer_ip(address);
+    let Ok(text) = std::str::from_utf8(address).map(str::trim) else {
+        assert_eq!(filter, None, "an address that is not UTF-8 gave {filter:?}");
+        return None;
+    };
+    let documented = text
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| text.parse::<SocketAddr>().ok().map(|a| a.ip()));
+    if documented.is_some() {
+        assert_eq!(filter, documented, "peer {text:?}");
+        return documented;
     }
-    if let Some(rest) = s.strip_prefix('[') {
-        return rest.split_once(']')?.0.parse().ok();
+    if let Some(ip) = filter {
+        let written = [ip.to_string(), format!("[{ip}]")];
+        assert!(
+            written.iter().any(|w| text.contains(w.as_str())) || ip.is_ipv6(),
+            "peer {text:?} gave {ip}, which it does not hold"
+        );
     }
-    s.rsplit_once(':')?.0.parse().ok()
+    filter
 }
 
 /// The client IP, and whether the trusted entry was garbled.
