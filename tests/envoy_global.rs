@@ -1053,7 +1053,7 @@ fn slow_answers_open_the_circuit_too() {
 }
 
 // ---------------------------------------------------------------------------
-// Authenticated callers (issue 12 item 3): the gateway with --auth-tokens.
+// Authenticated callers: the gateway with --auth-tokens.
 // ---------------------------------------------------------------------------
 
 /// A fresh directory for one test's files (token file, policy, TLS), under
@@ -1442,7 +1442,7 @@ fn a_redis_turned_replica_leaves_requests_to_the_failure_mode() {
 /// figure; 114,413 calls for 114,362 requests before the deny cache). Run:
 /// `cargo test --test envoy_global -- --ignored the_issues_scenario --nocapture`.
 #[test]
-#[ignore = "12 s of wrk at full speed; the figure for issue 16's closing note"]
+#[ignore = "12 s of wrk at full speed; prints the gateway calls per request"]
 fn the_issues_scenario_costs_the_gateway_a_few_calls_not_one_per_request() {
     const LIMIT: u64 = 500;
     const CONNECTIONS: u64 = 32;
@@ -1495,7 +1495,7 @@ fn the_issues_scenario_costs_the_gateway_a_few_calls_not_one_per_request() {
         let m = counters(envoy);
         let c = m["ratelimit_wasm_global_calls"];
         println!(
-            "issue 16: proxy {p}: {sent} requests, {} admitted, {c} gateway calls, {} from the deny cache",
+            "proxy {p}: {sent} requests, {} admitted, {c} gateway calls, {} from the deny cache",
             sent - rejected,
             m["ratelimit_wasm_deny_cache_hits"]
         );
@@ -1508,7 +1508,7 @@ fn the_issues_scenario_costs_the_gateway_a_few_calls_not_one_per_request() {
         calls += c;
     }
     println!(
-        "issue 16: {requests} requests, {admitted} admitted, {calls} gateway calls: {:.5} calls per request",
+        "{requests} requests, {admitted} admitted, {calls} gateway calls: {:.5} calls per request",
         calls as f64 / requests as f64
     );
     assert_eq!(admitted, LIMIT);

@@ -23,7 +23,7 @@
 //!
 //! | `use_remote_address` | `xff_num_trusted_hops` | `trusted_proxy_hops` | direct | proxied | what it proves |
 //! | --- | --- | --- | --- | --- | --- |
-//! | false (Envoy's default, the old template) | 0 | 0 | 20 | 10 | Envoy makes the last XFF entry `source.address`: right behind a proxy that always appends, but a client that reaches Envoy directly chooses its `ip` (the defect of issue 11) |
+//! | false (Envoy's default, the old template) | 0 | 0 | 20 | 10 | Envoy makes the last XFF entry `source.address`: right behind a proxy that always appends, but a client that reaches Envoy directly chooses its `ip` (the defect these settings close) |
 //! | false | 0 | 1 | 20 | 10 | the filter's hop count reads the same last entry: no safer |
 //! | false | 1 | 0 | 20 | 20 | Envoy takes the 2nd entry from the right (N+1): behind ONE proxy that is a client-written entry |
 //! | false | 1 | 1 | 20 | 10 | the filter reads the last entry again, whatever Envoy chose |
@@ -355,7 +355,7 @@ fn shipped_path_settings_leave_no_spelling_of_a_prefix_unlimited() {
 
 #[test]
 fn envoy_default_path_settings_let_other_spellings_past_a_prefix_rule() {
-    // The old template (no path settings): the figure issue 11 asks to fix.
+    // The old template (no path settings): the figure the settings fix.
     let dir = tempdir();
     let old = Hcm {
         use_remote_address: true,
