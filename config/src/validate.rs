@@ -5,7 +5,7 @@
 
 use super::syntax::*;
 use super::*;
-use ratelimit_protocol::Algorithm;
+use super::vocab::Algorithm;
 use std::collections::HashSet;
 
 /// Parses and validates a configuration.
@@ -327,7 +327,7 @@ fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), Config
 }
 
 /// Largest quota amount.
-pub const MAX_QUOTA: u64 = ratelimit_protocol::MAX_QUOTA_LIMIT;
+pub const MAX_QUOTA: u64 = super::bounds::MAX_QUOTA_LIMIT;
 
 impl Config {
     fn validate_identity(&self) -> Result<(), ConfigError> {

@@ -15,7 +15,7 @@
 
 use super::duration::{self, Seconds};
 use super::*;
-use ratelimit_protocol::{Algorithm, Period};
+use super::vocab::{Algorithm, Period};
 use serde::de::{Error as _, Unexpected};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
