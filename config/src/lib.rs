@@ -20,6 +20,7 @@
 
 pub mod bounds;
 pub mod duration;
+pub mod key;
 mod read;
 pub mod schema;
 mod syntax;
@@ -28,9 +29,10 @@ mod validate_cost;
 pub mod validate_global;
 pub mod vocab;
 
+pub use key::KeyPart;
 pub use schema::*;
 pub use syntax::MAX_URI_LEN;
-pub use validate::{parse, KEY_PARTS, MAX_QUOTA, MAX_SHARE};
+pub use validate::{parse, MAX_QUOTA, MAX_SHARE};
 pub use validate_global::MAX_GLOBAL_PRODUCT;
 pub use vocab::{Algorithm, Period, RlsAlgorithm};
 

@@ -14,8 +14,8 @@
 //! (`config::read::tests::the_reader_agrees_with_serde`).
 
 use super::duration::{self, Seconds};
-use super::*;
 use super::vocab::{Algorithm, Period};
+use super::*;
 use serde::de::{Error as _, Unexpected};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -208,6 +208,15 @@ fn map<T>(
 
 fn strings(v: &Value, p: &mut Path) -> Result<Vec<String>> {
     list(v, p, string_)
+}
+
+/// A rule's or quota's `key`: each part read into a [`KeyPart`] here, once.
+#[inline(never)]
+fn key_parts(v: &Value, p: &mut Path) -> Result<Vec<KeyPart>> {
+    list(v, p, |v, p| {
+        let s = string(v, p)?;
+        KeyPart::parse(&s).map_err(|why| p.error(serde_json::Error::custom(why)))
+    })
 }
 
 /// A unit variant of `variants`, as serde reads an enum from JSON: its name
@@ -522,11 +531,8 @@ fn quota(v: &Value, p: &mut Path) -> Result<QuotaSpec> {
         match i {
             0 => name = Some(string(v, p)?),
             1 => q.matches = opt(v, p, matcher)?,
-            2 => q.key = strings(v, p)?,
-            3 => {
-                let all = [Period::Minute, Period::Hour, Period::Day, Period::Month];
-                period = Some(pick(v, p, &["minute", "hour", "day", "month"], &all)?)
-            }
+            2 => q.key = key_parts(v, p)?,
+            3 => period = Some(pick(v, p, &Period::NAMES, &Period::ALL)?),
             4 => q.tiers = map(v, p, u64_)?,
             5 => q.limit = opt(v, p, u64_)?,
             6 => upgrade_url = Some(string(v, p)?),
@@ -574,13 +580,10 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
         match i {
             0 => name = Some(string(v, p)?),
             1 => r.matches = opt(v, p, matcher)?,
-            2 => r.key = strings(v, p)?,
+            2 => r.key = key_parts(v, p)?,
             3 => r.limits = limits(v, p)?,
             4 => r.tiers = map(v, p, limits)?,
-            5 => {
-                let all = [Algorithm::TokenBucket, Algorithm::SlidingWindow];
-                r.algorithm = pick(v, p, &["token_bucket", "sliding_window"], &all)?
-            }
+            5 => r.algorithm = pick(v, p, &Algorithm::NAMES, &Algorithm::ALL)?,
             6 => r.scope = pick(v, p, &["local", "global"], &[Scope::Local, Scope::Global])?,
             7 => r.mode = pick(v, p, &["enforce", "shadow"], &[Mode::Enforce, Mode::Shadow])?,
             8 => r.cost = opt(v, p, u64_)?,

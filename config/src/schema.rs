@@ -3,6 +3,7 @@
 //! public contract: unknown fields are refused.
 
 use super::duration::Seconds;
+use super::key::KeyPart;
 use super::vocab::Algorithm;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -477,7 +478,7 @@ pub struct QuotaSpec {
     pub matches: Option<Match>,
     /// Parts of the quota's key, as for rules.
     #[serde(default)]
-    pub key: Vec<String>,
+    pub key: Vec<KeyPart>,
     /// Calendar period.
     pub period: Period,
     /// Amount per period by tier.
@@ -504,7 +505,7 @@ pub struct Rule {
     pub matches: Option<Match>,
     /// Parts of the bucket key; empty means one bucket for all matching requests.
     #[serde(default)]
-    pub key: Vec<String>,
+    pub key: Vec<KeyPart>,
     /// Limits that must all pass; required unless `tiers` covers every tier.
     #[serde(default)]
     pub limits: Vec<LimitSpec>,

@@ -22,8 +22,19 @@ impl Algorithm {
     /// Every algorithm, in the order error messages list them.
     pub const ALL: [Algorithm; 2] = [Algorithm::TokenBucket, Algorithm::SlidingWindow];
 
+    /// The names of [`Self::ALL`], in its order, for the reader's error messages.
+    pub const NAMES: [&'static str; 2] = {
+        let mut names = [""; 2];
+        let mut i = 0;
+        while i < names.len() {
+            names[i] = Self::ALL[i].name();
+            i += 1;
+        }
+        names
+    };
+
     /// The name in configuration, on the wire, in Redis keys and in the Lua scripts.
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Algorithm::TokenBucket => "token_bucket",
             Algorithm::SlidingWindow => "sliding_window",
@@ -102,8 +113,19 @@ impl Period {
     /// Every period, shortest first.
     pub const ALL: [Period; 4] = [Period::Minute, Period::Hour, Period::Day, Period::Month];
 
+    /// The names of [`Self::ALL`], in its order, for the reader's error messages.
+    pub const NAMES: [&'static str; 4] = {
+        let mut names = [""; 4];
+        let mut i = 0;
+        while i < names.len() {
+            names[i] = Self::ALL[i].name();
+            i += 1;
+        }
+        names
+    };
+
     /// The name in configuration, on the wire, in Redis keys and in the Lua scripts.
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Period::Minute => "minute",
             Period::Hour => "hour",
@@ -132,6 +154,9 @@ mod tests {
             assert_eq!(serde_json::to_value(p).unwrap(), p.name());
             assert_eq!(Period::from_name(p.name()), Some(p));
         }
+        assert_eq!(Period::NAMES, ["minute", "hour", "day", "month"]);
+        assert_eq!(Algorithm::NAMES, ["token_bucket", "sliding_window"]);
+
         for r in RlsAlgorithm::ALL {
             assert_eq!(RlsAlgorithm::from_name(r.name()), Some(r));
         }

@@ -326,16 +326,10 @@ impl Headers {
     // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
     // function's size (BENCHMARKS.md, "Where the memory goes").
     #[inline(never)]
-    fn key(&mut self, parts: &[String]) -> Vec<KeyPart> {
+    fn key(&mut self, parts: &[config::KeyPart]) -> Vec<KeyPart> {
         parts
             .iter()
-            .map(|p| match p.as_str() {
-                "client" => KeyPart::Client,
-                "ip" => KeyPart::Ip,
-                "method" => KeyPart::Method,
-                "path" => KeyPart::Path,
-                other => KeyPart::Header(self.id(other.strip_prefix("header:").unwrap_or(other))),
-            })
+            .map(|p| p.map_header(|name| self.id(name)))
             .collect()
     }
 }
