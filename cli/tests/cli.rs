@@ -389,7 +389,7 @@ fn check_envoy_passes_the_shipped_envoy_configs_but_flags_a_client_written_id() 
 
 #[test]
 fn check_envoy_warns_on_the_old_unsafe_template_in_yaml_and_json() {
-    // The template as it was before issue 11: none of the four settings.
+    // The template as it was before render wrote the four settings: none of them.
     let old = rendered_envoy("old-envoy.yaml", &EDGE_SETTINGS);
     let l = "listener \"ingress\"";
     let want = |f: &str| {

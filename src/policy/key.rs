@@ -120,7 +120,7 @@ pub fn write_key(
 /// boundaries unambiguous (proptest `hashed_parts_read_back_as_the_same_parts`).
 /// Whole words skip SipHash's byte buffering, and a part of up to six bytes
 /// (a method, a short id) is one word: c1's 4-byte client id cost about 250
-/// instructions as bytes (issue 14).
+/// instructions as bytes (BENCHMARKS.md, instructions per decision).
 pub fn hash_part(h: &mut impl std::hash::Hasher, tag: u8, value: &[u8]) {
     let (first, rest) = value.split_at(value.len().min(HEAD_BYTES));
     let long = value.len() >= usize::from(LONG);
