@@ -189,13 +189,8 @@ fn client_id_header(ours: &Value) -> Option<String> {
         .and_then(Value::as_str)
         .or(configuration.as_str())?;
     let c = ratelimit_config::parse(text.as_bytes()).ok()?;
-    let keyed = c
-        .rules
-        .iter()
-        .any(|r| r.key.iter().any(|k| *k == KeyPart::Client))
-        || c.quotas
-            .iter()
-            .any(|q| q.key.iter().any(|k| *k == KeyPart::Client));
+    let keyed = c.rules.iter().any(|r| r.key.contains(&KeyPart::Client))
+        || c.quotas.iter().any(|q| q.key.contains(&KeyPart::Client));
     (keyed && c.identity.client_id_metadata.is_none())
         .then(|| c.identity.client_id_header.to_ascii_lowercase())
 }

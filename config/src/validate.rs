@@ -17,8 +17,6 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     Ok(config)
 }
 
-/// Known key parts, besides `header:<name>`.
-
 impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         if !is_plain_name(&self.domain) {

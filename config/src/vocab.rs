@@ -23,6 +23,8 @@ impl Algorithm {
     pub const ALL: [Algorithm; 2] = [Algorithm::TokenBucket, Algorithm::SlidingWindow];
 
     /// The names of [`Self::ALL`], in its order, for the reader's error messages.
+    // Evaluated when compiling: an index out of range fails the build.
+    #[allow(clippy::indexing_slicing)]
     pub const NAMES: [&'static str; 2] = {
         let mut names = [""; 2];
         let mut i = 0;
@@ -114,6 +116,8 @@ impl Period {
     pub const ALL: [Period; 4] = [Period::Minute, Period::Hour, Period::Day, Period::Month];
 
     /// The names of [`Self::ALL`], in its order, for the reader's error messages.
+    // Evaluated when compiling: an index out of range fails the build.
+    #[allow(clippy::indexing_slicing)]
     pub const NAMES: [&'static str; 4] = {
         let mut names = [""; 4];
         let mut i = 0;

@@ -204,14 +204,14 @@ impl Domain {
                     .rules
                     .iter()
                     .find(|r| r.name == *rule && r.scope == Scope::Global);
-                if global.is_some_and(|r| !r.key.iter().any(|k| *k == KeyPart::Client)) {
+                if global.is_some_and(|r| !r.key.contains(&KeyPart::Client)) {
                     let at = format!("identity.clients.{id}.limits.{rule}");
                     return Err(unverifiable(at, "global rule", rule));
                 }
             }
             for quota in spec.quotas.keys() {
                 let q = c.quotas.iter().find(|q| q.name == *quota);
-                if q.is_some_and(|q| !q.key.iter().any(|k| *k == KeyPart::Client)) {
+                if q.is_some_and(|q| !q.key.contains(&KeyPart::Client)) {
                     let at = format!("identity.clients.{id}.quotas.{quota}");
                     return Err(unverifiable(at, "quota", quota));
                 }
