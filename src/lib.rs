@@ -19,7 +19,9 @@
 )]
 #![warn(missing_docs)]
 
-pub mod config;
+/// The plugin configuration, its own crate (`config/`) shared with the
+/// gateway and the CLI.
+pub use ratelimit_config as config;
 pub mod decide;
 pub mod global;
 pub mod limits;

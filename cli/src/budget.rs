@@ -14,7 +14,7 @@
 //! * an unlimited tier or client, or a soft client, leaves the total unbounded.
 
 use crate::load;
-use ratelimit_wasm::config::{duration, Config, LimitSpec, Rule, Scope};
+use ratelimit_config::{duration, Config, LimitSpec, Rule, Scope};
 
 /// A provider's limit: `requests` per `window_s` seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -248,7 +248,7 @@ mod tests {
 
     #[test]
     fn a_set_admits_its_burst_then_its_refill() {
-        let c = ratelimit_wasm::config::parse(
+        let c = ratelimit_config::parse(
             br#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":60,"per":"1m"},{"requests":5,"per":"1s"}]}]}"#,
         )
         .unwrap();

@@ -19,6 +19,7 @@
 //! Settings that are deliberate but depend on the network (trusted hops,
 //! detection extensions) are printed as notes, which do not fail the check.
 
+use ratelimit_config::KeyPart;
 use serde_json::Value;
 
 /// The filter's `root_id` in the shipped configs (`envoy/envoy.yaml`, README).
@@ -187,9 +188,9 @@ fn client_id_header(ours: &Value) -> Option<String> {
         .get("value")
         .and_then(Value::as_str)
         .or(configuration.as_str())?;
-    let c = ratelimit_wasm::config::parse(text.as_bytes()).ok()?;
-    let keyed = c.rules.iter().any(|r| r.key.iter().any(|k| k == "client"))
-        || c.quotas.iter().any(|q| q.key.iter().any(|k| k == "client"));
+    let c = ratelimit_config::parse(text.as_bytes()).ok()?;
+    let keyed = c.rules.iter().any(|r| r.key.contains(&KeyPart::Client))
+        || c.quotas.iter().any(|q| q.key.contains(&KeyPart::Client));
     (keyed && c.identity.client_id_metadata.is_none())
         .then(|| c.identity.client_id_header.to_ascii_lowercase())
 }

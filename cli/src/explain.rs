@@ -2,7 +2,7 @@
 //! each rule, with each limit's `RateLimit-Policy` item (a response carries
 //! one of them: the limit closest to exhaustion).
 
-use ratelimit_wasm::config::{Config, HeaderStyle, LimitSpec, Mode, Rule};
+use ratelimit_config::{Config, HeaderStyle, LimitSpec, Mode, Rule};
 use ratelimit_wasm::limits::algorithm::Algorithm;
 use ratelimit_wasm::respond::headers::{self, Shown};
 

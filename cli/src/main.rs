@@ -21,7 +21,7 @@ mod explain;
 mod render;
 
 use clap::{Parser, Subcommand};
-use ratelimit_wasm::config::{self, Config};
+use ratelimit_config::{self as config, Config};
 use std::process::ExitCode;
 
 #[derive(Parser)]

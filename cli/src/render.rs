@@ -3,7 +3,7 @@
 //! limits the gateway enforces cannot drift apart.
 //!
 //! The configuration is validated with the filter's own code
-//! (`ratelimit_wasm::config::parse`, which the gateway's `--policy` runs too)
+//! (`ratelimit_config::parse`, which the gateway's `--policy` runs too)
 //! and then embedded **verbatim** (the same bytes, re-indented) in every file
 //! written, so what a reviewer reads in the source file is what both sides run.
 //! Every output is parsed back and compared with the source before it is
@@ -86,7 +86,7 @@ pub const SHA256_PLACEHOLDER: &str =
 pub fn run(file: &str, out: &str, opts: &Options) -> Result<Vec<String>, String> {
     let original =
         std::fs::read_to_string(file).map_err(|e| format!("{file}: cannot read: {e}"))?;
-    ratelimit_wasm::config::parse(original.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
+    ratelimit_config::parse(original.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
     let mut source: Value =
         serde_json::from_str(&original).map_err(|e| format!("{file}: not valid JSON: {e}"))?;
     let mut rewritten = false;
@@ -138,8 +138,7 @@ pub fn run(file: &str, out: &str, opts: &Options) -> Result<Vec<String>, String>
     } else {
         original
     };
-    let parsed =
-        ratelimit_wasm::config::parse(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
+    let parsed = ratelimit_config::parse(text.as_bytes()).map_err(|e| format!("{file}: {e}"))?;
     let token_env = source
         .pointer("/global/token_env")
         .and_then(Value::as_str)

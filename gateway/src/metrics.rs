@@ -45,7 +45,7 @@ pub const OPS: [&str; 8] = [
     "fixed_window",
 ];
 /// Algorithms, as the `algorithm` label.
-pub const ALGORITHMS: [&str; 2] = ["token_bucket", "sliding_window"];
+pub const ALGORITHMS: [&str; 2] = ratelimit_config::Algorithm::NAMES;
 /// Quota periods, as the `period` label.
 pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
 /// What a reload reads (`crate::reload`), as the `what` label.

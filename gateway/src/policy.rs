@@ -1,5 +1,5 @@
 //! The gateway's policy: the plugin configurations the filters load (`--policy`),
-//! parsed and validated by the filter's own code (`ratelimit_wasm::config::parse`),
+//! parsed and validated by the filter's own code (`ratelimit_config::parse`),
 //! indexed by `domain`.
 //!
 //! A request names identifiers only ([`ratelimit_protocol`]); [`Policy::resolve_check`]
@@ -30,11 +30,11 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
+use ratelimit_config::key::{bounded, encode_part};
+use ratelimit_config::{self as plugin, KeyPart, QuotaCount, Scope};
 use ratelimit_protocol::{
     Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Variant,
 };
-use ratelimit_wasm::config::{self as plugin, QuotaCount, Scope};
-use ratelimit_wasm::policy::key::encode_part;
 
 use crate::reload::Source;
 
@@ -61,13 +61,13 @@ struct RulePolicy {
     max_cost: u64,
     /// The rule's key parts (`client`, `ip`, `method`, `path`,
     /// `header:<name>`), to build its key for a native descriptor (`crate::rls`).
-    key: Vec<String>,
+    key: Vec<KeyPart>,
 }
 
 #[derive(Debug)]
 struct QuotaPolicy {
     /// The quota's key parts, as [`RulePolicy::key`].
-    key: Vec<String>,
+    key: Vec<KeyPart>,
     period: Period,
     limit: Option<u64>,
     /// Every declared tier with its amount (the quota's `tiers.<name>`, else its `limit`).
@@ -204,14 +204,14 @@ impl Domain {
                     .rules
                     .iter()
                     .find(|r| r.name == *rule && r.scope == Scope::Global);
-                if global.is_some_and(|r| !r.key.iter().any(|k| k == "client")) {
+                if global.is_some_and(|r| !r.key.contains(&KeyPart::Client)) {
                     let at = format!("identity.clients.{id}.limits.{rule}");
                     return Err(unverifiable(at, "global rule", rule));
                 }
             }
             for quota in spec.quotas.keys() {
                 let q = c.quotas.iter().find(|q| q.name == *quota);
-                if q.is_some_and(|q| !q.key.iter().any(|k| k == "client")) {
+                if q.is_some_and(|q| !q.key.contains(&KeyPart::Client)) {
                     let at = format!("identity.clients.{id}.quotas.{quota}");
                     return Err(unverifiable(at, "quota", quota));
                 }
@@ -379,7 +379,6 @@ impl Policy {
         values: &[&str],
         cost: u64,
     ) -> Result<SharedBucket, String> {
-        use ratelimit_wasm::policy::key::bounded;
         let d = self.domain(domain)?;
         let r = d.rule(At::top("shared.rule"), domain, rule)?;
         if values.len() != r.key.len() {
@@ -391,14 +390,7 @@ impl Policy {
         }
         let mut key = rule.to_string();
         for (part, value) in r.key.iter().zip(values) {
-            let letter = match part.as_str() {
-                "client" => b'c',
-                "ip" => b'i',
-                "method" => b'm',
-                "path" => b'p',
-                _ => b'h',
-            };
-            encode_part(&mut key, None, letter, value.as_bytes());
+            encode_part(&mut key, None, part.tag(), value.as_bytes());
         }
         let key = bounded(key, rule);
         Ok(SharedBucket {
@@ -654,15 +646,19 @@ pub fn tag_of<'k>(name: &str, key: &'k str) -> &'k str {
 /// Whether `key` (of rule or quota `name`, keyed on `parts`) is client
 /// `id`'s: as many parts as `parts`, and at the `client` part `c=<id>`,
 /// encoded as the filter encodes it. A hashed key shows no part: false.
-fn client_part_is(parts: &[String], name: &str, key: &str, id: &str) -> bool {
-    let Some(i) = parts.iter().position(|p| p == "client") else {
+fn client_part_is(parts: &[KeyPart], name: &str, key: &str, id: &str) -> bool {
+    let Some((i, client)) = parts
+        .iter()
+        .enumerate()
+        .find(|(_, p)| **p == KeyPart::Client)
+    else {
         return false;
     };
     let Some(written) = key.get(name.len()..).and_then(|r| r.strip_prefix('/')) else {
         return false;
     };
     let mut want = String::new();
-    encode_part(&mut want, None, b'c', id.as_bytes());
+    encode_part(&mut want, None, client.tag(), id.as_bytes());
     written.split('/').count() == parts.len() && written.split('/').nth(i) == Some(want.as_str())
 }
 
@@ -770,8 +766,8 @@ mod tests {
         assert_eq!(tag_of("r", "r/c#00ff"), "c#00ff");
         assert_eq!(tag_of("r", "r"), "");
         assert_eq!(tag_of("r", "r#0123"), "r#0123");
-        let client = ["client".to_string()];
-        let two = ["ip".to_string(), "client".to_string()];
+        let client = [KeyPart::Client];
+        let two = [KeyPart::Ip, KeyPart::Client];
         assert!(client_part_is(&client, "r", "r/c=vip", "vip"));
         assert!(client_part_is(&two, "r", "r/i=1.2.3.4/c=a%20b", "a b"));
         let long = "x".repeat(200);
@@ -785,7 +781,7 @@ mod tests {
             (&client[..], "r#0123"),
             (&client[..], "r"),
             (&two[..], "r/c=vip/i=1"),
-            (&["ip".to_string()][..], "r/c=vip"),
+            (&[KeyPart::Ip][..], "r/c=vip"),
         ] {
             assert!(!client_part_is(parts, "r", key, "vip"), "{key}");
         }

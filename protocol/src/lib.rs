@@ -33,67 +33,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The protocol version; a request of another version gets 400 naming `version`.
 pub const VERSION: u32 = 2;
-/// Most buckets in one request (the policy may allow fewer: one per global
-/// rule of the domain).
-pub const MAX_BUCKETS: usize = 64;
-/// Most limits in one bucket.
-pub const MAX_LIMITS: usize = 8;
-/// Most quotas in one request (the policy may allow fewer: one per quota).
-pub const MAX_QUOTAS: usize = 64;
-/// Largest quota amount per period.
-pub const MAX_QUOTA_LIMIT: u64 = 1 << 50;
-/// Longest `domain`, `rule`, `quota`, `key`, `tag` or variant, in bytes.
-pub const MAX_NAME_BYTES: usize = 512;
-/// Largest `requests × window_ms`, cost, amount, `want` and `return`: the Lua
-/// scripts' doubles stay exact integers up to 2^53.
-pub const MAX_EXACT: u64 = 1 << 53;
-
-/// How a limit counts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Algorithm {
-    /// GCRA token bucket: bursts up to `requests`, refilled continuously over the window.
-    #[default]
-    TokenBucket,
-    /// Sliding-window counter: about `requests` in any window.
-    SlidingWindow,
-}
-
-impl Algorithm {
-    /// The name in configuration, on the wire, in Redis keys and in the Lua scripts.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::TokenBucket => "token_bucket",
-            Algorithm::SlidingWindow => "sliding_window",
-        }
-    }
-}
-
-/// A calendar period of a quota, in UTC.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Period {
-    /// A clock minute (for tests and trials).
-    Minute,
-    /// A clock hour.
-    Hour,
-    /// A UTC day.
-    Day,
-    /// A UTC calendar month.
-    Month,
-}
-
-impl Period {
-    /// The name in configuration, on the wire, in Redis keys and in the Lua scripts.
-    pub fn name(self) -> &'static str {
-        match self {
-            Period::Minute => "minute",
-            Period::Hour => "hour",
-            Period::Day => "day",
-            Period::Month => "month",
-        }
-    }
-}
+pub use ratelimit_config::bounds::{
+    MAX_BUCKETS, MAX_EXACT, MAX_LIMITS, MAX_NAME_BYTES, MAX_QUOTAS, MAX_QUOTA_LIMIT,
+};
+pub use ratelimit_config::{Algorithm, Period};
 
 /// Which set of limits (or which quota amount) applies to a client: the
 /// rule's own, its tier's, or the client's override. On the wire a string:

@@ -7,20 +7,12 @@ use std::net::IpAddr;
 /// whole (hashed), so distinct long values never share a bucket.
 pub const MAX_KEY_PART_BYTES: usize = 1024;
 
-/// One part of a rule's key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyPart {
-    /// The authenticated client id, or the client IP when there is none.
-    Client,
-    /// The client IP (see [`IpSource`]).
-    Ip,
-    /// The request method.
-    Method,
-    /// The path without query.
-    Path,
-    /// A request header; a request without it is not limited by the rule.
-    Header(HeaderId),
-}
+/// One part of a rule's key, its header compiled to the request's header id.
+pub type KeyPart = ratelimit_config::KeyPart<HeaderId>;
+
+pub use ratelimit_config::key::{
+    bounded, encode_part, MAX_GLOBAL_KEY_BYTES, MAX_GLOBAL_PART_BYTES,
+};
 
 /// Where the client IP comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,8 +74,7 @@ pub fn client_ip(req: &RequestInfo, src: IpSource, bad: &mut Vec<BadInput>) -> O
 }
 
 /// Feeds one rule's key for `req` into `sink` as (tag, value) per part; the
-/// tag says which kind of part it is (`c` client id, `i` IP, `m` method, `p`
-/// path, `h` header). `client` is the resolved client id; without one the IP
+/// tag says which kind of part it is ([`ratelimit_config::KeyPart::tag`]). `client` is the resolved client id; without one the IP
 /// stands in. Returns false when a `header:` part is absent: like
 /// Envoy's `request_headers` descriptor, the rule then does not apply.
 pub fn write_key(
@@ -100,16 +91,17 @@ pub fn write_key(
         ip.map(|ip| ip.to_string().into_bytes()).unwrap_or_default()
     };
     for part in parts {
+        // A client without an id is keyed (and tagged) as its IP.
         let (tag, value): (u8, std::borrow::Cow<[u8]>) = match part {
             KeyPart::Client => match client.filter(|v| !v.is_empty()) {
-                Some(id) => (b'c', id.into()),
-                None => (b'i', ip_text(bad).into()),
+                Some(id) => (part.tag(), id.into()),
+                None => (KeyPart::Ip.tag(), ip_text(bad).into()),
             },
-            KeyPart::Ip => (b'i', ip_text(bad).into()),
-            KeyPart::Method => (b'm', req.method().into()),
-            KeyPart::Path => (b'p', req.path().into()),
+            KeyPart::Ip => (part.tag(), ip_text(bad).into()),
+            KeyPart::Method => (part.tag(), req.method().into()),
+            KeyPart::Path => (part.tag(), req.path().into()),
             KeyPart::Header(id) => match req.header(*id) {
-                Some(v) => (b'h', v.into()),
+                Some(v) => (part.tag(), v.into()),
                 None => return false,
             },
         };
@@ -121,41 +113,6 @@ pub fn write_key(
     true
 }
 
-/// Longest key-part value sent to the gateway as it is; longer ones are hashed.
-pub const MAX_GLOBAL_PART_BYTES: usize = 128;
-
-/// Appends one part to a global (gateway) key as `tag=value`, percent-encoding
-/// anything but unreserved characters, or `tag#<hash>` for long values. The
-/// hash is unkeyed so every proxy computes the same key. The first part also
-/// becomes the Redis Cluster hash tag when `tag_out` is given.
-pub fn encode_part(key: &mut String, tag_out: Option<&mut String>, tag: u8, value: &[u8]) {
-    use siphasher::sip128::{Hasher128, SipHasher13};
-    use std::fmt::Write;
-    use std::hash::Hasher;
-    if !key.is_empty() {
-        key.push('/');
-    }
-    let body_start = key.len();
-    key.push(char::from(tag));
-    if value.len() > MAX_GLOBAL_PART_BYTES {
-        let mut h = SipHasher13::new();
-        h.write(value);
-        let _ = write!(key, "#{:032x}", h.finish128().as_u128());
-    } else {
-        key.push('=');
-        for &b in value {
-            if b.is_ascii_alphanumeric() || b"-._~:@".contains(&b) {
-                key.push(char::from(b));
-            } else {
-                let _ = write!(key, "%{b:02X}");
-            }
-        }
-    }
-    if let Some(t) = tag_out {
-        t.push_str(key.get(body_start..).unwrap_or_default());
-    }
-}
-
 /// Feeds one part to a bucket hash as whole 64-bit words. The head word
 /// holds the tag, the length (255 and then a word of its own for 255 bytes
 /// or more) and the first six bytes; the rest follows eight bytes a word,
@@ -163,7 +120,7 @@ pub fn encode_part(key: &mut String, tag_out: Option<&mut String>, tag: u8, valu
 /// boundaries unambiguous (proptest `hashed_parts_read_back_as_the_same_parts`).
 /// Whole words skip SipHash's byte buffering, and a part of up to six bytes
 /// (a method, a short id) is one word: c1's 4-byte client id cost about 250
-/// instructions as bytes (issue 14).
+/// instructions as bytes (BENCHMARKS.md, instructions per decision).
 pub fn hash_part(h: &mut impl std::hash::Hasher, tag: u8, value: &[u8]) {
     let (first, rest) = value.split_at(value.len().min(HEAD_BYTES));
     let long = value.len() >= usize::from(LONG);
@@ -196,22 +153,6 @@ fn padded<const N: usize>(bytes: &[u8], lead: [u8; N]) -> [u8; 8] {
         }
     }
     w
-}
-
-/// Longest global key sent to the gateway, which refuses keys over 512 bytes.
-pub const MAX_GLOBAL_KEY_BYTES: usize = 512;
-
-/// `key` itself when it fits the gateway's bound, else `<name>#<hash of key>`:
-/// several long parts together must not make a key the gateway refuses.
-pub fn bounded(key: String, name: &str) -> String {
-    use siphasher::sip128::{Hasher128, SipHasher13};
-    use std::hash::Hasher;
-    if key.len() <= MAX_GLOBAL_KEY_BYTES {
-        return key;
-    }
-    let mut h = SipHasher13::new();
-    h.write(key.as_bytes());
-    format!("{name}#{:032x}", h.finish128().as_u128())
 }
 
 #[cfg(test)]

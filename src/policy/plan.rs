@@ -15,6 +15,7 @@ use crate::limits::slots::Slots;
 use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
+use ratelimit_protocol::Variant as Wire;
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
 
@@ -217,7 +218,8 @@ pub(super) struct IdentityPlan {
 
 /// `identity.clients` by id, sorted for a binary search: a lookup costs a
 /// few byte comparisons where a `HashMap` hashed the id with SipHash on every
-/// request (issue 14, Performance), and no id an attacker picks makes it slower.
+/// request (BENCHMARKS.md, instructions per decision), and no id an attacker
+/// picks makes it slower.
 #[derive(Debug, Clone, Default)]
 pub(super) struct ClientTable(Vec<(Vec<u8>, ClientPlan)>);
 
@@ -326,17 +328,221 @@ impl Headers {
     // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
     // function's size (BENCHMARKS.md, "Where the memory goes").
     #[inline(never)]
-    fn key(&mut self, parts: &[String]) -> Vec<KeyPart> {
+    fn key(&mut self, parts: &[config::KeyPart]) -> Vec<KeyPart> {
         parts
             .iter()
-            .map(|p| match p.as_str() {
-                "client" => KeyPart::Client,
-                "ip" => KeyPart::Ip,
-                "method" => KeyPart::Method,
-                "path" => KeyPart::Path,
-                other => KeyPart::Header(self.id(other.strip_prefix("header:").unwrap_or(other))),
-            })
+            .map(|p| p.map_header(|name| self.id(name)))
             .collect()
+    }
+}
+
+// The steps of Plan::compile, each kept out of it: V8 holds memory
+// superlinear in a wasm function's size (BENCHMARKS.md, "Where the memory goes").
+
+/// Where identity comes from: the identity headers, the tiers in
+/// configuration order, and the clients (their rule variants and quotas are
+/// filled in by [`rule_plans`] and [`quota_plans`]).
+#[inline(never)]
+fn identity_plan(config: &Config, h: &mut Headers) -> IdentityPlan {
+    let id = &config.identity;
+    let tiers: Vec<(String, bool)> = config
+        .tiers
+        .iter()
+        .map(|(name, spec)| (name.clone(), spec.unlimited))
+        .collect();
+    let tier_index = |name: &str| tiers.iter().position(|(n, _)| n == name);
+    let clients = id
+        .clients
+        .iter()
+        .map(|(client, spec)| {
+            let plan = ClientPlan {
+                tier: spec.tier.as_deref().and_then(tier_index),
+                unlimited: spec.unlimited,
+                soft: spec.soft,
+                ..ClientPlan::default()
+            };
+            (client.as_bytes().to_vec(), plan)
+        })
+        .collect();
+    IdentityPlan {
+        client_header: h.id(&id.client_id_header),
+        tier_header: id.tier_header.as_deref().map(|t| h.id(t)),
+        ip_source: IpSource {
+            xff: h.id("x-forwarded-for"),
+            hops: id.trusted_proxy_hops,
+        },
+        default_tier: id.default_tier.as_deref().and_then(tier_index),
+        clients: ClientTable::new(clients),
+        tiers,
+    }
+}
+
+/// Every rule's plan in configuration order, then the local stand-ins of the
+/// global rules (each global rule's `fallback` names its stand-in).
+#[inline(never)]
+fn rule_plans(
+    config: &Config,
+    h: &mut Headers,
+    identity: &mut IdentityPlan,
+    keys: (u64, u64),
+) -> Vec<RulePlan> {
+    let mut rules = Vec::with_capacity(config.rules.len());
+    let mut stand_ins = Vec::new();
+    for (rule_index, rule) in config.rules.iter().enumerate() {
+        let (base, stand_in) = rule_plan(config, rule, rule_index, h, identity, keys);
+        if let Some(stand_in) = stand_in {
+            stand_ins.push((rules.len(), stand_in));
+        }
+        rules.push(base);
+    }
+    for (global_index, stand_in) in stand_ins {
+        let index = rules.len();
+        rules.push(stand_in);
+        if let Some(r) = rules.get_mut(global_index) {
+            r.fallback = Some(index);
+        }
+    }
+    rules
+}
+
+/// One rule's plan, and for a global rule its local stand-in (the proxy's
+/// share of each limit among `global.instances`).
+#[inline(never)]
+fn rule_plan(
+    config: &Config,
+    rule: &Rule,
+    rule_index: usize,
+    h: &mut Headers,
+    identity: &mut IdentityPlan,
+    keys: (u64, u64),
+) -> (RulePlan, Option<RulePlan>) {
+    let key = h.key(&rule.key);
+    let maker = VariantMaker { config, rule, keys };
+    let (specs, tier_variant) = limit_sets(config, rule, rule_index, identity);
+    let graduated = rule.graduated.as_ref().map(|g| GraduatedPlan {
+        warn_at: g.warn_at,
+        delay_at: g.delay_at,
+        delay_ms: g.delay_ms.unwrap_or(0),
+        block_at: g.block_at,
+        block_for_ns: g.block_for.map_or(0, |s| s.0 * 1_000_000_000),
+    });
+    let base = RulePlan {
+        name: rule.name.clone(),
+        name_json: super::json::quoted(&rule.name),
+        algorithm: rule.algorithm,
+        scope: rule.scope,
+        shadow: rule.mode == Mode::Shadow,
+        cost: rule.cost,
+        graduated,
+        variants: specs.iter().map(|s| maker.make(s, 1)).collect(),
+        fallback: None,
+        stand_in: false,
+        tier_variant,
+        matcher: rule
+            .matches
+            .as_ref()
+            .map(|m| Matcher::compile(m, |n| h.id(n))),
+        key,
+    };
+    let divisor = match (&config.global, rule.scope) {
+        (Some(g), Scope::Global) => Some(g.instances.max(1)),
+        _ => None,
+    };
+    let stand_in = divisor.map(|n| RulePlan {
+        scope: Scope::Local,
+        stand_in: true,
+        matcher: None,
+        variants: specs.iter().map(|s| maker.make(s, n)).collect(),
+        ..base.clone()
+    });
+    (base, stand_in)
+}
+
+/// The rule's sets of limits with their wire variants: its own first, then
+/// each tier's that has one, then each client override's (recorded in the
+/// client's plan). Also each tier's set by tier index (0, the rule's own, for
+/// a tier without one). The rule and its stand-in list them in this order.
+fn limit_sets<'c>(
+    config: &'c Config,
+    rule: &'c Rule,
+    rule_index: usize,
+    identity: &mut IdentityPlan,
+) -> (Vec<(&'c [LimitSpec], Wire)>, Vec<usize>) {
+    let mut specs: Vec<(&[LimitSpec], Wire)> = vec![(&rule.limits, Wire::Default)];
+    let tier_variant = identity
+        .tiers
+        .iter()
+        .map(|(name, _)| match rule.tiers.get(name) {
+            Some(limits) => {
+                specs.push((limits, Wire::Tier(name.clone())));
+                specs.len() - 1
+            }
+            None => 0,
+        })
+        .collect();
+    for (client, spec) in &config.identity.clients {
+        if let Some(limits) = spec.limits.get(&rule.name) {
+            specs.push((limits, Wire::Client(client.clone())));
+            if let Some(c) = identity.clients.get_mut(client.as_bytes()) {
+                c.variants.push((rule_index, specs.len() - 1));
+            }
+        }
+    }
+    (specs, tier_variant)
+}
+
+/// Every quota's plan in configuration order; each client's amount
+/// overrides are recorded in the client's plan.
+#[inline(never)]
+fn quota_plans(config: &Config, h: &mut Headers, identity: &mut IdentityPlan) -> Vec<QuotaPlan> {
+    let mut quotas = Vec::with_capacity(config.quotas.len());
+    for (qi, q) in config.quotas.iter().enumerate() {
+        for (client, spec) in &config.identity.clients {
+            if let Some(amount) = spec.quotas.get(&q.name) {
+                if let Some(c) = identity.clients.get_mut(client.as_bytes()) {
+                    c.quotas.push((qi, *amount));
+                }
+            }
+        }
+        let key = h.key(&q.key);
+        quotas.push(QuotaPlan {
+            name: q.name.clone(),
+            period: q.period,
+            upgrade_url: q.upgrade_url.clone(),
+            count: q.count,
+            limit: q.limit,
+            by_tier: identity
+                .tiers
+                .iter()
+                .map(|(name, _)| q.tiers.get(name).copied().or(q.limit))
+                .collect(),
+            matcher: q.matches.as_ref().map(|m| Matcher::compile(m, |n| h.id(n))),
+            key,
+        });
+    }
+    quotas
+}
+
+/// The gateway settings (`global`) as the filter uses them.
+#[inline(never)]
+fn global_plan(config: &Config, g: &config::Global, keys: (u64, u64)) -> GlobalPlan {
+    GlobalPlan {
+        cluster: g.cluster.clone(),
+        authority: g.authority.clone(),
+        path: g.path.clone(),
+        timeout_ms: g.timeout_ms,
+        failure_mode: g.failure_mode,
+        circuit: g.circuit.clone(),
+        circuit_key: format!("{KEY_PREFIX}circuit/{}/{}", config.domain, g.cluster),
+        lease: g
+            .lease
+            .as_ref()
+            .map(|l| LeasePlan::new(l, &config.domain, keys)),
+        deny_cache: (g.deny_cache > 0).then(|| {
+            let prefix = format!("{KEY_PREFIX}deny/{}/{}/", config.domain, g.deny_cache);
+            Slots::new(prefix, g.deny_cache, keys)
+        }),
+        authorization: g.bearer(|_| None).ok().flatten().map(config::Token),
     }
 }
 
@@ -419,150 +625,21 @@ impl Plan {
     /// clients cannot aim their keys at another client's bucket.
     pub fn compile(config: &Config, seed: [u8; 16]) -> Plan {
         let mut h = Headers(vec![":method".into(), ":path".into()]);
-        let id = &config.identity;
-        let tiers: Vec<(String, bool)> = config
-            .tiers
-            .iter()
-            .map(|(name, spec)| (name.clone(), spec.unlimited))
-            .collect();
-        let tier_index = |name: &str| tiers.iter().position(|(n, _)| n == name);
-        let mut identity = IdentityPlan {
-            client_header: h.id(&id.client_id_header),
-            tier_header: id.tier_header.as_deref().map(|t| h.id(t)),
-            ip_source: IpSource {
-                xff: h.id("x-forwarded-for"),
-                hops: id.trusted_proxy_hops,
-            },
-            default_tier: id.default_tier.as_deref().and_then(tier_index),
-            tiers: tiers.clone(),
-            clients: ClientTable::new(
-                id.clients
-                    .iter()
-                    .map(|(client, spec)| {
-                        let plan = ClientPlan {
-                            tier: spec.tier.as_deref().and_then(tier_index),
-                            unlimited: spec.unlimited,
-                            soft: spec.soft,
-                            ..ClientPlan::default()
-                        };
-                        (client.as_bytes().to_vec(), plan)
-                    })
-                    .collect(),
-            ),
-        };
         let keys = split_seed(seed);
-        let mut rules = Vec::with_capacity(config.rules.len());
-        let mut stand_ins = Vec::new();
-        for (rule_index, rule) in config.rules.iter().enumerate() {
-            let key = h.key(&rule.key);
-            let maker = VariantMaker { config, rule, keys };
-            let divisor = match (&config.global, rule.scope) {
-                (Some(g), Scope::Global) => Some(g.instances.max(1)),
-                _ => None,
-            };
-            // Variant lists in the same order for the rule and its stand-in.
-            use ratelimit_protocol::Variant as Wire;
-            let mut specs: Vec<(&[LimitSpec], Wire)> = vec![(&rule.limits, Wire::Default)];
-            let tier_variant = tiers
-                .iter()
-                .map(|(name, _)| match rule.tiers.get(name) {
-                    Some(limits) => {
-                        specs.push((limits, Wire::Tier(name.clone())));
-                        specs.len() - 1
-                    }
-                    None => 0,
-                })
-                .collect();
-            for (client, spec) in &id.clients {
-                if let Some(limits) = spec.limits.get(&rule.name) {
-                    specs.push((limits, Wire::Client(client.clone())));
-                    if let Some(c) = identity.clients.get_mut(client.as_bytes()) {
-                        c.variants.push((rule_index, specs.len() - 1));
-                    }
-                }
-            }
-            let graduated = rule.graduated.as_ref().map(|g| GraduatedPlan {
-                warn_at: g.warn_at,
-                delay_at: g.delay_at,
-                delay_ms: g.delay_ms.unwrap_or(0),
-                block_at: g.block_at,
-                block_for_ns: g.block_for.map_or(0, |s| s.0 * 1_000_000_000),
-            });
-            let base = RulePlan {
-                name: rule.name.clone(),
-                name_json: super::json::quoted(&rule.name),
-                algorithm: rule.algorithm,
-                scope: rule.scope,
-                shadow: rule.mode == Mode::Shadow,
-                cost: rule.cost,
-                graduated,
-                variants: specs.iter().map(|s| maker.make(s, 1)).collect(),
-                fallback: None,
-                stand_in: false,
-                tier_variant,
-                matcher: rule
-                    .matches
-                    .as_ref()
-                    .map(|m| Matcher::compile(m, |n| h.id(n))),
-                key,
-            };
-            if let Some(n) = divisor {
-                let stand_in = RulePlan {
-                    scope: Scope::Local,
-                    stand_in: true,
-                    matcher: None,
-                    variants: specs.iter().map(|s| maker.make(s, n)).collect(),
-                    ..base.clone()
-                };
-                stand_ins.push((rules.len(), stand_in));
-            }
-            rules.push(base);
-        }
-        for (global_index, stand_in) in stand_ins {
-            let index = rules.len();
-            rules.push(stand_in);
-            if let Some(r) = rules.get_mut(global_index) {
-                r.fallback = Some(index);
-            }
-        }
-        let quotas: Vec<QuotaPlan> = config
-            .quotas
-            .iter()
-            .enumerate()
-            .map(|(qi, q)| {
-                for (client, spec) in &id.clients {
-                    if let Some(amount) = spec.quotas.get(&q.name) {
-                        if let Some(c) = identity.clients.get_mut(client.as_bytes()) {
-                            c.quotas.push((qi, *amount));
-                        }
-                    }
-                }
-                let key = h.key(&q.key);
-                QuotaPlan {
-                    name: q.name.clone(),
-                    period: q.period,
-                    upgrade_url: q.upgrade_url.clone(),
-                    count: q.count,
-                    limit: q.limit,
-                    by_tier: tiers
-                        .iter()
-                        .map(|(name, _)| q.tiers.get(name).copied().or(q.limit))
-                        .collect(),
-                    matcher: q.matches.as_ref().map(|m| Matcher::compile(m, |n| h.id(n))),
-                    key,
-                }
-            })
-            .collect();
+        let mut identity = identity_plan(config, &mut h);
+        let rules = rule_plans(config, &mut h, &mut identity, keys);
+        let quotas = quota_plans(config, &mut h, &mut identity);
         let costs: Vec<(Matcher, u64)> = config
             .costs
             .iter()
             .map(|c| (Matcher::compile(&c.matches, |n| h.id(n)), c.cost))
             .collect();
+        let id = &config.identity;
         let (header_needed, source) = reads(
             h.0.len(),
             &identity,
-            config.identity.client_id_metadata.is_none(),
-            config.identity.tier_metadata.is_none(),
+            id.client_id_metadata.is_none(),
+            id.tier_metadata.is_none(),
             &rules,
             quotas.as_slice(),
             costs.as_slice(),
@@ -588,24 +665,7 @@ impl Plan {
             retry_jitter: config.response.retry_jitter,
             on_error: config.on_error,
             table: Layout::new(&config.domain, config.max_buckets),
-            global: config.global.as_ref().map(|g| GlobalPlan {
-                cluster: g.cluster.clone(),
-                authority: g.authority.clone(),
-                path: g.path.clone(),
-                timeout_ms: g.timeout_ms,
-                failure_mode: g.failure_mode,
-                circuit: g.circuit.clone(),
-                circuit_key: format!("{KEY_PREFIX}circuit/{}/{}", config.domain, g.cluster),
-                lease: g
-                    .lease
-                    .as_ref()
-                    .map(|l| LeasePlan::new(l, &config.domain, keys)),
-                deny_cache: (g.deny_cache > 0).then(|| {
-                    let prefix = format!("{KEY_PREFIX}deny/{}/{}/", config.domain, g.deny_cache);
-                    Slots::new(prefix, g.deny_cache, keys)
-                }),
-                authorization: g.bearer(|_| None).ok().flatten().map(config::Token),
-            }),
+            global: config.global.as_ref().map(|g| global_plan(config, g, keys)),
             domain: config.domain.clone(),
             costs,
             identity,

@@ -108,29 +108,16 @@ impl Unit {
     }
 }
 
-/// How a `rate_limit` counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum RlsAlgorithm {
-    /// envoyproxy/ratelimit's: a counter per window aligned to the unit
-    /// (`floor(now / unit)`), incremented by every hit, over when it passes
-    /// `requests_per_unit`.
-    #[default]
-    FixedWindow,
-    /// The gateway's GCRA token bucket: `requests_per_unit` per `unit`, bursts
-    /// up to `requests_per_unit`; a denied hit is not counted.
-    TokenBucket,
-    /// The gateway's sliding-window counter; a denied hit is not counted.
-    SlidingWindow,
-}
+/// How a `rate_limit` counts: the configuration crate's vocabulary, whose
+/// exact algorithms are the filter's own.
+pub use ratelimit_config::RlsAlgorithm;
 
-impl RlsAlgorithm {
-    /// The configuration name.
-    pub fn name(self) -> &'static str {
-        match self {
-            RlsAlgorithm::FixedWindow => "fixed_window",
-            RlsAlgorithm::TokenBucket => "token_bucket",
-            RlsAlgorithm::SlidingWindow => "sliding_window",
-        }
+/// `a, b or c`: a list for an error message.
+fn one_or_other(names: &[&str]) -> String {
+    match names.split_last() {
+        Some((last, [])) => last.to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
     }
 }
 
@@ -408,15 +395,14 @@ fn load_limit(
         )
     };
     let algorithm = match r.algorithm.as_deref() {
-        None | Some("fixed_window") => RlsAlgorithm::FixedWindow,
-        Some("token_bucket") => RlsAlgorithm::TokenBucket,
-        Some("sliding_window") => RlsAlgorithm::SlidingWindow,
-        Some(other) => {
-            return Err(format!(
-                "{at}.algorithm: unknown algorithm '{other}', expected fixed_window, \
-                 token_bucket or sliding_window"
-            ))
-        }
+        None => RlsAlgorithm::default(),
+        Some(name) => RlsAlgorithm::from_name(name).ok_or_else(|| {
+            let names: Vec<&str> = RlsAlgorithm::ALL.iter().map(|a| a.name()).collect();
+            format!(
+                "{at}.algorithm: unknown algorithm '{name}', expected {}",
+                one_or_other(&names)
+            )
+        })?,
     };
     let shared = match &r.shared {
         Some(s) => Some(load_shared(s, &format!("{at}.shared"), place.keys, domain)?),

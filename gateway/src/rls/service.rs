@@ -45,7 +45,7 @@ use crate::auth::{Caller, Refusal};
 use crate::keys;
 use crate::logging::Escaped;
 use crate::policy::{Resolved, ResolvedBucket};
-use crate::protocol::{Algorithm, CheckResponse, Limit, MAX_EXACT};
+use crate::protocol::{CheckResponse, Limit, MAX_EXACT};
 use crate::redis_store::StoreError;
 use crate::reload::Reloadable;
 use crate::script;
@@ -509,9 +509,11 @@ impl Rls {
             }));
         }
         let unit = limit.unit.unwrap_or(Unit::Second);
-        let algorithm = match limit.algorithm {
-            RlsAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
-            _ => Algorithm::TokenBucket,
+        // `check` counts unshared fixed windows itself; only exact ones come here.
+        let Some(algorithm) = limit.algorithm.exact() else {
+            return Err(StoreError::Reply(format!(
+                "rls_config {domain}: a fixed_window limit has no gateway bucket"
+            )));
         };
         // A domain of its own (`|rls` cannot end an escaped policy domain's
         // hash tag part the same way), so native buckets never meet a filter's.
@@ -634,7 +636,7 @@ fn hits_of(req: &RateLimitRequest, d: &RateLimitDescriptor) -> u64 {
 /// with `share_threshold` gives its pattern for the value), hashed past
 /// [`MAX_KEY_ENTRIES_BYTES`].
 fn entries_key(d: &RateLimitDescriptor, shared_values: &[Option<&str>]) -> String {
-    use ratelimit_wasm::policy::key::bounded;
+    use ratelimit_config::key::bounded;
     let mut s = String::new();
     for (i, e) in d.entries.iter().enumerate() {
         if i > 0 {

@@ -4,8 +4,8 @@
 //! settings in [`super::validate_global`].
 
 use super::syntax::*;
+use super::vocab::Algorithm;
 use super::*;
-use ratelimit_protocol::Algorithm;
 use std::collections::HashSet;
 
 /// Parses and validates a configuration.
@@ -16,9 +16,6 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     config.validate()?;
     Ok(config)
 }
-
-/// Known key parts, besides `header:<name>`.
-pub const KEY_PARTS: [&str; 4] = ["client", "ip", "method", "path"];
 
 impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
@@ -164,24 +161,12 @@ fn at_most(list: &str, n: usize, max: usize) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn validate_key(at: &str, key: &[String]) -> Result<(), ConfigError> {
+fn validate_key(at: &str, key: &[KeyPart]) -> Result<(), ConfigError> {
     if key.len() > MAX_KEY_PARTS {
         return Err(ConfigError::field(
             at,
             format!("at most {MAX_KEY_PARTS} parts"),
         ));
-    }
-    for (k, part) in key.iter().enumerate() {
-        if let Some(why) = part.strip_prefix("header:").and_then(header_name_problem) {
-            return Err(ConfigError::field(format!("{at}[{k}]"), why));
-        }
-        let ok = KEY_PARTS.contains(&part.as_str()) || part.starts_with("header:");
-        if !ok {
-            return Err(ConfigError::field(
-                format!("{at}[{k}]"),
-                format!("{part:?} is not a key part (client, ip, method, path or header:<name>)"),
-            ));
-        }
     }
     Ok(())
 }
@@ -327,7 +312,7 @@ fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), Config
 }
 
 /// Largest quota amount.
-pub const MAX_QUOTA: u64 = ratelimit_protocol::MAX_QUOTA_LIMIT;
+pub const MAX_QUOTA: u64 = super::bounds::MAX_QUOTA_LIMIT;
 
 impl Config {
     fn validate_identity(&self) -> Result<(), ConfigError> {

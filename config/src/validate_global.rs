@@ -6,7 +6,7 @@ use super::*;
 
 /// Largest `requests × per` in milliseconds of a global limit: the gateway's
 /// Lua arithmetic is exact only below 2^53.
-pub const MAX_GLOBAL_PRODUCT: u64 = ratelimit_protocol::MAX_EXACT;
+pub const MAX_GLOBAL_PRODUCT: u64 = super::bounds::MAX_EXACT;
 
 impl Config {
     pub(super) fn validate_global(&self) -> Result<(), ConfigError> {

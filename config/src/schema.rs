@@ -3,7 +3,8 @@
 //! public contract: unknown fields are refused.
 
 use super::duration::Seconds;
-use ratelimit_protocol::Algorithm;
+use super::key::KeyPart;
+use super::vocab::Algorithm;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -12,13 +13,13 @@ use std::fmt;
 pub const MAX_RULES: usize = 1024;
 /// Most quotas one configuration may hold: a request may count against
 /// each, and one gateway check carries them all (the protocol's bound).
-pub const MAX_QUOTAS: usize = ratelimit_protocol::MAX_QUOTAS;
+pub const MAX_QUOTAS: usize = super::bounds::MAX_QUOTAS;
 /// Most global rules one configuration may hold: a request may match each,
 /// and one gateway check carries a bucket per global rule (the protocol's bound).
-pub const MAX_GLOBAL_RULES: usize = ratelimit_protocol::MAX_BUCKETS;
+pub const MAX_GLOBAL_RULES: usize = super::bounds::MAX_BUCKETS;
 /// Most limits one rule may hold; they share one shared-data entry, and a
 /// gateway bucket carries as many (the protocol's bound).
-pub const MAX_LIMITS_PER_RULE: usize = ratelimit_protocol::MAX_LIMITS;
+pub const MAX_LIMITS_PER_RULE: usize = super::bounds::MAX_LIMITS;
 /// Most key parts one rule may hold.
 pub const MAX_KEY_PARTS: usize = 8;
 /// Largest `requests` of one limit.
@@ -453,7 +454,7 @@ pub(super) fn default_reject_at() -> f64 {
 
 /// Calendar period of a quota, in UTC: the protocol crate's vocabulary,
 /// written once for the filter and the gateway.
-pub use ratelimit_protocol::Period;
+pub use super::vocab::Period;
 
 /// What a quota counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -477,7 +478,7 @@ pub struct QuotaSpec {
     pub matches: Option<Match>,
     /// Parts of the quota's key, as for rules.
     #[serde(default)]
-    pub key: Vec<String>,
+    pub key: Vec<KeyPart>,
     /// Calendar period.
     pub period: Period,
     /// Amount per period by tier.
@@ -504,7 +505,7 @@ pub struct Rule {
     pub matches: Option<Match>,
     /// Parts of the bucket key; empty means one bucket for all matching requests.
     #[serde(default)]
-    pub key: Vec<String>,
+    pub key: Vec<KeyPart>,
     /// Limits that must all pass; required unless `tiers` covers every tier.
     #[serde(default)]
     pub limits: Vec<LimitSpec>,

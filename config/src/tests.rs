@@ -489,15 +489,6 @@ fn more_global_rules_than_one_gateway_check_carries_are_refused() {
 }
 
 #[test]
-fn the_configurations_bounds_are_the_protocols() {
-    assert_eq!(MAX_QUOTAS, ratelimit_protocol::MAX_QUOTAS);
-    assert_eq!(MAX_GLOBAL_RULES, ratelimit_protocol::MAX_BUCKETS);
-    assert_eq!(MAX_LIMITS_PER_RULE, ratelimit_protocol::MAX_LIMITS);
-    assert_eq!(MAX_QUOTA, ratelimit_protocol::MAX_QUOTA_LIMIT);
-    assert_eq!(MAX_GLOBAL_PRODUCT, ratelimit_protocol::MAX_EXACT);
-}
-
-#[test]
 fn a_cost_above_the_capacity_of_a_rule_it_can_match_is_refused() {
     let shipped = json!({"domain": "d",
         "rules": [

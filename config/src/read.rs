@@ -14,8 +14,8 @@
 //! (`config::read::tests::the_reader_agrees_with_serde`).
 
 use super::duration::{self, Seconds};
+use super::vocab::{Algorithm, Period};
 use super::*;
-use ratelimit_protocol::{Algorithm, Period};
 use serde::de::{Error as _, Unexpected};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -102,6 +102,29 @@ impl<'v> Fields<'v> {
         }
         Ok(())
     }
+}
+
+/// Reads the fields of one object with [`Fields::each`]: each field's name
+/// is written next to its handler, and the list of names (for serde's
+/// unknown-field error) is made from the same lines, so no name can be
+/// paired with another field's handler.
+macro_rules! fields {
+    ($v:ident, $p:ident, $struct:literal, { $($name:literal => $body:expr),+ $(,)? }) => {{
+        const FIELDS: &[&str] = &[$($name),+];
+        Fields::new($v, $p, $struct, FIELDS)?.each($p, |i, $v, $p| {
+            // The n-th handler runs for FIELDS[n]: `at` counts the arms as written.
+            let mut at = 0usize;
+            $(
+                if i == at {
+                    $body;
+                    return Ok(());
+                }
+                at += 1;
+            )+
+            let _ = at;
+            Ok(())
+        })
+    }};
 }
 
 /// A required field that was not given.
@@ -210,6 +233,15 @@ fn strings(v: &Value, p: &mut Path) -> Result<Vec<String>> {
     list(v, p, string_)
 }
 
+/// A rule's or quota's `key`: each part read into a [`KeyPart`] here, once.
+#[inline(never)]
+fn key_parts(v: &Value, p: &mut Path) -> Result<Vec<KeyPart>> {
+    list(v, p, |v, p| {
+        let s = string(v, p)?;
+        KeyPart::parse(&s).map_err(|why| p.error(serde_json::Error::custom(why)))
+    })
+}
+
 /// A unit variant of `variants`, as serde reads an enum from JSON: its name
 /// as a string, or a map of that one name to `null`. Returns its index.
 #[inline(never)]
@@ -271,18 +303,6 @@ fn seconds(v: &Value, p: &mut Path) -> Result<Seconds> {
 /// Reads a whole configuration (not yet validated).
 #[inline(never)]
 pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
-    const FIELDS: &[&str] = &[
-        "domain",
-        "identity",
-        "rules",
-        "costs",
-        "response",
-        "max_buckets",
-        "on_error",
-        "global",
-        "tiers",
-        "quotas",
-    ];
     let (mut domain, mut rules) = (None, None);
     let mut c = Config {
         domain: String::new(),
@@ -296,20 +316,17 @@ pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
         tiers: BTreeMap::new(),
         quotas: Vec::new(),
     };
-    Fields::new(v, p, "struct Config", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => domain = Some(string(v, p)?),
-            1 => c.identity = identity(v, p)?,
-            2 => rules = Some(list(v, p, rule)?),
-            3 => c.costs = list(v, p, cost)?,
-            4 => c.response = response(v, p)?,
-            5 => c.max_buckets = u64_(v, p)?,
-            6 => c.on_error = pick(v, p, &["allow", "deny"], &[OnError::Allow, OnError::Deny])?,
-            7 => c.global = opt(v, p, global)?,
-            8 => c.tiers = map(v, p, tier)?,
-            _ => c.quotas = list(v, p, quota)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Config", {
+        "domain" => domain = Some(string(v, p)?),
+        "identity" => c.identity = identity(v, p)?,
+        "rules" => rules = Some(list(v, p, rule)?),
+        "costs" => c.costs = list(v, p, cost)?,
+        "response" => c.response = response(v, p)?,
+        "max_buckets" => c.max_buckets = u64_(v, p)?,
+        "on_error" => c.on_error = pick(v, p, &["allow", "deny"], &[OnError::Allow, OnError::Deny])?,
+        "global" => c.global = opt(v, p, global)?,
+        "tiers" => c.tiers = map(v, p, tier)?,
+        "quotas" => c.quotas = list(v, p, quota)?,
     })?;
     c.domain = required(domain, p, "domain")?;
     c.rules = required(rules, p, "rules")?;
@@ -318,19 +335,6 @@ pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
 
 #[inline(never)]
 fn global(v: &Value, p: &mut Path) -> Result<Global> {
-    const FIELDS: &[&str] = &[
-        "cluster",
-        "authority",
-        "path",
-        "timeout_ms",
-        "failure_mode",
-        "instances",
-        "circuit",
-        "lease",
-        "deny_cache",
-        "token",
-        "token_env",
-    ];
     let mut cluster = None;
     let mut g = Global {
         cluster: String::new(),
@@ -345,24 +349,21 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
         token: None,
         token_env: None,
     };
-    Fields::new(v, p, "struct Global", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => cluster = Some(string(v, p)?),
-            1 => g.authority = string(v, p)?,
-            2 => g.path = string(v, p)?,
-            3 => g.timeout_ms = u64_(v, p)?,
-            4 => {
+    fields!(v, p, "struct Global", {
+        "cluster" => cluster = Some(string(v, p)?),
+        "authority" => g.authority = string(v, p)?,
+        "path" => g.path = string(v, p)?,
+        "timeout_ms" => g.timeout_ms = u64_(v, p)?,
+        "failure_mode" => {
                 let all = [FailureMode::Open, FailureMode::Closed, FailureMode::Local];
                 g.failure_mode = pick(v, p, &["open", "closed", "local"], &all)?
-            }
-            5 => g.instances = u64_(v, p)?,
-            6 => g.circuit = circuit(v, p)?,
-            7 => g.lease = opt(v, p, lease)?,
-            8 => g.deny_cache = u64_(v, p)?,
-            9 => g.token = opt(v, p, string_)?.map(Token),
-            _ => g.token_env = opt(v, p, string_)?,
-        }
-        Ok(())
+            },
+        "instances" => g.instances = u64_(v, p)?,
+        "circuit" => g.circuit = circuit(v, p)?,
+        "lease" => g.lease = opt(v, p, lease)?,
+        "deny_cache" => g.deny_cache = u64_(v, p)?,
+        "token" => g.token = opt(v, p, string_)?.map(Token),
+        "token_env" => g.token_env = opt(v, p, string_)?,
     })?;
     g.cluster = required(cluster, p, "cluster")?;
     Ok(g)
@@ -370,7 +371,6 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
 
 #[inline(never)]
 fn lease(v: &Value, p: &mut Path) -> Result<Lease> {
-    const FIELDS: &[&str] = &["fraction", "max_wait_ms", "ttl_ms", "path", "max_leases"];
     let mut fraction = None;
     let mut l = Lease {
         fraction: 0.0,
@@ -379,15 +379,12 @@ fn lease(v: &Value, p: &mut Path) -> Result<Lease> {
         path: default_lease_path(),
         max_leases: default_max_leases(),
     };
-    Fields::new(v, p, "struct Lease", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => fraction = Some(float(v, p)?),
-            1 => l.max_wait_ms = u64_(v, p)?,
-            2 => l.ttl_ms = u64_(v, p)?,
-            3 => l.path = string(v, p)?,
-            _ => l.max_leases = u64_(v, p)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Lease", {
+        "fraction" => fraction = Some(float(v, p)?),
+        "max_wait_ms" => l.max_wait_ms = u64_(v, p)?,
+        "ttl_ms" => l.ttl_ms = u64_(v, p)?,
+        "path" => l.path = string(v, p)?,
+        "max_leases" => l.max_leases = u64_(v, p)?,
     })?;
     l.fraction = required(fraction, p, "fraction")?;
     Ok(l)
@@ -395,59 +392,39 @@ fn lease(v: &Value, p: &mut Path) -> Result<Lease> {
 
 #[inline(never)]
 fn circuit(v: &Value, p: &mut Path) -> Result<Circuit> {
-    const FIELDS: &[&str] = &["failures", "latency_ms", "cooldown_ms"];
     let mut c = Circuit::default();
-    Fields::new(v, p, "struct Circuit", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => c.failures = u32_(v, p)?,
-            1 => c.latency_ms = u64_(v, p)?,
-            _ => c.cooldown_ms = u64_(v, p)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Circuit", {
+        "failures" => c.failures = u32_(v, p)?,
+        "latency_ms" => c.latency_ms = u64_(v, p)?,
+        "cooldown_ms" => c.cooldown_ms = u64_(v, p)?,
     })?;
     Ok(c)
 }
 
 #[inline(never)]
 fn identity(v: &Value, p: &mut Path) -> Result<Identity> {
-    const FIELDS: &[&str] = &[
-        "client_id_header",
-        "trusted_proxy_hops",
-        "client_id_metadata",
-        "tier_metadata",
-        "tier_header",
-        "default_tier",
-        "clients",
-    ];
     let mut id = Identity::default();
-    Fields::new(v, p, "struct Identity", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => id.client_id_header = string(v, p)?,
-            1 => id.trusted_proxy_hops = u32_(v, p)?,
-            2 => id.client_id_metadata = opt(v, p, strings)?,
-            3 => id.tier_metadata = opt(v, p, strings)?,
-            4 => id.tier_header = opt(v, p, string_)?,
-            5 => id.default_tier = opt(v, p, string_)?,
-            _ => id.clients = map(v, p, client)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Identity", {
+        "client_id_header" => id.client_id_header = string(v, p)?,
+        "trusted_proxy_hops" => id.trusted_proxy_hops = u32_(v, p)?,
+        "client_id_metadata" => id.client_id_metadata = opt(v, p, strings)?,
+        "tier_metadata" => id.tier_metadata = opt(v, p, strings)?,
+        "tier_header" => id.tier_header = opt(v, p, string_)?,
+        "default_tier" => id.default_tier = opt(v, p, string_)?,
+        "clients" => id.clients = map(v, p, client)?,
     })?;
     Ok(id)
 }
 
 #[inline(never)]
 fn client(v: &Value, p: &mut Path) -> Result<ClientSpec> {
-    const FIELDS: &[&str] = &["tier", "unlimited", "soft", "limits", "quotas"];
     let mut c = ClientSpec::default();
-    Fields::new(v, p, "struct ClientSpec", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => c.tier = opt(v, p, string_)?,
-            1 => c.unlimited = boolean(v, p)?,
-            2 => c.soft = boolean(v, p)?,
-            3 => c.limits = map(v, p, limits)?,
-            _ => c.quotas = map(v, p, u64_)?,
-        }
-        Ok(())
+    fields!(v, p, "struct ClientSpec", {
+        "tier" => c.tier = opt(v, p, string_)?,
+        "unlimited" => c.unlimited = boolean(v, p)?,
+        "soft" => c.soft = boolean(v, p)?,
+        "limits" => c.limits = map(v, p, limits)?,
+        "quotas" => c.quotas = map(v, p, u64_)?,
     })?;
     Ok(c)
 }
@@ -455,23 +432,14 @@ fn client(v: &Value, p: &mut Path) -> Result<ClientSpec> {
 #[inline(never)]
 fn tier(v: &Value, p: &mut Path) -> Result<TierSpec> {
     let mut t = TierSpec::default();
-    Fields::new(v, p, "struct TierSpec", &["unlimited"])?.each(p, |_, v, p| {
-        t.unlimited = boolean(v, p)?;
-        Ok(())
+    fields!(v, p, "struct TierSpec", {
+        "unlimited" => t.unlimited = boolean(v, p)?,
     })?;
     Ok(t)
 }
 
 #[inline(never)]
 fn graduated(v: &Value, p: &mut Path) -> Result<Graduated> {
-    const FIELDS: &[&str] = &[
-        "warn_at",
-        "delay_at",
-        "delay_ms",
-        "reject_at",
-        "block_at",
-        "block_for",
-    ];
     let share = |v: &Value, p: &mut Path| float(v, p);
     let mut g = Graduated {
         warn_at: None,
@@ -481,32 +449,19 @@ fn graduated(v: &Value, p: &mut Path) -> Result<Graduated> {
         block_at: None,
         block_for: None,
     };
-    Fields::new(v, p, "struct Graduated", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => g.warn_at = opt(v, p, share)?,
-            1 => g.delay_at = opt(v, p, share)?,
-            2 => g.delay_ms = opt(v, p, u64_)?,
-            3 => g.reject_at = float(v, p)?,
-            4 => g.block_at = opt(v, p, share)?,
-            _ => g.block_for = opt(v, p, seconds)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Graduated", {
+        "warn_at" => g.warn_at = opt(v, p, share)?,
+        "delay_at" => g.delay_at = opt(v, p, share)?,
+        "delay_ms" => g.delay_ms = opt(v, p, u64_)?,
+        "reject_at" => g.reject_at = float(v, p)?,
+        "block_at" => g.block_at = opt(v, p, share)?,
+        "block_for" => g.block_for = opt(v, p, seconds)?,
     })?;
     Ok(g)
 }
 
 #[inline(never)]
 fn quota(v: &Value, p: &mut Path) -> Result<QuotaSpec> {
-    const FIELDS: &[&str] = &[
-        "name",
-        "match",
-        "key",
-        "period",
-        "tiers",
-        "limit",
-        "upgrade_url",
-        "count",
-    ];
     let (mut name, mut period, mut upgrade_url) = (None, None, None);
     let mut q = QuotaSpec {
         name: String::new(),
@@ -518,24 +473,18 @@ fn quota(v: &Value, p: &mut Path) -> Result<QuotaSpec> {
         upgrade_url: String::new(),
         count: QuotaCount::default(),
     };
-    Fields::new(v, p, "struct QuotaSpec", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => name = Some(string(v, p)?),
-            1 => q.matches = opt(v, p, matcher)?,
-            2 => q.key = strings(v, p)?,
-            3 => {
-                let all = [Period::Minute, Period::Hour, Period::Day, Period::Month];
-                period = Some(pick(v, p, &["minute", "hour", "day", "month"], &all)?)
-            }
-            4 => q.tiers = map(v, p, u64_)?,
-            5 => q.limit = opt(v, p, u64_)?,
-            6 => upgrade_url = Some(string(v, p)?),
-            _ => {
+    fields!(v, p, "struct QuotaSpec", {
+        "name" => name = Some(string(v, p)?),
+        "match" => q.matches = opt(v, p, matcher)?,
+        "key" => q.key = key_parts(v, p)?,
+        "period" => period = Some(pick(v, p, &Period::NAMES, &Period::ALL)?),
+        "tiers" => q.tiers = map(v, p, u64_)?,
+        "limit" => q.limit = opt(v, p, u64_)?,
+        "upgrade_url" => upgrade_url = Some(string(v, p)?),
+        "count" => {
                 let all = [QuotaCount::Requests, QuotaCount::Cost];
                 q.count = pick(v, p, &["requests", "cost"], &all)?
-            }
-        }
-        Ok(())
+            },
     })?;
     q.name = required(name, p, "name")?;
     q.period = required(period, p, "period")?;
@@ -545,18 +494,6 @@ fn quota(v: &Value, p: &mut Path) -> Result<QuotaSpec> {
 
 #[inline(never)]
 fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
-    const FIELDS: &[&str] = &[
-        "name",
-        "match",
-        "key",
-        "limits",
-        "tiers",
-        "algorithm",
-        "scope",
-        "mode",
-        "cost",
-        "graduated",
-    ];
     let mut name = None;
     let mut r = Rule {
         name: String::new(),
@@ -570,23 +507,17 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
         cost: None,
         graduated: None,
     };
-    Fields::new(v, p, "struct Rule", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => name = Some(string(v, p)?),
-            1 => r.matches = opt(v, p, matcher)?,
-            2 => r.key = strings(v, p)?,
-            3 => r.limits = limits(v, p)?,
-            4 => r.tiers = map(v, p, limits)?,
-            5 => {
-                let all = [Algorithm::TokenBucket, Algorithm::SlidingWindow];
-                r.algorithm = pick(v, p, &["token_bucket", "sliding_window"], &all)?
-            }
-            6 => r.scope = pick(v, p, &["local", "global"], &[Scope::Local, Scope::Global])?,
-            7 => r.mode = pick(v, p, &["enforce", "shadow"], &[Mode::Enforce, Mode::Shadow])?,
-            8 => r.cost = opt(v, p, u64_)?,
-            _ => r.graduated = opt(v, p, graduated)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Rule", {
+        "name" => name = Some(string(v, p)?),
+        "match" => r.matches = opt(v, p, matcher)?,
+        "key" => r.key = key_parts(v, p)?,
+        "limits" => r.limits = limits(v, p)?,
+        "tiers" => r.tiers = map(v, p, limits)?,
+        "algorithm" => r.algorithm = pick(v, p, &Algorithm::NAMES, &Algorithm::ALL)?,
+        "scope" => r.scope = pick(v, p, &["local", "global"], &[Scope::Local, Scope::Global])?,
+        "mode" => r.mode = pick(v, p, &["enforce", "shadow"], &[Mode::Enforce, Mode::Shadow])?,
+        "cost" => r.cost = opt(v, p, u64_)?,
+        "graduated" => r.graduated = opt(v, p, graduated)?,
     })?;
     r.name = required(name, p, "name")?;
     Ok(r)
@@ -594,16 +525,12 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
 
 #[inline(never)]
 fn matcher(v: &Value, p: &mut Path) -> Result<Match> {
-    const FIELDS: &[&str] = &["path_prefix", "path_exact", "methods", "headers"];
     let mut m = Match::default();
-    Fields::new(v, p, "struct Match", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => m.path_prefix = opt(v, p, string_)?,
-            1 => m.path_exact = opt(v, p, string_)?,
-            2 => m.methods = opt(v, p, strings)?,
-            _ => m.headers = map(v, p, string_)?,
-        }
-        Ok(())
+    fields!(v, p, "struct Match", {
+        "path_prefix" => m.path_prefix = opt(v, p, string_)?,
+        "path_exact" => m.path_exact = opt(v, p, string_)?,
+        "methods" => m.methods = opt(v, p, strings)?,
+        "headers" => m.headers = map(v, p, string_)?,
     })?;
     Ok(m)
 }
@@ -612,12 +539,9 @@ fn matcher(v: &Value, p: &mut Path) -> Result<Match> {
 fn limits(v: &Value, p: &mut Path) -> Result<Vec<LimitSpec>> {
     list(v, p, |v, p| {
         let (mut requests, mut per) = (None, None);
-        Fields::new(v, p, "struct LimitSpec", &["requests", "per"])?.each(p, |i, v, p| {
-            match i {
-                0 => requests = Some(u64_(v, p)?),
-                _ => per = Some(seconds(v, p)?),
-            }
-            Ok(())
+        fields!(v, p, "struct LimitSpec", {
+            "requests" => requests = Some(u64_(v, p)?),
+            "per" => per = Some(seconds(v, p)?),
         })?;
         Ok(LimitSpec {
             requests: required(requests, p, "requests")?,
@@ -629,12 +553,9 @@ fn limits(v: &Value, p: &mut Path) -> Result<Vec<LimitSpec>> {
 #[inline(never)]
 fn cost(v: &Value, p: &mut Path) -> Result<Cost> {
     let (mut matches, mut cost) = (None, None);
-    Fields::new(v, p, "struct Cost", &["match", "cost"])?.each(p, |i, v, p| {
-        match i {
-            0 => matches = Some(matcher(v, p)?),
-            _ => cost = Some(u64_(v, p)?),
-        }
-        Ok(())
+    fields!(v, p, "struct Cost", {
+        "match" => matches = Some(matcher(v, p)?),
+        "cost" => cost = Some(u64_(v, p)?),
     })?;
     Ok(Cost {
         matches: required(matches, p, "match")?,
@@ -644,16 +565,9 @@ fn cost(v: &Value, p: &mut Path) -> Result<Cost> {
 
 #[inline(never)]
 fn response(v: &Value, p: &mut Path) -> Result<Response> {
-    const FIELDS: &[&str] = &[
-        "headers",
-        "problem_type",
-        "quota_problem_type",
-        "retry_jitter",
-    ];
     let mut r = Response::default();
-    Fields::new(v, p, "struct Response", FIELDS)?.each(p, |i, v, p| {
-        match i {
-            0 => {
+    fields!(v, p, "struct Response", {
+        "headers" => {
                 let all = [
                     HeaderStyle::Both,
                     HeaderStyle::Legacy,
@@ -661,12 +575,10 @@ fn response(v: &Value, p: &mut Path) -> Result<Response> {
                     HeaderStyle::None,
                 ];
                 r.headers = pick(v, p, &["both", "legacy", "ietf", "none"], &all)?
-            }
-            1 => r.problem_type = string(v, p)?,
-            2 => r.quota_problem_type = string(v, p)?,
-            _ => r.retry_jitter = float(v, p)?,
-        }
-        Ok(())
+            },
+        "problem_type" => r.problem_type = string(v, p)?,
+        "quota_problem_type" => r.quota_problem_type = string(v, p)?,
+        "retry_jitter" => r.retry_jitter = float(v, p)?,
     })?;
     Ok(r)
 }
