@@ -30,6 +30,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod clock;
 pub mod conn;
 pub mod deny_cache;
 pub mod flags;

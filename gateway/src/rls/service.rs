@@ -399,7 +399,7 @@ impl Rls {
         let fixed = futures_util::future::join_all(groups.iter().map(|(_, g)| {
             let keys: Vec<String> = g.iter().map(|(_, k, _, _)| k.clone()).collect();
             let mut args = Vec::with_capacity(1 + 2 * g.len());
-            args.push(String::new());
+            args.push(crate::clock::script_arg(self.app.limiter.clock()));
             for (_, _, unit, hits) in g {
                 args.push(unit.to_string());
                 args.push(hits.to_string());

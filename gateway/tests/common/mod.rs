@@ -444,13 +444,15 @@ pub fn resolve_lease(body: &Value) -> ratelimit_gateway::policy::ResolvedLease {
     current_policy().resolve_lease(&req).unwrap()
 }
 
-/// One check through `Limiter::check_at` with the test-only time override.
+/// One check at time `t` (ms): through the gateway's limiter on a
+/// [`ratelimit_gateway::clock::FixedClock`].
 pub async fn check_at(gw: &Running, body: &Value, t: u64) -> Value {
     sync_policy();
     let answer = gw
         .app
         .limiter
-        .check_at(&resolve(body), Some(t))
+        .with_clock(std::sync::Arc::new(ratelimit_gateway::clock::FixedClock(t)))
+        .check(&resolve(body))
         .await
         .unwrap();
     serde_json::to_value(answer).unwrap()
