@@ -28,15 +28,15 @@ use redis::cluster_routing::Slot;
 
 use crate::clock::{Clock, RedisTime};
 use crate::deny_cache::DenyCache;
-use crate::keys::{self, Group, LimitKey, QuotaKey};
 use crate::logging::Escaped;
 use crate::metrics::Metrics;
 use crate::policy::{Resolved, ResolvedLease};
 use crate::protocol::{
     BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, VERSION,
 };
-use crate::redis_store::{Store, StoreError};
-use crate::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
+use crate::redis::keys::{self, Group, LimitKey, QuotaKey};
+use crate::redis::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
+use crate::redis::store::{Store, StoreError};
 
 /// The check logic over a [`Store`].
 pub struct Limiter {

@@ -20,11 +20,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ratelimit_gateway::clock::FixedClock;
-use ratelimit_gateway::keys::{self, Group};
 use ratelimit_gateway::orchestrate::Limiter;
 use ratelimit_gateway::policy::{Resolved, ResolvedBucket, ResolvedLease};
 use ratelimit_gateway::protocol::{Algorithm, Limit as LimitSpec};
-use ratelimit_gateway::{script, App, Config};
+use ratelimit_gateway::redis::keys::{self, Group};
+use ratelimit_gateway::redis::script;
+use ratelimit_gateway::{App, Config};
 use ratelimit_wasm::limits::token_bucket::{Check, Limit};
 
 const MS: u64 = 1_000_000;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::*;
 use ratelimit_gateway::clock::FixedClock;
-use ratelimit_gateway::keys::lease_keys;
+use ratelimit_gateway::redis::keys::lease_keys;
 use ratelimit_gateway::{Running, Target};
 use redis::cluster_routing::Slot;
 use serde_json::{json, Value};
@@ -717,8 +717,8 @@ async fn keys_written_at_a_given_time_still_expire() {
     let resp = check_at(&gw, &check1, T0).await;
     assert_eq!(resp["allowed"], true, "{resp}");
     let bucket = key_of(&lease7, 0);
-    let held = ratelimit_gateway::keys::ledger_key("rl:", &resolve_lease(&lease7), CALLER);
-    let live = ratelimit_gateway::keys::live_ledger("rl:", domain);
+    let held = ratelimit_gateway::redis::keys::ledger_key("rl:", &resolve_lease(&lease7), CALLER);
+    let live = ratelimit_gateway::redis::keys::live_ledger("rl:", domain);
     // At a given time each key lives a day of Redis time (its own expiry,
     // at most two hours of the script's time, is on a clock Redis does not
     // follow): it expires, and not during the test.

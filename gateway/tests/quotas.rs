@@ -12,7 +12,7 @@ mod common;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::*;
-use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
+use ratelimit_gateway::redis::keys::{group_by_slot, limit_keys, quota_keys};
 use ratelimit_gateway::Target;
 use serde_json::{json, Value};
 

@@ -42,14 +42,14 @@ use tonic::{Request, Response, Status};
 use super::config::{replaced, RateLimit, RlsAlgorithm, RlsConfig, Unit};
 use super::metrics::{RlsMetrics, OVERRIDE_DESCRIPTOR};
 use crate::auth::{Caller, Refusal};
-use crate::keys;
+use crate::http::server::App;
 use crate::logging::Escaped;
 use crate::policy::{Resolved, ResolvedBucket};
 use crate::protocol::{Algorithm, CheckResponse, Limit, MAX_EXACT};
-use crate::redis_store::StoreError;
+use crate::redis::keys;
+use crate::redis::script;
+use crate::redis::store::StoreError;
 use crate::reload::Reloadable;
-use crate::script;
-use crate::server::App;
 
 /// Most descriptors in one request (Envoy sends one per matching action set).
 pub const MAX_DESCRIPTORS: usize = 64;

@@ -10,8 +10,8 @@ use std::sync::OnceLock;
 
 use crate::clock::{self, Clock};
 
-use crate::keys::{Group, LimitKey, QuotaKey};
 use crate::policy::ResolvedLease;
+use crate::redis::keys::{Group, LimitKey, QuotaKey};
 
 /// The check-and-consume script (after the shared helpers of `common.lua`:
 /// Redis scripts cannot include each other).
@@ -86,7 +86,7 @@ pub enum Mode {
 /// service's is Redis `TIME`).
 ///
 /// `budget` is the most live keys `ledger` (the domain's ledger of live keys
-/// in the group's slot, [`crate::keys::live_ledger`]) may hold; 0: no budget.
+/// in the group's slot, [`crate::redis::keys::live_ledger`]) may hold; 0: no budget.
 pub fn check_args(
     group: &Group,
     mode: Mode,
@@ -129,8 +129,8 @@ pub fn refund_args(
     (keys(&group.limits, &group.quotas), args)
 }
 
-/// Arguments of a `lease.lua` call (its keys are [`crate::keys::lease_keys`]
-/// and the caller's [`crate::keys::ledger_key`]): the time `clock` gives, want,
+/// Arguments of a `lease.lua` call (its keys are [`crate::redis::keys::lease_keys`]
+/// and the caller's [`crate::redis::keys::ledger_key`]): the time `clock` gives, want,
 /// return, the ledger's life (twice the policy's `lease.ttl_ms`: a batch's
 /// unspent tokens come back after it expired), then per limit requests and
 /// window_ms.
