@@ -428,7 +428,7 @@ pub use testkit::rng::Rng;
 
 /// The policy this process's requests made, as a gateway started now loads it.
 pub fn current_policy() -> ratelimit_gateway::policy::Policy {
-    let sources = ratelimit_gateway::reload::read_sources(&[policy_dir()]).unwrap();
+    let sources = ratelimit_gateway::reload::read_sources_with(&[policy_dir()], &["json"]).unwrap();
     ratelimit_gateway::policy::parse(&sources).unwrap()
 }
 
