@@ -487,7 +487,7 @@ fn limits_of(limits: &[L]) -> Vec<ratelimit_gateway::protocol::Limit> {
         .collect()
 }
 
-/// What `Limiter::check_at` takes, built directly: for arithmetic tests
+/// What `Limiter::check` takes, built directly: for arithmetic tests
 /// beyond what a policy can say (windows in ms, products up to 2^53).
 pub fn direct_check(
     domain: &str,
@@ -511,7 +511,7 @@ pub fn direct_check(
     }
 }
 
-/// What `Limiter::lease_at` takes, built directly (as [`direct_check`]).
+/// What `Limiter::lease` takes, built directly (as [`direct_check`]).
 pub fn direct_lease(
     domain: &str,
     key: &str,
