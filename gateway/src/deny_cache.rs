@@ -23,7 +23,7 @@ use std::hash::BuildHasher;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::script::LimitVerdict;
+use crate::redis::script::LimitVerdict;
 
 /// One remembered denial.
 #[derive(Debug, Clone)]

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Parser};
 
-use crate::redis_store::Target;
-use crate::redis_url::{RedisOptions, RedisTls, Secret};
-use crate::tls::TlsFiles;
+use crate::http::tls::TlsFiles;
+use crate::redis::store::Target;
+use crate::redis::url::{RedisOptions, RedisTls, Secret};
 
 /// ratelimit-gateway: a stateless HTTP service between the ratelimit-wasm
 /// filter and Redis.
@@ -279,7 +279,7 @@ impl Config {
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 
 /// `--key-budget`'s default: live keys per domain (on a cluster, see
-/// `crate::keys::slot_budget`).
+/// `crate::redis::keys::slot_budget`).
 pub const DEFAULT_KEY_BUDGET: u64 = 100_000;
 
 /// `--deny-cache-entries`' default.
@@ -329,7 +329,7 @@ impl TryFrom<Args> for Config {
                 insecure: a.redis_tls_insecure,
             },
         };
-        crate::keys::check_prefix(&a.key_prefix)?;
+        crate::redis::keys::check_prefix(&a.key_prefix)?;
         let auth = match (a.auth_tokens, a.insecure_no_auth) {
             (Some(path), false) => Auth::Tokens(path),
             (None, true) => Auth::Insecure,

@@ -1,10 +1,12 @@
 //! ratelimit-gateway: a small stateless HTTP service between the
 //! `ratelimit-wasm` filter and Redis.
 //!
-//! [`server`] answers `POST /v1/check` and `POST /v1/lease` ([`protocol`])
-//! by running the Lua scripts of [`script`] over the Redis connection of
-//! [`redis_store`], under the keys of [`keys`], all or nothing ([`orchestrate`]),
-//! counted in [`metrics`].
+//! The HTTP listener ([`http`]: [`http::server`]) answers `POST /v1/check`
+//! and `POST /v1/lease` ([`protocol`]) by running the Lua scripts of
+//! [`redis::script`] over the Redis connection of [`redis::store`], under the
+//! keys of [`redis::keys`], all or nothing ([`orchestrate`]), at the time of
+//! a [`clock`], counted in [`metrics`]. The policy ([`policy`]) and the
+//! callers' tokens ([`auth`]) say what is enforced and for whom.
 //! [`rls`] serves Envoy's rate limit service over gRPC beside it
 //! (`--grpc-listen`), on the same Redis.
 //! `main.rs` only parses [`flags::Args`] and calls [`run`].
@@ -13,7 +15,7 @@
 //! own single-threaded Tokio runtime accepting from the shared listening
 //! sockets (HTTP and gRPC: whichever thread is free first takes a new
 //! connection) and its own Redis connection
-//! ([`redis_store`]'s lanes). A request is read, checked in Redis, answered
+//! ([`redis::store`]'s lanes). A request is read, checked in Redis, answered
 //! and its memory freed on one thread: no wake-up of another thread per
 //! request, and no memory freed on another thread than the one that
 //! allocated it (the profile of the earlier layout, one runtime of several
@@ -30,24 +32,18 @@
 #![warn(missing_docs)]
 
 pub mod auth;
-pub mod conn;
+pub mod clock;
 pub mod deny_cache;
 pub mod flags;
-pub mod health;
-pub mod keys;
+pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod orchestrate;
 pub mod policy;
 pub mod protocol;
-pub mod redis_store;
-pub mod redis_url;
+pub mod redis;
 pub mod reload;
 pub mod rls;
-pub mod script;
-pub mod sentinel;
-pub mod server;
-pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -58,10 +54,10 @@ use tokio::runtime::{Handle, Runtime};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub use crate::http::server::App;
+pub use crate::redis::store::Target;
 pub use auth::Caller;
 pub use flags::{Args, Auth, Bounds, Config, RlsOptions};
-pub use redis_store::Target;
-pub use server::App;
 
 /// Builds the shared state: metrics, the Redis connection (made in the
 /// background) and the limiter. Must be called inside a Tokio runtime,
@@ -72,11 +68,11 @@ pub fn build(config: &Config) -> Result<Arc<App>> {
 
 /// [`build`] with one Redis connection per runtime of `runtimes`, made and
 /// driven there; a thread takes its connection with
-/// [`redis_store::set_lane`].
+/// [`crate::redis::store::set_lane`].
 pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
-    keys::check_prefix(&config.key_prefix).map_err(anyhow::Error::msg)?;
+    crate::redis::keys::check_prefix(&config.key_prefix).map_err(anyhow::Error::msg)?;
     let metrics = metrics::Metrics::new().context("registering metrics")?;
-    let store = redis_store::Store::new(
+    let store = crate::redis::store::Store::new(
         config.target.clone(),
         &config.key_prefix,
         &config.redis,
@@ -126,11 +122,11 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
             None
         }
     };
-    let http_slots = conn::Slots::new(
+    let http_slots = crate::http::conn::Slots::new(
         config.bounds.max_connections,
         metrics.connections_refused.with_label_values(&["http"]),
     );
-    let grpc_slots = conn::Slots::new(
+    let grpc_slots = crate::http::conn::Slots::new(
         config.bounds.max_connections,
         metrics.connections_refused.with_label_values(&["grpc"]),
     );
@@ -142,7 +138,7 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
         tokens,
         bounds: config.bounds,
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.bounds.max_in_flight)),
-        health: health::Probe::default(),
+        health: crate::http::health::Probe::default(),
         http_slots,
         grpc_slots,
     }))
@@ -162,8 +158,14 @@ struct Acceptors {
 fn prepare(config: &Config, app: &App) -> Result<(Acceptors, Vec<AbortOnDrop>)> {
     let tls = match &config.tls {
         Some(files) => Acceptors {
-            http: Some(tls::acceptor(files, tls::Alpn::Http1).map_err(anyhow::Error::msg)?),
-            grpc: Some(tls::acceptor(files, tls::Alpn::H2).map_err(anyhow::Error::msg)?),
+            http: Some(
+                crate::http::tls::acceptor(files, crate::http::tls::Alpn::Http1)
+                    .map_err(anyhow::Error::msg)?,
+            ),
+            grpc: Some(
+                crate::http::tls::acceptor(files, crate::http::tls::Alpn::H2)
+                    .map_err(anyhow::Error::msg)?,
+            ),
         },
         None => Acceptors::default(),
     };
@@ -342,7 +344,7 @@ pub async fn run(
         std::thread::Builder::new()
             .name(format!("rlgw-worker-{lane}"))
             .spawn(move || {
-                redis_store::set_lane(lane);
+                crate::redis::store::set_lane(lane);
                 if let Some(runtime) = mine.0.pop() {
                     let served = runtime.block_on(worker(listener, grpc, app, tls, stopped));
                     let _ = finished.send(served);
@@ -391,7 +393,7 @@ async fn worker(
 ) -> std::io::Result<()> {
     let grpc = spawn_rls(grpc, &app, tls.grpc, stopped.clone());
     let mut http_stopped = stopped;
-    let served = server::serve(listener, Arc::clone(&app), tls.http, async move {
+    let served = crate::http::server::serve(listener, Arc::clone(&app), tls.http, async move {
         let _ = http_stopped.wait_for(|s| *s).await;
     })
     .await;
@@ -458,7 +460,7 @@ pub async fn start(config: Config, connect_wait: std::time::Duration) -> Result<
     let (stop, stopped) = oneshot::channel::<()>();
     let (grpc_stop, grpc_stopped) = tokio::sync::watch::channel(false);
     let grpc = spawn_rls(grpc, &app, tls.grpc, grpc_stopped);
-    let served = server::serve(listener, Arc::clone(&app), tls.http, async move {
+    let served = crate::http::server::serve(listener, Arc::clone(&app), tls.http, async move {
         let _ = stopped.await;
         let _ = grpc_stop.send(true);
     });

@@ -26,39 +26,77 @@ use std::time::Instant;
 
 use redis::cluster_routing::Slot;
 
+use crate::clock::{Clock, RedisTime};
 use crate::deny_cache::DenyCache;
-use crate::keys::{self, Group};
 use crate::logging::Escaped;
 use crate::metrics::Metrics;
 use crate::policy::{Resolved, ResolvedLease};
 use crate::protocol::{
     BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, VERSION,
 };
-use crate::redis_store::{Store, StoreError};
-use crate::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
+use crate::redis::keys::{self, Group, LimitKey, QuotaKey};
+use crate::redis::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
+use crate::redis::store::{Store, StoreError};
 
 /// The check logic over a [`Store`].
 pub struct Limiter {
-    store: Store,
+    store: Arc<Store>,
     prefix: String,
     metrics: Metrics,
     deny: DenyCache,
     key_budget: u64,
+    /// The time the scripts run at: Redis `TIME` unless built [`Limiter::with_clock`].
+    clock: Arc<dyn Clock>,
     /// Ledgers of live keys found per (domain, slot) on a cluster; at most
     /// 16,384 per domain of the policy.
     ledgers: Arc<Mutex<HashMap<(String, Slot), String>>>,
 }
 
+/// How the groups of one check ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Every group passed and was charged.
+    Allowed,
+    /// A group denied: nothing stays charged.
+    Denied,
+    /// A bucket of the deny cache answered: nothing was charged.
+    Cached,
+}
+
+/// The verdicts gathered so far, in the request's order.
+struct Verdicts {
+    limits: Vec<Vec<Option<LimitVerdict>>>,
+    quotas: Vec<Option<QuotaVerdict>>,
+}
+
 impl Limiter {
-    /// A limiter writing keys under `prefix`, remembering denials in `deny`.
+    /// A limiter writing keys under `prefix`, remembering denials in `deny`,
+    /// its scripts on Redis `TIME`.
     pub fn new(store: Store, prefix: String, metrics: Metrics, deny: DenyCache) -> Self {
         Limiter {
-            store,
+            store: Arc::new(store),
             prefix,
             metrics,
             deny,
             key_budget: crate::flags::DEFAULT_KEY_BUDGET,
+            clock: Arc::new(RedisTime),
             ledgers: Arc::default(),
+        }
+    }
+
+    /// This limiter's store, keys, key budget and metrics with its scripts
+    /// on `clock` (the differential and quota-period tests step time with a
+    /// [`crate::clock::FixedClock`]). It has no deny cache: that remembers
+    /// by the system clock, which another clock does not follow.
+    pub fn with_clock(&self, clock: Arc<dyn Clock>) -> Limiter {
+        Limiter {
+            store: Arc::clone(&self.store),
+            prefix: self.prefix.clone(),
+            metrics: self.metrics.clone(),
+            deny: DenyCache::new(0),
+            key_budget: self.key_budget,
+            clock,
+            ledgers: Arc::clone(&self.ledgers),
         }
     }
 
@@ -76,22 +114,15 @@ impl Limiter {
         &self.store
     }
 
-    /// Checks a resolved request, with time from Redis.
-    pub async fn check(&self, req: &Resolved) -> Result<CheckResponse, StoreError> {
-        self.check_at(req, None).await
+    /// The clock the scripts run at (the rate limit service's fixed window
+    /// takes it too).
+    pub(crate) fn clock(&self) -> &dyn Clock {
+        self.clock.as_ref()
     }
 
-    /// Checks a validated request. `now_ms` is the **test-only** time
-    /// override handed to the scripts (`None` in the service): the scripts
-    /// then take it instead of Redis `TIME` for every limit and every quota
-    /// period (so a test can step into the next minute, day or month) and
-    /// write keys without an expiry. Nothing reachable over HTTP sets it.
-    pub async fn check_at(
-        &self,
-        req: &Resolved,
-        now_ms: Option<u64>,
-    ) -> Result<CheckResponse, StoreError> {
-        let answer = self.check_groups(req, now_ms).await;
+    /// Checks a resolved request, all or nothing, at the limiter's clock.
+    pub async fn check(&self, req: &Resolved) -> Result<CheckResponse, StoreError> {
+        let answer = self.check_groups(req).await;
         if let Err(e) = &answer {
             if e.kind() == "key_budget" {
                 // The domain is the policy's (resolved), so the label's values are bounded.
@@ -104,212 +135,187 @@ impl Limiter {
         answer
     }
 
-    async fn check_groups(
-        &self,
-        req: &Resolved,
-        now_ms: Option<u64>,
-    ) -> Result<CheckResponse, StoreError> {
+    /// The steps of one check: deny cache, charge in slot order, answers.
+    async fn check_groups(&self, req: &Resolved) -> Result<CheckResponse, StoreError> {
         let limits = keys::limit_keys(&self.prefix, req);
         let quotas = keys::quota_keys(&self.prefix, req);
-        // A bucket Redis denied lately whose wait is not over makes the answer
-        // a denial whatever the rest says: nothing is charged, and the rest is
-        // only read (the deny cache; not with a test's time override).
+        // Counted from before the call: never longer than Redis's own wait.
         let asked_at = Instant::now();
-        let bucket_keys: Vec<Vec<String>> = if now_ms.is_none() && self.deny.enabled() {
-            (0..req.buckets.len())
-                .map(|b| {
-                    let of_b = limits.iter().filter(|l| l.bucket == b);
-                    of_b.map(|l| l.key.clone()).collect()
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let bucket_keys = self.bucket_keys(req, &limits);
         let cached: Vec<Option<Vec<LimitVerdict>>> = bucket_keys
             .iter()
             .zip(&req.buckets)
             .map(|(k, b)| self.deny.lookup(k, b.cost, asked_at))
             .collect();
-        let hit = cached.iter().any(Option::is_some);
-        let groups = if self.store.is_cluster() {
-            keys::group_by_slot(limits, quotas)
-        } else {
-            vec![Group { limits, quotas }]
-        };
-        let mut answers: Vec<BucketResult> = req
-            .buckets
-            .iter()
-            .map(|b| BucketResult {
-                limits: Vec::with_capacity(b.limits.len()),
-            })
-            .collect();
-        let mut slots: Vec<Vec<Option<LimitVerdict>>> = req
-            .buckets
-            .iter()
-            .map(|b| vec![None; b.limits.len()])
-            .collect();
-        let mut quota_slots: Vec<Option<QuotaVerdict>> = vec![None; req.quotas.len()];
-
-        let mut charged: Vec<(usize, u64)> = Vec::new();
-        let mut denied_at = None;
-        if hit {
+        let groups = self.groups(limits, quotas);
+        let mut verdicts = Verdicts::new(req);
+        let outcome = if cached.iter().any(Option::is_some) {
             self.metrics.deny_cache_hits.inc();
-            for (b, verdicts) in cached.iter().enumerate() {
-                for (l, v) in verdicts.iter().flatten().enumerate() {
-                    if let Some(slot) = slots.get_mut(b).and_then(|s| s.get_mut(l)) {
-                        *slot = Some(*v);
-                    }
-                }
-            }
-            for group in &groups {
-                let rest = Group {
-                    limits: group
-                        .limits
-                        .iter()
-                        .filter(|l| cached.get(l.bucket).is_some_and(Option::is_none))
-                        .cloned()
-                        .collect(),
-                    quotas: group.quotas.clone(),
-                };
-                if !rest.limits.is_empty() || !rest.quotas.is_empty() {
-                    let reply = self.run(&rest, Mode::Peek, now_ms, &req.domain).await?;
-                    place(&mut slots, &mut quota_slots, &rest, &reply);
-                }
-            }
+            verdicts.place_cached(&cached);
+            self.peek_uncached(&groups, &cached, &mut verdicts, &req.domain)
+                .await?;
+            Outcome::Cached
         } else {
-            for (gi, group) in groups.iter().enumerate() {
-                match self.run(group, Mode::Charge, now_ms, &req.domain).await {
-                    Ok(reply) => {
-                        place(&mut slots, &mut quota_slots, group, &reply);
-                        if reply.allowed {
-                            charged.push((gi, reply.now_ms));
-                        } else {
-                            denied_at = Some(gi);
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        self.refund_all(&groups, &charged, now_ms).await;
-                        return Err(e);
-                    }
-                }
-            }
+            self.charge_in_order(&groups, &mut verdicts, &req.domain)
+                .await?
+        };
+        let buckets = limit_results(req, verdicts.limits)?;
+        if outcome == Outcome::Denied {
+            self.remember_denial(&bucket_keys, &buckets, req, asked_at);
         }
-        let allowed = denied_at.is_none() && !hit;
-        if let Some(d) = denied_at {
-            self.refund_all(&groups, &charged, now_ms).await;
-            for group in groups.iter().skip(d + 1) {
-                let reply = self.run(group, Mode::Peek, now_ms, &req.domain).await?;
-                place(&mut slots, &mut quota_slots, group, &reply);
-            }
-            // The groups charged before were refunded: their quotas report
-            // what they had before the request, like every quota of a denied
-            // answer (they passed, so before = after + amount exactly).
-            for &(gi, _) in &charged {
-                for qk in groups.get(gi).map_or(&[][..], |g| &g.quotas) {
-                    if let Some(Some(r)) = quota_slots.get_mut(qk.quota) {
-                        r.remaining = r.remaining.saturating_add(qk.amount);
-                    }
-                }
-            }
-        }
-        for ((answer, bucket), spec) in answers.iter_mut().zip(slots).zip(&req.buckets) {
-            for (r, limit) in bucket.into_iter().zip(&spec.limits) {
-                let Some(r) = r else {
-                    return Err(StoreError::Reply("a limit got no answer".to_string()));
-                };
-                answer.limits.push(LimitResult {
-                    requests: limit.requests,
-                    window_ms: limit.window_ms,
-                    algorithm: limit.algorithm,
-                    allowed: r.allowed,
-                    remaining: r.remaining,
-                    reset_ms: r.reset_ms,
-                    retry_after_ms: r.retry_after_ms,
-                });
-            }
-        }
-        if !allowed && !hit {
-            // Counted from before the call: never longer than Redis's own wait.
-            for ((keys, answer), spec) in bucket_keys.iter().zip(&answers).zip(&req.buckets) {
-                let verdicts: Vec<LimitVerdict> = answer
-                    .limits
-                    .iter()
-                    .map(|r| LimitVerdict {
-                        allowed: r.allowed,
-                        remaining: r.remaining,
-                        reset_ms: r.reset_ms,
-                        retry_after_ms: r.retry_after_ms,
-                    })
-                    .collect();
-                self.deny.remember(keys, spec.cost, &verdicts, asked_at);
-            }
-        }
-        let mut quotas = Vec::with_capacity(quota_slots.len());
-        for (r, spec) in quota_slots.into_iter().zip(&req.quotas) {
-            let Some(r) = r else {
-                return Err(StoreError::Reply("a quota got no answer".to_string()));
-            };
-            quotas.push(QuotaResult {
-                limit: spec.limit,
-                period: spec.period,
-                allowed: r.allowed,
-                remaining: r.remaining,
-                reset_ms: r.reset_ms,
-            });
-        }
+        let quotas = quota_results(req, verdicts.quotas)?;
+        let allowed = outcome == Outcome::Allowed;
         if !allowed {
-            for (r, q) in quotas.iter().zip(&req.quotas) {
-                if !r.allowed {
-                    self.metrics
-                        .quota_denials
-                        .with_label_values(&[q.period.name()])
-                        .inc();
-                }
-            }
-            for (bucket, spec) in answers.iter().zip(&req.buckets) {
-                for (r, l) in bucket.limits.iter().zip(&spec.limits) {
-                    if !r.allowed {
-                        self.metrics
-                            .denials
-                            .with_label_values(&[l.algorithm.name()])
-                            .inc();
-                    }
-                }
-            }
+            self.count_denials(req, &buckets, &quotas);
         }
         Ok(CheckResponse {
             version: VERSION,
             allowed,
-            buckets: answers,
+            buckets,
             quotas,
         })
     }
 
+    /// Each bucket's keys, when the deny cache is on (else none: nothing is
+    /// looked up or remembered).
+    fn bucket_keys(&self, req: &Resolved, limits: &[LimitKey]) -> Vec<Vec<String>> {
+        if !self.deny.enabled() {
+            return Vec::new();
+        }
+        (0..req.buckets.len())
+            .map(|b| {
+                let of_b = limits.iter().filter(|l| l.bucket == b);
+                of_b.map(|l| l.key.clone()).collect()
+            })
+            .collect()
+    }
+
+    /// One group on a single Redis; on a cluster one per slot.
+    fn groups(&self, limits: Vec<LimitKey>, quotas: Vec<QuotaKey>) -> Vec<Group> {
+        if self.store.is_cluster() {
+            keys::group_by_slot(limits, quotas)
+        } else {
+            vec![Group { limits, quotas }]
+        }
+    }
+
+    /// A bucket Redis denied lately answered from memory: the other buckets
+    /// and the quotas are only read, so every limit and quota has an answer.
+    async fn peek_uncached(
+        &self,
+        groups: &[Group],
+        cached: &[Option<Vec<LimitVerdict>>],
+        verdicts: &mut Verdicts,
+        domain: &str,
+    ) -> Result<(), StoreError> {
+        for group in groups {
+            let rest = Group {
+                limits: group
+                    .limits
+                    .iter()
+                    .filter(|l| cached.get(l.bucket).is_some_and(Option::is_none))
+                    .cloned()
+                    .collect(),
+                quotas: group.quotas.clone(),
+            };
+            if !rest.limits.is_empty() || !rest.quotas.is_empty() {
+                let reply = self.run(&rest, Mode::Peek, domain).await?;
+                verdicts.place(&rest, &reply);
+            }
+        }
+        Ok(())
+    }
+
+    /// Charges the groups in order until one denies. Every group charged is
+    /// on the refund list the moment its charge succeeded: a later failed
+    /// step or denial gives all of them back.
+    async fn charge_in_order(
+        &self,
+        groups: &[Group],
+        verdicts: &mut Verdicts,
+        domain: &str,
+    ) -> Result<Outcome, StoreError> {
+        let mut charged: Vec<(usize, u64)> = Vec::new();
+        for (gi, group) in groups.iter().enumerate() {
+            let reply = match self.run(group, Mode::Charge, domain).await {
+                Ok(reply) => reply,
+                Err(e) => {
+                    self.refund_all(groups, &charged).await;
+                    return Err(e);
+                }
+            };
+            verdicts.place(group, &reply);
+            if reply.allowed {
+                charged.push((gi, reply.now_ms));
+                continue;
+            }
+            self.refund_all(groups, &charged).await;
+            for group in groups.iter().skip(gi + 1) {
+                let reply = self.run(group, Mode::Peek, domain).await?;
+                verdicts.place(group, &reply);
+            }
+            verdicts.refunded_quotas(groups, &charged);
+            return Ok(Outcome::Denied);
+        }
+        Ok(Outcome::Allowed)
+    }
+
+    /// Remembers each bucket of a denied answer in the deny cache.
+    fn remember_denial(
+        &self,
+        bucket_keys: &[Vec<String>],
+        buckets: &[BucketResult],
+        req: &Resolved,
+        asked_at: Instant,
+    ) {
+        for ((keys, answer), spec) in bucket_keys.iter().zip(buckets).zip(&req.buckets) {
+            let verdicts: Vec<LimitVerdict> = answer
+                .limits
+                .iter()
+                .map(|r| LimitVerdict {
+                    allowed: r.allowed,
+                    remaining: r.remaining,
+                    reset_ms: r.reset_ms,
+                    retry_after_ms: r.retry_after_ms,
+                })
+                .collect();
+            self.deny.remember(keys, spec.cost, &verdicts, asked_at);
+        }
+    }
+
+    /// Counts each limit and quota that denied, by algorithm and period.
+    fn count_denials(&self, req: &Resolved, buckets: &[BucketResult], quotas: &[QuotaResult]) {
+        for (r, q) in quotas.iter().zip(&req.quotas) {
+            if !r.allowed {
+                self.metrics
+                    .quota_denials
+                    .with_label_values(&[q.period.name()])
+                    .inc();
+            }
+        }
+        for (bucket, spec) in buckets.iter().zip(&req.buckets) {
+            for (r, l) in bucket.limits.iter().zip(&spec.limits) {
+                if !r.allowed {
+                    self.metrics
+                        .denials
+                        .with_label_values(&[l.algorithm.name()])
+                        .inc();
+                }
+            }
+        }
+    }
+
     /// Leases tokens for a resolved lease request made by `caller` (the
-    /// identity its ledger is kept under: `crate::auth::Caller::id`), with
-    /// time from Redis.
+    /// identity its ledger is kept under: `crate::auth::Caller::id`), at the
+    /// limiter's clock.
     pub async fn lease(
         &self,
         req: &ResolvedLease,
         caller: &str,
     ) -> Result<LeaseResponse, StoreError> {
-        self.lease_at(req, caller, None).await
-    }
-
-    /// Leases tokens for a validated lease request. `now_ms` is the
-    /// **test-only** time override, as for [`Limiter::check_at`]: the script
-    /// takes it instead of Redis `TIME` and writes keys without an expiry.
-    /// Nothing reachable over HTTP sets it.
-    pub async fn lease_at(
-        &self,
-        req: &ResolvedLease,
-        caller: &str,
-        now_ms: Option<u64>,
-    ) -> Result<LeaseResponse, StoreError> {
         let mut keys = keys::lease_keys(&self.prefix, req);
         keys.push(keys::ledger_key(&self.prefix, req, caller));
-        let args = script::lease_args(req, now_ms);
+        let args = script::lease_args(req, self.clock());
         let reply: Vec<i64> = self
             .store
             .eval(script::lease(), &keys, &args, "lease")
@@ -334,15 +340,9 @@ impl Limiter {
         })
     }
 
-    async fn run(
-        &self,
-        group: &Group,
-        mode: Mode,
-        now_ms: Option<u64>,
-        domain: &str,
-    ) -> Result<CheckReply, StoreError> {
+    async fn run(&self, group: &Group, mode: Mode, domain: &str) -> Result<CheckReply, StoreError> {
         let (ledger, budget) = self.ledger(group, domain);
-        let (keys, args) = script::check_args(group, mode, now_ms, &ledger, budget);
+        let (keys, args) = script::check_args(group, mode, self.clock(), &ledger, budget);
         let op = match mode {
             Mode::Charge => "check",
             Mode::Peek => "peek",
@@ -376,12 +376,12 @@ impl Limiter {
 
     /// Gives back every charged group; failures are logged and counted (the
     /// client is then over-charged until its keys refill, never under-charged).
-    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64)], now_ms: Option<u64>) {
+    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64)]) {
         for &(gi, at) in charged {
             let Some(group) = groups.get(gi) else {
                 continue;
             };
-            let (keys, args) = script::refund_args(group, at, now_ms);
+            let (keys, args) = script::refund_args(group, at, self.clock());
             self.metrics.refunds.inc();
             if let Err(e) = self
                 .store
@@ -395,20 +395,106 @@ impl Limiter {
     }
 }
 
-fn place(
-    slots: &mut [Vec<Option<LimitVerdict>>],
-    quota_slots: &mut [Option<QuotaVerdict>],
-    group: &Group,
-    reply: &CheckReply,
-) {
-    for (lk, r) in group.limits.iter().zip(&reply.limits) {
-        if let Some(slot) = slots.get_mut(lk.bucket).and_then(|b| b.get_mut(lk.limit)) {
-            *slot = Some(*r);
+impl Verdicts {
+    /// No verdict yet for any limit or quota of `req`.
+    fn new(req: &Resolved) -> Self {
+        Verdicts {
+            limits: req
+                .buckets
+                .iter()
+                .map(|b| vec![None; b.limits.len()])
+                .collect(),
+            quotas: vec![None; req.quotas.len()],
         }
     }
-    for (qk, r) in group.quotas.iter().zip(&reply.quotas) {
-        if let Some(slot) = quota_slots.get_mut(qk.quota) {
-            *slot = Some(*r);
+
+    /// The verdicts of one group's reply, at their limits and quotas.
+    fn place(&mut self, group: &Group, reply: &CheckReply) {
+        for (lk, r) in group.limits.iter().zip(&reply.limits) {
+            if let Some(slot) = self
+                .limits
+                .get_mut(lk.bucket)
+                .and_then(|b| b.get_mut(lk.limit))
+            {
+                *slot = Some(*r);
+            }
+        }
+        for (qk, r) in group.quotas.iter().zip(&reply.quotas) {
+            if let Some(slot) = self.quotas.get_mut(qk.quota) {
+                *slot = Some(*r);
+            }
         }
     }
+
+    /// The deny cache's verdicts of the buckets it answered.
+    fn place_cached(&mut self, cached: &[Option<Vec<LimitVerdict>>]) {
+        for (b, verdicts) in cached.iter().enumerate() {
+            for (l, v) in verdicts.iter().flatten().enumerate() {
+                if let Some(slot) = self.limits.get_mut(b).and_then(|s| s.get_mut(l)) {
+                    *slot = Some(*v);
+                }
+            }
+        }
+    }
+
+    /// The groups charged before a denial were refunded: their quotas report
+    /// what they had before the request, like every quota of a denied answer
+    /// (they passed, so before = after + amount exactly).
+    fn refunded_quotas(&mut self, groups: &[Group], charged: &[(usize, u64)]) {
+        for &(gi, _) in charged {
+            for qk in groups.get(gi).map_or(&[][..], |g| &g.quotas) {
+                if let Some(Some(r)) = self.quotas.get_mut(qk.quota) {
+                    r.remaining = r.remaining.saturating_add(qk.amount);
+                }
+            }
+        }
+    }
+}
+
+/// Every limit's answer, in the request's order.
+fn limit_results(
+    req: &Resolved,
+    verdicts: Vec<Vec<Option<LimitVerdict>>>,
+) -> Result<Vec<BucketResult>, StoreError> {
+    let mut buckets = Vec::with_capacity(req.buckets.len());
+    for (bucket, spec) in verdicts.into_iter().zip(&req.buckets) {
+        let mut limits = Vec::with_capacity(spec.limits.len());
+        for (r, limit) in bucket.into_iter().zip(&spec.limits) {
+            let Some(r) = r else {
+                return Err(StoreError::Reply("a limit got no answer".to_string()));
+            };
+            limits.push(LimitResult {
+                requests: limit.requests,
+                window_ms: limit.window_ms,
+                algorithm: limit.algorithm,
+                allowed: r.allowed,
+                remaining: r.remaining,
+                reset_ms: r.reset_ms,
+                retry_after_ms: r.retry_after_ms,
+            });
+        }
+        buckets.push(BucketResult { limits });
+    }
+    Ok(buckets)
+}
+
+/// Every quota's answer, in the request's order.
+fn quota_results(
+    req: &Resolved,
+    verdicts: Vec<Option<QuotaVerdict>>,
+) -> Result<Vec<QuotaResult>, StoreError> {
+    let mut quotas = Vec::with_capacity(verdicts.len());
+    for (r, spec) in verdicts.into_iter().zip(&req.quotas) {
+        let Some(r) = r else {
+            return Err(StoreError::Reply("a quota got no answer".to_string()));
+        };
+        quotas.push(QuotaResult {
+            limit: spec.limit,
+            period: spec.period,
+            allowed: r.allowed,
+            remaining: r.remaining,
+            reset_ms: r.reset_ms,
+        });
+    }
+    Ok(quotas)
 }

@@ -166,14 +166,9 @@ impl<T: Send + Sync + 'static> Reloadable<T> {
     }
 }
 
-/// Every file of `paths`: a file as given, a directory's `*.json` in name
-/// order. A directory without one is an error (an empty policy refuses all).
-pub fn read_sources(paths: &[PathBuf]) -> Result<Vec<Source>, String> {
-    read_sources_with(paths, &["json"])
-}
-
 /// Every file of `paths`: a file as given, a directory's files with one of
-/// `extensions` in name order. A directory without one is an error.
+/// `extensions` in name order (the policy's: `json`). A directory without one
+/// is an error (an empty policy refuses all).
 pub fn read_sources_with(paths: &[PathBuf], extensions: &[&str]) -> Result<Vec<Source>, String> {
     let mut out = Vec::new();
     for path in paths {

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
+use ratelimit_gateway::redis::keys::{group_by_slot, limit_keys, quota_keys};
 use ratelimit_gateway::Target;
 
 const HOUR: u64 = 3_600_000;

@@ -1,4 +1,4 @@
-//! The gateway's deny cache (issue 16) against a real `redis-server`, over
+//! The gateway's deny cache (`--deny-cache-entries`) against a real `redis-server`, over
 //! `/v1/check`: a bucket Redis denied costs no Redis call and writes nothing
 //! until Redis's wait is over, answers as Redis did less the time gone by, and
 //! the first check after the wait is Redis's again. A request with a cached

@@ -5,7 +5,7 @@
 //! retry-after — on the same generated sequences, clock steps back included.
 //!
 //! The script normally takes its time from Redis `TIME`; here every call goes
-//! through [`Limiter::check_at`] with the **test-only** time override (ARGV[2]
+//! through the gateway's limiter on a `FixedClock` (its time is ARGV[2]
 //! of `check.lua`), so both sides see the same whole-millisecond times. The
 //! Rust side runs in nanoseconds (`now_ms × 10^6`, `window_ms × 10^6`) and its
 //! reset / retry are rounded up to ms.
@@ -16,13 +16,16 @@
 mod common;
 use common::Rng;
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use ratelimit_gateway::keys::{self, Group};
+use ratelimit_gateway::clock::FixedClock;
 use ratelimit_gateway::orchestrate::Limiter;
 use ratelimit_gateway::policy::{Resolved, ResolvedBucket, ResolvedLease};
 use ratelimit_gateway::protocol::{Algorithm, Limit as LimitSpec};
-use ratelimit_gateway::{script, App, Config};
+use ratelimit_gateway::redis::keys::{self, Group};
+use ratelimit_gateway::redis::script;
+use ratelimit_gateway::{App, Config};
 use ratelimit_wasm::limits::token_bucket::{Check, Limit};
 
 const MS: u64 = 1_000_000;
@@ -190,7 +193,11 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
                 6..=8 => rng.range(1, max_c.min(1 << 40)),
                 _ => rng.range(1, max_c.saturating_add(2).min(1 << 53)),
             };
-            let lua = limiter.check_at(&req(cost), Some(now_ms)).await.unwrap();
+            let lua = limiter
+                .with_clock(Arc::new(FixedClock(now_ms)))
+                .check(&req(cost))
+                .await
+                .unwrap();
             tally.calls += 1;
             let mut rust = Vec::with_capacity(n_limits);
             for (spec, state) in specs.iter().zip(&states) {
@@ -371,7 +378,7 @@ async fn run_refunds_and_leases(
                     limits: keys::limit_keys(&prefix, &req(cost)),
                     quotas: vec![],
                 };
-                let (k, args) = script::refund_args(&group, at, Some(now_ms));
+                let (k, args) = script::refund_args(&group, at, &FixedClock(now_ms));
                 let _: i64 = limiter
                     .store()
                     .eval(script::refund(), &k, &args, "refund")
@@ -400,7 +407,8 @@ async fn run_refunds_and_leases(
                 };
                 // It gives back at most its last grant: within its ledger.
                 let lua = limiter
-                    .lease_at(&lreq, "differential", Some(now_ms))
+                    .with_clock(Arc::new(FixedClock(now_ms)))
+                    .lease(&lreq, "differential")
                     .await
                     .unwrap();
                 let (granted, rust) = rust_lease(&limits, &mut states, now_ms, want, returned);
@@ -426,7 +434,11 @@ async fn run_refunds_and_leases(
                 continue;
             }
             let cost = rng.range(1, 4);
-            let lua = limiter.check_at(&req(cost), Some(now_ms)).await.unwrap();
+            let lua = limiter
+                .with_clock(Arc::new(FixedClock(now_ms)))
+                .check(&req(cost))
+                .await
+                .unwrap();
             let rust: Vec<Check> = specs
                 .iter()
                 .zip(&limits)

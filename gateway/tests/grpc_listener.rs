@@ -113,7 +113,7 @@ async fn a_message_over_the_body_bound_is_refused() {
     let redis = Redis::start().unwrap();
     let gw = gateway(&redis, "size", |_| {}).await;
     let mut client = h2(&gw).await;
-    let len = ratelimit_gateway::server::MAX_BODY_BYTES as u32 + 1;
+    let len = ratelimit_gateway::http::server::MAX_BODY_BYTES as u32 + 1;
     let (resp, mut body) = client.send_request(request(Some(TOKEN)), false).unwrap();
     body.send_data(frame_header(len), false).unwrap();
     body.send_data(Bytes::from(vec![0u8; len as usize]), true)
@@ -243,7 +243,7 @@ async fn with_tls_flags_the_grpc_port_speaks_only_mutual_tls() {
     let pki = testkit::pki::TestPki::new(&["localhost", "127.0.0.1"]).unwrap();
     let other = testkit::pki::TestPki::new(&["localhost"]).unwrap();
     let gw = gateway(&redis, "tls", |c| {
-        c.tls = Some(ratelimit_gateway::tls::TlsFiles {
+        c.tls = Some(ratelimit_gateway::http::tls::TlsFiles {
             cert: pki.server_cert(),
             key: pki.server_key(),
             client_ca: Some(pki.ca()),

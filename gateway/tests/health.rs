@@ -1,5 +1,5 @@
 //! `/healthz` and `/readyz` answer from one Redis write probe per interval
-//! (`ratelimit_gateway::health::EVERY`), shared by every caller: a flood of
+//! (`ratelimit_gateway::http::health::EVERY`), shared by every caller: a flood of
 //! unauthenticated health checks costs Redis one write a second, not one a
 //! call, and the answer still follows Redis within that interval.
 

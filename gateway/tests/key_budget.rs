@@ -157,7 +157,7 @@ async fn expired_keys_leave_the_budget() {
 /// domain are unaffected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_the_budget_is_per_domain_and_slot() {
-    use ratelimit_gateway::keys::live_ledger_in_slot;
+    use ratelimit_gateway::redis::keys::live_ledger_in_slot;
     use redis::cluster_routing::Slot;
 
     let cluster = redis_cluster();

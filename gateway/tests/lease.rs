@@ -2,45 +2,49 @@
 //! Cluster): exact grants, `return`, one bucket shared with `/v1/check`,
 //! concurrency, the HTTP route, and a lease/check twin test.
 //!
-//! Tests that need exact numbers go through `Limiter::lease_at` /
-//! `Limiter::check_at` with the **test-only** time override (the scripts then
-//! take that time instead of Redis `TIME` and write keys without an expiry);
-//! the others use Redis time over HTTP with windows long enough that nothing
-//! refills during the test.
+//! Tests that need exact numbers go through the gateway's limiter on a
+//! `FixedClock` (the scripts then take that time instead of Redis `TIME`;
+//! keys still expire, relative to it); the others use Redis time over HTTP
+//! with windows long enough that nothing refills during the test.
 
 mod common;
 
+use std::sync::Arc;
+
 use common::*;
-use ratelimit_gateway::keys::lease_keys;
+use ratelimit_gateway::clock::FixedClock;
+use ratelimit_gateway::redis::keys::lease_keys;
 use ratelimit_gateway::{Running, Target};
 use redis::cluster_routing::Slot;
 use serde_json::{json, Value};
 
 const MINUTE: u64 = 60_000;
 const HOUR: u64 = 3_600_000;
-/// 2026-01-01 00:00 UTC: a fixed time for the override.
+/// 2026-01-01 00:00 UTC: a fixed time for the `FixedClock`.
 const T0: u64 = 1_767_225_600_000;
 
 const TEN_PER_MINUTE: &[L] = &[(10, MINUTE, "token_bucket")];
 
-/// The caller of the leases through `Limiter::lease_at` (its ledger's name).
+/// The caller of the leases through [`lease_at`] (its ledger's name).
 const CALLER: &str = "test";
 
-/// One lease through `Limiter::lease_at` with the test-only time override.
+/// One lease at time `t` (ms), through the gateway's limiter on a `FixedClock`.
 async fn lease_at(gw: &Running, body: &Value, t: u64) -> Value {
     sync_policy();
     let answer = gw
         .app
         .limiter
-        .lease_at(&resolve_lease(body), CALLER, Some(t))
+        .with_clock(Arc::new(FixedClock(t)))
+        .lease(&resolve_lease(body), CALLER)
         .await
         .unwrap();
     serde_json::to_value(answer).unwrap()
 }
 
-/// One check of a [`direct_check`] through `Limiter::check_at`.
+/// One check of a [`direct_check`] at time `t` (ms), on a `FixedClock`.
 async fn direct_check_at(gw: &Running, req: &ratelimit_gateway::policy::Resolved, t: u64) -> Value {
-    serde_json::to_value(gw.app.limiter.check_at(req, Some(t)).await.unwrap()).unwrap()
+    let limiter = gw.app.limiter.with_clock(Arc::new(FixedClock(t)));
+    serde_json::to_value(limiter.check(req).await.unwrap()).unwrap()
 }
 
 /// `(granted, [(remaining, reset_ms, retry_after_ms)])` of a lease answer,
@@ -509,7 +513,8 @@ async fn a_lease_of_g_tokens_is_a_check_of_cost_g() {
             let answer = gw
                 .app
                 .limiter
-                .lease_at(&body, CALLER, Some(t))
+                .with_clock(Arc::new(FixedClock(t)))
+                .lease(&body, CALLER)
                 .await
                 .unwrap();
             let (g, answers) = grant(&serde_json::to_value(answer).unwrap());
@@ -688,5 +693,41 @@ async fn tokens_of_a_dead_lease_holder_come_back_through_refill() {
     let (_, resp) = check(&client, &gw.url(), &check10).await;
     assert_eq!(resp["allowed"], true, "{resp}");
     assert_eq!(limit(&resp, 0, 0)["remaining"], 0, "{resp}");
+    gw.stop().await.unwrap();
+}
+
+/// `PTTL key` through the gateway's own connection (-1: no expiry, -2: no key).
+async fn pttl(gw: &Running, key: &str) -> i64 {
+    gw.app
+        .limiter
+        .store()
+        .query(redis::cmd("PTTL").arg(key), "pttl")
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_written_at_a_given_time_still_expire() {
+    let redis = redis();
+    let gw = gateway(Target::Single(redis.url()), 2000).await;
+    let (domain, key, tag) = ("d", "rule/client=ttl", "client=ttl");
+    let lease7 = lease_request(domain, key, tag, TEN_PER_MINUTE, 7, 0);
+    let check1 = request(domain, 1, &[(key, tag, TEN_PER_MINUTE)]);
+    assert_eq!(grant(&lease_at(&gw, &lease7, T0).await).0, 7);
+    let resp = check_at(&gw, &check1, T0).await;
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let bucket = key_of(&lease7, 0);
+    let held = ratelimit_gateway::redis::keys::ledger_key("rl:", &resolve_lease(&lease7), CALLER);
+    let live = ratelimit_gateway::redis::keys::live_ledger("rl:", domain);
+    // At a given time each key lives a day of Redis time (its own expiry,
+    // at most two hours of the script's time, is on a clock Redis does not
+    // follow): it expires, and not during the test.
+    for k in [&bucket, &held, &live] {
+        let ttl = pttl(&gw, k).await;
+        assert!(
+            ttl > 2 * HOUR as i64 && ttl <= 24 * HOUR as i64,
+            "{k}: PTTL {ttl}"
+        );
+    }
     gw.stop().await.unwrap();
 }

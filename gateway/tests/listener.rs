@@ -1,5 +1,5 @@
 //! The gateway's listener against hostile or careless callers, on the real
-//! binary in front of a real Redis (issue 12, items 3 and 4):
+//! binary in front of a real Redis:
 //!
 //! * callers without a known token get 401, a token of another domain 403,
 //!   and neither writes anything to Redis (key dump before and after);

@@ -1,6 +1,6 @@
-//! The gateway enforces its own policy, not what a request says (issue 12,
-//! items 1, 2 and 4), on the real binary in front of a real Redis, as an
-//! attacker inside the mesh would try it:
+//! The gateway enforces its own policy, not what a request says, on the real
+//! binary in front of a real Redis, as an attacker inside the mesh would try
+//! it:
 //!
 //! * drain: a lease of 20 on alice's bucket gets the policy's `lease.fraction`
 //!   of it, and her next check passes;

@@ -3,17 +3,16 @@
 //!
 //! Expected period bounds come from [`cal`], a deliberately naive calendar
 //! (days counted year by year and month by month) that shares nothing with
-//! the Lua's Hinnant arithmetic. Tests that cross a period boundary use the
-//! **test-only** time override of `Limiter::check_at` ([`at`]): the scripts
-//! then take that time instead of Redis `TIME` and write keys without an
-//! expiry.
+//! the Lua's Hinnant arithmetic. Tests that cross a period boundary check
+//! through the gateway's limiter on a `FixedClock` ([`at`]): the scripts
+//! then take that time instead of Redis `TIME` (keys still expire).
 
 mod common;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::*;
-use ratelimit_gateway::keys::{group_by_slot, limit_keys, quota_keys};
+use ratelimit_gateway::redis::keys::{group_by_slot, limit_keys, quota_keys};
 use ratelimit_gateway::Target;
 use serde_json::{json, Value};
 
@@ -384,12 +383,17 @@ async fn a_new_month_starts_fresh() {
     assert_eq!(resp["allowed"], true, "{resp}");
     assert_eq!(q(&resp, 0), (true, 1, 30 * cal::DAY_MS), "{resp}");
 
-    // One key per period; with the override, no expiry.
+    // One key per period; it expires when its period ends (April: 30 days
+    // after the check at its first ms), whatever clock the script ran on.
     let key = |start_ms: u64| format!("rl:{{fresh|c=f}}|q|monthly/c=f|month|{}", start_ms / 1000);
     let march_key = key(cal::ms(2027, 3, 1, 0, 0, 0, 0));
     assert_eq!(redis.cli(&["get", &march_key]).unwrap(), "2");
     assert_eq!(redis.cli(&["get", &key(april)]).unwrap(), "1");
-    assert_eq!(redis.cli(&["pttl", &key(april)]).unwrap(), "-1");
+    let pttl: u64 = redis.cli(&["pttl", &key(april)]).unwrap().parse().unwrap();
+    assert!(
+        (30 * cal::DAY_MS - 60_000..=30 * cal::DAY_MS).contains(&pttl),
+        "PTTL {pttl}"
+    );
 
     // A late check of the old month (a replica's request in flight) still
     // sees its own count and never touches the new month's key.
@@ -769,7 +773,7 @@ async fn cluster_quotas_all_or_nothing_across_slots() {
     .await;
     assert_eq!(limit(&resp, 0, 0)["remaining"], 10_000 - 101, "{resp}");
 
-    // The override reaches every slot group: a new month on every master.
+    // The given time reaches every slot group: a new month on every master.
     let spread_body = quota_request("demo", &spread);
     let next = cal::period("month", now_ms()).1;
     let resp = check_at(&gw, &spread_body, next).await;

@@ -1,4 +1,4 @@
-//! Production Redis (issue 13), against real processes: TLS with a password
+//! Production Redis, against real processes: TLS with a password
 //! and a wrong CA, an ACL user with only `ACL_COMMANDS`, a Redis turned
 //! replica (`REPLICAOF`), a full Redis under `noeviction`, a Sentinel
 //! failover, a Cluster failover, and the password in no `--help`, log or
@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use ratelimit_gateway::redis_url::{RedisOptions, RedisTls, Secret};
+use ratelimit_gateway::redis::url::{RedisOptions, RedisTls, Secret};
 use ratelimit_gateway::{Config, Running, Target};
 use serde_json::{json, Value};
 use testkit::pki::TestPki;
@@ -207,7 +207,7 @@ async fn an_acl_user_with_only_the_acl_commands_checks_leases_and_answers_health
         "resetchannels",
         "-@all",
     ];
-    let grants: Vec<String> = ratelimit_gateway::redis_store::ACL_COMMANDS
+    let grants: Vec<String> = ratelimit_gateway::redis::store::ACL_COMMANDS
         .iter()
         .map(|c| format!("+{c}"))
         .collect();
@@ -315,7 +315,7 @@ async fn a_redis_turned_replica_fails_health_within_2s_and_checks_fast() {
     })
     .await;
     eprintln!("checks answered 200 again {took:?} after REPLICAOF NO ONE");
-    // Health answers from one probe a second (gateway/src/health.rs).
+    // Health answers from one probe a second (gateway/src/http/health.rs).
     until("/healthz 200", Duration::from_secs(2), || async {
         get(&client, &gw.url(), "/healthz").await.0 == 200
     })
@@ -593,7 +593,7 @@ async fn the_password_shows_nowhere() {
     let body = daily("k", "t", 5);
     assert_eq!(check(&client, &base, &body).await.0, 200);
     redis.kill();
-    // Health answers from one probe a second (gateway/src/health.rs).
+    // Health answers from one probe a second (gateway/src/http/health.rs).
     until("/healthz 503", Duration::from_secs(2), || async {
         client
             .get(format!("{base}/healthz"))

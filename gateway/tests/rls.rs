@@ -928,7 +928,7 @@ async fn the_shipped_native_template_and_the_compose_config_share_the_wasm_rule(
     gw.stop().await.unwrap();
 }
 
-/// The gateway's deny cache (issue 16, `--deny-cache-entries`) serves this
+/// The gateway's deny cache (`--deny-cache-entries`, `src/deny_cache.rs`) serves this
 /// front end too: a token-bucket descriptor over its limit is answered
 /// OVER_LIMIT from memory, with no Redis call and nothing written, until
 /// Redis's wait is over.

@@ -326,7 +326,7 @@ async fn healthz_and_503_when_redis_dies() {
         resp["error"].as_str().unwrap().starts_with("redis: "),
         "{resp}"
     );
-    // Health answers from one Redis probe a second (gateway/src/health.rs).
+    // Health answers from one Redis probe a second (gateway/src/http/health.rs).
     let (status, body) = loop {
         let (status, body) = get(&client, &gw.url(), "/healthz").await;
         if status != 200 || started.elapsed() > Duration::from_secs(2) {
@@ -466,7 +466,7 @@ fn make_wrong_type(redis: &testkit::redis::Redis, key: &str) {
 
 #[test]
 fn caller_values_are_escaped_in_the_log_and_503_bodies_are_generic() {
-    use ratelimit_gateway::{keys, script};
+    use ratelimit_gateway::redis::{keys, script};
     let redis = redis();
     let limits: &[L] = &[(10, HOUR, "token_bucket")];
     // A domain of the policy whose keys make the scripts fail (WRONGTYPE).

@@ -196,7 +196,7 @@ fn no_other_socket_can_join_the_gateways_ports() {
 /// runtime is never driven here, so lane 1 never connects.
 #[test]
 fn health_waits_for_every_workers_connection() {
-    use ratelimit_gateway::redis_store::{set_lane, Store};
+    use ratelimit_gateway::redis::store::{set_lane, Store};
     let redis = ok(Redis::start(), "starting redis-server");
     let (driven, idle) = (runtime(), runtime());
     let metrics = ratelimit_gateway::metrics::Metrics::new().unwrap();

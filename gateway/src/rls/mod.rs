@@ -22,28 +22,28 @@ use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tonic::service::interceptor::InterceptedService;
 
-use crate::conn::Guarded;
+use crate::http::conn::Guarded;
 
 pub use config::RlsConfig;
 pub use service::Rls;
 
 /// How often the gRPC health service's status follows the shared Redis
-/// write probe ([`crate::health`]).
-pub const HEALTH_POLL: Duration = crate::health::EVERY;
+/// write probe ([`crate::http::health`]).
+pub const HEALTH_POLL: Duration = crate::http::health::EVERY;
 
 /// Largest number of concurrent streams one HTTP/2 connection may open.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 128;
 
 /// Serves the rate limit service and the gRPC health service on `listener`
 /// (over TLS when `tls` is given) until `shutdown` completes, with the
-/// bounds of the HTTP listener: `--max-connections` ([`crate::conn`]), an
+/// bounds of the HTTP listener: `--max-connections` ([`crate::http::conn`]), an
 /// idle deadline and a TLS handshake deadline of `--header-timeout-ms`, a
 /// deadline of the header and body timeouts on each call, streams per
 /// connection, a message of at most `MAX_BODY_BYTES`, and `--max-in-flight`
 /// and the token checked from the metadata before the message is read
 /// ([`Rls::admit`]). The health status of the rate limit service (and of
 /// the server, `""`) is `SERVING` while the shared Redis probe
-/// ([`crate::health`]) finds a write goes through, as `/healthz`.
+/// ([`crate::http::health`]) finds a write goes through, as `/healthz`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     rls: Rls,
@@ -57,8 +57,8 @@ pub async fn serve(
         let mut tick = tokio::time::interval(HEALTH_POLL);
         loop {
             tick.tick().await;
-            let up =
-                probe_app.health.redis(probe_app.limiter.store()).await == crate::health::Redis::Up;
+            let up = probe_app.health.redis(probe_app.limiter.store()).await
+                == crate::http::health::Redis::Up;
             for name in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
                 let status = if up {
                     tonic_health::ServingStatus::Serving
@@ -72,13 +72,14 @@ pub async fn serve(
     let bounds = app.bounds;
     let gate = rls.clone();
     let service = InterceptedService::new(
-        RateLimitServiceServer::new(rls).max_decoding_message_size(crate::server::MAX_BODY_BYTES),
+        RateLimitServiceServer::new(rls)
+            .max_decoding_message_size(crate::http::server::MAX_BODY_BYTES),
         move |request| gate.admit(request),
     );
     let served = tonic::transport::Server::builder()
         .timeout(bounds.header_timeout + bounds.body_timeout)
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_max_header_list_size(crate::server::MAX_HEAD_BYTES as u32)
+        .http2_max_header_list_size(crate::http::server::MAX_HEAD_BYTES as u32)
         .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(accepted(listener, app, tls), shutdown)

@@ -42,14 +42,14 @@ use tonic::{Request, Response, Status};
 use super::config::{replaced, RateLimit, RlsAlgorithm, RlsConfig, Unit};
 use super::metrics::{RlsMetrics, OVERRIDE_DESCRIPTOR};
 use crate::auth::{Caller, Refusal};
-use crate::keys;
+use crate::http::server::App;
 use crate::logging::Escaped;
 use crate::policy::{Resolved, ResolvedBucket};
 use crate::protocol::{CheckResponse, Limit, MAX_EXACT};
-use crate::redis_store::StoreError;
+use crate::redis::keys;
+use crate::redis::script;
+use crate::redis::store::StoreError;
 use crate::reload::Reloadable;
-use crate::script;
-use crate::server::App;
 
 /// Most descriptors in one request (Envoy sends one per matching action set).
 pub const MAX_DESCRIPTORS: usize = 64;
@@ -156,53 +156,8 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        // Both put there by `admit`, before the message was read.
-        let Some(_in_flight) = request.extensions().get::<InFlight>().cloned() else {
-            return Err(self.refuse(
-                "error",
-                Status::unavailable("busy: too many requests in flight"),
-            ));
-        };
-        let caller = match request.extensions().get::<Caller>() {
-            Some(c) => c.clone(),
-            None if self.app.tokens.is_none() => Caller::anonymous(),
-            None => {
-                return Err(self.refuse(
-                    "unauthenticated",
-                    Status::unauthenticated("authorization: a known bearer token is required"),
-                ))
-            }
-        };
-        let req = request.into_inner();
-        // Theirs answers these with an error (UNKNOWN).
-        if req.domain.is_empty() {
-            return Err(self.refuse(
-                "invalid",
-                Status::unknown("rate limit domain must not be empty"),
-            ));
-        }
-        if req.descriptors.is_empty() {
-            return Err(self.refuse(
-                "invalid",
-                Status::unknown("rate limit descriptor list must not be empty"),
-            ));
-        }
-        if !caller.may_use(&req.domain) {
-            self.count_refusal(Refusal::WrongDomain);
-            return Err(self.refuse(
-                "permission_denied",
-                Status::permission_denied("authorization: this token may not act on this domain"),
-            ));
-        }
-        if req.descriptors.len() > MAX_DESCRIPTORS {
-            return Err(self.refuse(
-                "invalid",
-                Status::invalid_argument(format!(
-                    "descriptors: at most {MAX_DESCRIPTORS}, got {}",
-                    req.descriptors.len()
-                )),
-            ));
-        }
+        // The place is held until the call is answered.
+        let (_in_flight, req) = self.admitted(request)?;
         let config = self.config.current();
         let plans = match plan(&config, &req, self.allow_overrides) {
             Ok(p) => p,
@@ -212,55 +167,13 @@ impl RateLimitService for Rls {
             Ok(o) => o,
             Err(e) => return Err(self.failed(&req.domain, &e)),
         };
-        let near_ratio = self.near_limit_ratio;
         let mut overall = Code::Ok;
         let mut statuses = Vec::with_capacity(plans.len());
         for (p, outcome) in plans.iter().zip(outcomes) {
-            let status = match (p, outcome) {
-                (Plan::Count { limit, hits, .. }, Some(o)) => {
-                    let rpu = u64::from(limit.requests_per_unit);
-                    let near = (limit.requests_per_unit as f32 * near_ratio).floor() as u64;
-                    self.metrics.count(
-                        &[req.domain.as_str(), limit.path.as_str()],
-                        *hits,
-                        o.before,
-                        o.after,
-                        if limit.shared.is_some() {
-                            u64::from(o.current.requests_per_unit)
-                        } else {
-                            rpu
-                        },
-                        near,
-                        o.over,
-                        limit.shadow_mode,
-                    );
-                    let code = if o.over && !limit.shadow_mode {
-                        overall = Code::OverLimit;
-                        Code::OverLimit
-                    } else {
-                        Code::Ok
-                    };
-                    DescriptorStatus {
-                        code: code as i32,
-                        current_limit: Some(o.current),
-                        limit_remaining: u32::try_from(o.remaining).unwrap_or(u32::MAX),
-                        duration_until_reset: Some(ProtoDuration {
-                            seconds: i64::try_from(o.reset_ms.div_ceil(1000)).unwrap_or(i64::MAX),
-                            nanos: 0,
-                        }),
-                        quota: None,
-                    }
-                }
-                (Plan::Unlimited, _) => DescriptorStatus {
-                    code: Code::Ok as i32,
-                    limit_remaining: u32::MAX,
-                    ..Default::default()
-                },
-                _ => DescriptorStatus {
-                    code: Code::Ok as i32,
-                    ..Default::default()
-                },
-            };
+            let status = self.descriptor_status(&req.domain, p, outcome);
+            if status.code == Code::OverLimit as i32 {
+                overall = Code::OverLimit;
+            }
             statuses.push(status);
         }
         self.metrics.answered(overall == Code::OverLimit);
@@ -312,6 +225,115 @@ impl Rls {
         }
     }
 
+    /// The call's place (put there by [`Rls::admit`]), its caller, and its
+    /// message once the domain and descriptors are ones to count: theirs
+    /// answers an empty domain or descriptor list with `UNKNOWN`.
+    fn admitted(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<(InFlight, RateLimitRequest), Status> {
+        let Some(in_flight) = request.extensions().get::<InFlight>().cloned() else {
+            return Err(self.refuse(
+                "error",
+                Status::unavailable("busy: too many requests in flight"),
+            ));
+        };
+        let caller = match request.extensions().get::<Caller>() {
+            Some(c) => c.clone(),
+            None if self.app.tokens.is_none() => Caller::anonymous(),
+            None => {
+                return Err(self.refuse(
+                    "unauthenticated",
+                    Status::unauthenticated("authorization: a known bearer token is required"),
+                ))
+            }
+        };
+        let req = request.into_inner();
+        if req.domain.is_empty() {
+            return Err(self.refuse(
+                "invalid",
+                Status::unknown("rate limit domain must not be empty"),
+            ));
+        }
+        if req.descriptors.is_empty() {
+            return Err(self.refuse(
+                "invalid",
+                Status::unknown("rate limit descriptor list must not be empty"),
+            ));
+        }
+        if !caller.may_use(&req.domain) {
+            self.count_refusal(Refusal::WrongDomain);
+            return Err(self.refuse(
+                "permission_denied",
+                Status::permission_denied("authorization: this token may not act on this domain"),
+            ));
+        }
+        if req.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(self.refuse(
+                "invalid",
+                Status::invalid_argument(format!(
+                    "descriptors: at most {MAX_DESCRIPTORS}, got {}",
+                    req.descriptors.len()
+                )),
+            ));
+        }
+        Ok((in_flight, req))
+    }
+
+    /// One descriptor's status, its metrics counted: `OVER_LIMIT` when over
+    /// and not in shadow mode.
+    fn descriptor_status(
+        &self,
+        domain: &str,
+        plan: &Plan<'_>,
+        outcome: Option<Outcome>,
+    ) -> DescriptorStatus {
+        match (plan, outcome) {
+            (Plan::Count { limit, hits, .. }, Some(o)) => {
+                let rpu = u64::from(limit.requests_per_unit);
+                let near = (limit.requests_per_unit as f32 * self.near_limit_ratio).floor() as u64;
+                self.metrics.count(
+                    &[domain, limit.path.as_str()],
+                    *hits,
+                    o.before,
+                    o.after,
+                    if limit.shared.is_some() {
+                        u64::from(o.current.requests_per_unit)
+                    } else {
+                        rpu
+                    },
+                    near,
+                    o.over,
+                    limit.shadow_mode,
+                );
+                let code = if o.over && !limit.shadow_mode {
+                    Code::OverLimit
+                } else {
+                    Code::Ok
+                };
+                DescriptorStatus {
+                    code: code as i32,
+                    current_limit: Some(o.current),
+                    limit_remaining: u32::try_from(o.remaining).unwrap_or(u32::MAX),
+                    duration_until_reset: Some(ProtoDuration {
+                        seconds: i64::try_from(o.reset_ms.div_ceil(1000)).unwrap_or(i64::MAX),
+                        nanos: 0,
+                    }),
+                    quota: None,
+                }
+            }
+            (Plan::Unlimited, _) => DescriptorStatus {
+                code: Code::Ok as i32,
+                limit_remaining: u32::MAX,
+                ..Default::default()
+            },
+            _ => DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            },
+        }
+    }
+
     fn refuse(&self, code: &str, status: Status) -> Status {
         self.metrics.requests.with_label_values(&[code]).inc();
         status
@@ -353,65 +375,15 @@ impl Rls {
             shared,
         }] = plans
         {
-            if limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some() {
-                match self.resolve(domain, limit, *hits, entries, shared)? {
-                    Resolution::Check(resolved) => {
-                        let answer = self.app.limiter.check(&resolved).await?;
-                        place_bucket(&mut out, plans, 0, &answer);
-                    }
-                    Resolution::TooCostly(limits) => place_too_costly(&mut out, plans, 0, &limits),
-                }
+            if counts_a_bucket(limit) {
+                let answer = self.check_bucket(domain, limit, *hits, entries, shared);
+                place_answer(&mut out, plans, 0, answer.await?);
                 return Ok(out);
             }
         }
+        let groups = self.fixed_groups(domain, plans);
         // Fixed windows: one script call per slot group.
-        let mut groups: Vec<(Option<Slot>, Vec<FixedKey>)> = Vec::new();
-        for (i, p) in plans.iter().enumerate() {
-            if let Plan::Count {
-                limit,
-                hits,
-                entries,
-                ..
-            } = p
-            {
-                if limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some() {
-                    continue;
-                }
-                let unit = limit.unit.unwrap_or(Unit::Second).seconds();
-                let base = format!(
-                    "{}{{{}|{}}}|fixed_window|{unit}",
-                    self.prefix,
-                    keys::escape(domain),
-                    entries
-                );
-                let slot = self
-                    .app
-                    .limiter
-                    .store()
-                    .is_cluster()
-                    .then(|| Slot::for_key(base.as_bytes()));
-                match groups.iter_mut().find(|(s, _)| *s == slot) {
-                    Some((_, g)) => g.push((i, base, unit, *hits)),
-                    None => groups.push((slot, vec![(i, base, unit, *hits)])),
-                }
-            }
-        }
-        let fixed = futures_util::future::join_all(groups.iter().map(|(_, g)| {
-            let keys: Vec<String> = g.iter().map(|(_, k, _, _)| k.clone()).collect();
-            let mut args = Vec::with_capacity(1 + 2 * g.len());
-            args.push(String::new());
-            for (_, _, unit, hits) in g {
-                args.push(unit.to_string());
-                args.push(hits.to_string());
-            }
-            async move {
-                self.app
-                    .limiter
-                    .store()
-                    .eval::<Vec<i64>>(script::fixed_window(), &keys, &args, "fixed_window")
-                    .await
-            }
-        }));
+        let fixed = futures_util::future::join_all(groups.iter().map(|(_, g)| self.eval_fixed(g)));
         // Buckets: one all-or-nothing check per descriptor.
         let buckets =
             futures_util::future::join_all(plans.iter().enumerate().filter_map(|(i, p)| {
@@ -424,60 +396,91 @@ impl Rls {
                 else {
                     return None;
                 };
-                if limit.algorithm == RlsAlgorithm::FixedWindow && limit.shared.is_none() {
+                if !counts_a_bucket(limit) {
                     return None;
                 }
-                let resolution = self.resolve(domain, limit, *hits, entries, shared);
-                Some(async move {
-                    match resolution? {
-                        Resolution::Check(resolved) => {
-                            let answer = self.app.limiter.check(&resolved).await?;
-                            Ok::<_, StoreError>((i, Ok(answer)))
-                        }
-                        Resolution::TooCostly(limits) => Ok((i, Err(limits))),
-                    }
-                })
+                let answer = self.check_bucket(domain, limit, *hits, entries, shared);
+                Some(async move { Ok::<_, StoreError>((i, answer.await?)) })
             }));
         let (fixed, buckets) = tokio::join!(fixed, buckets);
         for ((_, g), reply) in groups.iter().zip(fixed) {
-            let reply = reply?;
-            if reply.len() != 1 + 2 * g.len() {
-                return Err(StoreError::Reply(format!(
-                    "fixed_window script answered {} integers for {} keys",
-                    reply.len(),
-                    g.len()
-                )));
-            }
-            for ((i, _, _, hits), pair) in g
-                .iter()
-                .zip(reply.get(1..).unwrap_or_default().chunks_exact(2))
-            {
-                let [count, reset] = pair else { continue };
-                let Some(Plan::Count { limit, .. }) = plans.get(*i) else {
-                    continue;
-                };
-                let after = u64::try_from(*count).unwrap_or(0);
-                let rpu = u64::from(limit.requests_per_unit);
-                let over = after > rpu;
-                if let Some(slot) = out.get_mut(*i) {
-                    *slot = Some(Outcome {
-                        over,
-                        remaining: if over { 0 } else { rpu - after },
-                        before: after.saturating_sub(*hits),
-                        after,
-                        reset_ms: u64::try_from(*reset).unwrap_or(0),
-                        current: proto_limit(limit, rpu, limit.unit),
-                    });
-                }
-            }
+            place_fixed(&mut out, plans, g, &reply?)?;
         }
         for r in buckets {
-            match r? {
-                (i, Ok(answer)) => place_bucket(&mut out, plans, i, &answer),
-                (i, Err(limits)) => place_too_costly(&mut out, plans, i, &limits),
-            }
+            let (i, answer) = r?;
+            place_answer(&mut out, plans, i, answer);
         }
         Ok(out)
+    }
+
+    /// The fixed-window descriptors' keys, grouped by cluster slot (one group
+    /// on a single Redis).
+    fn fixed_groups(&self, domain: &str, plans: &[Plan<'_>]) -> Vec<(Option<Slot>, Vec<FixedKey>)> {
+        let mut groups: Vec<(Option<Slot>, Vec<FixedKey>)> = Vec::new();
+        for (i, p) in plans.iter().enumerate() {
+            let Plan::Count {
+                limit,
+                hits,
+                entries,
+                ..
+            } = p
+            else {
+                continue;
+            };
+            if counts_a_bucket(limit) {
+                continue;
+            }
+            let unit = limit.unit.unwrap_or(Unit::Second).seconds();
+            let base = format!(
+                "{}{{{}|{}}}|fixed_window|{unit}",
+                self.prefix,
+                keys::escape(domain),
+                entries
+            );
+            let slot = self
+                .app
+                .limiter
+                .store()
+                .is_cluster()
+                .then(|| Slot::for_key(base.as_bytes()));
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, g)) => g.push((i, base, unit, *hits)),
+                None => groups.push((slot, vec![(i, base, unit, *hits)])),
+            }
+        }
+        groups
+    }
+
+    /// One `fixed_window.lua` call over one slot group, at the limiter's clock.
+    async fn eval_fixed(&self, group: &[FixedKey]) -> Result<Vec<i64>, StoreError> {
+        let keys: Vec<String> = group.iter().map(|(_, k, _, _)| k.clone()).collect();
+        let mut args = Vec::with_capacity(1 + 2 * group.len());
+        args.push(crate::clock::script_arg(self.app.limiter.clock()));
+        for (_, _, unit, hits) in group {
+            args.push(unit.to_string());
+            args.push(hits.to_string());
+        }
+        self.app
+            .limiter
+            .store()
+            .eval::<Vec<i64>>(script::fixed_window(), &keys, &args, "fixed_window")
+            .await
+    }
+
+    /// A token-bucket, sliding-window or shared descriptor's check; `Err`
+    /// with the limits when its hits cost more than the rule lets one request.
+    async fn check_bucket(
+        &self,
+        domain: &str,
+        limit: &RateLimit,
+        hits: u64,
+        entries: &str,
+        values: &[&str],
+    ) -> Result<Result<CheckResponse, Vec<Limit>>, StoreError> {
+        match self.resolve(domain, limit, hits, entries, values)? {
+            Resolution::Check(resolved) => Ok(Ok(self.app.limiter.check(&resolved).await?)),
+            Resolution::TooCostly(limits) => Ok(Err(limits)),
+        }
     }
 
     /// The one-bucket check a token-bucket, sliding-window or shared
@@ -537,6 +540,65 @@ impl Rls {
 /// Puts the answer of shared descriptor `i`, whose hits pass what one
 /// request may cost its rule, into `out[i]`: over, nothing left, the rule's
 /// smallest limit as the current one. Its hits count as over the limit.
+/// Whether a descriptor is counted by `check.lua` (token bucket, sliding
+/// window, shared) rather than `fixed_window.lua`.
+fn counts_a_bucket(limit: &RateLimit) -> bool {
+    limit.algorithm != RlsAlgorithm::FixedWindow || limit.shared.is_some()
+}
+
+/// A bucket check's answer, or its refusal as too costly, at descriptor `i`.
+fn place_answer(
+    out: &mut [Option<Outcome>],
+    plans: &[Plan<'_>],
+    i: usize,
+    answer: Result<CheckResponse, Vec<Limit>>,
+) {
+    match answer {
+        Ok(answer) => place_bucket(out, plans, i, &answer),
+        Err(limits) => place_too_costly(out, plans, i, &limits),
+    }
+}
+
+/// One `fixed_window.lua` reply's counts at their descriptors: over when the
+/// count after the hits is above the limit (theirs).
+fn place_fixed(
+    out: &mut [Option<Outcome>],
+    plans: &[Plan<'_>],
+    group: &[FixedKey],
+    reply: &[i64],
+) -> Result<(), StoreError> {
+    if reply.len() != 1 + 2 * group.len() {
+        return Err(StoreError::Reply(format!(
+            "fixed_window script answered {} integers for {} keys",
+            reply.len(),
+            group.len()
+        )));
+    }
+    for ((i, _, _, hits), pair) in group
+        .iter()
+        .zip(reply.get(1..).unwrap_or_default().chunks_exact(2))
+    {
+        let [count, reset] = pair else { continue };
+        let Some(Plan::Count { limit, .. }) = plans.get(*i) else {
+            continue;
+        };
+        let after = u64::try_from(*count).unwrap_or(0);
+        let rpu = u64::from(limit.requests_per_unit);
+        let over = after > rpu;
+        if let Some(slot) = out.get_mut(*i) {
+            *slot = Some(Outcome {
+                over,
+                remaining: if over { 0 } else { rpu - after },
+                before: after.saturating_sub(*hits),
+                after,
+                reset_ms: u64::try_from(*reset).unwrap_or(0),
+                current: proto_limit(limit, rpu, limit.unit),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn place_too_costly(out: &mut [Option<Outcome>], plans: &[Plan<'_>], i: usize, limits: &[Limit]) {
     let Some(Plan::Count { limit, hits, .. }) = plans.get(i) else {
         return;

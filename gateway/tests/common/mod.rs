@@ -428,7 +428,7 @@ pub use testkit::rng::Rng;
 
 /// The policy this process's requests made, as a gateway started now loads it.
 pub fn current_policy() -> ratelimit_gateway::policy::Policy {
-    let sources = ratelimit_gateway::reload::read_sources(&[policy_dir()]).unwrap();
+    let sources = ratelimit_gateway::reload::read_sources_with(&[policy_dir()], &["json"]).unwrap();
     ratelimit_gateway::policy::parse(&sources).unwrap()
 }
 
@@ -444,13 +444,15 @@ pub fn resolve_lease(body: &Value) -> ratelimit_gateway::policy::ResolvedLease {
     current_policy().resolve_lease(&req).unwrap()
 }
 
-/// One check through `Limiter::check_at` with the test-only time override.
+/// One check at time `t` (ms): through the gateway's limiter on a
+/// [`ratelimit_gateway::clock::FixedClock`].
 pub async fn check_at(gw: &Running, body: &Value, t: u64) -> Value {
     sync_policy();
     let answer = gw
         .app
         .limiter
-        .check_at(&resolve(body), Some(t))
+        .with_clock(std::sync::Arc::new(ratelimit_gateway::clock::FixedClock(t)))
+        .check(&resolve(body))
         .await
         .unwrap();
     serde_json::to_value(answer).unwrap()
@@ -485,7 +487,7 @@ fn limits_of(limits: &[L]) -> Vec<ratelimit_gateway::protocol::Limit> {
         .collect()
 }
 
-/// What `Limiter::check_at` takes, built directly: for arithmetic tests
+/// What `Limiter::check` takes, built directly: for arithmetic tests
 /// beyond what a policy can say (windows in ms, products up to 2^53).
 pub fn direct_check(
     domain: &str,
@@ -509,7 +511,7 @@ pub fn direct_check(
     }
 }
 
-/// What `Limiter::lease_at` takes, built directly (as [`direct_check`]).
+/// What `Limiter::lease` takes, built directly (as [`direct_check`]).
 pub fn direct_lease(
     domain: &str,
     key: &str,

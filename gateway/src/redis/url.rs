@@ -168,7 +168,7 @@ impl RedisTls {
 }
 
 /// How to log in to Redis and how to secure the connection, beside the
-/// addresses of [`crate::redis_store::Target`].
+/// addresses of [`crate::redis::store::Target`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RedisOptions {
     /// ACL user name; overrides the URL's.

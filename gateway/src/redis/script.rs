@@ -3,12 +3,15 @@
 //! `check.lua` checks and (when every limit and every quota passes) charges
 //! every key of one slot group atomically; `refund.lua` gives back a charge;
 //! `lease.lua` grants a batch of one token bucket's tokens. All take their
-//! time from Redis `TIME`, so gateway replicas with skewed clocks agree.
+//! time from a [`Clock`]: in the service Redis `TIME`, so gateway replicas
+//! with skewed clocks agree.
 
 use std::sync::OnceLock;
 
-use crate::keys::{Group, LimitKey, QuotaKey};
+use crate::clock::{self, Clock};
+
 use crate::policy::ResolvedLease;
+use crate::redis::keys::{Group, LimitKey, QuotaKey};
 
 /// The check-and-consume script (after the shared helpers of `common.lua`:
 /// Redis scripts cannot include each other).
@@ -79,17 +82,15 @@ pub enum Mode {
 /// Keys and arguments of a `check.lua` call: the limit keys, then the quota
 /// key bases.
 ///
-/// `now_ms` is the **test-only** time override: `None` in the service (time
-/// comes from Redis `TIME`); `Some` only in tests (through
-/// `Limiter::check_at`), which replay generated times or step into another
-/// quota period. With an override the script writes keys without an expiry.
+/// `clock` gives the time the script runs at ([`crate::clock`]; the
+/// service's is Redis `TIME`).
 ///
 /// `budget` is the most live keys `ledger` (the domain's ledger of live keys
-/// in the group's slot, [`crate::keys::live_ledger`]) may hold; 0: no budget.
+/// in the group's slot, [`crate::redis::keys::live_ledger`]) may hold; 0: no budget.
 pub fn check_args(
     group: &Group,
     mode: Mode,
-    now_ms: Option<u64>,
+    clock: &dyn Clock,
     ledger: &str,
     budget: u64,
 ) -> (Vec<String>, Vec<String>) {
@@ -98,7 +99,7 @@ pub fn check_args(
             Mode::Charge => "1".to_string(),
             Mode::Peek => "0".to_string(),
         },
-        now_ms.map(|n| n.to_string()).unwrap_or_default(),
+        clock::script_arg(clock),
     ];
     push_limits(&mut args, &group.limits);
     for q in &group.quotas {
@@ -113,16 +114,13 @@ pub fn check_args(
 }
 
 /// Keys and arguments of a `refund.lua` call for a charge made at `charged_at_ms`
-/// (the time `check.lua` returned). `now_ms` is the test-only override.
+/// (the time `check.lua` returned), at the time `clock` gives.
 pub fn refund_args(
     group: &Group,
     charged_at_ms: u64,
-    now_ms: Option<u64>,
+    clock: &dyn Clock,
 ) -> (Vec<String>, Vec<String>) {
-    let mut args = vec![
-        charged_at_ms.to_string(),
-        now_ms.map(|n| n.to_string()).unwrap_or_default(),
-    ];
+    let mut args = vec![charged_at_ms.to_string(), clock::script_arg(clock)];
     push_limits(&mut args, &group.limits);
     for q in &group.quotas {
         args.push(q.period.name().to_string());
@@ -131,14 +129,14 @@ pub fn refund_args(
     (keys(&group.limits, &group.quotas), args)
 }
 
-/// Arguments of a `lease.lua` call (its keys are [`crate::keys::lease_keys`]
-/// and the caller's [`crate::keys::ledger_key`]): the time override, want,
+/// Arguments of a `lease.lua` call (its keys are [`crate::redis::keys::lease_keys`]
+/// and the caller's [`crate::redis::keys::ledger_key`]): the time `clock` gives, want,
 /// return, the ledger's life (twice the policy's `lease.ttl_ms`: a batch's
 /// unspent tokens come back after it expired), then per limit requests and
-/// window_ms. `now_ms` is the test-only override, as for [`check_args`].
-pub fn lease_args(req: &ResolvedLease, now_ms: Option<u64>) -> Vec<String> {
+/// window_ms.
+pub fn lease_args(req: &ResolvedLease, clock: &dyn Clock) -> Vec<String> {
     let mut args = Vec::with_capacity(4 + 2 * req.limits.len());
-    args.push(now_ms.map(|n| n.to_string()).unwrap_or_default());
+    args.push(clock::script_arg(clock));
     args.push(req.want.to_string());
     args.push(req.returned.to_string());
     args.push(req.ttl_ms.saturating_mul(2).max(1).to_string());
@@ -309,6 +307,7 @@ pub fn parse_lease_reply(reply: &[i64], limits: usize) -> Result<LeaseReply, Str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::{FixedClock, RedisTime};
     use crate::protocol::{Algorithm, Limit};
 
     #[test]
@@ -328,10 +327,10 @@ mod tests {
             ttl_ms: 2000,
         };
         assert_eq!(
-            lease_args(&req, None),
+            lease_args(&req, &RedisTime),
             ["", "5", "2", "4000", "10", "60000", "3", "1000"]
         );
-        assert_eq!(lease_args(&req, Some(1234))[0], "1234");
+        assert_eq!(lease_args(&req, &FixedClock(1234))[0], "1234");
     }
 
     #[test]

@@ -117,8 +117,9 @@ pub fn quota_base_key(prefix: &str, domain: &str, tag: &str, key: &str, period: 
 }
 
 /// The full Redis key of a quota in the period starting at `start_s` (epoch
-/// seconds, UTC), as the script names it.
-pub fn quota_key(
+/// seconds, UTC), as the script names it (the tests' check of the layout).
+#[cfg(test)]
+fn quota_key(
     prefix: &str,
     domain: &str,
     tag: &str,

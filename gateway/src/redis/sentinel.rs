@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio::sync::Notify;
 
-use crate::redis_url::{self, Redacted, RedisOptions};
+use crate::redis::url::{self as redis_url, Redacted, RedisOptions};
 
 /// The Sentinels of one master.
 pub struct Sentinels {

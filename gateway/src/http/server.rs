@@ -35,7 +35,7 @@ use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
 use crate::orchestrate::Limiter;
 use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
-use crate::redis_store::StoreError;
+use crate::redis::store::StoreError;
 
 /// Largest accepted request body (and gRPC message). A maximal valid
 /// request (`ratelimit_protocol::MAX_BUCKETS` buckets with 512-byte keys and
@@ -66,11 +66,11 @@ pub struct App {
     /// One permit per `/v1/*` request served (`bounds.max_in_flight`).
     pub in_flight: Arc<Semaphore>,
     /// The Redis write probe every health check shares.
-    pub health: crate::health::Probe,
+    pub health: crate::http::health::Probe,
     /// The HTTP listener's places among `--max-connections`.
-    pub http_slots: crate::conn::Slots,
+    pub http_slots: crate::http::conn::Slots,
     /// The gRPC listener's places among `--max-connections`.
-    pub grpc_slots: crate::conn::Slots,
+    pub grpc_slots: crate::http::conn::Slots,
 }
 
 /// The routes.
@@ -419,11 +419,11 @@ async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
 /// connection and a write goes through (`SET <prefix>health:<instance> 1 PX
 /// 5000` on the connection the checks use), so a Redis turned replica (`READONLY`) or full under `noeviction`
 /// (`OOM`) takes the pod out of service, as an unreachable one does. One
-/// probe a second at most, shared by every caller ([`crate::health`]).
+/// probe a second at most, shared by every caller ([`crate::http::health`]).
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     let redis = app.health.redis(app.limiter.store()).await;
     let (status, word) = match redis {
-        crate::health::Redis::Up => (StatusCode::OK, "ok"),
+        crate::http::health::Redis::Up => (StatusCode::OK, "ok"),
         _ => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
     };
     (

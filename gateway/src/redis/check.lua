@@ -7,12 +7,11 @@
 --                  tag, so same slot), since only this script knows the time
 -- ARGV[1]          "1": charge everything when everything passes; "0": dry run
 --                  (evaluate only, write nothing)
--- ARGV[2]          "" in production: time comes from Redis TIME. TEST ONLY: a
---                  time in ms overrides it, and then keys are written without
---                  an expiry (Redis expires on its own clock, which the
---                  overridden time does not follow). Used only by tests
---                  (Limiter::check_at), e.g. the differential test against the
---                  Rust buckets and the quota period tests.
+-- ARGV[2]          "": time comes from Redis TIME (the service's clock,
+--                  clock::RedisTime); else a time in ms the script runs at (a
+--                  clock::FixedClock, e.g. the differential test against the
+--                  Rust buckets and the quota period tests). Every key gets a
+--                  expiry (PX, PEXPIREAT; common.lua's ttl).
 -- ARGV[3]          L, the number of limit keys
 -- ARGV[4i..4i+3]   per limit key i (i = 1..L): algorithm ("token_bucket" | "sliding_window"),
 --                  requests (N or C), window_ms (W), cost (>= 1)
@@ -37,11 +36,11 @@
 -- charged; else every limit and every quota is charged. A denied token bucket
 -- read as more than empty (Redis time went backwards) still stores that bound.
 --
--- clock, divmod, ceildiv, fmt and period_bounds come from common.lua, which
--- script.rs puts in front (with why the arithmetic is exact).
+-- clock, ttl, expire_at, divmod, ceildiv, fmt and period_bounds come from
+-- common.lua, which script.rs puts in front (with why the arithmetic is exact).
 
 local commit = ARGV[1] == '1'
-local now, override = clock(ARGV[2])
+local now = clock(ARGV[2])
 local ledger = KEYS[#KEYS]
 local budget = tonumber(ARGV[#ARGV]) or 0
 local fresh = {} -- keys this call would create, as a set
@@ -234,19 +233,13 @@ end
 -- same key carries every earlier charge of this call.
 local function set_all(list)
   for _, wr in ipairs(list) do
-    if override then
-      redis.call('SET', wr[1], wr[2])
-    else
-      redis.call('SET', wr[1], wr[2], 'PX', fmt(wr[3]))
-    end
+    redis.call('SET', wr[1], wr[2], 'PX', fmt(ttl(wr[3])))
   end
 end
 
 -- The ledger forgets expired keys, then must have room for the new ones.
--- Without an expiry (time override) a key is scored 2^53: never forgotten.
 local function track(key, expire_ms)
   if budget > 0 then
-    if override then expire_ms = 9007199254740992 end
     redis.call('ZADD', ledger, fmt(expire_ms), key)
   end
 end
@@ -264,19 +257,17 @@ elseif commit then
     end
   end
   set_all(writes)
-  for _, wr in ipairs(writes) do track(wr[1], now + wr[3]) end
+  for _, wr in ipairs(writes) do track(wr[1], now + ttl(wr[3])) end
   for _, q in ipairs(quotas) do
     redis.call('INCRBY', q[1], fmt(q[4]))
-    if not override then
-      -- The key names its period, so a late write can never extend an old one.
-      redis.call('PEXPIREAT', q[1], fmt(q[6]))
-    end
-    track(q[1], q[6])
+    -- The key names its period, so a late write can never extend an old one.
+    redis.call('PEXPIREAT', q[1], fmt(expire_at(q[6] - now)))
+    track(q[1], now + ttl(q[6] - now))
   end
-  if budget > 0 and not override then
+  if budget > 0 then
     -- The ledger lives as long as its longest-lived key.
     local last = redis.call('ZRANGE', ledger, -1, -1, 'WITHSCORES')
-    if last[2] then redis.call('PEXPIREAT', ledger, last[2]) end
+    if last[2] then redis.call('PEXPIREAT', ledger, fmt(expire_at(tonumber(last[2]) - now))) end
   end
 end
 return out

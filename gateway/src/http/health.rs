@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
 
-use crate::redis_store::Store;
+use crate::redis::store::Store;
 
 /// How long one probe's answer stands.
 pub const EVERY: Duration = Duration::from_secs(1);

@@ -4,8 +4,8 @@
 -- KEYS[i]      one key base per descriptor, "<prefix>{<domain>|<entries>}|fixed_window|<unit s>";
 --              the key counted is "<base>|<window start, epoch s>" (same hash
 --              tag, so same slot), since only this script knows the time
--- ARGV[1]      "" in production: time comes from Redis TIME. TEST ONLY: a time
---              in ms overrides it, and then keys are written without an expiry
+-- ARGV[1]      "": time comes from Redis TIME; else a time in ms the script
+--              runs at. Every key gets an expiry (common.lua's ttl).
 -- ARGV[2i], ARGV[2i+1]
 --              per key i: the unit in seconds, the hits to add (>= 0)
 --
@@ -19,12 +19,12 @@
 -- expires when its window ends (theirs: EXPIRE unit after each hit); the
 -- counts are the same.
 --
--- clock, divmod and fmt come from common.lua, which script.rs puts in front.
+-- clock, expire_at, divmod and fmt come from common.lua, which script.rs puts in front.
 
 -- The largest stored count (2^53, the protocol's MAX_EXACT).
 local MAX_COUNT = 9007199254740992
 
-local now, override = clock(ARGV[1])
+local now = clock(ARGV[1])
 local sec = divmod(now, 1000)
 local out = { now }
 for i = 1, #KEYS do
@@ -40,9 +40,7 @@ for i = 1, #KEYS do
     redis.call('SET', key, fmt(MAX_COUNT))
     count = MAX_COUNT
   end
-  if not override then
-    redis.call('PEXPIREAT', key, fmt(stop_ms))
-  end
+  redis.call('PEXPIREAT', key, fmt(expire_at(stop_ms - now)))
   out[#out + 1] = count
   out[#out + 1] = stop_ms - now
 end

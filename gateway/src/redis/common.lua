@@ -8,15 +8,33 @@
 -- integers: divmod uses fmod, which is exact for doubles, and then divides an
 -- exact multiple.
 
--- now in ms, and whether it is the TEST ONLY override: `arg` "" takes the time
--- from Redis TIME; anything else is a time in ms (then keys are written
--- without an expiry, since Redis expires on its own clock).
+-- now in ms: `arg` "" takes the time from Redis TIME (clock::RedisTime);
+-- anything else is a time in ms the script runs at (clock::FixedClock).
+-- Redis's own time is kept for the absolute expiries (PEXPIREAT).
+local given, redis_now = false, 0
 local function clock(arg)
-  if arg ~= '' then
-    return tonumber(arg), true
-  end
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), false
+  redis_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if arg ~= '' then
+    given = true
+    return tonumber(arg)
+  end
+  return redis_now
+end
+
+-- The expiry (ms from now, for PX) of a key stale `ms` after now. Every key
+-- gets one. At a given time Redis's own clock does not follow the script's,
+-- so the key lives at least a day of Redis time (longer than any test that
+-- steps time runs): never for ever, never gone mid-test.
+local GIVEN_MIN_TTL = 86400000
+local function ttl(ms)
+  if given and ms < GIVEN_MIN_TTL then return GIVEN_MIN_TTL end
+  return ms
+end
+
+-- The same expiry in Redis time, for PEXPIREAT: on Redis time now + ms.
+local function expire_at(ms)
+  return redis_now + ttl(ms)
 end
 
 -- q, r with a = q*b + r, 0 <= r < b, for integers a >= 0, b >= 1.

@@ -6,10 +6,9 @@
 --                   so leases and checks draw from one bucket
 -- KEYS[L+1]         the caller's ledger of this bucket (same slot): the tokens
 --                   it was granted and has not given back
--- ARGV[1]           "" in production: time comes from Redis TIME. TEST ONLY: a
---                   time in ms overrides it, and then keys are written without
---                   an expiry (as in check.lua). Used only by tests
---                   (Limiter::lease_at).
+-- ARGV[1]           "": time comes from Redis TIME; else a time in ms the
+--                   script runs at (as in check.lua). Every key gets a
+--                   expiry (PX; common.lua's ttl).
 -- ARGV[2]           want (1..2^53): tokens asked for
 -- ARGV[3]           return (0..2^53): unspent tokens of the caller's previous
 --                   lease on this bucket; at most what its ledger holds is taken
@@ -39,10 +38,10 @@
 -- want and return > 2^53), so every + - * is exact, and divisions go through
 -- divmod (math.fmod is exact).
 
--- clock, divmod, ceildiv and fmt come from common.lua, which script.rs puts
+-- clock, ttl, divmod, ceildiv and fmt come from common.lua, which script.rs puts
 -- in front: the same rounding as check.lua.
 
-local now, override = clock(ARGV[1])
+local now = clock(ARGV[1])
 local want = tonumber(ARGV[2])
 local give = tonumber(ARGV[3])
 local ledger_ttl = ARGV[4]
@@ -135,11 +134,7 @@ for i, l in ipairs(limits) do
   if state == false then
     redis.call('DEL', KEYS[i])
   elseif state then
-    if override then
-      redis.call('SET', KEYS[i], state)
-    else
-      redis.call('SET', KEYS[i], state, 'PX', fmt(reset))
-    end
+    redis.call('SET', KEYS[i], state, 'PX', fmt(ttl(reset)))
   end
   out[#out + 1] = remaining
   out[#out + 1] = reset
@@ -149,11 +144,7 @@ end
 -- takes back nothing writes nothing at all.
 local now_held = held - give + granted
 if now_held > 0 and (give > 0 or granted > 0) then
-  if override then
-    redis.call('SET', ledger, fmt(now_held))
-  else
-    redis.call('SET', ledger, fmt(now_held), 'PX', ledger_ttl)
-  end
+  redis.call('SET', ledger, fmt(now_held), 'PX', fmt(ttl(tonumber(ledger_ttl))))
 elseif now_held == 0 and held > 0 then
   redis.call('DEL', ledger)
 end

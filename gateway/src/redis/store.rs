@@ -29,9 +29,9 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
-use crate::redis_url::{self, Redacted, RedisOptions};
-use crate::script::LuaScript;
-use crate::sentinel::Sentinels;
+use crate::redis::script::LuaScript;
+use crate::redis::sentinel::Sentinels;
+use crate::redis::url::{self as redis_url, Redacted, RedisOptions};
 
 /// Longest wait between two attempts to connect (or reconnect).
 const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
@@ -680,9 +680,9 @@ fn instance() -> String {
 /// cluster). Best effort: `EVALSHA` loads a missing script on `NOSCRIPT`.
 async fn preload(conn: &Conn) {
     for script in [
-        crate::script::check(),
-        crate::script::refund(),
-        crate::script::lease(),
+        crate::redis::script::check(),
+        crate::redis::script::refund(),
+        crate::redis::script::lease(),
     ] {
         let mut cmd = redis::cmd("SCRIPT");
         cmd.arg("LOAD").arg(script.source);
@@ -707,9 +707,9 @@ mod tests {
     #[test]
     fn the_acl_list_covers_every_script_call() {
         for script in [
-            crate::script::check(),
-            crate::script::refund(),
-            crate::script::lease(),
+            crate::redis::script::check(),
+            crate::redis::script::refund(),
+            crate::redis::script::lease(),
         ] {
             for call in script.source.split("redis.call(").skip(1) {
                 let name: String = call

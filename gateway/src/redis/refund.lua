@@ -4,7 +4,7 @@
 -- KEYS[1..L]       the limit keys check.lua charged (one slot)
 -- KEYS[L+1..L+Q]   the quota key bases check.lua charged
 -- ARGV[1]          now_ms that check.lua returned for the charge
--- ARGV[2]          "" (time from Redis TIME), or TEST ONLY a time in ms
+-- ARGV[2]          "" (time from Redis TIME), or a time in ms the script runs at
 -- ARGV[3]          L, the number of limit keys
 -- ARGV[4i..4i+3]   per limit key i (i = 1..L): algorithm, requests, window_ms, cost charged
 --                  (as for check.lua)
