@@ -33,7 +33,7 @@ pub fn finish(
     );
     if let Ok(a) = &answer {
         // The waits count from the callout: never longer than the gateway's.
-        let sent = pending.charged_at_ns;
+        let sent = pending.held.at_ns;
         if deny_cache::remember(plan, store, &pending.eval.global, &a.reports, sent).is_err() {
             pending.counts.add(Metric::Errors, 1);
         }
@@ -116,72 +116,104 @@ fn finish_with(
         shadow_denied: p.shadow_denied,
     };
     let eval = p.eval;
+    let mut held = p.held;
     let Some(g) = &plan.global else {
         let v = ctx.pass(p.local_reports);
-        return ctx.done(v, eval.bad_input, None, Transition::None);
+        let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
+        outcome.held = held;
+        return outcome;
     };
     let result = call_result(&answer, latency_ns);
     let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
     if transition == Transition::Opened {
         ctx.counts.add(Metric::CircuitOpened, 1);
     }
-    match answer {
-        Ok(a) => {
-            ctx.counts.add(Metric::GatewayClamped, a.clamped);
-            ctx.counts
-                .add(Metric::PolicyMismatch, u64::from(a.mismatch));
-            let mut all = p.local_reports;
-            all.extend_from_slice(&a.reports);
-            let rate_denied = a.reports.iter().any(|r| !r.check.allowed);
-            let quota_denied = a.quotas.iter().any(|q| !q.allowed);
-            let v = if eval.soft && (rate_denied || quota_denied) {
-                ctx.note_shadow(&a.reports);
-                ctx.pass(all)
-            } else if rate_denied {
-                ctx.refund(&p.charged, p.charged_at_ns);
-                ctx.too_many(&all)
-            } else if quota_denied {
-                ctx.refund(&p.charged, p.charged_at_ns);
-                ctx.quota_exhausted(&a.quotas, &all)
-            } else {
-                ctx.pass(all)
-            };
-            ctx.done(v, eval.bad_input, None, transition)
-        }
+    let (v, gateway_error) = match answer {
+        Ok(a) => (ctx.answered(a, &eval, &mut held, p.local_reports), None),
         Err(e) => {
-            ctx.counts.add(Metric::GlobalFailures, 1);
-            let v = match g.failure_mode {
-                FailureMode::Open => {
-                    ctx.counts.add(Metric::FailOpen, 1);
-                    ctx.pass(p.local_reports)
-                }
-                FailureMode::Closed => {
-                    ctx.counts.add(Metric::FailClosed, 1);
-                    ctx.refund(&p.charged, p.charged_at_ns);
-                    ctx.unavailable()
-                }
-                FailureMode::Local if eval.soft => {
-                    ctx.counts.add(Metric::FallbackLocal, 1);
-                    let mut all = p.local_reports;
-                    ctx.watch(&eval.fallback, &mut all);
-                    ctx.pass(all)
-                }
-                FailureMode::Local => {
-                    ctx.counts.add(Metric::FallbackLocal, 1);
-                    match ctx.charge(&eval.fallback) {
-                        Ok(r) => {
-                            let mut all = p.local_reports;
-                            all.extend_from_slice(&r);
-                            ctx.pass(all)
-                        }
-                        Err(v) => {
-                            ctx.refund(&p.charged, p.charged_at_ns);
-                            v
-                        }
+            let v = ctx.failure_mode(g, &eval, &mut held, p.local_reports);
+            (v, Some(e))
+        }
+    };
+    let mut outcome = ctx.done(v, eval.bad_input, gateway_error, transition);
+    outcome.held = held;
+    outcome
+}
+
+impl<S: SharedStore> Ctx<'_, S> {
+    /// The gateway answered: its denial (of a rate or a quota) refunds the
+    /// local charge; a soft client only has it noted.
+    fn answered(
+        &mut self,
+        a: Answer,
+        eval: &Evaluation,
+        held: &mut Held,
+        local_reports: Vec<Report>,
+    ) -> Verdict {
+        self.counts.add(Metric::GatewayClamped, a.clamped);
+        self.counts
+            .add(Metric::PolicyMismatch, u64::from(a.mismatch));
+        let mut all = local_reports;
+        all.extend_from_slice(&a.reports);
+        let rate_denied = a.reports.iter().any(|r| !r.check.allowed);
+        let quota_denied = a.quotas.iter().any(|q| !q.allowed);
+        if eval.soft && (rate_denied || quota_denied) {
+            self.note_shadow(&a.reports);
+            self.pass(all)
+        } else if rate_denied {
+            self.refund(held);
+            self.too_many(&all)
+        } else if quota_denied {
+            self.refund(held);
+            self.quota_exhausted(&a.quotas, &all)
+        } else {
+            self.pass(all)
+        }
+    }
+
+    /// No usable answer: the global plan's failure mode decides. Fail-closed
+    /// refunds the local charge; `local` charges the local stand-ins, all or
+    /// nothing, and refunds the local charge when they deny.
+    fn failure_mode(
+        &mut self,
+        g: &GlobalPlan,
+        eval: &Evaluation,
+        held: &mut Held,
+        local_reports: Vec<Report>,
+    ) -> Verdict {
+        self.counts.add(Metric::GlobalFailures, 1);
+        match g.failure_mode {
+            FailureMode::Open => {
+                self.counts.add(Metric::FailOpen, 1);
+                self.pass(local_reports)
+            }
+            FailureMode::Closed => {
+                self.counts.add(Metric::FailClosed, 1);
+                self.refund(held);
+                self.unavailable()
+            }
+            FailureMode::Local if eval.soft => {
+                self.counts.add(Metric::FallbackLocal, 1);
+                let mut all = local_reports;
+                self.watch(&eval.fallback, &mut all);
+                self.pass(all)
+            }
+            FailureMode::Local => {
+                self.counts.add(Metric::FallbackLocal, 1);
+                match self.charge(&eval.fallback) {
+                    Ok(r) => {
+                        let mut all = local_reports;
+                        // The stand-ins stay out of `held`: charged now, not
+                        // when `held` was, a refund would miss their window.
+                        all.extend(r.into_iter().flatten());
+                        self.pass(all)
+                    }
+                    Err(v) => {
+                        self.refund(held);
+                        v
                     }
                 }
-            };
-            ctx.done(v, eval.bad_input, Some(e), transition)
+            }
         }
     }
 }

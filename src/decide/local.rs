@@ -2,6 +2,10 @@
 //! spend from a lease or gate the callout through the circuit, and decide
 //! whatever can be decided without the gateway; and the way back when the
 //! client leaves while its request waits.
+//!
+//! Each step below returns its own result: a step that fails notes its error
+//! for the log but never changes what another step holds, so a charge that
+//! succeeded stays on the refund list whatever fails after it.
 
 use super::*;
 
@@ -15,116 +19,39 @@ pub fn start(
     random: u64,
 ) -> Step {
     let mut eval = plan.evaluate(req);
-    let mut ctx = Ctx {
-        plan,
-        store,
-        now_ns,
-        random,
-        counts: Counts::default(),
-        error: None,
-        shadow_denied: Vec::new(),
-    };
+    let mut ctx = Ctx::new(plan, store, now_ns, random);
     if !eval.bad_input.is_empty() {
         ctx.counts.add(Metric::BadInput, 1);
     }
-    let nothing = eval.buckets.is_empty()
-        && eval.shadow.is_empty()
-        && eval.global.is_empty()
-        && eval.quotas.is_empty();
-    if nothing {
-        if eval.unlimited {
-            ctx.counts.add(Metric::Unlimited, 1);
-        }
-        return Step::Done(Outcome {
-            verdict: Verdict::Pass(Passing::default()),
-            counts: ctx.counts,
-            error: None,
-            gateway_error: None,
-            circuit: Transition::None,
-            shadow_denied: Vec::new(),
-            bad_input: eval.bad_input,
-            lease: None,
-        });
+    if nothing_applies(&eval) {
+        return Step::Done(untouched(ctx, eval));
     }
-    // Lease mode serves a request whose gateway part is one token bucket.
-    let lease = match (eval.global.as_slice(), eval.quotas.is_empty(), eval.soft) {
-        ([g], true, false) => lease::locate(plan, g),
-        _ => None,
+    let leasing = match ctx.spend_lease(&eval) {
+        Ok(l) => l,
+        Err(v) => return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None)),
     };
-    let mut leased = None;
-    let mut short = false;
-    if let Some(l) = &lease {
-        match lease::take(store, l, now_ns) {
-            Ok(Take::Taken(slot)) => {
-                ctx.counts.add(Metric::LeaseServed, 1);
-                leased = Some(lease::reports(plan, l, &slot, now_ns));
-            }
-            Ok(Take::Short) => short = true,
-            Ok(Take::Busy) => {}
-            Ok(Take::Empty { wait_ns }) => {
-                ctx.counts.add(Metric::LeaseServed, 1);
-                let v = ctx.too_many(&lease::empty_reports(plan, l, wait_ns, now_ns));
-                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
-            }
-            Err(e) => {
-                ctx.counts.add(Metric::Errors, 1);
-                ctx.error = Some(e);
-            }
+    if leasing.served.is_none() {
+        if let Some(v) = ctx.cached_denial(&eval) {
+            return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
         }
     }
-    // A bucket the gateway denied and whose wait is not over: 429 here, before
-    // any charge (a denied request consumes nothing). A soft client is never denied.
-    if leased.is_none() && !eval.soft && !eval.global.is_empty() {
-        match deny_cache::lookup(plan, store, &eval.global, now_ns) {
-            Ok(Some(reports)) => {
-                ctx.counts.add(Metric::DenyCacheHits, 1);
-                let v = ctx.too_many(&reports);
-                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
-            }
-            Ok(None) => {}
-            // Unread, the cache denies nothing: the gateway decides.
-            Err(_) => ctx.counts.add(Metric::Errors, 1),
-        }
-    }
-    let needs_gateway = (!eval.global.is_empty() && leased.is_none()) || !eval.quotas.is_empty();
+    let needs_gateway =
+        (!eval.global.is_empty() && leasing.served.is_none()) || !eval.quotas.is_empty();
     let global = plan.global.as_ref().filter(|_| needs_gateway);
-    let gate = global.map(|g| {
-        let longest = longest_timeout_ms(g);
-        circuit::gate(
-            store,
-            &g.circuit_key,
-            &g.circuit,
-            g.timeout_ms,
-            longest,
-            now_ns,
-        )
-    });
+    let gate = global.map(|g| ctx.gate(g));
     let mut charge = std::mem::take(&mut eval.buckets);
     let mut watch_fallback = false;
     if let (Some(g), Some(Gate::Open)) = (global, gate) {
-        ctx.counts.add(Metric::CircuitOpenSkips, 1);
-        match g.failure_mode {
-            FailureMode::Closed => {
-                ctx.counts.add(Metric::FailClosed, 1);
-                let v = ctx.unavailable();
-                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
-            }
-            FailureMode::Open => ctx.counts.add(Metric::FailOpen, 1),
-            // Charged together with the local rules: all or nothing in one step.
-            FailureMode::Local => {
-                ctx.counts.add(Metric::FallbackLocal, 1);
-                if eval.soft {
-                    watch_fallback = true;
-                } else {
-                    charge.extend_from_slice(&eval.fallback);
-                }
-            }
+        match ctx.circuit_open(g, &eval, &mut charge) {
+            Ok(watch) => watch_fallback = watch,
+            Err(v) => return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None)),
         }
     }
-    let mut reports = match ctx.charge(&charge) {
-        Ok(r) => r,
+    let (held, mut reports) = match ctx.charge(&charge) {
+        Ok(Some(reports)) => (charge, reports),
+        Ok(None) => (Vec::new(), Vec::new()),
         Err(v) => {
-            if let (Some(l), Some(_)) = (&lease, &leased) {
+            if let (Some(l), Some(_)) = (&leasing.lease, &leasing.served) {
                 ctx.give_back(l);
             }
             return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
@@ -134,56 +61,222 @@ pub fn start(
     if watch_fallback {
         ctx.watch(&eval.fallback, &mut reports);
     }
+    let held = Held {
+        buckets: held,
+        at_ns: now_ns,
+    };
     match gate {
         Some(Gate::Call) | Some(Gate::Probe) => {
-            ctx.counts.add(Metric::GlobalCalls, 1);
-            let lease_call = match (lease, global.and_then(|g| g.lease.as_ref())) {
-                (Some(l), Some(lp)) if short => match lease::claim(store, &l, lp, now_ns, false) {
-                    Ok(Some(c)) => Some((l, c)),
-                    Ok(None) => None,
-                    Err(e) => {
-                        ctx.counts.add(Metric::Errors, 1);
-                        ctx.error = Some(e);
-                        None
-                    }
-                },
-                _ => None,
-            };
-            let body = match &lease_call {
-                Some((l, c)) => {
-                    ctx.counts.add(Metric::LeaseFetches, 1);
-                    callout::encode_lease(plan, l, c.want, c.returned)
-                }
-                None => callout::encode_request(plan, &eval.global, &eval.quotas),
-            };
-            Step::Call(Box::new(Pending {
-                body,
-                lease: lease_call,
-                probe: gate == Some(Gate::Probe),
-                charged: if ctx.error.is_some() {
-                    Vec::new()
-                } else {
-                    charge
-                },
-                charged_at_ns: now_ns,
-                local_reports: reports,
-                eval,
-                random,
-                counts: ctx.counts,
-                error: ctx.error,
-                shadow_denied: ctx.shadow_denied,
-            }))
+            let probe = gate == Some(Gate::Probe);
+            Step::Call(ctx.callout(leasing, eval, held, reports, probe))
         }
-        _ => {
-            let served = leased.is_some();
-            if let Some(leased) = leased {
-                reports.extend(leased);
+        _ => Step::Done(ctx.admit(leasing, eval, held, reports)),
+    }
+}
+
+/// No rule, quota or shadow rule applies to the request.
+fn nothing_applies(eval: &Evaluation) -> bool {
+    eval.buckets.is_empty()
+        && eval.shadow.is_empty()
+        && eval.global.is_empty()
+        && eval.quotas.is_empty()
+}
+
+/// The outcome of a request nothing applies to: it passes uncounted and
+/// without headers (only an unlimited client is counted as such).
+fn untouched<S>(mut ctx: Ctx<'_, S>, eval: Evaluation) -> Outcome {
+    if eval.unlimited {
+        ctx.counts.add(Metric::Unlimited, 1);
+    }
+    Outcome {
+        verdict: Verdict::Pass(Passing::default()),
+        counts: ctx.counts,
+        error: None,
+        gateway_error: None,
+        circuit: Transition::None,
+        shadow_denied: Vec::new(),
+        bad_input: eval.bad_input,
+        lease: None,
+        held: Held::default(),
+    }
+}
+
+/// What the lease step found: the lease that may serve the request, the
+/// reports of the tokens it spent, and whether it needs a batch.
+struct Leasing {
+    lease: Option<Lease>,
+    served: Option<Vec<Report>>,
+    short: bool,
+}
+
+impl<S: SharedStore> Ctx<'_, S> {
+    /// Spends the request's cost from its lease when lease mode serves it
+    /// (one global token bucket, no quota, not a soft client); `Err` is the
+    /// 429 of a pool the gateway said is empty.
+    fn spend_lease(&mut self, eval: &Evaluation) -> Result<Leasing, Verdict> {
+        let lease = match (eval.global.as_slice(), eval.quotas.is_empty(), eval.soft) {
+            ([g], true, false) => lease::locate(self.plan, g),
+            _ => None,
+        };
+        let mut leasing = Leasing {
+            lease: None,
+            served: None,
+            short: false,
+        };
+        let Some(l) = lease else {
+            return Ok(leasing);
+        };
+        match lease::take(self.store, &l, self.now_ns) {
+            Ok(Take::Taken(slot)) => {
+                self.counts.add(Metric::LeaseServed, 1);
+                leasing.served = Some(lease::reports(self.plan, &l, &slot, self.now_ns));
             }
-            let v = ctx.pass(reports);
-            let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
-            outcome.lease = lease.filter(|_| served).map(Box::new);
-            Step::Done(outcome)
+            Ok(Take::Short) => leasing.short = true,
+            Ok(Take::Busy) => {}
+            Ok(Take::Empty { wait_ns }) => {
+                self.counts.add(Metric::LeaseServed, 1);
+                let reports = lease::empty_reports(self.plan, &l, wait_ns, self.now_ns);
+                return Err(self.too_many(&reports));
+            }
+            Err(e) => self.failed(e),
         }
+        leasing.lease = Some(l);
+        Ok(leasing)
+    }
+
+    /// A bucket the gateway denied and whose wait is not over: 429 here,
+    /// before any charge (a denied request consumes nothing). A soft client
+    /// is never denied; an unreadable cache denies nothing.
+    fn cached_denial(&mut self, eval: &Evaluation) -> Option<Verdict> {
+        if eval.soft || eval.global.is_empty() {
+            return None;
+        }
+        match deny_cache::lookup(self.plan, self.store, &eval.global, self.now_ns) {
+            Ok(Some(reports)) => {
+                self.counts.add(Metric::DenyCacheHits, 1);
+                Some(self.too_many(&reports))
+            }
+            Ok(None) => None,
+            Err(_) => {
+                self.counts.add(Metric::Errors, 1);
+                None
+            }
+        }
+    }
+
+    /// Whether the circuit lets a callout go now.
+    fn gate(&self, g: &GlobalPlan) -> Gate {
+        let longest = longest_timeout_ms(g);
+        circuit::gate(
+            self.store,
+            &g.circuit_key,
+            &g.circuit,
+            g.timeout_ms,
+            longest,
+            self.now_ns,
+        )
+    }
+
+    /// The circuit is open: the failure mode decides. `Err` is fail-closed's
+    /// 503; `failure_mode: local` adds the local stand-ins to `charge` (all
+    /// or nothing with the local rules), or says to watch them for a soft
+    /// client (`Ok(true)`).
+    fn circuit_open(
+        &mut self,
+        g: &GlobalPlan,
+        eval: &Evaluation,
+        charge: &mut Vec<Bucket>,
+    ) -> Result<bool, Verdict> {
+        self.counts.add(Metric::CircuitOpenSkips, 1);
+        match g.failure_mode {
+            FailureMode::Closed => {
+                self.counts.add(Metric::FailClosed, 1);
+                Err(self.unavailable())
+            }
+            FailureMode::Open => {
+                self.counts.add(Metric::FailOpen, 1);
+                Ok(false)
+            }
+            FailureMode::Local => {
+                self.counts.add(Metric::FallbackLocal, 1);
+                if !eval.soft {
+                    charge.extend_from_slice(&eval.fallback);
+                }
+                Ok(eval.soft)
+            }
+        }
+    }
+
+    /// The request waits for the gateway: a lease batch when the lease ran
+    /// short and the slot could be claimed, otherwise a check of every
+    /// global bucket and quota.
+    fn callout(
+        mut self,
+        leasing: Leasing,
+        eval: Evaluation,
+        held: Held,
+        local_reports: Vec<Report>,
+        probe: bool,
+    ) -> Box<Pending> {
+        self.counts.add(Metric::GlobalCalls, 1);
+        let lease = match leasing.lease {
+            Some(l) if leasing.short => self.claim_lease(l),
+            _ => None,
+        };
+        let body = match &lease {
+            Some((l, c)) => {
+                self.counts.add(Metric::LeaseFetches, 1);
+                callout::encode_lease(self.plan, l, c.want, c.returned)
+            }
+            None => callout::encode_request(self.plan, &eval.global, &eval.quotas),
+        };
+        Box::new(Pending {
+            body,
+            lease,
+            probe,
+            held,
+            local_reports,
+            eval,
+            random: self.random,
+            counts: self.counts,
+            error: self.error,
+            shadow_denied: self.shadow_denied,
+        })
+    }
+
+    /// Claims the lease slot for a batch fetch; `None` when another request
+    /// is fetching, or when the slot cannot be written (the request is then
+    /// checked on its own).
+    fn claim_lease(&mut self, l: Lease) -> Option<(Lease, Claim)> {
+        let lp = self.plan.global.as_ref()?.lease.as_ref()?;
+        match lease::claim(self.store, &l, lp, self.now_ns, false) {
+            Ok(Some(c)) => Some((l, c)),
+            Ok(None) => None,
+            Err(e) => {
+                self.failed(e);
+                None
+            }
+        }
+    }
+
+    /// Lets the request through without the gateway, with the reports of
+    /// the lease that served it, if any.
+    fn admit(
+        mut self,
+        leasing: Leasing,
+        eval: Evaluation,
+        held: Held,
+        mut reports: Vec<Report>,
+    ) -> Outcome {
+        let served = leasing.served.is_some();
+        if let Some(leased) = leasing.served {
+            reports.extend(leased);
+        }
+        let v = self.pass(reports);
+        let mut outcome = self.done(v, eval.bad_input, None, Transition::None);
+        outcome.lease = leasing.lease.filter(|_| served).map(Box::new);
+        outcome.held = held;
+        outcome
     }
 }
 
@@ -193,7 +286,8 @@ pub fn start(
 /// the strict side.
 pub fn abandon(plan: &Plan, pending: Pending, store: &impl SharedStore) -> Counts {
     let mut counts = Counts::default();
-    if limiter::refund(store, plan, &pending.charged, pending.charged_at_ns).is_err() {
+    let held = &pending.held;
+    if limiter::refund(store, plan, &held.buckets, held.at_ns).is_err() {
         counts.add(Metric::Errors, 1);
     }
     if let Some((l, _)) = &pending.lease {

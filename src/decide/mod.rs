@@ -94,6 +94,19 @@ pub struct Outcome {
     /// Boxed: inline it made every outcome 96 bytes larger, and every
     /// decision moves its outcome (81 wasm instructions for c1).
     pub lease: Option<Box<Lease>>,
+    /// What an admitted request still holds of the local charge: what the
+    /// response phases settle. Empty for a refused request (refunded).
+    pub held: Held,
+}
+
+/// The local buckets a request was charged, and when: a refund finds the
+/// sliding window holding the charge by its time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Held {
+    /// The buckets charged.
+    pub buckets: Vec<Bucket>,
+    /// When they were charged.
+    pub at_ns: u64,
 }
 
 /// A request waiting for the gateway.
@@ -103,9 +116,7 @@ pub struct Pending {
     pub body: Vec<u8>,
     /// This call is the half-open circuit's probe.
     pub probe: bool,
-    charged: Vec<Bucket>,
-    /// When `charged` was charged: a refund finds the sliding window holding it.
-    charged_at_ns: u64,
+    held: Held,
     local_reports: Vec<Report>,
     eval: Evaluation,
     random: u64,
@@ -160,11 +171,33 @@ struct Ctx<'a, S> {
     shadow_denied: Vec<String>,
 }
 
+impl<'a, S> Ctx<'a, S> {
+    fn new(plan: &'a Plan, store: &'a S, now_ns: u64, random: u64) -> Self {
+        Ctx {
+            plan,
+            store,
+            now_ns,
+            random,
+            counts: Counts::default(),
+            error: None,
+            shadow_denied: Vec::new(),
+        }
+    }
+
+    /// Notes a step's shared-data failure for the log and the metrics.
+    fn failed(&mut self, e: LimitError) {
+        self.counts.add(Metric::Errors, 1);
+        self.error = Some(e);
+    }
+}
+
 impl<S: SharedStore> Ctx<'_, S> {
-    /// Charges `buckets`; `Ok(reports)` when allowed, `Err(verdict)` when the request must be refused.
-    fn charge(&mut self, buckets: &[Bucket]) -> Result<Vec<Report>, Verdict> {
+    /// Charges `buckets`: `Ok(Some(reports))` when allowed and charged,
+    /// `Ok(None)` when shared data failed and `on_error: allow` lets the
+    /// request through uncharged, `Err(verdict)` when it must be refused.
+    fn charge(&mut self, buckets: &[Bucket]) -> Result<Option<Vec<Report>>, Verdict> {
         if buckets.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         }
         let mut stats = Stats::default();
         let spread = units(self.random).1;
@@ -178,13 +211,12 @@ impl<S: SharedStore> Ctx<'_, S> {
         );
         self.counts.stats(&stats);
         match result {
-            Ok(Decision::Allowed(reports)) => Ok(reports),
+            Ok(Decision::Allowed(reports)) => Ok(Some(reports)),
             Ok(Decision::Denied(reports)) => Err(self.too_many(&reports)),
             Err(e) => {
-                self.counts.add(Metric::Errors, 1);
-                self.error = Some(e);
+                self.failed(e);
                 match self.plan.on_error {
-                    OnError::Allow => Ok(Vec::new()),
+                    OnError::Allow => Ok(None),
                     OnError::Deny => {
                         let body = problem::too_many_after(
                             &self.plan.too_many_head,
@@ -226,10 +258,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                 self.note_shadow(&reports);
                 into.extend(reports);
             }
-            Err(e) => {
-                self.counts.add(Metric::Errors, 1);
-                self.error = Some(e);
-            }
+            Err(e) => self.failed(e),
         }
     }
 
@@ -242,15 +271,15 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     fn give_back(&mut self, l: &Lease) {
         if let Err(e) = lease::give_back(self.store, l, l.bucket.cost) {
-            self.counts.add(Metric::Errors, 1);
-            self.error = Some(e);
+            self.failed(e);
         }
     }
 
-    fn refund(&mut self, buckets: &[Bucket], charged_at_ns: u64) {
-        if let Err(e) = limiter::refund(self.store, self.plan, buckets, charged_at_ns) {
-            self.counts.add(Metric::Errors, 1);
-            self.error = Some(e);
+    /// Gives back what `held` holds (the request was refused after all).
+    fn refund(&mut self, held: &mut Held) {
+        let buckets = std::mem::take(&mut held.buckets);
+        if let Err(e) = limiter::refund(self.store, self.plan, &buckets, held.at_ns) {
+            self.failed(e);
         }
     }
 
@@ -388,6 +417,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             shadow_denied: self.shadow_denied,
             bad_input,
             lease: None,
+            held: Held::default(),
         }
     }
 }

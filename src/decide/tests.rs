@@ -665,3 +665,45 @@ fn a_cost_above_a_limits_capacity_says_it_can_never_pass_without_a_retry_after()
     let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
     assert_eq!(header(rejected(&o).1, "retry-after"), "12");
 }
+
+/// Shared data whose compare-and-set fails on one key.
+struct FailsOn<'a> {
+    inner: &'a MemoryStore,
+    key: String,
+}
+
+impl SharedStore for FailsOn<'_> {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        self.inner.get(key)
+    }
+    fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
+        if key == self.key {
+            return Err(StoreError(10));
+        }
+        self.inner.compare_and_set(key, value, cas)
+    }
+}
+
+#[test]
+fn a_failed_lease_claim_after_the_local_charge_still_refunds_it_on_a_denial() {
+    let p = plan(
+        r#"{"domain":"d","global":{"cluster":"gw","failure_mode":"closed","lease":{"fraction":0.04}},
+           "rules":[{"name":"local","key":["client"],"limits":[{"requests":5,"per":"1h"}]},
+                    {"name":"shared","scope":"global","key":["client"],"limits":[{"requests":4,"per":"1m"}]}]}"#,
+    );
+    let s = MemoryStore::default();
+    let r = req(&p, "/", Some("a"));
+    let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
+    let failing = FailsOn {
+        inner: &s,
+        key: l.slot_key.clone(),
+    };
+    // The lease slot cannot be claimed: the request asks the gateway itself.
+    let pending = call(start(&p, &r, &failing, T0, NEUTRAL));
+    assert_eq!(pending.lease(), None);
+    assert_eq!(pending.counts.get(Metric::Errors), 1);
+    let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
+    assert_eq!(rejected(&o).0, &429);
+    // Denied: the local charge went back, 4 of 5 left after the next request.
+    assert_eq!(local_remaining(&s), "4");
+}
