@@ -1,8 +1,10 @@
-//! What `host.rs` keeps per VM (one per worker), as pure code tested on the
-//! host: the log gate that keeps a flood of one kind of line out of Envoy's
-//! log, the per-worker jitter source, and the two values every worker of a
-//! proxy must agree on through shared data: the hash seed and the clock's
-//! epoch offset.
+//! What the host layer keeps per VM (one per worker), as pure code tested on
+//! the host: the log gate that keeps a flood of one kind of line out of
+//! Envoy's log, the per-worker jitter source, the two values every worker of
+//! a proxy must agree on through shared data (the hash seed and the clock's
+//! epoch offset), and the root context's timers (`timers`).
+
+pub mod timers;
 
 use crate::limits::store::SharedStore;
 use crate::limits::update::{update, UpdateError};

@@ -1,0 +1,479 @@
+//! The thin proxy-wasm layer: the root and HTTP contexts. Each callback
+//! fetches what a phase of [`decide::Stream`] reads, calls it, and carries
+//! out what it returns; the decisions, the per-VM helpers ([`crate::vm`])
+//! and the timers ([`crate::vm::timers`]) are pure code tested on the host.
+//!
+//! The only layer that names `proxy_wasm` (`tests/module_graph.rs` holds
+//! it): `calls` wraps the hostcalls so that a host error becomes a handled
+//! `Err`, never the SDK traits' `unwrap`, and `alloc` is the VM's allocator.
+
+mod alloc;
+mod calls;
+
+use crate::config;
+use crate::decide::{self, Next, Outcome, Refresh, Stream, Verdict};
+use crate::global::circuit::Transition;
+use crate::global::lease::{Lease, Watched};
+use crate::limits::store::KEY_PREFIX;
+use crate::metrics::Metric;
+use crate::policy::plan::{Plan, SourceNeed};
+use crate::policy::request::RequestInfo;
+use crate::vm::timers::{Delays, RefreshSchedule, TICK};
+use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
+use calls::{
+    call_response, dispatch, monotonic_ns, now_ns, property, random_seed, reset_request,
+    resume_or_reset, seeded_jitter, send_local_response, use_epoch_offset, wall_ns, HostStore,
+    Metrics,
+};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    // Replaces the SDK's hook, whose own logging unwraps.
+    std::panic::set_hook(Box::new(|info| {
+        let _ = hostcalls::log(LogLevel::Critical, &format!("ratelimit-wasm: panic: {info}"));
+    }));
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// One per worker: holds the compiled configuration.
+#[derive(Default)]
+struct Root {
+    plan: Option<Rc<Plan>>,
+    metrics: Rc<Metrics>,
+    logs: Rc<LogGates>,
+    /// Requests a graduated rule holds; the tick resumes them.
+    delays: Rc<RefCell<Delays>>,
+    /// Leases this worker's requests used lately.
+    leases: Rc<RefCell<Watched>>,
+    jitter: Rc<Jitter>,
+    /// Lease refreshes in flight: callout token → refresh and when it left.
+    refreshes: HashMap<u32, (Refresh, u64)>,
+    refresh_schedule: RefreshSchedule,
+}
+
+impl Root {
+    /// Tops up leases running low, ahead of the requests that will need them.
+    fn refresh_leases(&mut self, plan: &Plan, now: u64) {
+        let Some(lp) = plan.global.as_ref().and_then(|g| g.lease.as_ref()) else {
+            return;
+        };
+        if !self.refresh_schedule.due(now) {
+            return;
+        }
+        let recent = self.leases.borrow_mut().recent(now, lp.ttl_ns);
+        for lease in recent {
+            let (started, counts) = decide::refresh_start(plan, &HostStore, &lease, now);
+            self.metrics.add_all(&counts);
+            let Some(r) = started else {
+                continue;
+            };
+            match dispatch(plan, &r.body, &lp.path, lp.max_wait_ms) {
+                Some(token) => {
+                    self.refreshes.insert(token, (r, now));
+                }
+                None => {
+                    let (counts, _, _) =
+                        decide::refresh_finish(plan, &HostStore, r, None, &[], 0, now);
+                    self.metrics.add_all(&counts);
+                }
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let (Some(plan), Some((r, sent_at))) =
+            (self.plan.clone(), self.refreshes.remove(&token_id))
+        else {
+            return;
+        };
+        let (status, body) = call_response(num_headers, body_size);
+        let now = now_ns();
+        let (counts, transition, error) = decide::refresh_finish(
+            &plan,
+            &HostStore,
+            r,
+            status.as_deref(),
+            &body,
+            now.saturating_sub(sent_at),
+            now,
+        );
+        self.metrics.add_all(&counts);
+        if let Some(e) = error {
+            if let Some(more) = self.logs.gateway.open(now) {
+                log::warn!("ratelimit-wasm: lease refresh failed: {e} (+{more} not logged)");
+            }
+        }
+        if transition == Transition::Opened {
+            log::warn!("ratelimit-wasm: circuit to the gateway opened");
+        }
+    }
+}
+
+/// The plugin configuration from the host, parsed and checked.
+fn read_config() -> Result<config::Config, String> {
+    let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    config::parse(&bytes).map_err(|e| format!("invalid configuration: {e}"))
+}
+
+/// Puts the filter's time on the host's monotonic clock, at the offset every
+/// worker shares; a host without one leaves it on the wall clock.
+fn settle_clock() -> Result<(), String> {
+    let Some(mono) = monotonic_ns() else {
+        log::warn!(
+            "ratelimit-wasm: the host has no monotonic clock: timing follows the wall clock, \
+             and a step of it is clamped to each deadline's span"
+        );
+        return Ok(());
+    };
+    let offset = shared_epoch_offset(&HostStore, || wall_ns().saturating_sub(mono))?;
+    use_epoch_offset(offset);
+    log::info!("ratelimit-wasm: timing on the host's monotonic clock");
+    Ok(())
+}
+
+/// Compiles the plan with the bearer token its `token_env` names (Envoy's
+/// `vm_config.environment_variables` reach the module through WASI).
+fn compile(config: &config::Config, seed: [u8; 16]) -> Result<Plan, String> {
+    let mut plan = Plan::compile(config, seed);
+    if let (Some(g), Some(gp)) = (&config.global, plan.global.as_mut()) {
+        let bearer = g
+            .bearer(|name| std::env::var(name).ok())
+            .map_err(|e| format!("invalid configuration: {e}"))?;
+        gp.authorization = bearer.map(config::Token);
+    }
+    Ok(plan)
+}
+
+/// Starts the tick when delayed requests or leases need it.
+fn start_timer(plan: &Plan) -> Result<(), String> {
+    let delays = plan
+        .rules
+        .iter()
+        .any(|r| r.graduated.is_some_and(|g| g.delay_ms > 0));
+    let leases = plan.global.as_ref().is_some_and(|g| g.lease.is_some());
+    if delays || leases {
+        hostcalls::set_tick_period(TICK)
+            .map_err(|e| format!("no timer for delayed requests and leases: {e:?}"))?;
+    }
+    Ok(())
+}
+
+impl Root {
+    /// Reads, checks and compiles the configuration, and starts the timer.
+    fn configure(&mut self) -> Result<(), String> {
+        let config = read_config()?;
+        let seed = shared_seed(&HostStore, random_seed)?;
+        settle_clock()?;
+        let plan = compile(&config, seed)?;
+        log::info!(
+            "ratelimit-wasm: configured domain {:?}: {} rules, {} bucket sets under {KEY_PREFIX}",
+            config.domain,
+            plan.rules.len(),
+            plan.table.sets
+        );
+        start_timer(&plan)?;
+        self.plan = Some(Rc::new(plan));
+        self.metrics = Rc::new(Metrics::define());
+        self.jitter = Rc::new(seeded_jitter());
+        Ok(())
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        match self.configure() {
+            Ok(()) => true,
+            Err(e) => {
+                log::error!("ratelimit-wasm: {e}");
+                false
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = now_ns();
+        if let Some(plan) = self.plan.clone() {
+            self.refresh_leases(&plan, now);
+        }
+        let due = self.delays.borrow_mut().due(now);
+        for id in due {
+            // A stream that went away is gone from the host: nothing to resume.
+            if hostcalls::set_effective_context(id).is_ok() {
+                resume_or_reset("a delayed request");
+            }
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Http {
+            id: context_id,
+            plan: self.plan.clone(),
+            metrics: self.metrics.clone(),
+            logs: self.logs.clone(),
+            delays: self.delays.clone(),
+            leases: self.leases.clone(),
+            jitter: self.jitter.clone(),
+            stream: Stream::default(),
+            call: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One per request.
+struct Http {
+    id: u32,
+    plan: Option<Rc<Plan>>,
+    metrics: Rc<Metrics>,
+    logs: Rc<LogGates>,
+    delays: Rc<RefCell<Delays>>,
+    leases: Rc<RefCell<Watched>>,
+    jitter: Rc<Jitter>,
+    /// The request's state across the callbacks.
+    stream: Stream,
+    /// The callout in flight: its token and when it left.
+    call: Option<(u32, u64)>,
+}
+
+impl Http {
+    fn watch(&self, lease: &Lease, now: u64) {
+        self.leases.borrow_mut().touch(lease, now);
+    }
+
+    fn read_request(plan: &Plan) -> RequestInfo {
+        let mut req = RequestInfo {
+            headers: plan
+                .header_names
+                .iter()
+                .zip(&plan.header_needed)
+                .map(|(name, needed)| {
+                    needed
+                        .then(|| hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name))
+                        .and_then(|v| v.ok().flatten())
+                })
+                .collect(),
+            source_address: None,
+            client_metadata: property(&plan.client_id_property),
+            tier_metadata: property(&plan.tier_property),
+        };
+        let source = match plan.source {
+            SourceNeed::Never => false,
+            SourceNeed::WithoutClient => plan.client_id(&req).is_none(),
+            SourceNeed::Always => true,
+        };
+        if source {
+            req.source_address = hostcalls::get_property(vec!["source", "address"])
+                .ok()
+                .flatten();
+        }
+        req
+    }
+
+    fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
+        self.metrics.add_all(&outcome.counts);
+        // Once per VM: every answer of a drifted policy would say it again.
+        static MISMATCH_LOGGED: std::sync::atomic::AtomicBool =
+            std::sync::atomic::AtomicBool::new(false);
+        if outcome.counts.get(Metric::PolicyMismatch) > 0
+            && !MISMATCH_LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            log::warn!(
+                "ratelimit-wasm: the gateway enforces other limits than this configuration of domain {:?}; \
+                 the gateway's apply and are shown (render both from one file); \
+                 counted in ratelimit_wasm_policy_mismatch, logged once",
+                plan.domain
+            );
+        }
+        if let Some(e) = &outcome.error {
+            log::warn!(
+                "ratelimit-wasm: shared state failed, on_error={:?}: {e}",
+                plan.on_error
+            );
+        }
+        if let Some(e) = &outcome.gateway_error {
+            if let Some(more) = self.logs.gateway.open(now) {
+                let mode = plan.global.as_ref().map(|g| g.failure_mode);
+                log::warn!("ratelimit-wasm: gateway failed, failure_mode={mode:?}: {e} (+{more} not logged)");
+            }
+        }
+        match outcome.circuit {
+            Transition::Opened => log::warn!("ratelimit-wasm: circuit to the gateway opened"),
+            Transition::Closed => log::info!("ratelimit-wasm: circuit to the gateway closed"),
+            Transition::None => {}
+        }
+        if !outcome.bad_input.is_empty() {
+            if let Some(more) = self.logs.bad_input.open(now) {
+                log::warn!(
+                    "ratelimit-wasm: bad input in request identity: {:?} (+{more} not logged)",
+                    outcome.bad_input
+                );
+            }
+        }
+        if !outcome.shadow_denied.is_empty() {
+            if let Some(more) = self.logs.shadow.open(now) {
+                log::info!(
+                    "ratelimit-wasm: shadow: {:?} would have denied this request (+{more} not logged)",
+                    outcome.shadow_denied
+                );
+            }
+        }
+    }
+
+    /// Reports a decision and carries out its verdict; `paused` says whether
+    /// the request waits for a resume.
+    fn conclude(&mut self, plan: &Plan, outcome: Outcome, now: u64, paused: bool) -> Action {
+        self.report(plan, &outcome, now);
+        if let Some(l) = &outcome.lease {
+            self.watch(l, now);
+        }
+        match outcome.verdict {
+            Verdict::Delay { ms, .. } => {
+                let delay = ms.saturating_mul(1_000_000);
+                self.delays.borrow_mut().hold(self.id, now_ns(), delay);
+                Action::Pause
+            }
+            Verdict::Pass(_) => {
+                if paused {
+                    resume_or_reset("the request");
+                }
+                Action::Continue
+            }
+            Verdict::Reject {
+                status,
+                headers,
+                body,
+            } => {
+                if let Err(rc) = send_local_response(status, &headers.into_map(), body.as_bytes()) {
+                    // Fail closed: a denial whose answer cannot be sent resets the
+                    // stream; resuming would admit it, and leaving it paused would
+                    // hold it until Envoy's stream timeout.
+                    log::error!(
+                        "ratelimit-wasm: could not send the {status} response (status {rc}); resetting the request"
+                    );
+                    if let Err(rc) = reset_request() {
+                        log::error!(
+                            "ratelimit-wasm: could not reset the request either (status {rc})"
+                        );
+                    }
+                }
+                Action::Pause
+            }
+        }
+    }
+
+    /// Posts the stream's callout; `None` when it could not even start.
+    fn call_gateway(&self, plan: &Plan, now: u64) -> Option<u32> {
+        let (c, lease) = self.stream.callout(plan)?;
+        let token = dispatch(plan, c.body, c.path, c.timeout_ms)?;
+        if let Some(l) = lease {
+            self.watch(l, now);
+        }
+        Some(token)
+    }
+
+    /// The gateway's answer, or none (`status` `None`), for the waiting request.
+    fn answer(
+        &mut self,
+        plan: &Plan,
+        status: Option<&[u8]>,
+        body: &[u8],
+        sent_at: u64,
+        paused: bool,
+    ) -> Action {
+        let now = now_ns();
+        let latency = now.saturating_sub(sent_at);
+        match self
+            .stream
+            .gateway_answer(plan, status, body, latency, &HostStore, now)
+        {
+            Some(outcome) => self.conclude(plan, outcome, now, paused),
+            None => Action::Continue,
+        }
+    }
+}
+
+impl Context for Http {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(plan) = self.plan.clone() else {
+            return;
+        };
+        let Some((token, sent_at)) = self.call else {
+            return;
+        };
+        if token != token_id {
+            log::warn!("ratelimit-wasm: answer for unknown callout {token_id}");
+            return;
+        }
+        self.call = None;
+        let (status, body) = call_response(num_headers, body_size);
+        self.answer(&plan, status.as_deref(), &body, sent_at, true);
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        let req = Self::read_request(&plan);
+        let now = now_ns();
+        let random = self.jitter.next(&plan);
+        match self
+            .stream
+            .request_headers(&plan, &req, &HostStore, now, random)
+        {
+            Next::Decided(outcome) => self.conclude(&plan, outcome, now, false),
+            Next::Call => match self.call_gateway(&plan, now) {
+                Some(token) => {
+                    self.call = Some((token, now));
+                    Action::Pause
+                }
+                None => self.answer(&plan, None, &[], now, false),
+            },
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let (Some(plan), Some(headers)) = (&self.plan, self.stream.response_headers()) {
+            headers.each(plan, |name, value| {
+                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+            });
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // The stream is done (or was cancelled while held): never resume it.
+        self.delays.borrow_mut().forget(self.id);
+        if let Some(plan) = self.plan.clone() {
+            let counts = self.stream.end(&plan, &HostStore);
+            self.metrics.add_all(&counts);
+        }
+    }
+}
