@@ -1,29 +1,31 @@
-//! One request from headers to answer: match, key, limit, then what to send.
-//! Pure: the host layer only fetches the request, makes the callout when told
-//! to, holds delayed requests, and carries out the verdict.
+//! One request from headers to the end of its stream: match, key, limit,
+//! what to send, and what the request holds until it ends. Pure: the host
+//! layer only fetches what a phase reads, makes the callout when told to,
+//! holds delayed requests, and carries out the verdict.
 //!
 //! Local rules are charged first; a local denial skips the callout. When the
 //! gateway then denies, the local charge is refunded, so a denied request
 //! consumes nothing anywhere. Shadow rules (and every rule, for a soft client)
 //! are charged as if enforced but never reject.
-
 //!
-//! One file per phase: `local` (the first step: the local charge, the
-//! lease, the circuit; `start` and `abandon`), `answer` (the gateway's
-//! answer: `finish`) and `refresh` (the root timer's lease top-ups);
-//! `counts` holds the metric increments. This file holds what the phases
-//! share: the verdict and the context that charges, refunds and words the
-//! answers.
+//! `stream` holds a request's state across the host's callbacks and calls
+//! the phases: `local` (the first step: the local charge, the lease, the
+//! circuit; `start` and `abandon`), `answer` (the gateway's answer:
+//! `finish`); `refresh` is the root timer's lease top-ups and `counts` the
+//! metric increments. This file holds what the phases share: the verdict
+//! and the context that charges, refunds and words the answers.
 
 mod answer;
 mod counts;
 mod local;
 mod refresh;
+mod stream;
 
 pub use answer::finish;
 pub use counts::Counts;
 pub use local::{abandon, start};
 pub use refresh::{refresh_finish, refresh_start, Refresh};
+pub use stream::{Callout, Next, Stream};
 
 use crate::config::{FailureMode, OnError};
 use crate::global::callout::{self, Answer, AnswerError, QuotaReport};

@@ -707,3 +707,88 @@ fn a_failed_lease_claim_after_the_local_charge_still_refunds_it_on_a_denial() {
     // Denied: the local charge went back, 4 of 5 left after the next request.
     assert_eq!(local_remaining(&s), "4");
 }
+
+#[test]
+fn a_stream_keeps_its_response_headers_and_charge_until_it_ends() {
+    let p = plan(FIVE);
+    let s = MemoryStore::default();
+    let mut stream = Stream::default();
+    let next = stream.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL);
+    assert_eq!(next, Next::Decided);
+    let o = stream.outcome().expect("decided");
+    assert_eq!(o.counts.get(Metric::Allowed), 1);
+    let h = stream.response_headers().expect("admitted").lines(&p);
+    assert_eq!(header(&h, "x-ratelimit-remaining"), "4");
+    assert_eq!(stream.held().map(|h| h.buckets.len()), Some(1));
+    assert_eq!(stream.callout(&p), None);
+    // The end of an admitted stream gives nothing back: it reached the upstream.
+    assert_eq!(stream.end(&p, &s), None);
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert_eq!(header(&passed(&p, &o), "x-ratelimit-remaining"), "3");
+}
+
+#[test]
+fn a_stream_answered_here_adds_no_response_headers() {
+    let p = plan(FIVE);
+    let s = MemoryStore::default();
+    for _ in 0..5 {
+        done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    }
+    let mut stream = Stream::default();
+    let next = stream.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL);
+    assert_eq!(next, Next::Decided);
+    assert_eq!(rejected(stream.outcome().expect("decided")).0, &429);
+    assert!(stream.response_headers().is_none());
+    assert!(stream.held().is_none());
+    // The answer is taken once, to be sent.
+    let answer = stream.take_answer().expect("a local answer");
+    assert_eq!(answer.status, 429);
+    assert!(answer.body.contains("\"status\":429"), "{}", answer.body);
+    assert!(stream.take_answer().is_none());
+    assert!(stream.response_headers().is_none());
+}
+
+#[test]
+fn a_stream_waiting_for_the_gateway_gives_its_charge_back_when_it_ends() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    let mut stream = Stream::default();
+    assert_eq!(
+        stream.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL),
+        Next::Call
+    );
+    let (c, lease) = stream.callout(&p).expect("a callout");
+    assert_eq!((c.path, c.timeout_ms, lease), ("/v1/check", 50, None));
+    assert!(stream.response_headers().is_none());
+    assert_eq!(stream.end(&p, &s), Some(Counts::default()));
+    assert_eq!(local_remaining(&s), "4");
+    // Ended: a late answer finds nothing waiting.
+    assert_eq!(
+        stream.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0),
+        Next::Nothing
+    );
+}
+
+#[test]
+fn a_stream_the_gateway_admits_holds_its_local_charge_and_one_it_denies_holds_none() {
+    let p = global_plan("local");
+    let s = MemoryStore::default();
+    let mut admitted = Stream::default();
+    admitted.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL);
+    let next = admitted.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0);
+    assert_eq!(next, Next::Decided);
+    let h = admitted.response_headers().expect("admitted").lines(&p);
+    assert_eq!(header(&h, "x-ratelimit-remaining"), "3");
+    assert_eq!(
+        admitted.held().map(|h| (h.buckets.len(), h.at_ns)),
+        Some((1, T0))
+    );
+    let mut denied = Stream::default();
+    denied.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL);
+    denied.gateway_answer(&p, Some(b"200"), &gw(false, 0), 0, &s, T0);
+    assert_eq!(rejected(denied.outcome().expect("decided")).0, &429);
+    assert!(denied.held().is_none());
+    // One charge held (the admitted one), the denied one refunded: 3 of 5 left
+    // after the next request.
+    assert_eq!(local_remaining(&s), "3");
+}

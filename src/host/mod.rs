@@ -339,10 +339,13 @@ impl Http {
         }
     }
 
-    /// Reports a decision and carries out its verdict; `paused` says whether
-    /// the request waits for a resume.
-    fn conclude(&mut self, plan: &Plan, outcome: Outcome, now: u64, paused: bool) -> Action {
-        self.report(plan, &outcome, now);
+    /// Reports the stream's decision and carries out its verdict; `paused`
+    /// says whether the request waits for a resume.
+    fn conclude(&mut self, plan: &Plan, now: u64, paused: bool) -> Action {
+        let Some(outcome) = self.stream.outcome() else {
+            return Action::Continue;
+        };
+        self.report(plan, outcome, now);
         if let Some(l) = &outcome.lease {
             self.watch(l, now);
         }
@@ -358,25 +361,27 @@ impl Http {
                 }
                 Action::Continue
             }
-            Verdict::Reject {
-                status,
-                headers,
-                body,
-            } => {
-                if let Err(rc) = send_local_response(status, &headers.into_map(), body.as_bytes()) {
-                    // Fail closed: a denial whose answer cannot be sent resets the
-                    // stream; resuming would admit it, and leaving it paused would
-                    // hold it until Envoy's stream timeout.
-                    log::error!(
-                        "ratelimit-wasm: could not send the {status} response (status {rc}); resetting the request"
-                    );
-                    if let Err(rc) = reset_request() {
-                        log::error!(
-                            "ratelimit-wasm: could not reset the request either (status {rc})"
-                        );
-                    }
-                }
+            Verdict::Reject { .. } => {
+                self.send_answer();
                 Action::Pause
+            }
+        }
+    }
+
+    /// Sends the filter's own answer. Fails closed: a denial whose answer
+    /// cannot be sent resets the stream; resuming would admit it, and leaving
+    /// it paused would hold it until Envoy's stream timeout.
+    fn send_answer(&mut self) {
+        let Some(a) = self.stream.take_answer() else {
+            return;
+        };
+        if let Err(rc) = send_local_response(a.status, &a.headers, a.body.as_bytes()) {
+            log::error!(
+                "ratelimit-wasm: could not send the {} response (status {rc}); resetting the request",
+                a.status
+            );
+            if let Err(rc) = reset_request() {
+                log::error!("ratelimit-wasm: could not reset the request either (status {rc})");
             }
         }
     }
@@ -406,8 +411,8 @@ impl Http {
             .stream
             .gateway_answer(plan, status, body, latency, &HostStore, now)
         {
-            Some(outcome) => self.conclude(plan, outcome, now, paused),
-            None => Action::Continue,
+            Next::Decided => self.conclude(plan, now, paused),
+            Next::Call | Next::Nothing => Action::Continue,
         }
     }
 }
@@ -448,7 +453,7 @@ impl HttpContext for Http {
             .stream
             .request_headers(&plan, &req, &HostStore, now, random)
         {
-            Next::Decided(outcome) => self.conclude(&plan, outcome, now, false),
+            Next::Decided => self.conclude(&plan, now, false),
             Next::Call => match self.call_gateway(&plan, now) {
                 Some(token) => {
                     self.call = Some((token, now));
@@ -456,6 +461,7 @@ impl HttpContext for Http {
                 }
                 None => self.answer(&plan, None, &[], now, false),
             },
+            Next::Nothing => Action::Continue,
         }
     }
 
@@ -472,8 +478,9 @@ impl HttpContext for Http {
         // The stream is done (or was cancelled while held): never resume it.
         self.delays.borrow_mut().forget(self.id);
         if let Some(plan) = self.plan.clone() {
-            let counts = self.stream.end(&plan, &HostStore);
-            self.metrics.add_all(&counts);
+            if let Some(counts) = self.stream.end(&plan, &HostStore) {
+                self.metrics.add_all(&counts);
+            }
         }
     }
 }

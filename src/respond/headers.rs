@@ -197,15 +197,28 @@ impl LocalHeaders {
 
     /// The map to hand the host.
     pub fn into_map(mut self) -> Vec<u8> {
+        self.take_map()
+    }
+
+    /// Whether [`LocalHeaders::take_map`] took the map (a map holds at
+    /// least its count).
+    pub fn is_taken(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The map to hand the host, taken from where it lies (a verdict kept
+    /// in its stream); these headers are left empty.
+    pub fn take_map(&mut self) -> Vec<u8> {
         if let Some(c) = self.bytes.get_mut(..COUNT) {
             c.copy_from_slice(&u32::try_from(self.count).unwrap_or(u32::MAX).to_le_bytes());
         }
-        if self.count < ROOM {
+        let (used, room) = (COUNT + SIZES * self.count, COUNT + SIZES * ROOM);
+        if used < room && room <= self.bytes.len() {
             // Closes the lengths' unused room.
-            let (used, room) = (COUNT + SIZES * self.count, COUNT + SIZES * ROOM);
             self.bytes.drain(used..room);
         }
-        self.bytes
+        self.count = 0;
+        std::mem::take(&mut self.bytes)
     }
 
     /// The lines, decoded (for tests and diagnostics).
@@ -561,6 +574,16 @@ mod tests {
         }
         assert!(LocalHeaders::of(HeaderStyle::Both, None).is_empty());
         assert_eq!(LocalHeaders::default().into_map(), [0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_map_taken_twice_is_empty_the_second_time() {
+        let mut h = LocalHeaders::default();
+        h.push("retry-after", "3");
+        let first = h.take_map();
+        assert_eq!(first.get(..4), Some(&1u32.to_le_bytes()[..]));
+        assert!(h.is_taken());
+        assert_eq!(h.take_map(), Vec::<u8>::new());
     }
 
     #[test]

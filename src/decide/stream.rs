@@ -1,0 +1,186 @@
+//! One request's life in the filter, from its request headers to the end of
+//! its stream. Each phase the host sees (request headers, the gateway's
+//! answer, response headers, the end) is a method here over the state the
+//! earlier phases left: what the request waits for, the headers its response
+//! gets, and the local charge it holds. The host layer only fetches what a
+//! phase reads and carries out what it returns.
+
+use super::*;
+
+/// A request's state between the host's callbacks.
+#[derive(Debug, Default)]
+pub struct Stream {
+    state: State,
+}
+
+// The large variant is the point: the stream is the outcome's one home.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Default)]
+enum State {
+    /// Not decided yet (or nothing to decide: no plan).
+    #[default]
+    Fresh,
+    /// Waiting for the gateway's answer.
+    Waiting(Box<Pending>),
+    /// Decided: let through (now or after a delay) with the headers its
+    /// response gets and the local charge it holds, or answered by the
+    /// filter. Kept in place: the host reads it where it lies, since moving
+    /// an outcome through each layer cost c1 hundreds of instructions.
+    Decided(Outcome),
+}
+
+/// What the host does after a phase that may decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Carry out [`Stream::outcome`].
+    Decided,
+    /// Post [`Stream::callout`] to the gateway, then call [`Stream::gateway_answer`].
+    Call,
+    /// Nothing to do: the phase was not expected in this state.
+    Nothing,
+}
+
+/// A callout to make: the body, the gateway's path and the timeout.
+#[derive(Debug, PartialEq)]
+pub struct Callout<'a> {
+    /// Body of the `POST`.
+    pub body: &'a [u8],
+    /// The gateway's path: the check or the lease endpoint.
+    pub path: &'a str,
+    /// How long to wait for the answer.
+    pub timeout_ms: u64,
+}
+
+/// A denial the filter answers itself: status, header map and body.
+pub struct LocalAnswer {
+    /// HTTP status.
+    pub status: u32,
+    /// The headers, as the host's map.
+    pub headers: Vec<u8>,
+    /// The body.
+    pub body: String,
+}
+
+impl Stream {
+    /// Request headers: decides the request, or says to call the gateway.
+    #[inline(always)]
+    pub fn request_headers(
+        &mut self,
+        plan: &Plan,
+        req: &RequestInfo,
+        store: &impl SharedStore,
+        now_ns: u64,
+        random: u64,
+    ) -> Next {
+        match start(plan, req, store, now_ns, random) {
+            Step::Done(outcome) => {
+                self.state = State::Decided(outcome);
+                Next::Decided
+            }
+            Step::Call(pending) => {
+                self.state = State::Waiting(pending);
+                Next::Call
+            }
+        }
+    }
+
+    /// The callout a waiting request makes, and the lease it fetches for.
+    pub fn callout<'a>(&'a self, plan: &'a Plan) -> Option<(Callout<'a>, Option<&'a Lease>)> {
+        let State::Waiting(pending) = &self.state else {
+            return None;
+        };
+        let (path, timeout_ms) = pending.route(plan)?;
+        let callout = Callout {
+            body: &pending.body,
+            path,
+            timeout_ms,
+        };
+        Some((callout, pending.lease()))
+    }
+
+    /// The gateway's answer (`status` `None`: none came, or the callout never
+    /// left); [`Next::Nothing`] when the request was not waiting for one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gateway_answer(
+        &mut self,
+        plan: &Plan,
+        status: Option<&[u8]>,
+        body: &[u8],
+        latency_ns: u64,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> Next {
+        let State::Waiting(pending) = std::mem::take(&mut self.state) else {
+            return Next::Nothing;
+        };
+        let outcome = finish(plan, *pending, status, body, latency_ns, store, now_ns);
+        self.state = State::Decided(outcome);
+        Next::Decided
+    }
+
+    /// The decision, once there is one.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        match &self.state {
+            State::Decided(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// The answer of a request the filter refused, taken to be sent (once).
+    pub fn take_answer(&mut self) -> Option<LocalAnswer> {
+        let State::Decided(o) = &mut self.state else {
+            return None;
+        };
+        let Verdict::Reject {
+            status,
+            headers,
+            body,
+        } = &mut o.verdict
+        else {
+            return None;
+        };
+        // Left in place once taken (dropping the outcome here would cost
+        // every 429 the drop now rather than with its context).
+        if headers.is_taken() {
+            return None;
+        }
+        Some(LocalAnswer {
+            status: *status,
+            headers: headers.take_map(),
+            body: std::mem::take(body),
+        })
+    }
+
+    /// Response headers: the rate-limit headers the response gets, unless
+    /// the filter answered the request itself.
+    pub fn response_headers(&self) -> Option<&Passing> {
+        match &self.outcome()?.verdict {
+            Verdict::Pass(headers) | Verdict::Delay { headers, .. } => Some(headers),
+            Verdict::Reject { .. } => None,
+        }
+    }
+
+    /// The end of the stream: a request still waiting for the gateway (its
+    /// client left) gives its local charge back, and says what to count. A decided request keeps
+    /// what it was charged: an admitted one reached the upstream, and a
+    /// refused one was refunded when it was refused.
+    pub fn end(&mut self, plan: &Plan, store: &impl SharedStore) -> Option<Counts> {
+        // Checked in place: taking a decided state out moves its outcome.
+        if !matches!(self.state, State::Waiting(_)) {
+            return None;
+        }
+        match std::mem::take(&mut self.state) {
+            State::Waiting(pending) => Some(abandon(plan, *pending, store)),
+            State::Fresh | State::Decided(_) => None,
+        }
+    }
+
+    /// The local charge an admitted request holds.
+    pub fn held(&self) -> Option<&Held> {
+        let o = self.outcome()?;
+        match o.verdict {
+            Verdict::Pass(_) | Verdict::Delay { .. } => Some(&o.held),
+            Verdict::Reject { .. } => None,
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! The hostcalls the contexts make, each wrapped so that a host error
+//! becomes a handled `Err` or `None`, never the SDK's `unwrap`: shared data,
+//! the local response, resuming and resetting a stream, the clocks, the
+//! counters, the callout and properties.
+
+use crate::decide::Counts;
+use crate::limits::store::{SharedStore, StoreError};
+use crate::metrics::Metric;
+use crate::policy::plan::Plan;
+use crate::vm::Jitter;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use std::cell::Cell;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// Envoy's shared data.
+pub(super) struct HostStore;
+
+impl SharedStore for HostStore {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(value), Some(cas))) => Ok(Some((value, cas))),
+            Ok((Some(value), None)) => Ok(Some((value, 0))),
+            Ok((None, _)) => Ok(None),
+            Err(status) => Err(StoreError(status as u32)),
+        }
+    }
+
+    fn compare_and_set(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StoreError> {
+        match hostcalls::set_shared_data(key, Some(value), Some(cas)) {
+            Ok(()) => Ok(true),
+            Err(Status::CasMismatch) => Ok(false),
+            Err(status) => Err(StoreError(status as u32)),
+        }
+    }
+}
+
+/// The raw imports behind the SDK's wrappers, which panic on any status but Ok
+/// (a trap kills the worker's VM); these hand the status back instead.
+mod raw {
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        pub fn proxy_send_local_response(
+            status_code: u32,
+            details_data: *const u8,
+            details_size: usize,
+            body_data: *const u8,
+            body_size: usize,
+            headers_data: *const u8,
+            headers_size: usize,
+            grpc_status: i32,
+        ) -> u32;
+        pub fn proxy_continue_stream(stream_type: u32) -> u32;
+        pub fn proxy_close_stream(stream_type: u32) -> u32;
+    }
+
+    #[link(wasm_import_module = "wasi_snapshot_preview1")]
+    extern "C" {
+        pub fn clock_time_get(id: u32, precision: u64, time: *mut u64) -> i32;
+    }
+}
+
+/// `proxy_wasm::types::StreamType::HttpRequest`.
+const STREAM_HTTP_REQUEST: u32 = 0;
+
+/// Sends a local response whose headers are `map`, in the proxy-wasm map
+/// encoding (`LocalHeaders::into_map`); `Err(status)` when the host refused it.
+pub(super) fn send_local_response(status: u32, map: &[u8], body: &[u8]) -> Result<(), u32> {
+    // SAFETY: every pointer comes with the length of a live buffer.
+    let rc = unsafe {
+        raw::proxy_send_local_response(
+            status,
+            std::ptr::null(),
+            0,
+            body.as_ptr(),
+            body.len(),
+            map.as_ptr(),
+            map.len(),
+            -1,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc)
+    }
+}
+
+/// Resumes the paused request of the current context.
+fn resume_request() -> Result<(), u32> {
+    // SAFETY: no pointers.
+    match unsafe { raw::proxy_continue_stream(STREAM_HTTP_REQUEST) } {
+        0 => Ok(()),
+        rc => Err(rc),
+    }
+}
+
+/// Resets the request of the current context.
+pub(super) fn reset_request() -> Result<(), u32> {
+    // SAFETY: no pointers.
+    match unsafe { raw::proxy_close_stream(STREAM_HTTP_REQUEST) } {
+        0 => Ok(()),
+        rc => Err(rc),
+    }
+}
+
+/// Lets a paused request go on, or resets it if the host will not resume it:
+/// a request left paused would hang until Envoy's stream timeout.
+pub(super) fn resume_or_reset(what: &str) {
+    if let Err(rc) = resume_request() {
+        log::warn!("ratelimit-wasm: could not resume {what} (status {rc}); resetting it");
+        if let Err(rc) = reset_request() {
+            log::error!("ratelimit-wasm: could not reset {what} either (status {rc})");
+        }
+    }
+}
+
+/// The host's wall clock (`proxy_get_current_time_nanoseconds`), in ns since the epoch.
+pub(super) fn wall_ns() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .and_then(|d| u64::try_from(d.as_nanos()).ok())
+        .unwrap_or(0)
+}
+
+/// The host's monotonic clock (WASI `clock_time_get`, id 1: Envoy's steady
+/// clock, one for the whole process), `None` on a host without one.
+pub(super) fn monotonic_ns() -> Option<u64> {
+    let mut t = 0u64;
+    // SAFETY: `t` is a live u64 the host writes to.
+    let rc = unsafe { raw::clock_time_get(1, 1, &mut t) };
+    (rc == 0 && t > 0).then_some(t)
+}
+
+thread_local! {
+    /// `now_ns() − monotonic_ns()`, once `on_configure` read it; `None`: the wall clock.
+    pub(super) static EPOCH_OFFSET: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// The filter's time, in ns: the monotonic clock plus one offset that every
+/// worker shares, so it reads as the epoch time at which the first worker
+/// started and never follows a step of the wall clock (NTP, an operator).
+/// Every deadline and bucket is kept in it. On a host with no monotonic clock
+/// it is the wall clock, and the stored deadlines are clamped to their spans
+/// instead (`circuit.rs`, `lease.rs`, `token_bucket.rs`, the delays below).
+pub(super) fn now_ns() -> u64 {
+    match (EPOCH_OFFSET.with(Cell::get), monotonic_ns()) {
+        (Some(offset), Some(mono)) => mono.saturating_add(offset),
+        _ => wall_ns(),
+    }
+}
+
+/// Keeps the filter's time on the monotonic clock from now on, at `offset`
+/// from it (`vm::shared_epoch_offset`, one for every worker).
+pub(super) fn use_epoch_offset(offset: u64) {
+    EPOCH_OFFSET.with(|o| o.set(Some(offset)));
+}
+
+/// Counter ids from `define_metric`, `None` where the host refused one.
+#[derive(Default)]
+pub(super) struct Metrics([Option<u32>; Metric::ALL.len()]);
+
+impl Metrics {
+    pub(super) fn define() -> Metrics {
+        let mut ids = [None; Metric::ALL.len()];
+        for (id, m) in ids.iter_mut().zip(Metric::ALL) {
+            *id = hostcalls::define_metric(MetricType::Counter, m.name()).ok();
+        }
+        Metrics(ids)
+    }
+
+    pub(super) fn add_all(&self, counts: &Counts) {
+        for (i, n) in counts.counted() {
+            if let Some(Some(id)) = self.0.get(i) {
+                let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
+    }
+}
+
+/// A per-worker jitter source seeded from the host's randomness (the clock
+/// when there is none: jitter needs spread, not secrecy).
+pub(super) fn seeded_jitter() -> Jitter {
+    let mut bytes = [0u8; 8];
+    let seed = match getrandom::fill(&mut bytes) {
+        Ok(()) => u64::from_le_bytes(bytes),
+        Err(_) => now_ns(),
+    };
+    Jitter::new(seed)
+}
+
+pub(super) fn random_seed() -> Result<[u8; 16], String> {
+    let mut seed = [0u8; 16];
+    getrandom::fill(&mut seed).map_err(|e| format!("no randomness for the hash seed: {e}"))?;
+    Ok(seed)
+}
+
+/// Posts `body` to the gateway; `None` when the callout could not even start.
+pub(super) fn dispatch(plan: &Plan, body: &[u8], path: &str, timeout_ms: u64) -> Option<u32> {
+    let g = plan.global.as_ref()?;
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", g.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    if let Some(a) = &g.authorization {
+        headers.push(("authorization", a.0.as_str()));
+    }
+    let timeout = Duration::from_millis(timeout_ms);
+    match hostcalls::dispatch_http_call(&g.cluster, headers, Some(body), vec![], timeout) {
+        Ok(token) => Some(token),
+        Err(e) => {
+            log::warn!(
+                "ratelimit-wasm: callout to cluster {:?} failed to start: {e:?}",
+                g.cluster
+            );
+            None
+        }
+    }
+}
+
+/// The status and body of a callout's answer. A reset callout has no response
+/// to read: Envoy answers BadArgument, on which the SDK's getter panics, so do not ask.
+pub(super) fn call_response(num_headers: usize, body_size: usize) -> (Option<Vec<u8>>, Vec<u8>) {
+    let status = if num_headers == 0 {
+        None
+    } else {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+    };
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    (status, body)
+}
+
+pub(super) fn property(path: &Option<Vec<String>>) -> Option<Vec<u8>> {
+    let path: Vec<&str> = path.as_ref()?.iter().map(String::as_str).collect();
+    hostcalls::get_property(path).ok().flatten()
+}
