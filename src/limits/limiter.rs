@@ -247,7 +247,8 @@ pub fn check_and_consume(
     // Writes go into the sets as each check is made. A denial stores only
     // graduated demand and blocks (and a bound on a stepped-back clock): when
     // it has any, the sets are read again and only those written. A pending
-    // `Write` list applied at the end cost c4 800 instructions (issue 14).
+    // `Write` list applied at the end cost c4 800 instructions more
+    // (BENCHMARKS.md, instructions per decision).
     let mut only_always = false;
     let mut conflicts = 0;
     while conflicts < MAX_ATTEMPTS {

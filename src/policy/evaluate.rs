@@ -182,7 +182,7 @@ impl Plan {
     /// One 64-bit SipHash gives both the fingerprint and the set: two keys
     /// share a bucket only when the whole hash is equal (2^-64 a pair), as
     /// with the 128-bit finish, whose three extra rounds cost c1 116
-    /// instructions and c4 466 (issue 14).
+    /// instructions and c4 466 (BENCHMARKS.md, instructions per decision).
     fn bucket(&self, rule: usize, variant: usize, hasher: SipHasher13, cost: u64) -> Bucket {
         let hash = hasher.finish();
         Bucket {
