@@ -1,7 +1,7 @@
 //! A decision's metric increments. Kept small on purpose: the counts travel
 //! inside every [`super::Outcome`]. As `u64`s (208 bytes in wasm32) they cost
 //! an allowed c1 decision 700 more wasm instructions than as `u16`s, and as
-//! `u32`s 312 more (issue 14, BENCHMARKS.md).
+//! `u32`s 312 more (BENCHMARKS.md, instructions per decision).
 
 use crate::config::{MAX_GLOBAL_RULES, MAX_LIMITS_PER_RULE, MAX_QUOTAS, MAX_RULES};
 use crate::limits::limiter::MAX_ATTEMPTS;

@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn a_refund_frees_room_only_in_the_window_it_was_charged_in() {
-        // Issue 11 item 3: 4 charged in window 100, 10 in window 102, then the
+        // 4 charged in window 100, 10 in window 102, then the
         // 4 refunded; they must not free room in window 102 (was: 4 more, 14).
         let l = lim(10, 1);
         let mut s = None;
@@ -238,7 +238,7 @@ mod tests {
 
     #[test]
     fn a_clock_step_back_across_a_boundary_admits_nothing_more() {
-        // Issue 11 item 9: N = 3 at boundary + 1 ns, boundary − 1 ns and
+        // N = 3 at boundary + 1 ns, boundary − 1 ns and
         // boundary + 2 ns (was: 6 within 2 ns, the forward window forgotten).
         let l = lim(3, 10);
         let b = 1000 * SEC;
@@ -271,7 +271,7 @@ mod tests {
             }
         }
 
-        /// Issue 11 items 3 and 9: charges of any cost, refunds of earlier
+        /// Charges of any cost, refunds of earlier
         /// charges, the clock stepping forward and back, several W and N. The
         /// limiter's clock is the wall clock, never earlier than the start of
         /// the window last charged; on it, every fixed window holds at most N

@@ -70,7 +70,7 @@ pub type HeaderLines = Vec<(&'static str, String)>;
 /// kept (moved, not copied) and the closest limit's lines written out only
 /// when the response's headers are set: rendered into five `String`s at the
 /// decision, they cost c1 more than the `set_map_value` calls that send them
-/// (issue 14).
+/// (BENCHMARKS.md, instructions per decision).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Passing {
     /// Every limit's report; the one closest to exhaustion is shown.
@@ -114,7 +114,8 @@ impl Passing {
 /// `send_local_response` takes: the count, each line's name and value
 /// lengths (u32, little-endian), then each name and value NUL-terminated. A
 /// `String` per line, a list of pairs borrowed from them and a map built from
-/// that list cost a 429 1,082 instructions more (issue 14).
+/// that list cost a 429 1,082 instructions more (BENCHMARKS.md,
+/// instructions per decision).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalHeaders {
     /// The map, the count not yet written: after it the lengths of
@@ -306,7 +307,8 @@ pub fn warning(policy: &str, used_share: f64) -> (&'static str, String) {
 
 /// A header name with the NUL that ends it in the host's map, so that a
 /// local answer copies both at once: one `Vec` push less a line (a 429's
-/// seven lines: 42 wasm instructions, issue 14).
+/// seven lines: 42 wasm instructions; BENCHMARKS.md, instructions per
+/// decision).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Name(&'static str);
 

@@ -2,7 +2,8 @@
 //!
 //! Bodies are written by hand, byte for byte what `serde_json` writes for
 //! [`Problem`] (a test holds the two equal): serde's formatter and `format!`
-//! cost thousands of wasm instructions per 429 (issue 14, Performance).
+//! cost thousands of wasm instructions per 429 (BENCHMARKS.md, instructions
+//! per decision).
 
 /// Media type of problem bodies.
 pub const MEDIA_TYPE: &str = "application/problem+json";
