@@ -9,7 +9,7 @@
 
 use super::algorithm::{Algorithm, Counting};
 use super::store::{SharedStore, StoreError, CREATE_ONLY};
-use super::table::{At, Pinned, Placement, Set};
+use super::table::{Pinned, Placement, Set};
 use super::token_bucket::{Check, Limit};
 use super::update::{update, UpdateError};
 
@@ -252,10 +252,147 @@ pub fn check_and_consume(
     let mut only_always = false;
     let mut conflicts = 0;
     while conflicts < MAX_ATTEMPTS {
-        let attempt = check_all(store, plan, buckets, now_ns, spread, only_always, stats)?;
-        let denied = attempt.tally.denied;
-        if denied && !attempt.tally.any_always {
-            return Ok(Decision::Denied(attempt.tally.reports));
+        let mut work: Vec<SetWork> = Vec::with_capacity(buckets.len());
+        // Sized up front: growing it from empty cost more than the check itself.
+        let limits: usize = buckets
+            .iter()
+            .filter_map(|b| plan.rule(b.rule, b.variant))
+            .map(|r| r.states())
+            .sum();
+        let mut reports = Vec::with_capacity(limits);
+        let mut denied = false;
+        let mut any_always = false;
+        let mut evictions = 0;
+        for b in buckets {
+            let Some(rule) = plan.rule(b.rule, b.variant) else {
+                continue;
+            };
+            let w = match work.iter().position(|w| w.index == b.set) {
+                Some(w) => w,
+                None => {
+                    work.push(read_set(store, plan, b.set, rule.states(), stats)?);
+                    work.len() - 1
+                }
+            };
+            let Some(sw) = work.get_mut(w) else {
+                return Err(LimitError::Vanished);
+            };
+            let (placement, e) = sw
+                .set
+                .claim(b.fingerprint, rule.states(), now_ns, &sw.pinned);
+            if matches!(placement, Placement::Evicted(_)) {
+                evictions += 1;
+            }
+            // An unstored bucket is checked as full and its writes go nowhere.
+            sw.pinned.insert(placement.index().unwrap_or(usize::MAX));
+            let found = matches!(placement, Placement::Found(_));
+            // Read before this bucket's own write to the same state.
+            let state = |set: &Set, i: usize| match found {
+                true => Set::tat(set.tats_at(e), i),
+                false => None,
+            };
+            let mut write =
+                |sw: &mut SetWork, state: usize, value: u128, full_at_ns: u64, always: bool| {
+                    any_always |= always;
+                    if (always || !only_always) && sw.set.write_at(e, state, value, full_at_ns) {
+                        sw.touched = true;
+                    }
+                };
+            let limits = rule.limits;
+            if let Some(g) = rule.graduated {
+                let stored_until = state(&sw.set, limits.len() + 1)
+                    .map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
+                // A block longer than its longest span (block_for plus the most jitter)
+                // only comes from a clock that stepped back: bounded and stored, it ends
+                // at most that span after the step.
+                let longest = g
+                    .block_for_ns
+                    .saturating_add((g.block_for_ns as f64 * plan.retry_jitter().max(0.0)) as u64);
+                let blocked_until = stored_until.min(now_ns.saturating_add(longest));
+                if blocked_until > now_ns {
+                    denied = true;
+                    reports.push(blocked_report(b, blocked_until - now_ns));
+                    if blocked_until < stored_until {
+                        write(
+                            sw,
+                            limits.len() + 1,
+                            u128::from(blocked_until),
+                            blocked_until,
+                            true,
+                        );
+                    }
+                    continue;
+                }
+                // Demand counts every request, denied ones included, against `block_at` of the first limit.
+                if let (Some(block_at), Some((limit, _))) = (g.block_at, limits.first()) {
+                    let demand_limit = Limit {
+                        burst: ((limit.capacity as f64) * block_at).ceil() as u64,
+                        ..*limit
+                    };
+                    let d = demand_limit.check(state(&sw.set, limits.len()), now_ns, b.cost);
+                    let demand = if d.allowed {
+                        d.new_state
+                    } else {
+                        demand_limit.scaled(now_ns) + demand_limit.increment(demand_limit.burst)
+                    };
+                    let d_index = limits.len();
+                    if demand_limit.used_share(demand, now_ns) >= block_at {
+                        let spread_ns =
+                            (g.block_for_ns as f64 * plan.retry_jitter() * spread) as u64;
+                        let until = now_ns
+                            .saturating_add(g.block_for_ns)
+                            .saturating_add(spread_ns);
+                        denied = true;
+                        reports.push(blocked_report(b, until - now_ns));
+                        write(sw, d_index, 0, until, true);
+                        write(sw, d_index + 1, u128::from(until), until, true);
+                        continue;
+                    }
+                    let full_at_ns = demand_limit.full_at_ns(demand);
+                    write(sw, d_index, demand, full_at_ns, true);
+                }
+            }
+            for (l, (limit, _)) in limits.iter().enumerate() {
+                let check = rule
+                    .algorithm
+                    .check(limit, state(&sw.set, l), now_ns, b.cost);
+                denied |= !check.allowed;
+                let used_share = match (&rule.graduated, check.allowed) {
+                    (None, _) => 0.0,
+                    (Some(_), true) => limit.used_share(check.new_state, now_ns),
+                    (Some(_), false) => {
+                        state(&sw.set, l).map_or(0.0, |t| limit.used_share(t, now_ns))
+                    }
+                };
+                reports.push(Report {
+                    rule: b.rule,
+                    variant: b.variant,
+                    limit: l,
+                    check: check.into(),
+                    used_share,
+                    blocked: false,
+                    cost: b.cost,
+                    enforced: None,
+                });
+                // A token bucket's TAT is `now × capacity` plus what `reset_ns`
+                // rounds up, so it is full at `now + reset_ns`: the same figure
+                // without a 128-bit division (proptest `full_at_is_now_plus_reset`).
+                let full_at_ns = match rule.algorithm {
+                    Algorithm::TokenBucket if limit.capacity > 0 => {
+                        now_ns.saturating_add(check.reset_ns)
+                    }
+                    _ => rule.algorithm.full_at_ns(limit, check.new_state),
+                };
+                // A denial whose TAT the check bounded (the clock stepped back) stores
+                // the bound, so that the bucket refills from the step on.
+                let bounded = rule.algorithm == Algorithm::TokenBucket
+                    && !check.allowed
+                    && state(&sw.set, l).is_some_and(|t| t > check.new_state);
+                write(sw, l, check.new_state, full_at_ns, bounded);
+            }
+        }
+        if denied && !any_always {
+            return Ok(Decision::Denied(reports));
         }
         if denied != only_always {
             // Denied: again, writing demand and blocks only. Allowed where a
@@ -267,331 +404,26 @@ pub fn check_and_consume(
             only_always = denied;
             continue;
         }
-        if let Some(decision) = commit(store, plan, buckets, attempt, now_ns, stats)? {
-            return Ok(decision);
+        // A denial writes only demand and blocks, which are never refunded.
+        let refundable = if denied { &[][..] } else { buckets };
+        match write_all(store, plan, &work, refundable, now_ns)? {
+            true => {
+                stats.evictions += evictions;
+                return Ok(if denied {
+                    Decision::Denied(reports)
+                } else {
+                    Decision::Allowed(reports)
+                });
+            }
+            false => {
+                conflicts += 1;
+                stats.cas_retries += 1;
+            }
         }
-        conflicts += 1;
-        stats.cas_retries += 1;
     }
     Err(LimitError::Contention)
 }
 
-/// One attempt at a request: the sets as read and written into, and what
-/// the checks found.
-struct Attempt {
-    work: Vec<SetWork>,
-    tally: Tally,
-}
-
-/// What the checks of one attempt found, kept apart from the sets so that a
-/// bucket's [`Entry`] can borrow both.
-struct Tally {
-    reports: Vec<Report>,
-    /// A limit or a block denied the request.
-    denied: bool,
-    /// A write that a denial stores too (demand, block, bound) was made.
-    any_always: bool,
-    /// This attempt writes only what a denial stores.
-    only_always: bool,
-    /// Active buckets evicted to make room.
-    evictions: u64,
-}
-
-/// Reads each set once and checks every bucket in it, writing into the sets
-/// as it goes; one attempt's pass over the request.
-#[inline]
-fn check_all(
-    store: &impl SharedStore,
-    plan: &impl Rules,
-    buckets: &[Bucket],
-    now_ns: u64,
-    spread: f64,
-    only_always: bool,
-    stats: &mut Stats,
-) -> Result<Attempt, LimitError> {
-    let mut work: Vec<SetWork> = Vec::with_capacity(buckets.len());
-    // Sized up front: growing it from empty cost more than the check itself.
-    let limits: usize = buckets
-        .iter()
-        .filter_map(|b| plan.rule(b.rule, b.variant))
-        .map(|r| r.states())
-        .sum();
-    let mut tally = Tally {
-        reports: Vec::with_capacity(limits),
-        denied: false,
-        any_always: false,
-        only_always,
-        evictions: 0,
-    };
-    for b in buckets {
-        let Some(rule) = plan.rule(b.rule, b.variant) else {
-            continue;
-        };
-        let sw = set_of(store, plan, &mut work, b.set, rule.states(), stats)?;
-        let mut entry = Entry::claim(sw, &mut tally, b, rule.states(), now_ns);
-        check_bucket(plan, &mut entry, b, &rule, now_ns, spread);
-    }
-    Ok(Attempt { work, tally })
-}
-
-/// The set `index` among those this attempt has read, read now if it is
-/// not: each set is read (and later written) once per attempt.
-#[inline]
-fn set_of<'w>(
-    store: &impl SharedStore,
-    plan: &impl Rules,
-    work: &'w mut Vec<SetWork>,
-    index: u64,
-    room: usize,
-    stats: &mut Stats,
-) -> Result<&'w mut SetWork, LimitError> {
-    let w = match work.iter().position(|w| w.index == index) {
-        Some(w) => w,
-        None => {
-            work.push(read_set(store, plan, index, room, stats)?);
-            work.len() - 1
-        }
-    };
-    work.get_mut(w).ok_or(LimitError::Vanished)
-}
-
-/// One bucket's entry in its set while it is checked: the state reads must
-/// see it as it was before this request, and the writes follow the attempt.
-struct Entry<'a> {
-    sw: &'a mut SetWork,
-    tally: &'a mut Tally,
-    at: At,
-    /// The bucket was stored before: else it is checked as full.
-    found: bool,
-}
-
-impl<'a> Entry<'a> {
-    /// Finds or places `b`'s entry and pins it, so that the request's later
-    /// buckets cannot evict it.
-    #[inline]
-    fn claim(
-        sw: &'a mut SetWork,
-        tally: &'a mut Tally,
-        b: &Bucket,
-        states: usize,
-        now_ns: u64,
-    ) -> Entry<'a> {
-        let (placement, at) = sw.set.claim(b.fingerprint, states, now_ns, &sw.pinned);
-        if matches!(placement, Placement::Evicted(_)) {
-            tally.evictions += 1;
-        }
-        // An unstored bucket is checked as full and its writes go nowhere.
-        sw.pinned.insert(placement.index().unwrap_or(usize::MAX));
-        let found = matches!(placement, Placement::Found(_));
-        Entry {
-            sw,
-            tally,
-            at,
-            found,
-        }
-    }
-
-    /// State `i` as stored; read before this bucket's own write to it.
-    #[inline]
-    fn state(&self, i: usize) -> Option<u128> {
-        match self.found {
-            true => Set::tat(self.sw.set.tats_at(self.at), i),
-            false => None,
-        }
-    }
-
-    /// Writes state `i` unless the attempt writes only what a denial stores
-    /// and this is not such a write (`always`); marks the set for writing.
-    #[inline]
-    fn write(&mut self, i: usize, value: u128, full_at_ns: u64, always: bool) {
-        self.tally.any_always |= always;
-        if (always || !self.tally.only_always)
-            && self.sw.set.write_at(self.at, i, value, full_at_ns)
-        {
-            self.sw.touched = true;
-        }
-    }
-
-    /// Records a denial with its report.
-    #[inline]
-    fn deny(&mut self, report: Report) {
-        self.tally.denied = true;
-        self.tally.reports.push(report);
-    }
-}
-
-/// Checks one bucket: a graduated rule's block and demand come first, since
-/// a block settles the bucket without checking its limits.
-#[inline]
-fn check_bucket(
-    plan: &impl Rules,
-    entry: &mut Entry,
-    b: &Bucket,
-    rule: &RuleLimits,
-    now_ns: u64,
-    spread: f64,
-) {
-    if let Some(g) = rule.graduated {
-        let blocks = rule.limits.len() + 1;
-        if still_blocked(plan, entry, b, blocks, g, now_ns)
-            || demand_blocks(plan, entry, b, rule.limits, g, now_ns, spread)
-        {
-            return;
-        }
-    }
-    check_limits(entry, b, rule, now_ns);
-}
-
-/// Denies a client whose block (stored in state `blocks`) has not ended;
-/// returns whether it did.
-#[inline]
-fn still_blocked(
-    plan: &impl Rules,
-    entry: &mut Entry,
-    b: &Bucket,
-    blocks: usize,
-    g: &GraduatedPlan,
-    now_ns: u64,
-) -> bool {
-    let stored_until = entry
-        .state(blocks)
-        .map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
-    // A block longer than its longest span (block_for plus the most jitter)
-    // only comes from a clock that stepped back: bounded and stored, it ends
-    // at most that span after the step.
-    let longest = g
-        .block_for_ns
-        .saturating_add((g.block_for_ns as f64 * plan.retry_jitter().max(0.0)) as u64);
-    let blocked_until = stored_until.min(now_ns.saturating_add(longest));
-    if blocked_until <= now_ns {
-        return false;
-    }
-    entry.deny(blocked_report(b, blocked_until - now_ns));
-    if blocked_until < stored_until {
-        entry.write(blocks, u128::from(blocked_until), blocked_until, true);
-    }
-    true
-}
-
-/// Counts the request as demand (denied ones included) against `block_at`
-/// of the first limit, and blocks the client when it reaches it; returns
-/// whether it blocked.
-#[inline]
-fn demand_blocks(
-    plan: &impl Rules,
-    entry: &mut Entry,
-    b: &Bucket,
-    limits: &[(Limit, u64)],
-    g: &GraduatedPlan,
-    now_ns: u64,
-    spread: f64,
-) -> bool {
-    let (Some(block_at), Some((limit, _))) = (g.block_at, limits.first()) else {
-        return false;
-    };
-    let demand_limit = Limit {
-        burst: ((limit.capacity as f64) * block_at).ceil() as u64,
-        ..*limit
-    };
-    let d_index = limits.len();
-    let d = demand_limit.check(entry.state(d_index), now_ns, b.cost);
-    let demand = if d.allowed {
-        d.new_state
-    } else {
-        demand_limit.scaled(now_ns) + demand_limit.increment(demand_limit.burst)
-    };
-    if demand_limit.used_share(demand, now_ns) >= block_at {
-        let spread_ns = (g.block_for_ns as f64 * plan.retry_jitter() * spread) as u64;
-        let until = now_ns
-            .saturating_add(g.block_for_ns)
-            .saturating_add(spread_ns);
-        entry.deny(blocked_report(b, until - now_ns));
-        entry.write(d_index, 0, until, true);
-        entry.write(d_index + 1, u128::from(until), until, true);
-        return true;
-    }
-    let full_at_ns = demand_limit.full_at_ns(demand);
-    entry.write(d_index, demand, full_at_ns, true);
-    false
-}
-
-/// Checks and charges each limit of the bucket's rule, reporting every one,
-/// so that the headers can show the closest.
-#[inline]
-fn check_limits(entry: &mut Entry, b: &Bucket, rule: &RuleLimits, now_ns: u64) {
-    for (l, (limit, _)) in rule.limits.iter().enumerate() {
-        let stored = entry.state(l);
-        let check = rule.algorithm.check(limit, stored, now_ns, b.cost);
-        entry.tally.denied |= !check.allowed;
-        let used_share = match (&rule.graduated, check.allowed) {
-            (None, _) => 0.0,
-            (Some(_), true) => limit.used_share(check.new_state, now_ns),
-            (Some(_), false) => stored.map_or(0.0, |t| limit.used_share(t, now_ns)),
-        };
-        entry.tally.reports.push(Report {
-            rule: b.rule,
-            variant: b.variant,
-            limit: l,
-            check: check.into(),
-            used_share,
-            blocked: false,
-            cost: b.cost,
-            enforced: None,
-        });
-        // A denial whose TAT the check bounded (the clock stepped back) stores
-        // the bound, so that the bucket refills from the step on.
-        let bounded = rule.algorithm == Algorithm::TokenBucket
-            && !check.allowed
-            && stored.is_some_and(|t| t > check.new_state);
-        let full_at_ns = full_at_ns(rule.algorithm, limit, &check, now_ns);
-        entry.write(l, check.new_state, full_at_ns, bounded);
-    }
-}
-
-/// When a limit's bucket is full again after `check`, which the set keeps
-/// to choose what to evict.
-#[inline]
-fn full_at_ns(algorithm: Algorithm, limit: &Limit, check: &Check, now_ns: u64) -> u64 {
-    // A token bucket's TAT is `now × capacity` plus what `reset_ns`
-    // rounds up, so it is full at `now + reset_ns`: the same figure
-    // without a 128-bit division (proptest `full_at_is_now_plus_reset`).
-    match algorithm {
-        Algorithm::TokenBucket if limit.capacity > 0 => now_ns.saturating_add(check.reset_ns),
-        _ => algorithm.full_at_ns(limit, check.new_state),
-    }
-}
-
-/// Writes the attempt's sets and gives the decision; `None` when a write
-/// lost a race, its sets already written refunded, so the request retries.
-#[inline]
-fn commit(
-    store: &impl SharedStore,
-    plan: &impl Rules,
-    buckets: &[Bucket],
-    attempt: Attempt,
-    now_ns: u64,
-    stats: &mut Stats,
-) -> Result<Option<Decision>, LimitError> {
-    let Tally {
-        reports,
-        denied,
-        evictions,
-        ..
-    } = attempt.tally;
-    // A denial writes only demand and blocks, which are never refunded.
-    let refundable = if denied { &[][..] } else { buckets };
-    if !write_all(store, plan, &attempt.work, refundable, now_ns)? {
-        return Ok(None);
-    }
-    stats.evictions += evictions;
-    Ok(Some(if denied {
-        Decision::Denied(reports)
-    } else {
-        Decision::Allowed(reports)
-    }))
-}
-
-/// The report of a bucket a block denies: nothing left until it ends.
 fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
     Report {
         rule: b.rule,
