@@ -1,6 +1,6 @@
 //! The layering of `src/`, checked: the top-level modules (the folders
-//! `config/`, `policy/`, `limits/`, `global/`, `respond/`, `decide/` and the
-//! files `host.rs`, `vm.rs`, `metrics.rs`) name each other through
+//! `policy/`, `limits/`, `global/`, `respond/`, `decide/`, `host/`, `vm/`
+//! and the file `metrics.rs`) name each other through
 //! `crate::<module>` paths; the graph of those names must be acyclic, so each
 //! folder can be read with only the ones below it in mind. Each file is
 //! parsed whole (`syn`); test code (any `#[cfg(test)]` item, wherever it sits

@@ -7,8 +7,8 @@ use crate::global::lease::Lease;
 use crate::limits::limiter::{Enforced, Report, Seen};
 use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use ratelimit_protocol::{
-    BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef, MAX_LIMITS,
-    MAX_QUOTA_LIMIT,
+    Algorithm, BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef,
+    MAX_LIMITS, MAX_QUOTA_LIMIT,
 };
 
 /// Protocol version spoken by this filter.
@@ -168,11 +168,11 @@ fn enforced(requests: f64, window_ms: f64) -> Result<Enforced, AnswerError> {
 
 /// Whether the gateway enforced what this filter's configuration says for
 /// limit `i` of `rule`'s `variant`.
-fn agrees(rule: &RulePlan, variant: usize, i: usize, e: Enforced, algorithm: &str) -> bool {
+fn agrees(rule: &RulePlan, variant: usize, i: usize, e: Enforced, algorithm: Algorithm) -> bool {
     rule.limits(variant).get(i).is_some_and(|(l, _)| {
         l.capacity == e.requests
             && l.period_ns == e.window_ms.saturating_mul(MS)
-            && rule.algorithm.name() == algorithm
+            && rule.algorithm == algorithm
     })
 }
 
@@ -215,7 +215,7 @@ pub fn parse_answer(
         mismatch |= got.limits.len() != rule.limits(asked.variant).len();
         for (i, l) in got.limits.iter().enumerate() {
             let e = enforced(l.requests, l.window_ms)?;
-            mismatch |= !agrees(rule, asked.variant, i, e, l.algorithm.name());
+            mismatch |= !agrees(rule, asked.variant, i, e, l.algorithm);
             let remaining = clamp(l.remaining, e.requests, &mut clamped);
             let reset_ms = clamp(l.reset_ms, 2 * e.window_ms, &mut clamped);
             let mut retry_ms = clamp(l.retry_after_ms, 2 * e.window_ms, &mut clamped);
@@ -348,7 +348,8 @@ pub fn parse_lease_answer(
     };
     for (i, ((limit, _), l)) in limits.iter().zip(&answer.limits).enumerate() {
         let e = enforced(l.requests, l.window_ms)?;
-        out.mismatch |= !agrees(rule, lease.bucket.variant, i, e, "token_bucket");
+        // A lease is only ever of a token bucket.
+        out.mismatch |= !agrees(rule, lease.bucket.variant, i, e, Algorithm::TokenBucket);
         let window_ms = limit.period_ns / MS;
         out.limits.push((
             clamp(l.remaining, limit.capacity, &mut clamped),
