@@ -9,7 +9,7 @@
 
 use super::algorithm::{Algorithm, Counting};
 use super::store::{SharedStore, StoreError, CREATE_ONLY};
-use super::table::{Pinned, Placement, Set};
+use super::table::{At, Pinned, Placement, Set};
 use super::token_bucket::{Check, Limit};
 use super::update::{update, UpdateError};
 
@@ -253,177 +253,369 @@ pub fn check_and_consume(
     let mut conflicts = 0;
     while conflicts < MAX_ATTEMPTS {
         let mut work: Vec<SetWork> = Vec::with_capacity(buckets.len());
-        // Sized up front: growing it from empty cost more than the check itself.
-        let limits: usize = buckets
-            .iter()
-            .filter_map(|b| plan.rule(b.rule, b.variant))
-            .map(|r| r.states())
-            .sum();
-        let mut reports = Vec::with_capacity(limits);
-        let mut denied = false;
-        let mut any_always = false;
-        let mut evictions = 0;
-        for b in buckets {
-            let Some(rule) = plan.rule(b.rule, b.variant) else {
+        let attempt = check_all(
+            store,
+            plan,
+            buckets,
+            now_ns,
+            spread,
+            only_always,
+            &mut work,
+            stats,
+        )?;
+        match attempt.next(only_always) {
+            AfterChecks::Deny => return Ok(Decision::Denied(attempt.reports)),
+            AfterChecks::Again(only) => {
+                only_always = only;
                 continue;
-            };
-            let w = match work.iter().position(|w| w.index == b.set) {
-                Some(w) => w,
-                None => {
-                    work.push(read_set(store, plan, b.set, rule.states(), stats)?);
-                    work.len() - 1
-                }
-            };
-            let Some(sw) = work.get_mut(w) else {
-                return Err(LimitError::Vanished);
-            };
-            let (placement, e) = sw
-                .set
-                .claim(b.fingerprint, rule.states(), now_ns, &sw.pinned);
-            if matches!(placement, Placement::Evicted(_)) {
-                evictions += 1;
             }
-            // An unstored bucket is checked as full and its writes go nowhere.
-            sw.pinned.insert(placement.index().unwrap_or(usize::MAX));
-            let found = matches!(placement, Placement::Found(_));
-            // Read before this bucket's own write to the same state.
-            let state = |set: &Set, i: usize| match found {
-                true => Set::tat(set.tats_at(e), i),
-                false => None,
-            };
-            let mut write =
-                |sw: &mut SetWork, state: usize, value: u128, full_at_ns: u64, always: bool| {
-                    any_always |= always;
-                    if (always || !only_always) && sw.set.write_at(e, state, value, full_at_ns) {
-                        sw.touched = true;
-                    }
-                };
-            let limits = rule.limits;
-            if let Some(g) = rule.graduated {
-                let stored_until = state(&sw.set, limits.len() + 1)
-                    .map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
-                // A block longer than its longest span (block_for plus the most jitter)
-                // only comes from a clock that stepped back: bounded and stored, it ends
-                // at most that span after the step.
-                let longest = g
-                    .block_for_ns
-                    .saturating_add((g.block_for_ns as f64 * plan.retry_jitter().max(0.0)) as u64);
-                let blocked_until = stored_until.min(now_ns.saturating_add(longest));
-                if blocked_until > now_ns {
-                    denied = true;
-                    reports.push(blocked_report(b, blocked_until - now_ns));
-                    if blocked_until < stored_until {
-                        write(
-                            sw,
-                            limits.len() + 1,
-                            u128::from(blocked_until),
-                            blocked_until,
-                            true,
-                        );
-                    }
-                    continue;
-                }
-                // Demand counts every request, denied ones included, against `block_at` of the first limit.
-                if let (Some(block_at), Some((limit, _))) = (g.block_at, limits.first()) {
-                    let demand_limit = Limit {
-                        burst: ((limit.capacity as f64) * block_at).ceil() as u64,
-                        ..*limit
-                    };
-                    let d = demand_limit.check(state(&sw.set, limits.len()), now_ns, b.cost);
-                    let demand = if d.allowed {
-                        d.new_state
-                    } else {
-                        demand_limit.scaled(now_ns) + demand_limit.increment(demand_limit.burst)
-                    };
-                    let d_index = limits.len();
-                    if demand_limit.used_share(demand, now_ns) >= block_at {
-                        let spread_ns =
-                            (g.block_for_ns as f64 * plan.retry_jitter() * spread) as u64;
-                        let until = now_ns
-                            .saturating_add(g.block_for_ns)
-                            .saturating_add(spread_ns);
-                        denied = true;
-                        reports.push(blocked_report(b, until - now_ns));
-                        write(sw, d_index, 0, until, true);
-                        write(sw, d_index + 1, u128::from(until), until, true);
-                        continue;
-                    }
-                    let full_at_ns = demand_limit.full_at_ns(demand);
-                    write(sw, d_index, demand, full_at_ns, true);
+            AfterChecks::Conflict(only) => only_always = only,
+            AfterChecks::Write => {
+                let refundable = if attempt.denied { &[][..] } else { buckets };
+                if write_all(store, plan, &work, refundable, now_ns)? {
+                    stats.evictions += attempt.evictions;
+                    return Ok(attempt.decision());
                 }
             }
-            for (l, (limit, _)) in limits.iter().enumerate() {
-                let check = rule
-                    .algorithm
-                    .check(limit, state(&sw.set, l), now_ns, b.cost);
-                denied |= !check.allowed;
-                let used_share = match (&rule.graduated, check.allowed) {
-                    (None, _) => 0.0,
-                    (Some(_), true) => limit.used_share(check.new_state, now_ns),
-                    (Some(_), false) => {
-                        state(&sw.set, l).map_or(0.0, |t| limit.used_share(t, now_ns))
-                    }
-                };
-                reports.push(Report {
-                    rule: b.rule,
-                    variant: b.variant,
-                    limit: l,
-                    check: check.into(),
-                    used_share,
-                    blocked: false,
-                    cost: b.cost,
-                    enforced: None,
-                });
-                // A token bucket's TAT is `now × capacity` plus what `reset_ns`
-                // rounds up, so it is full at `now + reset_ns`: the same figure
-                // without a 128-bit division (proptest `full_at_is_now_plus_reset`).
-                let full_at_ns = match rule.algorithm {
-                    Algorithm::TokenBucket if limit.capacity > 0 => {
-                        now_ns.saturating_add(check.reset_ns)
-                    }
-                    _ => rule.algorithm.full_at_ns(limit, check.new_state),
-                };
-                // A denial whose TAT the check bounded (the clock stepped back) stores
-                // the bound, so that the bucket refills from the step on.
-                let bounded = rule.algorithm == Algorithm::TokenBucket
-                    && !check.allowed
-                    && state(&sw.set, l).is_some_and(|t| t > check.new_state);
-                write(sw, l, check.new_state, full_at_ns, bounded);
-            }
         }
-        if denied && !any_always {
-            return Ok(Decision::Denied(reports));
-        }
-        if denied != only_always {
-            // Denied: again, writing demand and blocks only. Allowed where a
-            // denial was seen: the sets changed in between, so a conflict.
-            if only_always {
-                conflicts += 1;
-                stats.cas_retries += 1;
-            }
-            only_always = denied;
-            continue;
-        }
-        // A denial writes only demand and blocks, which are never refunded.
-        let refundable = if denied { &[][..] } else { buckets };
-        match write_all(store, plan, &work, refundable, now_ns)? {
-            true => {
-                stats.evictions += evictions;
-                return Ok(if denied {
-                    Decision::Denied(reports)
-                } else {
-                    Decision::Allowed(reports)
-                });
-            }
-            false => {
-                conflicts += 1;
-                stats.cas_retries += 1;
-            }
-        }
+        conflicts += 1;
+        stats.cas_retries += 1;
     }
     Err(LimitError::Contention)
 }
 
+/// What one attempt's checks found. The flags are returned by value from
+/// each step and kept in locals: reached through a pointer, as fields of a
+/// struct the steps share, they cost c1 about 170 wasm instructions.
+struct Attempt {
+    reports: Vec<Report>,
+    /// A limit or a block denied the request.
+    denied: bool,
+    /// A write that a denial stores too (demand, block, bound) was made.
+    any_always: bool,
+    /// Active buckets evicted to make room.
+    evictions: u64,
+}
+
+/// What follows an attempt's checks.
+enum AfterChecks {
+    /// Denied with nothing to store: answer now.
+    Deny,
+    /// Check again, writing only what a denial stores (`true`), or everything.
+    Again(bool),
+    /// The sets changed between two attempts: count a conflict, then check
+    /// again in this mode.
+    Conflict(bool),
+    /// Write the sets.
+    Write,
+}
+
+impl Attempt {
+    #[inline(always)]
+    fn next(&self, only_always: bool) -> AfterChecks {
+        if self.denied && !self.any_always {
+            return AfterChecks::Deny;
+        }
+        match (self.denied, only_always) {
+            // Denied: again, writing demand and blocks only.
+            (true, false) => AfterChecks::Again(true),
+            // Allowed where a denial was seen: the sets changed in between.
+            (false, true) => AfterChecks::Conflict(false),
+            _ => AfterChecks::Write,
+        }
+    }
+
+    #[inline(always)]
+    fn decision(self) -> Decision {
+        match self.denied {
+            true => Decision::Denied(self.reports),
+            false => Decision::Allowed(self.reports),
+        }
+    }
+}
+
+/// One attempt's pass over the request: reads each set once (into `work`)
+/// and checks every bucket in it, writing into the sets as it goes.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn check_all(
+    store: &impl SharedStore,
+    plan: &impl Rules,
+    buckets: &[Bucket],
+    now_ns: u64,
+    spread: f64,
+    only_always: bool,
+    work: &mut Vec<SetWork>,
+    stats: &mut Stats,
+) -> Result<Attempt, LimitError> {
+    // Sized up front: growing it from empty cost more than the check itself.
+    let limits: usize = buckets
+        .iter()
+        .filter_map(|b| plan.rule(b.rule, b.variant))
+        .map(|r| r.states())
+        .sum();
+    let mut reports = Vec::with_capacity(limits);
+    let (mut denied, mut any_always, mut evictions) = (false, false, 0);
+    for b in buckets {
+        let Some(rule) = plan.rule(b.rule, b.variant) else {
+            continue;
+        };
+        let states = rule.states();
+        let sw = set_of(store, plan, work, b.set, states, stats)?;
+        let (placement, at) = sw.set.claim(b.fingerprint, states, now_ns, &sw.pinned);
+        // An unstored bucket is checked as full and its writes go nowhere.
+        let (index, found) = match placement {
+            Placement::Found(i) => (i, true),
+            Placement::Fresh(i) => (i, false),
+            Placement::Evicted(i) => {
+                evictions += 1;
+                (i, false)
+            }
+            Placement::Unstored => (usize::MAX, false),
+        };
+        sw.pinned.insert(index);
+        if let Some(g) = rule.graduated {
+            // Its own entry: one lent to a call out of line would keep the
+            // limits' entry in memory instead of locals.
+            let entry = Entry {
+                sw: &mut *sw,
+                at,
+                found,
+                only_always,
+            };
+            let gate = graduated(plan, entry, b, rule.limits, g, now_ns, spread);
+            any_always |= gate.wrote;
+            if let Some(r) = gate.blocked {
+                denied = true;
+                reports.push(r);
+                continue;
+            }
+        }
+        let entry = Entry {
+            sw,
+            at,
+            found,
+            only_always,
+        };
+        let (d, a) = check_limits(entry, b, &rule, now_ns, &mut reports);
+        denied |= d;
+        any_always |= a;
+    }
+    Ok(Attempt {
+        reports,
+        denied,
+        any_always,
+        evictions,
+    })
+}
+
+/// The set `index` among those this attempt has read, read now if it is
+/// not: each set is read (and later written) once per attempt.
+#[inline(always)]
+fn set_of<'w>(
+    store: &impl SharedStore,
+    plan: &impl Rules,
+    work: &'w mut Vec<SetWork>,
+    index: u64,
+    room: usize,
+    stats: &mut Stats,
+) -> Result<&'w mut SetWork, LimitError> {
+    let w = match work.iter().position(|w| w.index == index) {
+        Some(w) => w,
+        None => {
+            work.push(read_set(store, plan, index, room, stats)?);
+            work.len() - 1
+        }
+    };
+    work.get_mut(w).ok_or(LimitError::Vanished)
+}
+
+/// One bucket's entry in its set while it is checked.
+struct Entry<'a> {
+    sw: &'a mut SetWork,
+    at: At,
+    /// The bucket was stored before: else it is checked as full.
+    found: bool,
+    /// This attempt writes only what a denial stores.
+    only_always: bool,
+}
+
+impl Entry<'_> {
+    /// State `i` as stored; read before this bucket's own write to it.
+    #[inline(always)]
+    fn state(&self, i: usize) -> Option<u128> {
+        match self.found {
+            true => Set::tat(self.sw.set.tats_at(self.at), i),
+            false => None,
+        }
+    }
+
+    /// Writes state `i` unless the attempt writes only what a denial stores
+    /// and this is not such a write (`always`); marks the set for writing.
+    #[inline(always)]
+    fn write(&mut self, i: usize, value: u128, full_at_ns: u64, always: bool) {
+        if (always || !self.only_always) && self.sw.set.write_at(self.at, i, value, full_at_ns) {
+            self.sw.touched = true;
+        }
+    }
+}
+
+/// Checks and charges each limit of the bucket's rule, reporting every one,
+/// so that the headers can show the closest. Returns whether one denied and
+/// whether a write that a denial stores too was made.
+#[inline(always)]
+fn check_limits(
+    mut entry: Entry,
+    b: &Bucket,
+    rule: &RuleLimits,
+    now_ns: u64,
+    reports: &mut Vec<Report>,
+) -> (bool, bool) {
+    let (mut denied, mut any_always) = (false, false);
+    for (l, (limit, _)) in rule.limits.iter().enumerate() {
+        let stored = entry.state(l);
+        let check = rule.algorithm.check(limit, stored, now_ns, b.cost);
+        denied |= !check.allowed;
+        let used_share = match (&rule.graduated, check.allowed) {
+            (None, _) => 0.0,
+            (Some(_), true) => limit.used_share(check.new_state, now_ns),
+            (Some(_), false) => stored.map_or(0.0, |t| limit.used_share(t, now_ns)),
+        };
+        reports.push(Report {
+            rule: b.rule,
+            variant: b.variant,
+            limit: l,
+            check: check.into(),
+            used_share,
+            blocked: false,
+            cost: b.cost,
+            enforced: None,
+        });
+        // A token bucket's TAT is `now × capacity` plus what `reset_ns`
+        // rounds up, so it is full at `now + reset_ns`: the same figure
+        // without a 128-bit division (proptest `full_at_is_now_plus_reset`).
+        let full_at_ns = match rule.algorithm {
+            Algorithm::TokenBucket if limit.capacity > 0 => now_ns.saturating_add(check.reset_ns),
+            _ => rule.algorithm.full_at_ns(limit, check.new_state),
+        };
+        // A denial whose TAT the check bounded (the clock stepped back) stores
+        // the bound, so that the bucket refills from the step on.
+        let bounded = rule.algorithm == Algorithm::TokenBucket
+            && !check.allowed
+            && stored.is_some_and(|t| t > check.new_state);
+        any_always |= bounded;
+        entry.write(l, check.new_state, full_at_ns, bounded);
+    }
+    (denied, any_always)
+}
+
+/// What a graduated rule's block and demand decided for a bucket.
+struct Gate {
+    /// The client is blocked: this report denies it, and its limits are
+    /// not checked.
+    blocked: Option<Report>,
+    /// A block or demand was written (a denial stores them too).
+    wrote: bool,
+}
+
+/// A graduated rule's block and demand, checked before its limits. Out of
+/// line: most rules are not graduated.
+#[inline(never)]
+fn graduated(
+    plan: &impl Rules,
+    mut entry: Entry,
+    b: &Bucket,
+    limits: &[(Limit, u64)],
+    g: &GraduatedPlan,
+    now_ns: u64,
+    spread: f64,
+) -> Gate {
+    if let Some(gate) = still_blocked(plan, &mut entry, b, limits.len() + 1, g, now_ns) {
+        return gate;
+    }
+    demand(plan, &mut entry, b, limits, g, now_ns, spread)
+}
+
+/// A client whose block (stored in state `blocks`) has not ended.
+fn still_blocked(
+    plan: &impl Rules,
+    entry: &mut Entry,
+    b: &Bucket,
+    blocks: usize,
+    g: &GraduatedPlan,
+    now_ns: u64,
+) -> Option<Gate> {
+    let stored_until = entry
+        .state(blocks)
+        .map_or(0, |t| u64::try_from(t).unwrap_or(u64::MAX));
+    // A block longer than its longest span (block_for plus the most jitter)
+    // only comes from a clock that stepped back: bounded and stored, it ends
+    // at most that span after the step.
+    let longest = g
+        .block_for_ns
+        .saturating_add((g.block_for_ns as f64 * plan.retry_jitter().max(0.0)) as u64);
+    let blocked_until = stored_until.min(now_ns.saturating_add(longest));
+    if blocked_until <= now_ns {
+        return None;
+    }
+    let wrote = blocked_until < stored_until;
+    if wrote {
+        entry.write(blocks, u128::from(blocked_until), blocked_until, true);
+    }
+    Some(Gate {
+        blocked: Some(blocked_report(b, blocked_until - now_ns)),
+        wrote,
+    })
+}
+
+/// Counts the request as demand (denied ones included) against `block_at`
+/// of the first limit, and blocks the client when it reaches it.
+fn demand(
+    plan: &impl Rules,
+    entry: &mut Entry,
+    b: &Bucket,
+    limits: &[(Limit, u64)],
+    g: &GraduatedPlan,
+    now_ns: u64,
+    spread: f64,
+) -> Gate {
+    let (Some(block_at), Some((limit, _))) = (g.block_at, limits.first()) else {
+        return Gate {
+            blocked: None,
+            wrote: false,
+        };
+    };
+    let demand_limit = Limit {
+        burst: ((limit.capacity as f64) * block_at).ceil() as u64,
+        ..*limit
+    };
+    let d_index = limits.len();
+    let d = demand_limit.check(entry.state(d_index), now_ns, b.cost);
+    let demand = if d.allowed {
+        d.new_state
+    } else {
+        demand_limit.scaled(now_ns) + demand_limit.increment(demand_limit.burst)
+    };
+    if demand_limit.used_share(demand, now_ns) >= block_at {
+        let spread_ns = (g.block_for_ns as f64 * plan.retry_jitter() * spread) as u64;
+        let until = now_ns
+            .saturating_add(g.block_for_ns)
+            .saturating_add(spread_ns);
+        entry.write(d_index, 0, until, true);
+        entry.write(d_index + 1, u128::from(until), until, true);
+        return Gate {
+            blocked: Some(blocked_report(b, until - now_ns)),
+            wrote: true,
+        };
+    }
+    entry.write(d_index, demand, demand_limit.full_at_ns(demand), true);
+    Gate {
+        blocked: None,
+        wrote: true,
+    }
+}
+
+/// The report of a bucket a block denies: nothing left until it ends.
 fn blocked_report(b: &Bucket, wait_ns: u64) -> Report {
     Report {
         rule: b.rule,
