@@ -29,6 +29,7 @@
 
 use std::sync::Arc;
 
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit as ProtoLimit,
@@ -730,69 +731,17 @@ fn plan<'a>(
     let known = config.has_domain(&req.domain);
     let mut found: Vec<Option<FoundLimit<'a>>> = Vec::with_capacity(req.descriptors.len());
     for (i, d) in req.descriptors.iter().enumerate() {
-        let pairs: Vec<(&str, &str)> = d
-            .entries
-            .iter()
-            .map(|e| (e.key.as_str(), e.value.as_str()))
-            .collect();
         let hits = hits_of(req, d);
         if hits > MAX_EXACT {
             return Err(format!(
                 "descriptors[{i}].hits_addend: must be at most 2^53, got {hits}"
             ));
         }
-        // Theirs: an override from Envoy applies to a known domain only, as
-        // a fixed window without shadow mode. Its metrics label is one fixed
-        // value: the request's keys are the caller's, unbounded.
-        if let (Some(o), true, true) = (&d.limit, known, allow_overrides) {
-            let unit = Unit::from_proto(o.unit)
-                .ok_or_else(|| format!("descriptors[{i}].limit.unit: unknown unit {}", o.unit))?;
-            let limit = RateLimit {
-                requests_per_unit: o.requests_per_unit,
-                unit: Some(unit),
-                unlimited: false,
-                name: None,
-                replaces: vec![],
-                shadow_mode: false,
-                algorithm: RlsAlgorithm::FixedWindow,
-                shared: None,
-                path: OVERRIDE_DESCRIPTOR.to_string(),
-            };
-            found.push(Some((
-                std::borrow::Cow::Owned(limit),
-                entries_key(d, &[]),
-                Vec::new(),
-            )));
-            continue;
-        }
-        match config.find(&req.domain, &pairs) {
-            Some(f) => {
-                let found_limit = match &f.limit.shared {
-                    // The values the policy's key is built from, unhashed,
-                    // each from its own parsed entry.
-                    Some(shared) => {
-                        let mut values = Vec::with_capacity(shared.positions.len());
-                        for (j, p) in shared.positions.iter().enumerate() {
-                            let Some((_, v)) = pairs.get(*p) else {
-                                return Err(format!(
-                                    "descriptors[{i}]: has no entry `{}` at position {p}",
-                                    shared.entries.get(j).map_or("", String::as_str)
-                                ));
-                            };
-                            values.push(*v);
-                        }
-                        (std::borrow::Cow::Borrowed(f.limit), String::new(), values)
-                    }
-                    None => (
-                        std::borrow::Cow::Borrowed(f.limit),
-                        entries_key(d, &f.shared_values),
-                        Vec::new(),
-                    ),
-                };
-                found.push(Some(found_limit));
-            }
-            None => found.push(None),
-        }
+        let limit = match (&d.limit, known && allow_overrides) {
+            (Some(o), true) => Some(override_limit(i, d, o)?),
+            _ => configured_limit(config, &req.domain, i, d)?,
+        };
+        found.push(limit);
     }
     let names: std::collections::HashSet<String> =
         replaced(found.iter().flatten().map(|(l, _, _)| l.as_ref()))
@@ -814,4 +763,70 @@ fn plan<'a>(
             },
         })
         .collect())
+}
+
+/// A descriptor's own limit from Envoy (theirs): it applies to a known
+/// domain only, as a fixed window without shadow mode. Its metrics label is
+/// one fixed value: the request's keys are the caller's, unbounded.
+fn override_limit<'a>(
+    i: usize,
+    d: &RateLimitDescriptor,
+    o: &RateLimitOverride,
+) -> Result<FoundLimit<'a>, String> {
+    let unit = Unit::from_proto(o.unit)
+        .ok_or_else(|| format!("descriptors[{i}].limit.unit: unknown unit {}", o.unit))?;
+    let limit = RateLimit {
+        requests_per_unit: o.requests_per_unit,
+        unit: Some(unit),
+        unlimited: false,
+        name: None,
+        replaces: vec![],
+        shadow_mode: false,
+        algorithm: RlsAlgorithm::FixedWindow,
+        shared: None,
+        path: OVERRIDE_DESCRIPTOR.to_string(),
+    };
+    Ok((
+        std::borrow::Cow::Owned(limit),
+        entries_key(d, &[]),
+        Vec::new(),
+    ))
+}
+
+/// The configuration's limit for descriptor `i`, if any: with the values
+/// its shared key is built from (unhashed, each from its own parsed entry),
+/// or with the key of its entries.
+fn configured_limit<'a>(
+    config: &'a RlsConfig,
+    domain: &str,
+    i: usize,
+    d: &'a RateLimitDescriptor,
+) -> Result<Option<FoundLimit<'a>>, String> {
+    let pairs: Vec<(&str, &str)> = d
+        .entries
+        .iter()
+        .map(|e| (e.key.as_str(), e.value.as_str()))
+        .collect();
+    let Some(f) = config.find(domain, &pairs) else {
+        return Ok(None);
+    };
+    let Some(shared) = &f.limit.shared else {
+        let key = entries_key(d, &f.shared_values);
+        return Ok(Some((std::borrow::Cow::Borrowed(f.limit), key, Vec::new())));
+    };
+    let mut values = Vec::with_capacity(shared.positions.len());
+    for (j, p) in shared.positions.iter().enumerate() {
+        let Some((_, v)) = pairs.get(*p) else {
+            return Err(format!(
+                "descriptors[{i}]: has no entry `{}` at position {p}",
+                shared.entries.get(j).map_or("", String::as_str)
+            ));
+        };
+        values.push(*v);
+    }
+    Ok(Some((
+        std::borrow::Cow::Borrowed(f.limit),
+        String::new(),
+        values,
+    )))
 }
