@@ -1387,7 +1387,7 @@ fn a_redis_turned_replica_leaves_requests_to_the_failure_mode() {
         "REPLICAOF",
     );
     let health = Client::new(rig.gateway.url(""), ConnectionMode::NewPerRequest);
-    // Health answers from one Redis probe a second (gateway/src/health.rs).
+    // Health answers from one Redis probe a second (gateway/src/http/health.rs).
     let deadline = Instant::now() + Duration::from_secs(2);
     let status = loop {
         let status = ok(health.get("/healthz", &[]), "/healthz").status;

@@ -97,7 +97,7 @@ const RECOVERY: Duration = Duration::from_secs(2);
 const RECOVERED_WITHIN: Duration = Duration::from_millis(COOLDOWN_MS + 3000);
 /// The same when the gateway lived through a Redis outage: its reconnect
 /// attempts back off exponentially, capped at 500 ms between two attempts
-/// (gateway/src/redis_store.rs), so it may wait that long more after Redis returns.
+/// (gateway/src/redis/store.rs), so it may wait that long more after Redis returns.
 const RECOVERED_WITHIN_REDIS_ONLY: Duration = Duration::from_millis(COOLDOWN_MS + 3500);
 
 /// A short run leaves the first epoch-aligned window that starts this long

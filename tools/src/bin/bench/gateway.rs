@@ -1,13 +1,17 @@
 //! The gateway alone: checks/s of `ratelimit-gateway` (wrk, `POST
 //! /v1/check`) against `redis-benchmark` running `EVALSHA` of the same Lua
-//! script (`gateway/src/check.lua`, loaded with `SCRIPT LOAD`) on the same
+//! script (the gateway's `CHECK_LUA`, loaded with `SCRIPT LOAD`) on the same
 //! Redis, with the same number of connections.
 
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
+use ratelimit_gateway::clock::RedisTime;
+use ratelimit_gateway::flags::DEFAULT_KEY_BUDGET;
+use ratelimit_gateway::protocol::{Algorithm, Limit};
+use ratelimit_gateway::redis::keys::{self, Group, LimitKey};
+use ratelimit_gateway::redis::script::{self, Mode};
 use testkit::redis::Redis;
-use testkit::workspace_root;
 
 /// What one `redis-benchmark` run reported.
 #[derive(Debug, Clone, Default)]
@@ -21,47 +25,62 @@ pub struct BenchResult {
 /// Client keys the load cycles through (as the wrk scripts).
 pub const CLIENTS: u32 = 1000;
 
-/// Loads `check.lua`, behind the `common.lua` helpers as the gateway sends it
-/// (`gateway/src/script.rs`), into `redis` and returns its SHA1.
+/// Loads the gateway's own check script (`ratelimit_gateway::redis::script`:
+/// `check.lua` behind the `common.lua` helpers, as the gateway sends it)
+/// into `redis` and returns its SHA1.
 pub fn load_script(redis: &Redis) -> Result<String> {
-    let mut source = String::new();
-    for file in ["common.lua", "check.lua"] {
-        let path = workspace_root().join("gateway/src").join(file);
-        source += &std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-    }
-    let sha = redis.cli(&["SCRIPT", "LOAD", &source])?;
+    let sha = redis.cli(&["SCRIPT", "LOAD", script::CHECK_LUA])?;
     if sha.len() != 40 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
         bail!("SCRIPT LOAD answered {sha:?}");
     }
     Ok(sha)
 }
 
-/// The `EVALSHA` command line of one check, as the gateway sends it for the
-/// wrk script's request (`gateway/src/script.rs`, `check_args`, with d.json's
-/// limit from the policy): one limit key
-/// `rl:{<domain>|<tag>}|<key>|<limit index>|<algorithm>|<requests>|<window_ms>`;
-/// ARGV: charge "1", no time override "", 1 limit, then the limit's
-/// algorithm, requests, window_ms and cost. `client` stands for the client
-/// key (`c__rand_int__` for redis-benchmark).
+/// The `EVALSHA` command line of one check as the gateway sends it for the
+/// wrk script's request on a single Redis: keys and arguments from the
+/// gateway's own `keys::redis_key`, `keys::live_ledger` and
+/// `script::check_args`, with d.json's limit from the policy and the
+/// default key budget. `client` stands for the client key
+/// (`c__rand_int__` for redis-benchmark).
 pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
-    [
-        "EVALSHA",
-        sha,
-        "1",
-        &format!("rl:{{bench|c={client}}}|global/c={client}|0|token_bucket|1000000000|1000"),
-        "1",
-        "",
-        "1",
-        "token_bucket",
-        "1000000000",
-        "1000",
-        "1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    let spec = Limit {
+        requests: 1_000_000_000,
+        window_ms: 1000,
+        algorithm: Algorithm::TokenBucket,
+    };
+    let tag = format!("c={client}");
+    let key = keys::redis_key(PREFIX, DOMAIN, &tag, &format!("global/{tag}"), 0, &spec);
+    let group = Group {
+        limits: vec![LimitKey {
+            bucket: 0,
+            limit: 0,
+            key,
+            spec,
+            cost: 1,
+        }],
+        quotas: vec![],
+    };
+    let ledger = keys::live_ledger(PREFIX, DOMAIN);
+    let (keys, args) = script::check_args(
+        &group,
+        Mode::Charge,
+        &RedisTime,
+        &ledger,
+        DEFAULT_KEY_BUDGET,
+    );
+    let mut line = vec![
+        "EVALSHA".to_string(),
+        sha.to_string(),
+        keys.len().to_string(),
+    ];
+    line.extend(keys);
+    line.extend(args);
+    line
 }
+
+/// The gateway's default key prefix and the bench policy's domain (d.json).
+const PREFIX: &str = "rl:";
+const DOMAIN: &str = "bench";
 
 /// Checks that one `EVALSHA` with these arguments is allowed.
 pub fn check_once(redis: &Redis, sha: &str) -> Result<()> {
@@ -398,12 +417,26 @@ mod tests {
     }
 
     #[test]
-    fn the_key_has_the_gateways_layout() {
+    fn the_call_is_the_gateways_layout() {
         let a = evalsha_args("s", "c7");
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
         assert_eq!(
-            a[3],
-            "rl:{bench|c=c7}|global/c=c7|0|token_bucket|1000000000|1000"
+            a,
+            [
+                "EVALSHA",
+                "s",
+                "2",
+                "rl:{bench|c=c7}|global/c=c7|0|token_bucket|1000000000|1000",
+                "rl:{bench|live}",
+                "1",
+                "",
+                "1",
+                "token_bucket",
+                "1000000000",
+                "1000",
+                "1",
+                "100000",
+            ]
         );
-        assert_eq!(a.len(), 11);
     }
 }
