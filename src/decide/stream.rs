@@ -29,15 +29,13 @@ enum State {
     Decided(Outcome),
 }
 
-/// What the host does after a phase that may decide.
+/// What the host does after the request-headers phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
     /// Carry out [`Stream::outcome`].
     Decided,
     /// Post [`Stream::callout`] to the gateway, then call [`Stream::gateway_answer`].
     Call,
-    /// Nothing to do: the phase was not expected in this state.
-    Nothing,
 }
 
 /// A callout to make: the body, the gateway's path and the timeout.
@@ -99,7 +97,8 @@ impl Stream {
     }
 
     /// The gateway's answer (`status` `None`: none came, or the callout never
-    /// left); [`Next::Nothing`] when the request was not waiting for one.
+    /// left): whether it decided a request waiting for one (then carry out
+    /// [`Stream::outcome`]).
     #[allow(clippy::too_many_arguments)]
     pub fn gateway_answer(
         &mut self,
@@ -109,13 +108,13 @@ impl Stream {
         latency_ns: u64,
         store: &impl SharedStore,
         now_ns: u64,
-    ) -> Next {
+    ) -> bool {
         let State::Waiting(pending) = std::mem::take(&mut self.state) else {
-            return Next::Nothing;
+            return false;
         };
         let outcome = finish(plan, *pending, status, body, latency_ns, store, now_ns);
         self.state = State::Decided(outcome);
-        Next::Decided
+        true
     }
 
     /// The decision, once there is one.

@@ -407,12 +407,13 @@ impl Http {
     ) -> Action {
         let now = now_ns();
         let latency = now.saturating_sub(sent_at);
-        match self
+        if self
             .stream
             .gateway_answer(plan, status, body, latency, &HostStore, now)
         {
-            Next::Decided => self.conclude(plan, now, paused),
-            Next::Call | Next::Nothing => Action::Continue,
+            self.conclude(plan, now, paused)
+        } else {
+            Action::Continue
         }
     }
 }
@@ -461,7 +462,6 @@ impl HttpContext for Http {
                 }
                 None => self.answer(&plan, None, &[], now, false),
             },
-            Next::Nothing => Action::Continue,
         }
     }
 

@@ -364,6 +364,8 @@ fn check_all(
         let sw = set_of(store, plan, work, b.set, states, stats)?;
         let (placement, at) = sw.set.claim(b.fingerprint, states, now_ns, &sw.pinned);
         // An unstored bucket is checked as full and its writes go nowhere.
+        // One match rather than `Placement::index` and two `matches!`: c4
+        // 24 fewer instructions.
         let (index, found) = match placement {
             Placement::Found(i) => (i, true),
             Placement::Fresh(i) => (i, false),
