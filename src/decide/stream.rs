@@ -109,7 +109,7 @@ impl Stream {
         store: &impl SharedStore,
         now_ns: u64,
     ) -> bool {
-        let State::Waiting(pending) = std::mem::take(&mut self.state) else {
+        let Some(pending) = self.take_pending() else {
             return false;
         };
         let outcome = finish(plan, *pending, status, body, latency_ns, store, now_ns);
@@ -164,12 +164,19 @@ impl Stream {
     /// what it was charged: an admitted one reached the upstream, and a
     /// refused one was refunded when it was refused.
     pub fn end(&mut self, plan: &Plan, store: &impl SharedStore) -> Option<Counts> {
-        // Checked in place: taking a decided state out moves its outcome.
+        let pending = self.take_pending()?;
+        Some(abandon(plan, *pending, store))
+    }
+
+    /// The request waiting for the gateway, taken out; any other state stays
+    /// as it is (checked in place: taking a decided state out would drop its
+    /// outcome, and moving it costs a decision instructions).
+    fn take_pending(&mut self) -> Option<Box<Pending>> {
         if !matches!(self.state, State::Waiting(_)) {
             return None;
         }
         match std::mem::take(&mut self.state) {
-            State::Waiting(pending) => Some(abandon(plan, *pending, store)),
+            State::Waiting(pending) => Some(pending),
             State::Fresh | State::Decided(_) => None,
         }
     }

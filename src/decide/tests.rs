@@ -721,6 +721,10 @@ fn a_stream_keeps_its_response_headers_and_charge_until_it_ends() {
     assert_eq!(header(&h, "x-ratelimit-remaining"), "4");
     assert_eq!(stream.held().map(|h| h.buckets.len()), Some(1));
     assert_eq!(stream.callout(&p), None);
+    // An answer it does not wait for changes nothing.
+    assert!(!stream.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0));
+    let h = stream.response_headers().expect("still admitted").lines(&p);
+    assert_eq!(header(&h, "x-ratelimit-remaining"), "4");
     // The end of an admitted stream gives nothing back: it reached the upstream.
     assert_eq!(stream.end(&p, &s), None);
     let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
