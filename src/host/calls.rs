@@ -64,7 +64,7 @@ mod raw {
 const STREAM_HTTP_REQUEST: u32 = 0;
 
 /// Sends a local response whose headers are `map`, in the proxy-wasm map
-/// encoding (`LocalHeaders::into_map`); `Err(status)` when the host refused it.
+/// encoding (`LocalHeaders::take_map`); `Err(status)` when the host refused it.
 pub(super) fn send_local_response(status: u32, map: &[u8], body: &[u8]) -> Result<(), u32> {
     // SAFETY: every pointer comes with the length of a live buffer.
     let rc = unsafe {

@@ -196,11 +196,6 @@ impl LocalHeaders {
         self.count == 0
     }
 
-    /// The map to hand the host.
-    pub fn into_map(mut self) -> Vec<u8> {
-        self.take_map()
-    }
-
     /// Whether [`LocalHeaders::take_map`] took the map (a map holds at
     /// least its count).
     pub fn is_taken(&self) -> bool {
@@ -529,7 +524,7 @@ mod tests {
             }
             proptest::prop_assert_eq!(h.len(), lines.len());
             proptest::prop_assert_eq!(&h.lines(), &lines);
-            proptest::prop_assert_eq!(h.into_map(), reference_map(&lines));
+            proptest::prop_assert_eq!(h.take_map(), reference_map(&lines));
         }
     }
 
@@ -555,7 +550,7 @@ mod tests {
             plain.push("x-other", "1");
         }
         assert_eq!(named.lines(), plain.lines());
-        assert_eq!(named.into_map(), plain.into_map());
+        assert_eq!(named.take_map(), plain.take_map());
     }
 
     #[test]
@@ -575,7 +570,7 @@ mod tests {
             assert_eq!(LocalHeaders::of(style, Some(&s)).lines(), want);
         }
         assert!(LocalHeaders::of(HeaderStyle::Both, None).is_empty());
-        assert_eq!(LocalHeaders::default().into_map(), [0, 0, 0, 0]);
+        assert_eq!(LocalHeaders::default().take_map(), [0, 0, 0, 0]);
     }
 
     #[test]
