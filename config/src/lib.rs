@@ -24,14 +24,17 @@ pub mod key;
 mod read;
 pub mod schema;
 mod syntax;
+pub mod usage;
 pub mod validate;
 mod validate_cost;
 pub mod validate_global;
+mod validate_usage;
 pub mod vocab;
 
 pub use key::KeyPart;
 pub use schema::*;
 pub use syntax::MAX_URI_LEN;
+pub use usage::{CostFrom, JsonPointer, StatusMatch, UsagePreset, UsageTerm};
 pub use validate::{parse, MAX_QUOTA, MAX_SHARE};
 pub use validate_global::MAX_GLOBAL_PRODUCT;
 pub use vocab::{Algorithm, Period, RlsAlgorithm};

@@ -506,6 +506,8 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
         mode: Mode::default(),
         cost: None,
         graduated: None,
+        cost_from: None,
+        charge_on: None,
     };
     fields!(v, p, "struct Rule", {
         "name" => name = Some(string(v, p)?),
@@ -518,6 +520,8 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
         "mode" => r.mode = pick(v, p, &["enforce", "shadow"], &[Mode::Enforce, Mode::Shadow])?,
         "cost" => r.cost = opt(v, p, u64_)?,
         "graduated" => r.graduated = opt(v, p, graduated)?,
+        "cost_from" => r.cost_from = opt(v, p, cost_from)?,
+        "charge_on" => r.charge_on = opt(v, p, |v, p| list(v, p, status_match))?,
     })?;
     r.name = required(name, p, "name")?;
     Ok(r)
@@ -552,15 +556,66 @@ fn limits(v: &Value, p: &mut Path) -> Result<Vec<LimitSpec>> {
 
 #[inline(never)]
 fn cost(v: &Value, p: &mut Path) -> Result<Cost> {
-    let (mut matches, mut cost) = (None, None);
+    let (mut matches, mut cost, mut from) = (None, None, None);
     fields!(v, p, "struct Cost", {
         "match" => matches = Some(matcher(v, p)?),
-        "cost" => cost = Some(u64_(v, p)?),
+        "cost" => cost = opt(v, p, u64_)?,
+        "cost_from" => from = opt(v, p, cost_from)?,
     })?;
     Ok(Cost {
         matches: required(matches, p, "match")?,
-        cost: required(cost, p, "cost")?,
+        cost,
+        cost_from: from,
     })
+}
+
+#[inline(never)]
+fn cost_from(v: &Value, p: &mut Path) -> Result<CostFrom> {
+    let mut max = None;
+    let mut c = CostFrom {
+        header: None,
+        json: None,
+        preset: None,
+        max: 0,
+        reserve: usage::default_reserve(),
+        scan_limit: usage::default_scan_limit(),
+    };
+    fields!(v, p, "struct CostFrom", {
+        "header" => c.header = opt(v, p, string_)?,
+        "json" => c.json = opt(v, p, |v, p| list(v, p, usage_term))?,
+        "preset" => c.preset = opt(v, p, |v, p| pick(v, p, &UsagePreset::NAMES, &UsagePreset::ALL))?,
+        "max" => max = Some(u64_(v, p)?),
+        "reserve" => c.reserve = u64_(v, p)?,
+        "scan_limit" => c.scan_limit = u64_(v, p)?,
+    })?;
+    c.max = required(max, p, "max")?;
+    Ok(c)
+}
+
+#[inline(never)]
+fn usage_term(v: &Value, p: &mut Path) -> Result<UsageTerm> {
+    let mut pointer = None;
+    let mut weight = usage::default_weight();
+    fields!(v, p, "struct UsageTerm", {
+        "pointer" => pointer = Some(parsed(v, p, JsonPointer::parse)?),
+        "weight" => weight = u64_(v, p)?,
+    })?;
+    Ok(UsageTerm {
+        pointer: required(pointer, p, "pointer")?,
+        weight,
+    })
+}
+
+fn status_match(v: &Value, p: &mut Path) -> Result<StatusMatch> {
+    parsed(v, p, StatusMatch::parse)
+}
+
+/// A string read by `parse`, whose refusal is the error at this path (as
+/// serde's `try_from = "String"` words it).
+#[inline(never)]
+fn parsed<T>(v: &Value, p: &Path, parse: fn(&str) -> std::result::Result<T, String>) -> Result<T> {
+    let s = string(v, p)?;
+    parse(&s).map_err(|why| p.error(serde_json::Error::custom(why)))
 }
 
 #[inline(never)]
@@ -603,10 +658,13 @@ mod tests {
                     "limits": {"r": limits}, "quotas": {"q": 3}}}},
             "rules": [{"name": "r", "match": matcher, "key": ["client"], "limits": limits,
                 "tiers": {"free": limits}, "algorithm": "sliding_window", "scope": "local",
-                "mode": "shadow", "cost": 2,
+                "mode": "shadow", "cost": 2, "charge_on": ["2xx", "404"],
+                "cost_from": {"header": "x-u", "json": [{"pointer": "/a/b", "weight": 2}],
+                    "preset": "openai_chat", "max": 9, "reserve": 3, "scan_limit": 4096},
                 "graduated": {"warn_at": 0.5, "delay_at": 0.8, "delay_ms": 10, "reject_at": 1,
                     "block_at": 2.5, "block_for": "1h"}}],
-            "costs": [{"match": matcher, "cost": 5}],
+            "costs": [{"match": matcher, "cost": 5,
+                "cost_from": {"json": [{"pointer": "/u"}], "max": 7}}],
             "response": {"headers": "ietf", "problem_type": "about:blank",
                 "quota_problem_type": "urn:q", "retry_jitter": 0.2},
             "max_buckets": 100,
@@ -670,6 +728,10 @@ mod tests {
             json!({"requests": 1}),
             json!({"per": "1s", "requests": -1}),
             json!({"name": "n"}),
+            json!("2xx"),
+            json!("/usage/x"),
+            json!("a~2"),
+            json!("anthropic_messages"),
         ];
         all.get(choice).cloned()
     }
@@ -692,7 +754,7 @@ mod tests {
         /// configuration writes; the reader refuses it as the wrong type.
         #[test]
         fn the_reader_agrees_with_serde(
-            edits in proptest::collection::vec((any::<usize>(), 0usize..32, any::<bool>()), 0..4)
+            edits in proptest::collection::vec((any::<usize>(), 0usize..36, any::<bool>()), 0..4)
         ) {
             let mut v = full();
             for (at, choice, delete) in edits {

@@ -4,6 +4,7 @@
 
 use super::duration::Seconds;
 use super::key::KeyPart;
+use super::usage::{CostFrom, StatusMatch};
 use super::vocab::Algorithm;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -527,6 +528,13 @@ pub struct Rule {
     /// Warn, delay, reject and block stages.
     #[serde(default)]
     pub graduated: Option<Graduated>,
+    /// The cost is read from the response, over `cost` and `costs`.
+    #[serde(default)]
+    pub cost_from: Option<CostFrom>,
+    /// Statuses whose responses are charged; another status refunds the
+    /// request's charge. Absent: every status.
+    #[serde(default)]
+    pub charge_on: Option<Vec<StatusMatch>>,
 }
 
 /// A request predicate; all present conditions must hold.
@@ -557,7 +565,7 @@ pub struct LimitSpec {
     pub per: Seconds,
 }
 
-/// A cost for matching requests.
+/// A cost for matching requests: `cost` or `cost_from`, not both.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cost {
@@ -565,7 +573,22 @@ pub struct Cost {
     #[serde(rename = "match")]
     pub matches: Match,
     /// Tokens they spend.
-    pub cost: u64,
+    #[serde(default)]
+    pub cost: Option<u64>,
+    /// Tokens they spend, read from the response.
+    #[serde(default)]
+    pub cost_from: Option<CostFrom>,
+}
+
+impl Cost {
+    /// What a matching request is charged when it arrives: its `cost`, or
+    /// the reservation of its `cost_from`.
+    pub fn upfront(&self) -> u64 {
+        match (&self.cost_from, self.cost) {
+            (Some(from), _) => from.reserve,
+            (None, cost) => cost.unwrap_or(1),
+        }
+    }
 }
 
 /// Response settings.

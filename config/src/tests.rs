@@ -517,3 +517,147 @@ fn a_cost_above_the_capacity_of_a_rule_it_can_match_is_refused() {
     shadow["rules"][0]["mode"] = json!("shadow");
     assert!(parse(shadow.to_string().as_bytes()).is_ok());
 }
+
+#[test]
+fn charging_from_the_response_is_checked_with_its_paths() {
+    let with = |from: serde_json::Value| {
+        let mut c = base();
+        c["rules"][0]["cost_from"] = from;
+        c
+    };
+    let ok = parse(
+        with(json!({"preset": "openai_chat", "max": 4, "reserve": 2}))
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    let from = ok.rules[0].cost_from.as_ref().unwrap();
+    assert_eq!((from.max, from.reserve, from.scan_limit), (4, 2, 1 << 20));
+    let defaults = parse(
+        with(json!({"header": "x-usage", "max": 4}))
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(defaults.rules[0].cost_from.as_ref().unwrap().reserve, 1);
+    for (from, expected) in [
+        (json!({"max": 4}), "rules[0].cost_from: give exactly one of header, json and preset"),
+        (
+            json!({"header": "x-u", "preset": "openai_chat", "max": 4}),
+            "rules[0].cost_from: give exactly one of header, json and preset",
+        ),
+        (json!({"header": "x-u"}), "rules[0].cost_from: missing field `max`"),
+        (json!({"header": "x-u", "max": 0}), "rules[0].cost_from.max: must be between 1 and 1000000000"),
+        (json!({"header": "x-u", "max": 4, "reserve": 5}), "rules[0].cost_from.reserve: 5 is above max (4)"),
+        (
+            json!({"header": "x-u", "max": 40, "reserve": 6}),
+            "rules[0].cost_from.reserve: 6 is above rules[0].limits[0].requests (5), the capacity of rule \"r\", which it can match: such a request could never pass",
+        ),
+        (json!({"header": "x u", "max": 4}), "rules[0].cost_from.header: \"x u\" is not a header name"),
+        (
+            json!({"json": [{"pointer": "usage"}], "max": 4}),
+            "rules[0].cost_from.json[0].pointer: \"usage\" is not a JSON Pointer: it must start with /",
+        ),
+        (
+            json!({"json": [{"pointer": "/a~2"}], "max": 4}),
+            "rules[0].cost_from.json[0].pointer: \"/a~2\" is not a JSON Pointer: ~ must be followed by 0 or 1",
+        ),
+        (json!({"json": [], "max": 4}), "rules[0].cost_from.json: must hold 1 to 8 terms"),
+        (
+            json!({"json": [{"pointer": "/a", "weight": 0}], "max": 4}),
+            "rules[0].cost_from.json: every weight is 0: nothing would ever be charged",
+        ),
+        (
+            json!({"json": [{"pointer": "/a", "weight": 1000001}], "max": 4}),
+            "rules[0].cost_from.json[0].weight: must be at most 1000000",
+        ),
+        (
+            json!({"preset": "openai", "max": 4}),
+            "rules[0].cost_from.preset: unknown variant `openai`, expected one of `openai_chat`, `openai_responses`, `anthropic_messages`",
+        ),
+        (
+            json!({"header": "x-u", "max": 4, "scan_limit": 10}),
+            "rules[0].cost_from.scan_limit: must be between 1024 and 67108864 bytes",
+        ),
+    ] {
+        let got = err(with(from.clone()));
+        assert_eq!(got, expected, "{from}");
+    }
+    let mut both = with(json!({"header": "x-u", "max": 4}));
+    both["rules"][0]["cost"] = json!(1);
+    assert_eq!(
+        err(both),
+        "rules[0].cost_from: give cost or cost_from, not both"
+    );
+    let mut global = with(json!({"header": "x-u", "max": 4}));
+    global["rules"][0]["scope"] = json!("global");
+    global["global"] = json!({"cluster": "gw"});
+    assert_eq!(
+        err(global),
+        "rules[0].cost_from: is supported for local rules only"
+    );
+}
+
+#[test]
+fn charge_on_takes_classes_and_codes_on_local_rules() {
+    let mut c = base();
+    c["rules"][0]["charge_on"] = json!(["2xx", "304"]);
+    let ok = parse(c.to_string().as_bytes()).unwrap();
+    assert_eq!(
+        ok.rules[0].charge_on,
+        Some(vec![StatusMatch::Class(2), StatusMatch::Code(304)])
+    );
+    c["rules"][0]["charge_on"] = json!(["2XX"]);
+    assert_eq!(
+        err(c.clone()),
+        "rules[0].charge_on[0]: \"2XX\" is not a status class (1xx to 5xx) or a status code (100 to 599)"
+    );
+    c["rules"][0]["charge_on"] = json!([]);
+    assert_eq!(
+        err(c.clone()),
+        "rules[0].charge_on: must list at least one status or class"
+    );
+    c["rules"][0]["charge_on"] = json!(["2xx"]);
+    c["rules"][0]["scope"] = json!("global");
+    c["global"] = json!({"cluster": "gw"});
+    assert_eq!(
+        err(c),
+        "rules[0].charge_on: is supported for local rules only"
+    );
+}
+
+#[test]
+fn a_response_cost_entry_may_not_meet_a_global_rule_without_its_own_cost() {
+    let mut c = base();
+    c["global"] = json!({"cluster": "gw"});
+    c["rules"][0]["scope"] = json!("global");
+    c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat", "max": 5}}]);
+    assert_eq!(
+        err(c.clone()),
+        "costs[0].cost_from: can match global rule \"r\", which takes its cost from the request only (give that rule its own cost)"
+    );
+    c["rules"][0]["cost"] = json!(1);
+    assert!(parse(c.to_string().as_bytes()).is_ok());
+    c["costs"][0]["cost"] = json!(1);
+    assert_eq!(
+        err(c.clone()),
+        "costs[0]: give exactly one of cost and cost_from"
+    );
+    c["costs"] = json!([{"match": {"path_prefix": "/a"}}]);
+    assert_eq!(err(c), "costs[0]: give exactly one of cost and cost_from");
+}
+
+#[test]
+fn a_response_cost_entry_may_not_meet_a_quota_counting_cost() {
+    let mut c = base();
+    c["global"] = json!({"cluster": "gw"});
+    c["quotas"] = json!([{"name": "month", "period": "month", "limit": 100,
+        "upgrade_url": "https://example.com/buy", "count": "cost"}]);
+    c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat", "max": 5}}]);
+    assert_eq!(
+        err(c.clone()),
+        "costs[0].cost_from: can match quota \"month\", which counts the cost the request arrives with (count requests there)"
+    );
+    c["quotas"][0]["count"] = json!("requests");
+    assert!(parse(c.to_string().as_bytes()).is_ok());
+}

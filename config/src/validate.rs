@@ -80,6 +80,7 @@ impl Config {
             if let Some(cost) = rule.cost {
                 check_cost(&format!("{at}.cost"), cost)?;
             }
+            rule.validate_charging(&at)?;
             if rule.mode == Mode::Shadow && rule.scope == Scope::Global {
                 return Err(ConfigError::field(
                     format!("{at}.mode"),
@@ -94,9 +95,20 @@ impl Config {
         self.validate_identity()?;
         self.validate_quotas()?;
         for (i, cost) in self.costs.iter().enumerate() {
-            cost.matches.validate(&format!("costs[{i}].match"))?;
-            check_cost(&format!("costs[{i}].cost"), cost.cost)?;
+            let at = format!("costs[{i}]");
+            cost.matches.validate(&format!("{at}.match"))?;
+            match (cost.cost, &cost.cost_from) {
+                (Some(c), None) => check_cost(&format!("{at}.cost"), c)?,
+                (None, Some(from)) => from.validate(&format!("{at}.cost_from"))?,
+                _ => {
+                    return Err(ConfigError::field(
+                        at,
+                        "give exactly one of cost and cost_from",
+                    ))
+                }
+            }
         }
+        self.validate_response_costs()?;
         self.validate_costs_fit()?;
         if !(0.0..=0.5).contains(&self.response.retry_jitter) {
             return Err(ConfigError::field(

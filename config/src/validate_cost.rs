@@ -37,11 +37,24 @@ impl Config {
                 }
                 continue;
             }
+            if let Some(from) = &rule.cost_from {
+                if from.reserve > smallest {
+                    return Err(too_big(
+                        from.reserve,
+                        format!("rules[{i}].cost_from.reserve"),
+                    ));
+                }
+                continue;
+            }
             let everything = Match::default();
             let rule_match = rule.matches.as_ref().unwrap_or(&everything);
             for (c, cost) in self.costs.iter().enumerate() {
-                if cost.cost > smallest && may_meet(rule_match, &cost.matches) {
-                    return Err(too_big(cost.cost, format!("costs[{c}].cost")));
+                let (upfront, field) = match (&cost.cost_from, cost.cost) {
+                    (Some(from), _) => (from.reserve, "cost_from.reserve"),
+                    (None, c) => (c.unwrap_or(1), "cost"),
+                };
+                if upfront > smallest && may_meet(rule_match, &cost.matches) {
+                    return Err(too_big(upfront, format!("costs[{c}].{field}")));
                 }
             }
         }
@@ -59,7 +72,7 @@ fn smallest_limit(limits: &[LimitSpec]) -> Option<(usize, u64)> {
 }
 
 /// Whether one request could satisfy both `a` and `b`.
-fn may_meet(a: &Match, b: &Match) -> bool {
+pub(super) fn may_meet(a: &Match, b: &Match) -> bool {
     paths_may_meet(a, b) && methods_may_meet(a, b) && headers_may_meet(a, b)
 }
 

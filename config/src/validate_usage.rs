@@ -1,0 +1,161 @@
+//! Validation of charging from the response: `cost_from` (one source, a
+//! `max`, a `reserve` within it) and `charge_on`, and where they may stand.
+//! The gateway settles nothing yet, so both are refused on global rules, and
+//! a `costs[]` entry reading the response may not meet a global rule that
+//! takes its cost from it, nor a quota that counts cost.
+
+use super::syntax;
+use super::usage::{MAX_SCAN_LIMIT, MAX_TERMS, MAX_WEIGHT, MIN_SCAN_LIMIT};
+use super::validate_cost::may_meet;
+use super::*;
+
+impl Rule {
+    /// Checks `cost_from` and `charge_on` of the rule at `at` (`rules[2]`).
+    pub(super) fn validate_charging(&self, at: &str) -> Result<(), ConfigError> {
+        if let Some(from) = &self.cost_from {
+            let field = format!("{at}.cost_from");
+            if self.cost.is_some() {
+                return Err(ConfigError::field(
+                    field,
+                    "give cost or cost_from, not both",
+                ));
+            }
+            if self.scope == Scope::Global {
+                return Err(ConfigError::field(
+                    field,
+                    "is supported for local rules only",
+                ));
+            }
+            if self.graduated.is_some() {
+                return Err(ConfigError::field(
+                    field,
+                    "does not combine with graduated: the stages are shares of a bucket a settlement may overdraw",
+                ));
+            }
+            from.validate(&field)?;
+        }
+        if let Some(statuses) = &self.charge_on {
+            let field = format!("{at}.charge_on");
+            if statuses.is_empty() {
+                return Err(ConfigError::field(
+                    field,
+                    "must list at least one status or class",
+                ));
+            }
+            if self.scope == Scope::Global {
+                return Err(ConfigError::field(
+                    field,
+                    "is supported for local rules only",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CostFrom {
+    /// Checks one `cost_from` at `at`.
+    pub(super) fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        let sources = [
+            self.header.is_some(),
+            self.json.is_some(),
+            self.preset.is_some(),
+        ];
+        if sources.iter().filter(|s| **s).count() != 1 {
+            return Err(ConfigError::field(
+                at,
+                "give exactly one of header, json and preset",
+            ));
+        }
+        if let Some(h) = &self.header {
+            if let Some(why) = syntax::header_name_problem(h) {
+                return Err(ConfigError::field(format!("{at}.header"), why));
+            }
+        }
+        if let Some(terms) = &self.json {
+            if terms.is_empty() || terms.len() > MAX_TERMS {
+                return Err(ConfigError::field(
+                    format!("{at}.json"),
+                    format!("must hold 1 to {MAX_TERMS} terms"),
+                ));
+            }
+            for (t, term) in terms.iter().enumerate() {
+                if term.weight > MAX_WEIGHT {
+                    return Err(ConfigError::field(
+                        format!("{at}.json[{t}].weight"),
+                        format!("must be at most {MAX_WEIGHT}"),
+                    ));
+                }
+            }
+            if terms.iter().all(|t| t.weight == 0) {
+                return Err(ConfigError::field(
+                    format!("{at}.json"),
+                    "every weight is 0: nothing would ever be charged",
+                ));
+            }
+        }
+        if self.max == 0 || self.max > MAX_REQUESTS {
+            return Err(ConfigError::field(
+                format!("{at}.max"),
+                format!("must be between 1 and {MAX_REQUESTS}"),
+            ));
+        }
+        if self.reserve > self.max {
+            return Err(ConfigError::field(
+                format!("{at}.reserve"),
+                format!("{} is above max ({})", self.reserve, self.max),
+            ));
+        }
+        if !(MIN_SCAN_LIMIT..=MAX_SCAN_LIMIT).contains(&self.scan_limit) {
+            return Err(ConfigError::field(
+                format!("{at}.scan_limit"),
+                format!("must be between {MIN_SCAN_LIMIT} and {MAX_SCAN_LIMIT} bytes"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// Refuses a `costs[]` entry reading the response where it can meet a
+    /// global rule without its own `cost`: the gateway would charge the
+    /// reservation and never settle it.
+    pub(super) fn validate_response_costs(&self) -> Result<(), ConfigError> {
+        let everything = Match::default();
+        for (c, cost) in self.costs.iter().enumerate() {
+            if cost.cost_from.is_none() {
+                continue;
+            }
+            let global = self.rules.iter().find(|r| {
+                r.scope == Scope::Global
+                    && r.cost.is_none()
+                    && may_meet(r.matches.as_ref().unwrap_or(&everything), &cost.matches)
+            });
+            if let Some(r) = global {
+                return Err(ConfigError::field(
+                    format!("costs[{c}].cost_from"),
+                    format!(
+                        "can match global rule {:?}, which takes its cost from the request only \
+                         (give that rule its own cost)",
+                        r.name
+                    ),
+                ));
+            }
+            let quota = self.quotas.iter().find(|q| {
+                q.count == QuotaCount::Cost
+                    && may_meet(q.matches.as_ref().unwrap_or(&everything), &cost.matches)
+            });
+            if let Some(q) = quota {
+                return Err(ConfigError::field(
+                    format!("costs[{c}].cost_from"),
+                    format!(
+                        "can match quota {:?}, which counts the cost the request arrives with \
+                         (count requests there)",
+                        q.name
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
