@@ -14,6 +14,9 @@
 //! * [`gateway`]: a real `ratelimit-gateway` process that can be killed and
 //!   restarted on the same port;
 //! * [`stub`]: a canned-answer HTTP server (slow or garbage "gateways");
+//! * [`upstream`]: an HTTP/1.1 keep-alive upstream to put behind Envoy,
+//!   answering per path with JSON, server-sent events, chunked, slow, gzip
+//!   or reset replies, counting requests in flight and holding them at will;
 //! * [`redis`]: real `redis-server` processes;
 //! * [`process`]: the one start / ready / retry-on-port-clash / stop / log
 //!   layer under Envoy, the gateway and Redis;
@@ -32,6 +35,7 @@ pub mod ports;
 pub mod process;
 pub mod rng;
 pub mod stub;
+pub mod upstream;
 
 pub use config::{render_template, validate_config, validate_shipped_configs, TemplateVars};
 pub use envoy::{prometheus_value, Envoy, EnvoyOptions, GatewayTls};
@@ -41,6 +45,7 @@ pub use paths::{envoy_bin, gateway_bin, wasm_path, workspace_root};
 pub use ports::{free_port, Ports};
 pub use rng::Rng;
 pub use stub::{Stub, StubReply};
+pub use upstream::{Reply, Upstream};
 
 /// Real `redis-server` processes (single and a 3-master cluster) for the gateway tests.
 pub mod redis;
