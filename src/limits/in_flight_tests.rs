@@ -503,6 +503,36 @@ proptest! {
         }
     }
 
+    /// With more keys than one set has ways, evictions forget counts but
+    /// never let a key pass its limit, and the set stays within its ways.
+    #[test]
+    fn evictions_never_let_a_key_pass_its_limit(
+        ops in proptest::collection::vec((0u64..8, any::<bool>(), 0u64..30), 1..120),
+    ) {
+        let store = MemoryStore::default();
+        let l = InFlightLayout::new("e", 1);
+        let mut now = T0;
+        let mut requests: Vec<Vec<Held>> = Vec::new();
+        for (i, (fp, give_back, secs)) in ops.into_iter().enumerate() {
+            let k = key(fp, 0, 2);
+            let a = acquire(&store, &l, &[k], now, 20 * SEC, i as u32).unwrap();
+            if let Acquired::Taken(t) = a.acquired {
+                requests.push(t.iter().map(|t| t.held).collect());
+            }
+            if give_back && !requests.is_empty() {
+                let h = requests.swap_remove(i % requests.len());
+                release(&store, &l, &h, now).unwrap();
+            }
+            now += secs * SEC;
+            let (bytes, _) = store.get(&l.set_key(0)).unwrap().unwrap_or_default();
+            let entries = decode(&bytes).unwrap();
+            prop_assert!(entries.len() <= WAYS);
+            for fp in 0..8 {
+                prop_assert!(live(&store, &l, key(fp, 0, 2), now) <= 2);
+            }
+        }
+    }
+
     /// What is encoded decodes to the same entries.
     #[test]
     fn a_set_round_trips(
