@@ -1,10 +1,18 @@
 //! What a response cost, read from its body as it streams: a [`Meter`]
 //! (terms: a JSON Pointer's value times a weight, summed and capped) and
-//! the streaming JSON scanner that finds their values in bounded state.
+//! the [`Scan`] of one body, fed chunk by chunk in bounded state, plain JSON
+//! or server-sent events ([`Framing`]); [`Preset`] has the terms of the LLM
+//! APIs whose responses report their token usage.
 
 pub mod json;
 pub mod meter;
 pub mod path;
+pub mod preset;
+pub mod scan;
+pub mod sse;
 
 pub use meter::{Meter, Slot, Term, Usage, MAX_PATHS};
 pub use path::Path;
+pub use preset::Preset;
+pub use scan::{Framing, Scan};
+
