@@ -16,3 +16,5 @@ pub use path::Path;
 pub use preset::Preset;
 pub use scan::{Framing, Scan};
 
+#[cfg(test)]
+mod tests;
