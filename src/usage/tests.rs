@@ -455,6 +455,16 @@ fn sse_lines_follow_the_whatwg_rules() {
 }
 
 #[test]
+fn a_crlf_split_across_chunks_is_one_line_end() {
+    let m = meter(terms(&["/a"]));
+    // Two line ends would end the event after `{"a":`, and neither half is JSON.
+    let chunks: [&[u8]; 3] = [b"data: {\"a\":\r", b"\ndata: 1}\r", b"\n\r\n"];
+    assert_eq!(scan_chunks(&m, Framing::Sse, chunks), found(1));
+    let chunks: [&[u8]; 4] = [b"data: {\"a\":2}\r", b"\n", b"\r", b"\n"];
+    assert_eq!(scan_chunks(&m, Framing::Sse, chunks), found(2));
+}
+
+#[test]
 fn a_last_event_without_its_blank_line_counts_if_complete() {
     let p = ["/a"];
     assert_eq!(sse(&p, "data: {\"a\":1}\n\ndata: {\"a\":2}"), found(2));
