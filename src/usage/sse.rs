@@ -69,29 +69,26 @@ impl Framer {
                     None => continue,
                 }
             }
-            // Up to the line's end (or the chunk's) at once.
-            let len = rest.iter().position(|&c| c == b'\r' || c == b'\n');
-            let run = rest.get(..len.unwrap_or(rest.len())).unwrap_or_default();
+            // Each state reads up to the line's end (or the chunk's) at once,
+            // so each byte is looked at once.
             match self.line {
                 Line::Start if b == b':' => self.line = Line::Ignore,
                 Line::Start | Line::Name { .. } => {
-                    if let Some(piece) = self.name(run, at) {
+                    if let Some(piece) = self.name(rest, at) {
                         return Some(piece);
                     }
-                    continue;
                 }
                 Line::Space => {
                     *at += usize::from(b == b' ');
                     self.line = Line::Data;
-                    continue;
                 }
                 Line::Data => {
+                    let run = rest.get(..line_end(rest)).unwrap_or_default();
                     *at += run.len();
                     return Some(Piece::Data(run));
                 }
-                Line::Ignore => {}
+                Line::Ignore => *at += line_end(rest),
             }
-            *at += run.len();
         }
     }
 
@@ -101,15 +98,16 @@ impl Framer {
         self.has_data
     }
 
-    /// A stretch of a field's name (`run`, no line end in it), maybe up to
-    /// its colon: whether the field is `data` is decided at the colon.
-    fn name(&mut self, run: &[u8], at: &mut usize) -> Option<Piece<'static>> {
+    /// A stretch of a field's name, up to its colon, the line's end or the
+    /// chunk's: whether the field is `data` is decided at the colon.
+    fn name(&mut self, rest: &[u8], at: &mut usize) -> Option<Piece<'static>> {
         let (seen, data) = match self.line {
             Line::Name { at, data } => (at, data),
             _ => (0, true),
         };
-        let colon = run.iter().position(|&c| c == b':');
-        let name = run.get(..colon.unwrap_or(run.len())).unwrap_or_default();
+        let end = rest.iter().position(|&c| matches!(c, b':' | b'\r' | b'\n'));
+        let name = rest.get(..end.unwrap_or(rest.len())).unwrap_or_default();
+        let colon = rest.get(name.len()).filter(|&&c| c == b':');
         let data = data && b"data".get(seen..).is_some_and(|d| d.starts_with(name));
         let seen = seen.saturating_add(name.len());
         *at += name.len();
@@ -141,4 +139,12 @@ impl Framer {
             _ => None,
         }
     }
+}
+
+/// Where the line in `bytes` ends (or the chunk, if it does not).
+fn line_end(bytes: &[u8]) -> usize {
+    bytes
+        .iter()
+        .position(|&c| c == b'\r' || c == b'\n')
+        .unwrap_or(bytes.len())
 }
