@@ -60,8 +60,10 @@ enum Num {
 /// What a string's bytes are for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ctx {
-    /// An object's key: decoded into [`Scanner::key`].
+    /// An object's key a path may name: decoded into [`Scanner::key`].
     Key,
+    /// A key no path can name (its object is off every path): only checked.
+    OtherKey,
     /// A value: only checked.
     Value,
     /// Inside a skimmed container.
@@ -192,6 +194,11 @@ impl Scanner {
             rest = match self.st {
                 St::Str => self.string_run(meter, rest),
                 St::Skim => self.skim_run(rest),
+                St::Num(Num::Int) if b.is_ascii_digit() => self.digits(rest),
+                St::Lit(word, at) if rest.starts_with(word.get(at..).unwrap_or_default()) => {
+                    self.value_end();
+                    rest.get(word.len() - at..).unwrap_or_default()
+                }
                 St::Error => return,
                 _ => {
                     self.byte(meter, b);
@@ -224,6 +231,16 @@ impl Scanner {
         }
     }
 
+    /// Inside an integer: its digits at once, saturating.
+    fn digits<'a>(&mut self, bytes: &'a [u8]) -> &'a [u8] {
+        let n = bytes.iter().position(|b| !b.is_ascii_digit());
+        let (digits, rest) = bytes.split_at(n.unwrap_or(bytes.len()));
+        self.num = digits.iter().fold(self.num, |acc, &d| {
+            acc.saturating_mul(10).saturating_add(u64::from(d - b'0'))
+        });
+        rest
+    }
+
     /// Inside a skimmed container: up to the next string or bracket at once.
     fn skim_run<'a>(&mut self, bytes: &'a [u8]) -> &'a [u8] {
         let end = bytes
@@ -253,7 +270,7 @@ impl Scanner {
 
     /// One byte outside strings and skimmed containers.
     fn byte(&mut self, meter: &Meter, b: u8) {
-        let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        let ws = b <= b' ' && matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match (self.st, b) {
             (St::Value | St::ArrFirst | St::ObjFirst | St::Key | St::Colon | St::After, _)
             | (St::Done, _)
@@ -303,7 +320,7 @@ impl Scanner {
             b'-' | b'0'..=b'9' => {
                 self.num_targets = targets;
                 self.num_neg = b == b'-';
-                self.num = u64::from(b.wrapping_sub(b'0')) * u64::from(!self.num_neg);
+                self.num = if self.num_neg { 0 } else { u64::from(b - b'0') };
                 self.st = St::Num(match b {
                     b'-' => Num::Minus,
                     b'0' => Num::Zero,
@@ -464,11 +481,16 @@ impl Scanner {
 /// and compared with the paths' segments; values only checked.
 impl Scanner {
     fn key_start(&mut self) {
+        self.st = St::Str;
+        let level = self.depth.wrapping_sub(1);
+        if self.frames.get(level).is_none_or(|f| f.mask == 0) {
+            self.ctx = Ctx::OtherKey;
+            return;
+        }
         self.key.clear();
         self.key_bad = false;
         self.high = None;
         self.ctx = Ctx::Key;
-        self.st = St::Str;
     }
 
     /// Decoded key bytes: kept up to `key_cap`, so that a longer key is
@@ -509,6 +531,7 @@ impl Scanner {
                     f.child = child;
                 }
             }
+            Ctx::OtherKey => self.st = St::Colon,
             Ctx::Value => self.value_end(),
             Ctx::Skim => self.st = St::Skim,
         }
