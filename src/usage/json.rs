@@ -4,6 +4,7 @@
 //! long or deep the document is. Nothing is recursive and nothing is
 //! buffered; inside strings it jumps to the next `"` or `\`.
 
+use super::find::find2;
 use super::meter::{Meter, Slot, MAX_PATHS};
 use super::path::{array_index, MAX_SEGMENTS};
 
@@ -210,7 +211,7 @@ impl Scanner {
 
     /// Inside a string: everything up to the next `"` or `\` at once.
     fn string_run<'a>(&mut self, meter: &Meter, bytes: &'a [u8]) -> &'a [u8] {
-        let end = bytes.iter().position(|&c| c == b'"' || c == b'\\');
+        let end = find2(bytes, b'"', b'\\');
         let (run, stop) = match end {
             Some(n) => bytes.split_at(n),
             None => (bytes, &[][..]),

@@ -4,6 +4,7 @@
 //! or server-sent events ([`Framing`]); [`Preset`] has the terms of the LLM
 //! APIs whose responses report their token usage.
 
+pub mod find;
 pub mod json;
 pub mod meter;
 pub mod path;

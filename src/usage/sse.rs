@@ -3,6 +3,8 @@
 //! two `data` lines of one event, and the blank line that ends an event.
 //! No line is buffered: a `data` value is handed on as it arrives.
 
+use super::find::find2;
+
 /// What a stretch of the stream means to the event being read.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Piece<'a> {
@@ -143,8 +145,5 @@ impl Framer {
 
 /// Where the line in `bytes` ends (or the chunk, if it does not).
 fn line_end(bytes: &[u8]) -> usize {
-    bytes
-        .iter()
-        .position(|&c| c == b'\r' || c == b'\n')
-        .unwrap_or(bytes.len())
+    find2(bytes, b'\r', b'\n').unwrap_or(bytes.len())
 }
