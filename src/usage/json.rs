@@ -6,7 +6,8 @@
 
 use super::find::find2;
 use super::meter::{Meter, Slot, MAX_PATHS};
-use super::path::{array_index, MAX_SEGMENTS};
+use super::path::MAX_SEGMENTS;
+use super::segments::Segments;
 
 /// Containers this deep are checked (their kinds kept one bit each);
 /// deeper ones are only skimmed: brackets counted and strings closed.
@@ -113,6 +114,8 @@ pub struct Scanner {
     lens: [u64; MAX_SEGMENTS + 1],
     /// What the document holds at each path, indexed as [`Meter::paths`].
     slots: Vec<Slot>,
+    /// The paths' segments, to match keys and indices against.
+    segments: Segments,
 }
 
 impl Scanner {
@@ -150,6 +153,7 @@ impl Scanner {
             all,
             lens,
             slots: vec![Slot::Absent; meter.paths().count().min(MAX_PATHS)],
+            segments: Segments::new(meter.paths().take(MAX_PATHS), deepest),
         }
     }
 
@@ -185,15 +189,15 @@ impl Scanner {
             + self.frames.capacity() * std::mem::size_of::<Frame>()
             + self.key.capacity()
             + self.slots.capacity() * std::mem::size_of::<Slot>()
+            + self.segments.heap_bytes()
     }
 
-    /// Scans the next bytes of the document; `meter` is the one the scanner
-    /// was made for.
-    pub fn feed(&mut self, meter: &Meter, bytes: &[u8]) {
+    /// Scans the next bytes of the document.
+    pub fn feed(&mut self, bytes: &[u8]) {
         let mut rest = bytes;
         while let Some((&b, tail)) = rest.split_first() {
             rest = match self.st {
-                St::Str => self.string_run(meter, rest),
+                St::Str => self.string_run(rest),
                 St::Skim => self.skim_run(rest),
                 St::Num(Num::Int) if b.is_ascii_digit() => self.digits(rest),
                 St::Lit(word, at) if rest.starts_with(word.get(at..).unwrap_or_default()) => {
@@ -202,7 +206,7 @@ impl Scanner {
                 }
                 St::Error => return,
                 _ => {
-                    self.byte(meter, b);
+                    self.byte(b);
                     tail
                 }
             };
@@ -210,7 +214,7 @@ impl Scanner {
     }
 
     /// Inside a string: everything up to the next `"` or `\` at once.
-    fn string_run<'a>(&mut self, meter: &Meter, bytes: &'a [u8]) -> &'a [u8] {
+    fn string_run<'a>(&mut self, bytes: &'a [u8]) -> &'a [u8] {
         let end = find2(bytes, b'"', b'\\');
         let (run, stop) = match end {
             Some(n) => bytes.split_at(n),
@@ -221,7 +225,7 @@ impl Scanner {
         }
         match stop.split_first() {
             Some((b'"', tail)) => {
-                self.string_end(meter);
+                self.string_end();
                 tail
             }
             Some((_, tail)) => {
@@ -270,7 +274,7 @@ impl Scanner {
     }
 
     /// One byte outside strings and skimmed containers.
-    fn byte(&mut self, meter: &Meter, b: u8) {
+    fn byte(&mut self, b: u8) {
         let ws = b <= b' ' && matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match (self.st, b) {
             (St::Value | St::ArrFirst | St::ObjFirst | St::Key | St::Colon | St::After, _)
@@ -278,13 +282,13 @@ impl Scanner {
                 if ws => {}
             (St::ArrFirst | St::After, b']') => self.close(true),
             (St::ObjFirst | St::After, b'}') => self.close(false),
-            (St::Value | St::ArrFirst, _) => self.begin(meter, b),
+            (St::Value | St::ArrFirst, _) => self.begin(b),
             (St::ObjFirst | St::Key, b'"') => self.key_start(),
             (St::Colon, b':') => self.st = St::Value,
             (St::After, b',') => self.next_member(),
             (St::Esc, _) => self.escape(b),
             (St::Hex(n), _) => self.hex_digit(n, b),
-            (St::Num(n), _) => self.number(meter, n, b),
+            (St::Num(n), _) => self.number(n, b),
             (St::Lit(word, at), _) if word.get(at) == Some(&b) => {
                 self.st = St::Lit(word, at + 1);
                 if at + 1 == word.len() {
@@ -301,8 +305,8 @@ impl Scanner {
 impl Scanner {
     /// A value starts with `b`: the paths it ends get what it is (decided
     /// at its end for a number), and the paths it leads on to follow it in.
-    fn begin(&mut self, meter: &Meter, b: u8) {
-        let mask = self.value_mask(meter);
+    fn begin(&mut self, b: u8) {
+        let mask = self.value_mask();
         let targets = mask & self.lens.get(self.depth).copied().unwrap_or(0);
         if mask != 0 {
             // A duplicate key: the last one wins, whatever the first held.
@@ -344,20 +348,13 @@ impl Scanner {
     }
 
     /// The paths the value about to start may lead to.
-    fn value_mask(&self, meter: &Meter) -> u64 {
+    fn value_mask(&self) -> u64 {
         let Some(level) = self.depth.checked_sub(1) else {
             return self.all;
         };
         match self.frames.get(level) {
             Some(f) if f.mask != 0 && self.is_array(level) => {
-                let mut mask = 0;
-                for (i, path) in meter.paths().enumerate().take(MAX_PATHS) {
-                    let segment = path.0.get(level).map(Vec::as_slice).unwrap_or_default();
-                    if f.mask & (1 << i) != 0 && array_index(segment) == Some(f.index) {
-                        mask |= 1 << i;
-                    }
-                }
-                mask
+                self.segments.index(f.mask, level, f.index)
             }
             Some(f) if f.mask != 0 => f.child,
             _ => 0,
@@ -436,7 +433,7 @@ impl Scanner {
     }
 
     /// A byte of a number, or the byte after it.
-    fn number(&mut self, meter: &Meter, n: Num, b: u8) {
+    fn number(&mut self, n: Num, b: u8) {
         let next = match (n, b) {
             (Num::Minus, b'0') => Num::Zero,
             (Num::Minus | Num::Int, b'1'..=b'9') | (Num::Int, b'0') => {
@@ -454,7 +451,7 @@ impl Scanner {
                 // read again in the state that follows (never a number).
                 self.end_number(n);
                 if self.st != St::Error {
-                    self.byte(meter, b);
+                    self.byte(b);
                 }
                 return;
             }
@@ -506,7 +503,7 @@ impl Scanner {
     }
 
     /// The closing `"`: a key picks the paths whose segment it is.
-    fn string_end(&mut self, meter: &Meter) {
+    fn string_end(&mut self) {
         match self.ctx {
             Ctx::Key => {
                 if self.high.take().is_some() {
@@ -519,15 +516,10 @@ impl Scanner {
                 let Some(f) = self.frames.get(level).copied() else {
                     return;
                 };
-                let mut child = 0;
-                if f.mask != 0 && !self.key_bad {
-                    for (i, path) in meter.paths().enumerate().take(MAX_PATHS) {
-                        let segment = path.0.get(level).map(Vec::as_slice);
-                        if f.mask & (1 << i) != 0 && segment == Some(self.key.as_slice()) {
-                            child |= 1 << i;
-                        }
-                    }
-                }
+                let child = match self.key_bad {
+                    true => 0,
+                    false => self.segments.key(f.mask, level, &self.key),
+                };
                 if let Some(f) = self.frames.get_mut(level) {
                     f.child = child;
                 }

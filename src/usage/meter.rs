@@ -65,7 +65,7 @@ pub enum Slot {
 impl Meter {
     /// Every path of every term, in order: a path's index here is its bit in
     /// the scanner's masks.
-    pub(crate) fn paths(&self) -> impl Iterator<Item = &Path> {
+    pub(crate) fn paths(&self) -> impl Iterator<Item = &Path> + Clone {
         self.terms.iter().flat_map(|t| t.any_of.iter())
     }
 

@@ -10,6 +10,7 @@ pub mod meter;
 pub mod path;
 pub mod preset;
 pub mod scan;
+pub mod segments;
 pub mod sse;
 
 pub use meter::{Meter, Slot, Term, Usage, MAX_PATHS};

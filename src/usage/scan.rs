@@ -53,13 +53,13 @@ impl Scan {
             return;
         }
         let Some(sse) = &mut self.sse else {
-            return self.json.feed(meter, chunk);
+            return self.json.feed(chunk);
         };
         let mut at = 0;
         while let Some(piece) = sse.next(chunk, &mut at) {
             match piece {
-                Piece::Data(bytes) => self.json.feed(meter, bytes),
-                Piece::Join => self.json.feed(meter, b"\n"),
+                Piece::Data(bytes) => self.json.feed(bytes),
+                Piece::Join => self.json.feed(b"\n"),
                 Piece::Dispatch => {
                     merge(meter, &mut self.json, &mut self.last);
                     self.json.reset();
