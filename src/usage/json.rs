@@ -202,7 +202,7 @@ impl Scanner {
                 St::Num(Num::Int) if b.is_ascii_digit() => self.digits(rest),
                 St::Lit(word, at) if rest.starts_with(word.get(at..).unwrap_or_default()) => {
                     self.value_end();
-                    rest.get(word.len() - at..).unwrap_or_default()
+                    self.punctuation(rest.get(word.len() - at..).unwrap_or_default())
                 }
                 St::Error => return,
                 _ => {
@@ -226,7 +226,7 @@ impl Scanner {
         match stop.split_first() {
             Some((b'"', tail)) => {
                 self.string_end();
-                tail
+                self.punctuation(tail)
             }
             Some((_, tail)) => {
                 self.st = St::Esc;
@@ -243,7 +243,36 @@ impl Scanner {
         self.num = digits.iter().fold(self.num, |acc, &d| {
             acc.saturating_mul(10).saturating_add(u64::from(d - b'0'))
         });
-        rest
+        match rest.first() {
+            Some(b'.' | b'e' | b'E') | None => rest,
+            Some(_) => {
+                self.end_number(Num::Int);
+                self.punctuation(rest)
+            }
+        }
+    }
+
+    /// Right after a key, a string, a number or a literal: the `:` or `,`
+    /// (and the next key's `"`) that compact JSON puts there, read at once
+    /// rather than a byte a turn.
+    fn punctuation<'a>(&mut self, bytes: &'a [u8]) -> &'a [u8] {
+        match (self.st, bytes) {
+            (St::Colon, [b':', rest @ ..]) => {
+                self.st = St::Value;
+                rest
+            }
+            (St::After, [b',', rest @ ..]) => {
+                self.next_member();
+                match (self.st, rest) {
+                    (St::Key, [b'"', after @ ..]) => {
+                        self.key_start();
+                        after
+                    }
+                    _ => rest,
+                }
+            }
+            _ => bytes,
+        }
     }
 
     /// Inside a skimmed container: up to the next string or bracket at once.
