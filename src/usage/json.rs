@@ -1,8 +1,8 @@
 //! A streaming JSON scanner: bytes in, in chunks of any size, and the value
 //! at each of a meter's paths out, in state bounded by the meter (one frame
 //! per path segment, a key prefix as long as the longest segment) however
-//! long or deep the document is. Nothing is recursive and nothing is
-//! buffered; inside strings it jumps to the next `"` or `\`.
+//! long or deep the document is. Nesting is counted, never recursed into,
+//! and nothing is buffered; inside strings it jumps to the next `"` or `\`.
 
 use super::find::find2;
 use super::meter::{Meter, Slot, MAX_PATHS};
@@ -165,8 +165,8 @@ impl Scanner {
         self.slots.fill(Slot::Absent);
     }
 
-    /// What the document holds at each path, indexed as [`Meter::paths`]
-    /// (meaningful once [`Scanner::complete`]).
+    /// What the document holds at each path, in the order of the meter's
+    /// terms and their `any_of` (meaningful once [`Scanner::complete`]).
     pub fn slots(&self) -> &[Slot] {
         &self.slots
     }

@@ -1,8 +1,9 @@
 //! What a response cost, read from its body as it streams: a [`Meter`]
 //! (terms: a JSON Pointer's value times a weight, summed and capped) and
 //! the [`Scan`] of one body, fed chunk by chunk in bounded state, plain JSON
-//! or server-sent events ([`Framing`]); [`Preset`] has the terms of the LLM
-//! APIs whose responses report their token usage.
+//! (`json.rs`, over `segments.rs` and `find.rs`) or server-sent events
+//! (`sse.rs`, [`Framing`]); [`Preset`] has the terms of the LLM APIs whose
+//! responses report their token usage.
 
 pub mod find;
 pub mod json;
