@@ -5,7 +5,8 @@
 //! request: which rules match, which buckets) → [`limits`] (count them in the
 //! shared-data table) → [`global`] (the gateway's callout, circuit and
 //! leases) → [`respond`] (headers and problem bodies), with [`decide`] running
-//! the phases of one request. Everything but `host` is plain Rust, tested on
+//! the phases of one request; [`usage`] reads what a response cost from its
+//! body as it streams. Everything but `host` is plain Rust, tested on
 //! the host; `host.rs` is the thin layer over the proxy-wasm host and the only
 //! file that names `proxy_wasm`, with its pure per-VM helpers in [`vm`].
 #![cfg_attr(
@@ -28,6 +29,7 @@ pub mod limits;
 pub mod metrics;
 pub mod policy;
 pub mod respond;
+pub mod usage;
 pub mod vm;
 
 #[cfg(target_arch = "wasm32")]

@@ -1,5 +1,5 @@
 //! The layering of `src/`, checked: the top-level modules (the folders
-//! `policy/`, `limits/`, `global/`, `respond/`, `decide/`, `host/`, `vm/`
+//! `usage/`, `policy/`, `limits/`, `global/`, `respond/`, `decide/`, `host/`, `vm/`
 //! and the file `metrics.rs`) name each other through
 //! `crate::<module>` paths; the graph of those names must be acyclic, so each
 //! folder can be read with only the ones below it in mind. Each file is
@@ -242,7 +242,7 @@ fn the_top_level_modules_form_no_import_loop() {
     );
     // The request's path, bottom up: nothing below names what is above it.
     let order = [
-        "config", "limits", "policy", "global", "respond", "decide", "vm", "host",
+        "config", "usage", "limits", "policy", "global", "respond", "decide", "vm", "host",
     ];
     for (i, lower) in order.iter().enumerate() {
         let above: Vec<_> = g
