@@ -56,11 +56,25 @@ pub enum Metric {
     /// Requests answered 429 from the deny cache: the gateway had denied
     /// their bucket and its wait was not over, so no callout was made.
     DenyCacheHits,
+    /// Responses whose real cost was read (`cost_from`) and settled against the reservation.
+    UsageSettled,
+    /// Responses whose real cost was above `cost_from.max`: charged `max`.
+    UsageCapped,
+    /// Responses without a readable usage (field absent, not an integer,
+    /// malformed body, stream ended early): charged `reserve`.
+    UsageMissing,
+    /// Response bodies longer than `cost_from.scan_limit`: charged `reserve`.
+    UsageOverScanLimit,
+    /// Compressed response bodies, not scanned: charged `reserve`.
+    UsageCompressed,
+    /// Requests refunded because their response's status is not in `charge_on`
+    /// (or the stream ended before a response).
+    ChargeRefunded,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 25] = [
+    pub const ALL: [Metric; 31] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -86,6 +100,12 @@ impl Metric {
         Metric::LeaseFetches,
         Metric::PolicyMismatch,
         Metric::DenyCacheHits,
+        Metric::UsageSettled,
+        Metric::UsageCapped,
+        Metric::UsageMissing,
+        Metric::UsageOverScanLimit,
+        Metric::UsageCompressed,
+        Metric::ChargeRefunded,
     ];
 
     /// The name given to Envoy.
@@ -116,6 +136,12 @@ impl Metric {
             Metric::LeaseFetches => "ratelimit_wasm_lease_fetches",
             Metric::PolicyMismatch => "ratelimit_wasm_policy_mismatch",
             Metric::DenyCacheHits => "ratelimit_wasm_deny_cache_hits",
+            Metric::UsageSettled => "ratelimit_wasm_usage_settled",
+            Metric::UsageCapped => "ratelimit_wasm_usage_capped",
+            Metric::UsageMissing => "ratelimit_wasm_usage_missing",
+            Metric::UsageOverScanLimit => "ratelimit_wasm_usage_over_scan_limit",
+            Metric::UsageCompressed => "ratelimit_wasm_usage_compressed",
+            Metric::ChargeRefunded => "ratelimit_wasm_charge_refunded",
         }
     }
 

@@ -90,7 +90,9 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
     let config = ratelimit_wasm::config::parse(
         br#"{"domain":"d",
              "rules":[{"name":"r","key":["client"],"limits":[{"requests":10,"per":"1m"}],
-                       "graduated":{"warn_at":0.5}}],
+                       "graduated":{"warn_at":0.5}},
+                      {"name":"t","limits":[{"requests":10,"per":"1m"}],
+                       "cost_from":{"json":[{"pointer":"/u"}],"max":5}}],
              "quotas":[{"name":"q","key":["client"],"period":"day","limit":5,
                         "upgrade_url":"https://example.com/up"}],
              "global":{"cluster":"gw","lease":{"fraction":0.1}}}"#,
@@ -101,6 +103,8 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
     let rule = config.rules.first().expect("a rule");
     let quota = config.quotas.first().expect("a quota");
     let graduated = rule.graduated.as_ref().expect("graduated");
+    let from = config.rules[1].cost_from.as_ref().expect("cost_from");
+    let term = from.json.as_ref().and_then(|j| j.first()).expect("a term");
     let actual: Vec<(&str, String)> = vec![
         (
             "identity.client_id_header",
@@ -130,6 +134,9 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
             config.response.retry_jitter.to_string(),
         ),
         ("quotas[].count", snake(format!("{:?}", quota.count))),
+        ("rules[].cost_from.reserve", from.reserve.to_string()),
+        ("rules[].cost_from.scan_limit", from.scan_limit.to_string()),
+        ("rules[].cost_from.json[].weight", term.weight.to_string()),
         ("max_buckets", config.max_buckets.to_string()),
         ("on_error", snake(format!("{:?}", config.on_error))),
         ("global.authority", global.authority.clone()),
@@ -210,7 +217,15 @@ fn maximal_configs() -> Vec<serde_json::Value> {
               "graduated": { "warn_at": 0.8, "delay_at": 1.0, "delay_ms": 100,
                              "reject_at": 1.2, "block_at": 2.0, "block_for": "5m" } },
             { "name": "global", "scope": "global", "key": ["client"],
-              "limits": [{ "requests": 100, "per": "1m" }] }
+              "limits": [{ "requests": 100, "per": "1m" }] },
+            { "name": "tokens", "key": ["client"], "limits": [{ "requests": 1000, "per": "1m" }],
+              "cost_from": { "json": [{ "pointer": "/usage/total_tokens", "weight": 1 }],
+                             "max": 4000, "reserve": 100, "scan_limit": 65536 },
+              "charge_on": ["2xx", "304"] },
+            { "name": "by-header", "limits": [{ "requests": 1000, "per": "1m" }],
+              "cost_from": { "header": "x-usage-tokens", "max": 10 } },
+            { "name": "by-preset", "limits": [{ "requests": 1000, "per": "1m" }],
+              "cost_from": { "preset": "anthropic_messages", "max": 10 } }
         ],
         "costs": [{ "match": { "path_prefix": "/s" }, "cost": 5 }],
         "response": { "headers": "both", "problem_type": "https://example.com/p",
@@ -234,7 +249,14 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         global.remove("token");
         global.insert("token_env".into(), "RATELIMIT_GATEWAY_TOKEN".into());
     }
-    vec![config, with_env]
+    // A `costs` entry read from the response may meet no global rule
+    // without its own cost and no quota counting cost.
+    let mut response_costs = config.clone();
+    response_costs["costs"] = serde_json::json!([{ "match": { "path_prefix": "/v1" },
+        "cost_from": { "preset": "openai_chat", "max": 10 } }]);
+    response_costs["rules"][1]["cost"] = serde_json::json!(1);
+    response_costs["quotas"][0]["count"] = serde_json::json!("requests");
+    vec![config, with_env, response_costs]
 }
 
 /// Maps whose keys the user names: the placeholder the reference writes for a key.
@@ -242,7 +264,8 @@ const NAMED_KEYS: [(&str, &str); 2] = [("identity.clients", "<id>"), ("tiers", "
 
 /// Maps and lists documented as one field (their entries are described in
 /// the field's row, or are limits as in `rules[].limits`).
-const WHOLE: [&str; 5] = [
+const WHOLE: [&str; 6] = [
+    "costs[].cost_from",
     "rules[].tiers",
     "quotas[].tiers",
     "match.headers",

@@ -683,6 +683,7 @@ fn upstream_errors_carry_the_headers_and_abandoned_requests_still_count() {
             status: 503,
             headers: vec![("x-ratelimit-remaining".into(), b"999".to_vec())],
             body: b"down".to_vec(),
+            chunks: Vec::new(),
         },
     );
     assert!(o.completed, "{o:?}");

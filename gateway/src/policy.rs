@@ -218,7 +218,13 @@ impl Domain {
             }
         }
         // The largest cost `costs` can give a request; 1 when none matches.
-        let max_cost = c.costs.iter().map(|x| x.upfront()).max().unwrap_or(1).max(1);
+        let max_cost = c
+            .costs
+            .iter()
+            .map(|x| x.upfront())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         let rules = c
             .rules
             .iter()

@@ -64,6 +64,7 @@ pub fn start(
     let held = Held {
         buckets: held,
         at_ns: now_ns,
+        cost_meter: eval.cost_meter,
     };
     match gate {
         Some(Gate::Call) | Some(Gate::Probe) => {

@@ -19,12 +19,14 @@ mod answer;
 mod counts;
 mod local;
 mod refresh;
+mod settle;
 mod stream;
 
 pub use answer::finish;
 pub use counts::Counts;
 pub use local::{abandon, start};
 pub use refresh::{refresh_finish, refresh_start, Refresh};
+pub use settle::{ResponseHeaders, Settlement};
 pub use stream::{Callout, Next, Stream};
 
 use crate::config::{FailureMode, OnError};
@@ -109,6 +111,9 @@ pub struct Held {
     pub buckets: Vec<Bucket>,
     /// When they were charged.
     pub at_ns: u64,
+    /// The `costs` entry's `cost_from` that set the request's cost, for the
+    /// buckets of rules without their own ([`Plan::meter_of`]).
+    pub cost_meter: Option<usize>,
 }
 
 /// A request waiting for the gateway.

@@ -11,6 +11,8 @@ use super::*;
 #[derive(Debug, Default)]
 pub struct Stream {
     state: State,
+    /// What an admitted request settles from its response, when anything does.
+    settlement: Option<Box<Settlement>>,
 }
 
 // The large variant is the point: the stream is the outcome's one home.
@@ -73,6 +75,9 @@ impl Stream {
         match start(plan, req, store, now_ns, random) {
             Step::Done(outcome) => {
                 self.state = State::Decided(outcome);
+                if plan.settling {
+                    self.open_settlement(plan);
+                }
                 Next::Decided
             }
             Step::Call(pending) => {
@@ -114,7 +119,57 @@ impl Stream {
         };
         let outcome = finish(plan, *pending, status, body, latency_ns, store, now_ns);
         self.state = State::Decided(outcome);
+        if plan.settling {
+            self.open_settlement(plan);
+        }
         true
+    }
+
+    /// Keeps what an admitted request settles from its response.
+    #[inline(never)]
+    fn open_settlement(&mut self, plan: &Plan) {
+        self.settlement = self.held().and_then(|h| Settlement::new(plan, h));
+    }
+
+    /// Whether the response phases have anything to settle: only then need
+    /// the host read the response's headers and body for it.
+    pub fn settles(&self) -> bool {
+        self.settlement.is_some()
+    }
+
+    /// Whether the host should pass the response body to [`Stream::response_body`].
+    pub fn wants_body(&self) -> bool {
+        self.settlement.as_ref().is_some_and(|s| s.wants_body())
+    }
+
+    /// Response headers, for the settlement: the status and what
+    /// `cost_from` reads. What to count.
+    pub fn response_started(
+        &mut self,
+        plan: &Plan,
+        head: &impl ResponseHeaders,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> Counts {
+        match &mut self.settlement {
+            Some(s) => s.response_headers(plan, head, store, now_ns),
+            None => Counts::default(),
+        }
+    }
+
+    /// A chunk of the response body (`end`: the last), for the settlement.
+    pub fn response_body(
+        &mut self,
+        plan: &Plan,
+        chunk: &[u8],
+        end: bool,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> Counts {
+        match &mut self.settlement {
+            Some(s) => s.body(plan, chunk, end, store, now_ns),
+            None => Counts::default(),
+        }
     }
 
     /// The decision, once there is one.
@@ -160,10 +215,14 @@ impl Stream {
     }
 
     /// The end of the stream: a request still waiting for the gateway (its
-    /// client left) gives its local charge back, and says what to count. A decided request keeps
-    /// what it was charged: an admitted one reached the upstream, and a
-    /// refused one was refunded when it was refused.
-    pub fn end(&mut self, plan: &Plan, store: &impl SharedStore) -> Option<Counts> {
+    /// client left) gives its local charge back, and says what to count. A
+    /// decided request keeps what it was charged (an admitted one reached
+    /// the upstream, a refused one was refunded when it was refused), but
+    /// for what its settlement still owes or is owed.
+    pub fn end(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Option<Counts> {
+        if let Some(s) = &mut self.settlement {
+            return Some(s.end(plan, store, now_ns));
+        }
         let pending = self.take_pending()?;
         Some(abandon(plan, *pending, store))
     }

@@ -726,7 +726,7 @@ fn a_stream_keeps_its_response_headers_and_charge_until_it_ends() {
     let h = stream.response_headers().expect("still admitted").lines(&p);
     assert_eq!(header(&h, "x-ratelimit-remaining"), "4");
     // The end of an admitted stream gives nothing back: it reached the upstream.
-    assert_eq!(stream.end(&p, &s), None);
+    assert_eq!(stream.end(&p, &s, 0), None);
     let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
     assert_eq!(header(&passed(&p, &o), "x-ratelimit-remaining"), "3");
 }
@@ -764,7 +764,7 @@ fn a_stream_waiting_for_the_gateway_gives_its_charge_back_when_it_ends() {
     let (c, lease) = stream.callout(&p).expect("a callout");
     assert_eq!((c.path, c.timeout_ms, lease), ("/v1/check", 50, None));
     assert!(stream.response_headers().is_none());
-    assert_eq!(stream.end(&p, &s), Some(Counts::default()));
+    assert_eq!(stream.end(&p, &s, 0), Some(Counts::default()));
     assert_eq!(local_remaining(&s), "4");
     // Ended: a late answer finds nothing waiting.
     assert!(!stream.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0));

@@ -246,3 +246,22 @@ pub(super) fn property(path: &Option<Vec<String>>) -> Option<Vec<u8>> {
     let path: Vec<&str> = path.as_ref()?.iter().map(String::as_str).collect();
     hostcalls::get_property(path).ok().flatten()
 }
+
+/// The response's headers, read as a settlement asks for them.
+pub struct HostResponse;
+
+impl crate::decide::ResponseHeaders for HostResponse {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+}
+
+/// The `size` bytes of the response body chunk at hand (empty when the host has none).
+pub fn response_body(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}

@@ -22,8 +22,8 @@ use crate::vm::timers::{Delays, RefreshSchedule, TICK};
 use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use calls::{
     call_response, dispatch, monotonic_ns, now_ns, property, random_seed, reset_request,
-    resume_or_reset, seeded_jitter, send_local_response, use_epoch_offset, wall_ns, HostStore,
-    Metrics,
+    response_body, resume_or_reset, seeded_jitter, send_local_response, use_epoch_offset, wall_ns,
+    HostResponse, HostStore, Metrics,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -466,10 +466,31 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if let (Some(plan), Some(headers)) = (&self.plan, self.stream.response_headers()) {
-            headers.each(plan, |name, value| {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        if let Some(headers) = self.stream.response_headers() {
+            headers.each(&plan, |name, value| {
                 let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
             });
+        }
+        if self.stream.settles() {
+            let counts = self
+                .stream
+                .response_started(&plan, &HostResponse, &HostStore, now_ns());
+            self.metrics.add_all(&counts);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // Scanned as it passes, never held: the client gets each chunk at once.
+        if let (Some(plan), true) = (self.plan.clone(), self.stream.wants_body()) {
+            let chunk = response_body(body_size);
+            let counts =
+                self.stream
+                    .response_body(&plan, &chunk, end_of_stream, &HostStore, now_ns());
+            self.metrics.add_all(&counts);
         }
         Action::Continue
     }
@@ -478,7 +499,7 @@ impl HttpContext for Http {
         // The stream is done (or was cancelled while held): never resume it.
         self.delays.borrow_mut().forget(self.id);
         if let Some(plan) = self.plan.clone() {
-            if let Some(counts) = self.stream.end(&plan, &HostStore) {
+            if let Some(counts) = self.stream.end(&plan, &HostStore, now_ns()) {
                 self.metrics.add_all(&counts);
             }
         }

@@ -15,6 +15,9 @@ pub trait Counting {
     fn full_at_ns(self, limit: &Limit, state: u128) -> u64;
     /// `state` with `cost`, charged at `charged_at_ns`, given back.
     fn refund(self, limit: &Limit, state: u128, cost: u64, charged_at_ns: u64) -> u128;
+    /// `state` with `cost` more spent at `now_ns` whatever it holds: a
+    /// settlement may overdraw the bucket.
+    fn force(self, limit: &Limit, state: Option<u128>, now_ns: u64, cost: u64) -> u128;
 }
 
 impl Counting for Algorithm {
@@ -37,6 +40,13 @@ impl Counting for Algorithm {
         match self {
             Algorithm::TokenBucket => state.saturating_sub(limit.increment(cost)),
             Algorithm::SlidingWindow => sliding_window::refund(limit, state, cost, charged_at_ns),
+        }
+    }
+
+    fn force(self, limit: &Limit, state: Option<u128>, now_ns: u64, cost: u64) -> u128 {
+        match self {
+            Algorithm::TokenBucket => limit.force(state, now_ns, cost),
+            Algorithm::SlidingWindow => sliding_window::force(limit, state, now_ns, cost),
         }
     }
 }

@@ -140,6 +140,7 @@ impl Enforced {
             capacity: self.requests,
             period_ns: self.window_ms.saturating_mul(1_000_000),
             burst: self.requests,
+            debt: 0,
         }
     }
 
@@ -704,6 +705,44 @@ pub fn refund(
     sets.dedup();
     for set in sets {
         refund_set(store, plan, set, buckets, charged_at_ns)?;
+    }
+    Ok(())
+}
+
+/// Charges `bucket.cost` more to each of `buckets` at `now_ns`, whatever
+/// they hold: a settlement of a response that cost more than was reserved,
+/// which may leave a bucket in debt (up to its limits' `debt`). A bucket
+/// evicted since the request was charged is not charged again: its debt is
+/// lost with it, as a refund would be.
+pub fn charge_more(
+    store: &impl SharedStore,
+    plan: &impl Rules,
+    buckets: &[Bucket],
+    now_ns: u64,
+) -> Result<(), LimitError> {
+    let mut sets: Vec<u64> = buckets.iter().map(|b| b.set).collect();
+    sets.sort_unstable();
+    sets.dedup();
+    for set_index in sets {
+        let key = plan.set_key(set_index);
+        update(store, &key, MAX_ATTEMPTS, |bytes| {
+            let Some(Ok(mut set)) = bytes.map(Set::decode) else {
+                return (None, ());
+            };
+            for b in buckets.iter().filter(|b| b.set == set_index) {
+                let (Some(rule), Some(e)) = (plan.rule(b.rule, b.variant), set.find(b.fingerprint))
+                else {
+                    continue;
+                };
+                for (l, (limit, _)) in rule.limits.iter().enumerate() {
+                    let state = Set::tat(set.tats(e), l);
+                    let more = rule.algorithm.force(limit, state, now_ns, b.cost);
+                    let full_at = rule.algorithm.full_at_ns(limit, more);
+                    set.write(e, l, more, full_at);
+                }
+            }
+            (Some(set.into_bytes()), ())
+        })?;
     }
     Ok(())
 }

@@ -105,6 +105,16 @@ fn retry_after(limit: &Limit, cur: u64, prev: u64, elapsed: u64, cost: u64) -> u
     (w - elapsed) + from(cur, n - cost)
 }
 
+/// The state after `cost` more is counted whatever the window holds (a
+/// settlement of a response that cost more than was reserved): counted in the
+/// window of `now_ns`, so the estimate may pass the limit, and requests are
+/// denied until the overdraft has faded.
+pub fn force(limit: &Limit, state: Option<u128>, now_ns: u64, cost: u64) -> u128 {
+    // A check of nothing moves the state to the window of `now_ns`.
+    let (k, cur, prev) = unpack(check(limit, state, now_ns, 0).new_state);
+    pack(k, cur.saturating_add(cost), prev)
+}
+
 /// When a bucket with this state no longer weighs on anything (ns).
 pub fn full_at_ns(limit: &Limit, state: u128) -> u64 {
     let (k, _, _) = unpack(state);
@@ -137,6 +147,21 @@ mod tests {
 
     fn lim(n: u64, secs: u64) -> Limit {
         Limit::new(n, secs * SEC)
+    }
+
+    #[test]
+    fn a_forced_charge_counts_past_the_limit_until_it_fades() {
+        let l = lim(10, 60);
+        let c = check(&l, None, 0, 8);
+        assert!(c.allowed);
+        let state = force(&l, Some(c.new_state), SEC, 7);
+        // 15 counted in this window: denied for the rest of it.
+        assert!(!check(&l, Some(state), 59 * SEC, 1).allowed);
+        // In the next window the 15 fade: 1 passes once 15 × (60 − e) / 60 ≤ 9.
+        assert!(!check(&l, Some(state), 60 * SEC + 23 * SEC, 1).allowed);
+        assert!(check(&l, Some(state), 60 * SEC + 24 * SEC, 1).allowed);
+        let wait = check(&l, Some(state), 59 * SEC, 1).retry_after_ns;
+        assert_eq!(wait, SEC + 24 * SEC);
     }
 
     #[test]

@@ -16,6 +16,10 @@ pub struct Limit {
     /// graduated rule, whose requests past 100% are delayed, not denied.
     /// Remaining counts only up to `capacity`.
     pub burst: u64,
+    /// Tokens a settlement from the response may leave the bucket owing
+    /// (0 for a rule charged only up front). A bucket in debt denies until
+    /// the debt and the next request's cost have refilled.
+    pub debt: u64,
 }
 
 /// What one check of one bucket found.
@@ -40,6 +44,7 @@ impl Limit {
             capacity,
             period_ns,
             burst: capacity,
+            debt: 0,
         }
     }
 
@@ -78,9 +83,10 @@ impl Limit {
     pub fn check(&self, tat: Option<u128>, now_ns: u64, cost: u64) -> Check {
         let now = self.scaled(now_ns);
         let tolerance = self.tolerance();
-        // A TAT more than a full bucket ahead only comes from a clock that stepped
-        // back: it reads as an empty bucket, never as emptier than empty.
-        let tat = tat.map_or(now, |t| t.clamp(now, now.saturating_add(tolerance)));
+        // A TAT more than a full bucket and the debt bound ahead only comes
+        // from a clock that stepped back: it reads as an empty bucket in the
+        // most debt it may hold, never as emptier than that.
+        let tat = tat.map_or(now, |t| t.clamp(now, self.ceiling(now)));
         let used = tat - now;
         let need = used + self.increment(cost);
         if need <= tolerance {
@@ -106,6 +112,23 @@ impl Limit {
                 retry_after_ns: u64::try_from(retry).unwrap_or(u64::MAX),
             }
         }
+    }
+
+    /// The furthest a TAT may lie ahead of `now` (scaled): a full bucket's
+    /// worth, plus the debt a settlement may leave.
+    fn ceiling(&self, now: u128) -> u128 {
+        now.saturating_add(self.tolerance())
+            .saturating_add(self.increment(self.debt))
+    }
+
+    /// The TAT after `cost` more tokens are spent whatever the bucket holds
+    /// (a settlement of a response that cost more than was reserved): the
+    /// bucket may go into debt, up to [`Limit::debt`] tokens.
+    pub fn force(&self, tat: Option<u128>, now_ns: u64, cost: u64) -> u128 {
+        let now = self.scaled(now_ns);
+        let ceiling = self.ceiling(now);
+        let from = tat.map_or(now, |t| t.clamp(now, ceiling));
+        from.saturating_add(self.increment(cost)).min(ceiling)
     }
 
     /// Nanoseconds (rounded up) at which a bucket with this TAT is full again.
@@ -289,6 +312,36 @@ mod tests {
         assert!((share - 1.2).abs() < 1e-9, "{share}");
     }
 
+    #[test]
+    fn a_forced_charge_leaves_a_debt_that_denies_until_it_has_refilled() {
+        // 1,000 per minute: a token every 60 ms.
+        let l = Limit {
+            debt: 5000,
+            ..lim(1000, 60)
+        };
+        let c = l.check(None, SEC, 900);
+        assert!(c.allowed);
+        let tat = l.force(Some(c.new_state), SEC, 200);
+        // 100 in debt: a request of 100 waits for 200 tokens.
+        let denied = l.check(Some(tat), SEC, 100);
+        assert!(!denied.allowed);
+        assert_eq!(denied.remaining, 0);
+        assert_eq!(denied.retry_after_ns, 200 * 60_000_000);
+        assert!(!l.check(Some(tat), SEC + 12 * SEC - 1, 100).allowed);
+        let ok = l.check(Some(tat), SEC + 12 * SEC, 100);
+        assert!(ok.allowed);
+        assert_eq!(ok.remaining, 0);
+        // The debt is bounded: a full bucket and `debt` tokens at most.
+        let deep = l.force(Some(tat), SEC, 1_000_000);
+        assert_eq!(deep, l.scaled(SEC) + l.increment(1000 + 5000));
+        // Without a debt bound a forced charge only empties the bucket.
+        let plain = lim(1000, 60);
+        assert_eq!(
+            plain.force(None, SEC, 5000),
+            plain.scaled(SEC) + plain.increment(1000)
+        );
+    }
+
     /// Runs a sequence, storing the TAT on admission, and returns the admitted cost.
     fn run(limit: Limit, calls: &[(u64, u64)]) -> u64 {
         let mut tat = None;
@@ -422,7 +475,7 @@ mod tests {
             tat in proptest::option::of(any::<u128>()),
             cost in prop_oneof![0u64..10, 0u64..=1_000_000],
         ) {
-            let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)) };
+            let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)), debt: 0 };
             let c = l.check(tat, now, cost);
             prop_assert_eq!(l.full_at_ns(c.new_state), now.saturating_add(c.reset_ns));
         }
@@ -439,7 +492,7 @@ mod tests {
             tat in proptest::option::of(any::<u128>()),
             cost in prop_oneof![0u64..10, 0u64..=1_000_000],
         ) {
-            let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)) };
+            let l = Limit { capacity, period_ns, burst: capacity.saturating_mul(extra.max(1)), debt: 0 };
             let c = l.check(tat, now, cost);
             let now_s = l.scaled(now);
             let tolerance = l.tolerance();

@@ -46,14 +46,15 @@ impl Plan {
 
     /// Finds the cost and the buckets of every rule and quota that applies to `req`.
     pub fn evaluate(&self, req: &RequestInfo) -> Evaluation {
-        let cost = self
+        let (cost, cost_meter) = self
             .costs
             .iter()
-            .find(|(m, _)| m.matches(req))
-            .map_or(1, |(_, c)| *c);
+            .find(|(m, _, _)| m.matches(req))
+            .map_or((1, None), |(_, c, meter)| (*c, *meter));
         let (client_id, known, tier) = self.client(req);
         let mut eval = Evaluation {
             cost,
+            cost_meter,
             soft: known.is_some_and(|k| k.soft),
             unlimited: known.is_some_and(|k| k.unlimited)
                 || tier

@@ -6,8 +6,8 @@ use super::key::{self, BadInput, IpSource, KeyPart};
 use super::matcher::Matcher;
 use super::request::HeaderId;
 use crate::config::{
-    self, Circuit, Config, FailureMode, HeaderStyle, LimitSpec, Mode, OnError, Period, QuotaCount,
-    Rule, Scope,
+    self, Circuit, Config, CostFrom, FailureMode, HeaderStyle, LimitSpec, Mode, OnError, Period,
+    QuotaCount, Rule, Scope, StatusMatch,
 };
 use crate::limits::algorithm::Algorithm;
 use crate::limits::limiter::{Bucket, GraduatedPlan, RuleLimits, Rules};
@@ -81,6 +81,10 @@ pub struct RulePlan {
     pub fallback: Option<usize>,
     /// True for the local stand-in of a global rule.
     pub stand_in: bool,
+    /// Its own `cost_from`: an index into [`Plan::meters`].
+    pub meter: Option<usize>,
+    /// Statuses whose responses keep the charge; `None`: every status.
+    pub charge_on: Option<Vec<StatusMatch>>,
     pub(super) tier_variant: Vec<usize>,
     pub(super) matcher: Option<Matcher>,
     pub(super) key: Vec<KeyPart>,
@@ -127,11 +131,70 @@ pub struct QuotaBucket {
     pub amount: u64,
 }
 
+/// How a request's real cost is read from its response (`cost_from`).
+#[derive(Debug, Clone)]
+pub struct MeterPlan {
+    /// Where the cost is.
+    pub source: MeterSource,
+    /// Charged when the request arrives.
+    pub reserve: u64,
+    /// The most one response charges.
+    pub max: u64,
+}
+
+/// Where a [`MeterPlan`] reads the cost.
+#[derive(Debug, Clone)]
+pub enum MeterSource {
+    /// A response header holding a decimal integer (lower-case name).
+    Header(String),
+    /// Values in the JSON body or the SSE events.
+    Body(crate::usage::Meter),
+}
+
+/// Most tokens of debt a settlement may leave in a bucket, in responses of
+/// `max` each: the bound of what concurrent requests can overrun together
+/// before the rest is forgiven.
+pub const DEBT_OVERRUNS: u64 = 1024;
+
+impl MeterPlan {
+    fn compile(from: &CostFrom) -> MeterPlan {
+        let terms = match (&from.header, &from.json, from.preset) {
+            (Some(h), _, _) => {
+                return MeterPlan {
+                    source: MeterSource::Header(h.to_ascii_lowercase()),
+                    reserve: from.reserve,
+                    max: from.max,
+                }
+            }
+            (None, Some(json), _) => json
+                .iter()
+                .map(|t| crate::usage::Term {
+                    any_of: vec![crate::usage::Path::from(&t.pointer)],
+                    weight: t.weight,
+                })
+                .collect(),
+            (None, None, Some(preset)) => crate::usage::preset::terms(preset),
+            (None, None, None) => Vec::new(),
+        };
+        MeterPlan {
+            source: MeterSource::Body(crate::usage::Meter {
+                terms,
+                max: from.max,
+                scan_limit: from.scan_limit,
+            }),
+            reserve: from.reserve,
+            max: from.max,
+        }
+    }
+}
+
 /// What the plan makes of one request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Evaluation {
     /// The request's cost from `costs` (rules may override it).
     pub cost: u64,
+    /// The `costs` entry's `cost_from` that set `cost`: an index into [`Plan::meters`].
+    pub cost_meter: Option<usize>,
     /// The buckets of every matching, enforced local rule.
     pub buckets: Vec<Bucket>,
     /// The buckets of matching shadow rules (or every local rule for a soft client).
@@ -286,7 +349,12 @@ pub struct Plan {
     pub global: Option<GlobalPlan>,
     /// The configuration's domain.
     pub domain: String,
-    pub(super) costs: Vec<(Matcher, u64)>,
+    /// Every `cost_from`: the rules' own, then the `costs` entries'.
+    pub meters: Vec<MeterPlan>,
+    /// Some rule is settled from its response (`cost_from`, `charge_on`):
+    /// only then does an admitted request keep state for its response.
+    pub settling: bool,
+    pub(super) costs: Vec<(Matcher, u64, Option<usize>)>,
     pub(super) identity: IdentityPlan,
     /// Rules a request may charge locally (neither global nor a stand-in):
     /// the most buckets an evaluation holds, to size its list once.
@@ -385,11 +453,30 @@ fn rule_plans(
     h: &mut Headers,
     identity: &mut IdentityPlan,
     keys: (u64, u64),
+    meters: &mut Vec<MeterPlan>,
 ) -> Vec<RulePlan> {
     let mut rules = Vec::with_capacity(config.rules.len());
     let mut stand_ins = Vec::new();
+    // The largest `max` of the `costs` entries read from the response: the
+    // debt a rule without its own cost may be left with.
+    let costs_max = config
+        .costs
+        .iter()
+        .filter_map(|c| c.cost_from.as_ref().map(|f| f.max))
+        .max();
     for (rule_index, rule) in config.rules.iter().enumerate() {
-        let (base, stand_in) = rule_plan(config, rule, rule_index, h, identity, keys);
+        let meter = rule.cost_from.as_ref().map(|from| {
+            meters.push(MeterPlan::compile(from));
+            meters.len() - 1
+        });
+        let max = match (&rule.cost_from, rule.cost) {
+            (Some(from), _) => Some(from.max),
+            (None, None) => costs_max,
+            (None, Some(_)) => None,
+        };
+        let debt = max.map_or(0, |m| m.saturating_mul(DEBT_OVERRUNS));
+        let (mut base, stand_in) = rule_plan(config, rule, rule_index, h, identity, keys, debt);
+        base.meter = meter;
         if let Some(stand_in) = stand_in {
             stand_ins.push((rules.len(), stand_in));
         }
@@ -415,9 +502,15 @@ fn rule_plan(
     h: &mut Headers,
     identity: &mut IdentityPlan,
     keys: (u64, u64),
+    debt: u64,
 ) -> (RulePlan, Option<RulePlan>) {
     let key = h.key(&rule.key);
-    let maker = VariantMaker { config, rule, keys };
+    let maker = VariantMaker {
+        config,
+        rule,
+        keys,
+        debt,
+    };
     let (specs, tier_variant) = limit_sets(config, rule, rule_index, identity);
     let graduated = rule.graduated.as_ref().map(|g| GraduatedPlan {
         warn_at: g.warn_at,
@@ -432,11 +525,13 @@ fn rule_plan(
         algorithm: rule.algorithm,
         scope: rule.scope,
         shadow: rule.mode == Mode::Shadow,
-        cost: rule.cost,
+        cost: rule.cost.or(rule.cost_from.as_ref().map(|f| f.reserve)),
         graduated,
         variants: specs.iter().map(|s| maker.make(s, 1)).collect(),
         fallback: None,
         stand_in: false,
+        meter: None,
+        charge_on: rule.charge_on.clone(),
         tier_variant,
         matcher: rule
             .matches
@@ -566,6 +661,8 @@ struct VariantMaker<'a> {
     config: &'a Config,
     rule: &'a Rule,
     keys: (u64, u64),
+    /// Tokens of debt a settlement may leave ([`DEBT_OVERRUNS`] responses).
+    debt: u64,
 }
 
 impl VariantMaker<'_> {
@@ -589,6 +686,7 @@ impl VariantMaker<'_> {
                     capacity,
                     period_ns,
                     burst: burst.max(capacity),
+                    debt: self.debt,
                 };
                 (limit, period_ns.div_ceil(1_000_000_000))
             })
@@ -627,13 +725,25 @@ impl Plan {
         let mut h = Headers(vec![":method".into(), ":path".into()]);
         let keys = split_seed(seed);
         let mut identity = identity_plan(config, &mut h);
-        let rules = rule_plans(config, &mut h, &mut identity, keys);
+        let mut meters = Vec::new();
+        let rules = rule_plans(config, &mut h, &mut identity, keys, &mut meters);
         let quotas = quota_plans(config, &mut h, &mut identity);
-        let costs: Vec<(Matcher, u64)> = config
+        let costs: Vec<(Matcher, u64, Option<usize>)> = config
             .costs
             .iter()
-            .map(|c| (Matcher::compile(&c.matches, |n| h.id(n)), c.cost))
+            .map(|c| {
+                let meter = c.cost_from.as_ref().map(|from| {
+                    meters.push(MeterPlan::compile(from));
+                    meters.len() - 1
+                });
+                (
+                    Matcher::compile(&c.matches, |n| h.id(n)),
+                    c.upfront(),
+                    meter,
+                )
+            })
             .collect();
+        let settling = !meters.is_empty() || rules.iter().any(|r| r.charge_on.is_some());
         let id = &config.identity;
         let (header_needed, source) = reads(
             h.0.len(),
@@ -667,6 +777,8 @@ impl Plan {
             table: Layout::new(&config.domain, config.max_buckets),
             global: config.global.as_ref().map(|g| global_plan(config, g, keys)),
             domain: config.domain.clone(),
+            meters,
+            settling,
             costs,
             identity,
         }
@@ -675,6 +787,18 @@ impl Plan {
     /// The limits of a bucket's rule and variant.
     pub fn limits(&self, rule: usize, variant: usize) -> &[(Limit, u64)] {
         self.rules.get(rule).map_or(&[], |r| r.limits(variant))
+    }
+
+    /// The meter that settles a bucket of `rule`: the rule's own
+    /// `cost_from`, or the request's `costs` entry's when the rule has no
+    /// cost of its own (`cost_meter`, from [`Evaluation::cost_meter`]).
+    pub fn meter_of(&self, rule: usize, cost_meter: Option<usize>) -> Option<usize> {
+        let r = self.rules.get(rule)?;
+        match (r.meter, r.cost) {
+            (Some(m), _) => Some(m),
+            (None, None) => cost_meter,
+            (None, Some(_)) => None,
+        }
     }
 }
 
@@ -740,7 +864,7 @@ fn reads(
     tier_from_header: bool,
     rules: &[RulePlan],
     quotas: &[QuotaPlan],
-    costs: &[(Matcher, u64)],
+    costs: &[(Matcher, u64, Option<usize>)],
 ) -> (Vec<bool>, SourceNeed) {
     let mut needed = vec![false; headers];
     let mut mark = |id: HeaderId| {
@@ -772,7 +896,7 @@ fn reads(
         .iter()
         .filter_map(|r| r.matcher.as_ref())
         .chain(quotas.iter().filter_map(|q| q.matcher.as_ref()))
-        .chain(costs.iter().map(|(m, _)| m));
+        .chain(costs.iter().map(|(m, _, _)| m));
     for m in matchers {
         m.reads().for_each(&mut mark);
     }

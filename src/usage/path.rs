@@ -3,11 +3,11 @@
 
 /// The most segments a [`Path`] may have: the scanner keeps one frame per
 /// segment, so this bounds its state.
-pub const MAX_SEGMENTS: usize = 16;
+pub const MAX_SEGMENTS: usize = MAX_POINTER_SEGMENTS;
 
 /// The longest segment a [`Path`] may have, in bytes: the scanner keeps at
 /// most this many bytes (plus one) of a key.
-pub const MAX_SEGMENT_BYTES: usize = 128;
+pub const MAX_SEGMENT_BYTES: usize = MAX_SEGMENT_LEN;
 
 /// A JSON Pointer (RFC 6901), already split and unescaped (`~1` → `/`,
 /// `~0` → `~`): `"/usage/total_tokens"` is `[b"usage", b"total_tokens"]`,
@@ -15,37 +15,14 @@ pub const MAX_SEGMENT_BYTES: usize = 128;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Path(pub Vec<Vec<u8>>);
 
+use crate::config::usage::{JsonPointer, MAX_POINTER_SEGMENTS, MAX_SEGMENT_LEN};
+
 impl Path {
-    /// Parses a JSON Pointer: empty, or `/`-separated segments with `~0` and
-    /// `~1` the only escapes; at most [`MAX_SEGMENTS`] segments of at most
+    /// Parses a JSON Pointer with the configuration's parser (the one that
+    /// validates `cost_from`): at most [`MAX_SEGMENTS`] segments of at most
     /// [`MAX_SEGMENT_BYTES`] bytes each.
     pub fn parse(s: &str) -> Result<Path, String> {
-        if s.is_empty() {
-            return Ok(Path(Vec::new()));
-        }
-        let Some(rest) = s.strip_prefix('/') else {
-            return Err(format!(
-                "JSON pointer {s:?} must be empty or start with '/'"
-            ));
-        };
-        let mut segments = Vec::new();
-        for raw in rest.split('/') {
-            if segments.len() == MAX_SEGMENTS {
-                return Err(format!(
-                    "JSON pointer {s:?} has more than {MAX_SEGMENTS} segments"
-                ));
-            }
-            let segment = unescape(raw).ok_or_else(|| {
-                format!("JSON pointer {s:?}: '~' must be followed by '0' or '1' in {raw:?}")
-            })?;
-            if segment.len() > MAX_SEGMENT_BYTES {
-                return Err(format!(
-                    "JSON pointer {s:?}: segment {raw:?} is longer than {MAX_SEGMENT_BYTES} bytes"
-                ));
-            }
-            segments.push(segment);
-        }
-        Ok(Path(segments))
+        JsonPointer::parse(s).map(|p| Path::from(&p))
     }
 
     /// Whether the path is within the bounds [`Path::parse`] enforces (the
@@ -56,21 +33,10 @@ impl Path {
     }
 }
 
-/// One segment with `~1` → `/` and `~0` → `~`; `None` on any other `~`.
-fn unescape(raw: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(raw.len());
-    let mut bytes = raw.bytes();
-    while let Some(b) = bytes.next() {
-        out.push(match b {
-            b'~' => match bytes.next()? {
-                b'0' => b'~',
-                b'1' => b'/',
-                _ => return None,
-            },
-            _ => b,
-        });
+impl From<&JsonPointer> for Path {
+    fn from(p: &JsonPointer) -> Path {
+        Path(p.0.iter().map(|s| s.as_bytes().to_vec()).collect())
     }
-    Some(out)
 }
 
 /// The array index a segment names: `0` or decimal digits without a leading

@@ -91,20 +91,20 @@ fn fixture(name: &str) -> Vec<u8> {
 fn each_preset_charges_the_exact_sum_of_its_fixtures() {
     let cases = [
         (
-            Preset::OpenAiChat,
+            Preset::OpenaiChat,
             "openai_chat.json",
             Framing::Json,
             1117 + 46,
         ),
-        (Preset::OpenAiChat, "openai_chat.sse", Framing::Sse, 19 + 10),
+        (Preset::OpenaiChat, "openai_chat.sse", Framing::Sse, 19 + 10),
         (
-            Preset::OpenAiResponses,
+            Preset::OpenaiResponses,
             "openai_responses.json",
             Framing::Json,
             36 + 87,
         ),
         (
-            Preset::OpenAiResponses,
+            Preset::OpenaiResponses,
             "openai_responses.sse",
             Framing::Sse,
             37 + 11,
@@ -123,7 +123,7 @@ fn each_preset_charges_the_exact_sum_of_its_fixtures() {
         ),
     ];
     for (preset, name, framing, cost) in cases {
-        let m = meter(preset.terms());
+        let m = meter(preset::terms(preset));
         assert_eq!(
             everywhere(&m, framing, &fixture(name)),
             found(cost),
@@ -136,7 +136,7 @@ fn each_preset_charges_the_exact_sum_of_its_fixtures() {
 fn a_stream_cut_before_its_usage_is_missing() {
     let body = fixture("openai_chat.sse");
     let cut = body.len() - 300;
-    let m = meter(Preset::OpenAiChat.terms());
+    let m = meter(preset::terms(Preset::OpenaiChat));
     assert_eq!(
         whole(&m, Framing::Sse, body.get(..cut).unwrap()),
         Usage::Missing
@@ -150,7 +150,7 @@ fn a_stream_cut_before_its_usage_is_missing() {
 
 #[test]
 fn anthropic_input_tokens_come_from_the_last_event_that_has_them() {
-    let m = meter(Preset::AnthropicMessages.terms());
+    let m = meter(preset::terms(Preset::AnthropicMessages));
     let body = "event: message_start\n\
         data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n\
         event: message_delta\n\
@@ -544,7 +544,7 @@ fn hostile(m: &Meter, framing: Framing, chunks: impl Iterator<Item = Vec<u8>>) -
 
 #[test]
 fn hostile_bodies_keep_the_state_bounded() {
-    let m = meter(Preset::OpenAiChat.terms());
+    let m = meter(preset::terms(Preset::OpenaiChat));
     let usage = b"{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}";
     let last = format!("\n\ndata: {}\n\n", String::from_utf8_lossy(usage)).into_bytes();
     // A 1 MiB data line (one JSON string), then the usage.
@@ -600,7 +600,7 @@ fn nested(
 
 #[test]
 fn deep_nesting_keeps_the_state_bounded() {
-    let m = meter(Preset::OpenAiChat.terms());
+    let m = meter(preset::terms(Preset::OpenaiChat));
     for depth in [10_000, 1_000_000] {
         assert_eq!(
             hostile(&m, Framing::Json, nested(depth, b"[", b"]")),

@@ -53,6 +53,9 @@ pub struct EnvoyOptions {
     pub vm_env: Vec<(String, String)>,
     /// TLS (and a client certificate) on the `ratelimit_gateway` cluster.
     pub gateway_tls: Option<GatewayTls>,
+    /// Port of an outside upstream (a [`crate::Upstream`]) behind the
+    /// `upstream` cluster, in place of the template's built-in one.
+    pub upstream_port: Option<u16>,
 }
 
 /// An `UpstreamTlsContext` on the `ratelimit_gateway` cluster.
@@ -83,7 +86,15 @@ impl EnvoyOptions {
             component_log_level: "wasm:debug".to_string(),
             vm_env: Vec::new(),
             gateway_tls: None,
+            upstream_port: None,
         }
+    }
+
+    /// Sends the routed requests to the upstream on 127.0.0.1:`port`
+    /// instead of the template's built-in listener (which is left out).
+    pub fn upstream_port(mut self, port: u16) -> Self {
+        self.upstream_port = Some(port);
+        self
     }
 
     /// Sets an environment variable of the wasm VM.
@@ -231,7 +242,7 @@ impl Envoy {
             },
         };
         let mut rendered = render_file(&template, &vars)?;
-        if !opts.vm_env.is_empty() || opts.gateway_tls.is_some() {
+        if !opts.vm_env.is_empty() || opts.gateway_tls.is_some() || opts.upstream_port.is_some() {
             rendered = customize(&rendered, &opts)?;
         }
         let config_path = dir.path().join("envoy.yaml");
@@ -494,6 +505,30 @@ fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
             .as_mapping_mut()
             .context("the gateway cluster is not a mapping")?
             .insert("transport_socket".into(), Value::Mapping(socket));
+    }
+    if let Some(port) = opts.upstream_port {
+        let listeners = at(&mut doc, &["static_resources", "listeners"])?
+            .as_sequence_mut()
+            .context("listeners is not a list")?;
+        listeners.retain(|l| l.get("name").and_then(|n| n.as_str()) != Some("upstream"));
+        let clusters = at(&mut doc, &["static_resources", "clusters"])?;
+        let address = at(
+            named(clusters, "upstream")?,
+            &[
+                "load_assignment",
+                "endpoints",
+                "0",
+                "lb_endpoints",
+                "0",
+                "endpoint",
+                "address",
+                "socket_address",
+            ],
+        )?;
+        address
+            .as_mapping_mut()
+            .context("the upstream address is not a mapping")?
+            .insert("port_value".into(), Value::from(port));
     }
     serde_norway::to_string(&doc).context("writing the customized template")
 }

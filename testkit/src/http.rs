@@ -227,10 +227,12 @@ impl Client {
                 )
             })
             .collect();
-        let body = resp
+        // Bytes, read as lossy UTF-8: a compressed body is not text.
+        let bytes = resp
             .body_mut()
-            .read_to_string()
+            .read_to_vec()
             .with_context(|| format!("reading the body of {}", what()))?;
+        let body = String::from_utf8_lossy(&bytes).into_owned();
         Ok(Response {
             status,
             headers,

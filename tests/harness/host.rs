@@ -68,6 +68,8 @@ pub(crate) struct StreamState {
     pub response_headers: Option<Pairs>,
     pub resp_map_held: bool,
     pub response_body: Vec<u8>,
+    /// The chunk `proxy_on_response_body` is called with, while it is.
+    pub body_chunk: Option<Vec<u8>>,
     pub access_log_phase: bool,
     pub phase: StreamPhase,
     pub request_action: Option<Action>,
@@ -94,6 +96,7 @@ impl StreamState {
             response_headers: None,
             resp_map_held: false,
             response_body: Vec::new(),
+            body_chunk: None,
             access_log_phase: false,
             phase: StreamPhase::Created,
             request_action: None,
@@ -1069,7 +1072,11 @@ fn buffer(c: &C<'_>, ty: i32) -> Option<Vec<u8>> {
         7 if h.plugin_config_available => Some(h.inner().opts.plugin_config.clone()),
         6 => Some(h.inner().opts.vm_config.clone()),
         4 => h.http_call_response.as_ref().map(|r| r.body.clone()),
-        1 => h.active_stream().map(|s| s.response_body.clone()),
+        1 => h.active_stream().map(|s| {
+            s.body_chunk
+                .clone()
+                .unwrap_or_else(|| s.response_body.clone())
+        }),
         _ => None,
     }
 }

@@ -313,6 +313,9 @@ pub struct Upstream {
     /// Extra response headers (after `:status`).
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Vec<u8>,
+    /// When not empty, the body as `proxy_on_response_body` sees it, one
+    /// call per chunk (else the whole `body` in one call, when not empty).
+    pub chunks: Vec<Vec<u8>>,
 }
 
 impl Default for Upstream {
@@ -321,7 +324,29 @@ impl Default for Upstream {
             status: 200,
             headers: Vec::new(),
             body: Vec::new(),
+            chunks: Vec::new(),
         }
+    }
+}
+
+impl Upstream {
+    /// `status` with `body`, delivered in one chunk.
+    pub fn new(status: u16, body: impl AsRef<[u8]>) -> Self {
+        Upstream {
+            status,
+            body: body.as_ref().to_vec(),
+            ..Upstream::default()
+        }
+    }
+    pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
+        self.headers
+            .push((name.to_ascii_lowercase(), value.as_ref().to_vec()));
+        self
+    }
+    /// The body cut into pieces of `size` bytes (the last may be shorter).
+    pub fn chunked(mut self, size: usize) -> Self {
+        self.chunks = self.body.chunks(size.max(1)).map(<[u8]>::to_vec).collect();
+        self
     }
 }
 
@@ -1163,6 +1188,38 @@ impl Harness {
         }
     }
 
+    /// The upstream's body through `proxy_on_response_body`, chunk by
+    /// chunk, as Envoy streams a body the filter does not buffer.
+    fn deliver_body(&self, id: StreamId) {
+        let chunks = self.with_stream(id, |s| {
+            let up = s.upstream.clone().unwrap_or_default();
+            match (up.chunks.is_empty(), up.body.is_empty()) {
+                (false, _) => up.chunks,
+                (true, false) => vec![up.body],
+                (true, true) => Vec::new(),
+            }
+        });
+        let n = chunks.len();
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let len = chunk.len() as i32;
+            let live = self.with_stream(id, |s| {
+                s.body_chunk = Some(chunk);
+                s.phase == StreamPhase::Completing && !s.cancelled
+            });
+            if !live {
+                break;
+            }
+            let eos = (i + 1 == n) as i32;
+            self.invoke::<(i32, i32, i32), i32>(
+                id.worker,
+                id.context_id,
+                "proxy_on_response_body",
+                (id.context_id as i32, len, eos),
+            );
+        }
+        self.with_stream(id, |s| s.body_chunk = None);
+    }
+
     /// Moves a stream forward as far as it goes without outside input.
     fn drive(&self, id: StreamId) {
         let w = id.worker;
@@ -1206,18 +1263,23 @@ impl Harness {
                         )
                         .map(Action::from_i32)
                         .unwrap_or(Action::Continue);
-                    self.with_stream(id, |s| {
+                    let body_next = self.with_stream(id, |s| {
                         if s.phase != StreamPhase::ResponseHeaders {
-                            return; // a local reply or reset happened meanwhile
+                            return false; // a local reply or reset happened meanwhile
                         }
                         s.response_action = Some(action);
                         if action == Action::Continue {
                             s.resp_map_held = false;
                             s.phase = StreamPhase::Completing;
+                            phase == StreamPhase::UpstreamResponse
                         } else {
                             s.phase = StreamPhase::ResponsePaused;
+                            false
                         }
                     });
+                    if body_next {
+                        self.deliver_body(id);
+                    }
                 }
                 StreamPhase::Forwarding => {
                     self.with_stream(id, |s| {

@@ -1,0 +1,327 @@
+//! What an admitted request settles once its response is known: a rule
+//! with `charge_on` gives its charge back for a status it does not charge
+//! (or a stream that ended before its response), and a charge read from the
+//! response (`cost_from`) moves from the reservation to the real cost, at
+//! most `max`: the difference is charged, which may leave the bucket in
+//! debt, or refunded. The response's headers and body are never held for it:
+//! the body is scanned chunk by chunk as it passes.
+
+use super::*;
+use crate::config::StatusMatch;
+use crate::policy::plan::MeterSource;
+use crate::usage::{Framing, Scan, Usage};
+
+/// The response's headers as the host has them.
+pub trait ResponseHeaders {
+    /// The value of header `name` (lower-case; `:status` for the status).
+    fn header(&self, name: &str) -> Option<Vec<u8>>;
+}
+
+/// A request's charges still open to settlement, from its admission to the
+/// end of its stream.
+#[derive(Debug)]
+pub struct Settlement {
+    lines: Vec<Line>,
+    at_ns: u64,
+    /// The body scans under way: a meter's index and its scan.
+    scans: Vec<(usize, Scan)>,
+    phase: Phase,
+}
+
+/// One bucket the request was charged, and how it settles.
+#[derive(Debug)]
+struct Line {
+    bucket: Bucket,
+    /// The meter reading its real cost; `None` for a cost fixed up front.
+    meter: Option<usize>,
+    settled: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// No response yet.
+    Waiting,
+    /// The body is being scanned.
+    Body,
+    /// Everything is settled.
+    Done,
+}
+
+impl Settlement {
+    /// The settlement of an admitted request's charge `held`, or `None`
+    /// when none of its buckets settles from the response.
+    pub fn new(plan: &Plan, held: &Held) -> Option<Box<Settlement>> {
+        let lines: Vec<Line> = held
+            .buckets
+            .iter()
+            .filter_map(|b| {
+                let meter = plan.meter_of(b.rule, held.cost_meter);
+                let charge_on = plan
+                    .rules
+                    .get(b.rule)
+                    .is_some_and(|r| r.charge_on.is_some());
+                (meter.is_some() || charge_on).then_some(Line {
+                    bucket: *b,
+                    meter,
+                    settled: false,
+                })
+            })
+            .collect();
+        (!lines.is_empty()).then(|| {
+            Box::new(Settlement {
+                lines,
+                at_ns: held.at_ns,
+                scans: Vec::new(),
+                phase: Phase::Waiting,
+            })
+        })
+    }
+
+    /// Whether the response body should be fed to [`Settlement::body`].
+    pub fn wants_body(&self) -> bool {
+        self.phase == Phase::Body
+    }
+
+    /// Response headers: refunds the rules whose `charge_on` leaves this
+    /// status out, settles costs read from a header, and starts a scan of
+    /// the body for the rest.
+    pub fn response_headers(
+        &mut self,
+        plan: &Plan,
+        head: &impl ResponseHeaders,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> Counts {
+        let mut counts = Counts::default();
+        if self.phase != Phase::Waiting {
+            return counts;
+        }
+        let status = head
+            .header(":status")
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
+        self.refund_uncharged(plan, store, status, &mut counts);
+        let meters = self.open_meters();
+        for m in meters {
+            match plan.meters.get(m).map(|p| &p.source) {
+                Some(MeterSource::Header(name)) => {
+                    let usage = head
+                        .header(name)
+                        .map_or(Usage::Missing, |v| header_usage(&v, plan, m));
+                    self.settle(plan, m, usage, store, now_ns, &mut counts);
+                }
+                Some(MeterSource::Body(meter)) => match framing(head) {
+                    Ok(f) => self.scans.push((m, Scan::new(meter, f))),
+                    Err(()) => {
+                        counts.add(Metric::UsageCompressed, 1);
+                        self.keep_reserve(m);
+                    }
+                },
+                None => self.keep_reserve(m),
+            }
+        }
+        self.phase = if self.scans.is_empty() {
+            Phase::Done
+        } else {
+            Phase::Body
+        };
+        counts
+    }
+
+    /// A chunk of the response body; `end` when it is the last.
+    pub fn body(
+        &mut self,
+        plan: &Plan,
+        chunk: &[u8],
+        end: bool,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> Counts {
+        if self.phase != Phase::Body {
+            return Counts::default();
+        }
+        for (m, scan) in &mut self.scans {
+            if let Some(MeterSource::Body(meter)) = plan.meters.get(*m).map(|p| &p.source) {
+                scan.feed(meter, chunk);
+            }
+        }
+        if end {
+            self.finish_scans(plan, store, now_ns)
+        } else {
+            Counts::default()
+        }
+    }
+
+    /// The end of the stream: a request that never saw its response gives
+    /// back the charge of its `charge_on` rules; a scan still under way (the
+    /// body ended early) settles on what it found.
+    pub fn end(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Counts {
+        let mut counts = Counts::default();
+        match self.phase {
+            Phase::Waiting => {
+                self.refund_uncharged(plan, store, None, &mut counts);
+                if self.lines.iter().any(|l| !l.settled) {
+                    counts.add(Metric::UsageMissing, 1);
+                }
+            }
+            Phase::Body => counts = self.finish_scans(plan, store, now_ns),
+            Phase::Done => {}
+        }
+        self.phase = Phase::Done;
+        counts
+    }
+
+    fn finish_scans(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Counts {
+        let mut counts = Counts::default();
+        for (m, scan) in std::mem::take(&mut self.scans) {
+            let usage = match plan.meters.get(m).map(|p| &p.source) {
+                Some(MeterSource::Body(meter)) => scan.finish(meter),
+                _ => Usage::Missing,
+            };
+            self.settle(plan, m, usage, store, now_ns, &mut counts);
+        }
+        self.phase = Phase::Done;
+        counts
+    }
+
+    /// The meters that still have lines to settle, each once.
+    fn open_meters(&self) -> Vec<usize> {
+        let mut meters: Vec<usize> = self
+            .lines
+            .iter()
+            .filter(|l| !l.settled)
+            .filter_map(|l| l.meter)
+            .collect();
+        meters.sort_unstable();
+        meters.dedup();
+        meters
+    }
+
+    /// Gives back the charge of every rule whose `charge_on` does not hold
+    /// `status` (`None`: no response came, which no `charge_on` holds).
+    fn refund_uncharged(
+        &mut self,
+        plan: &Plan,
+        store: &impl SharedStore,
+        status: Option<u16>,
+        counts: &mut Counts,
+    ) {
+        let uncharged = |rule: usize| {
+            plan.rules
+                .get(rule)
+                .and_then(|r| r.charge_on.as_ref())
+                .is_some_and(|on| {
+                    !status.is_some_and(|s| on.iter().any(|m: &StatusMatch| m.matches(s)))
+                })
+        };
+        let mut back = Vec::new();
+        for line in self
+            .lines
+            .iter_mut()
+            .filter(|l| !l.settled && uncharged(l.bucket.rule))
+        {
+            line.settled = true;
+            back.push(line.bucket);
+        }
+        if back.is_empty() {
+            return;
+        }
+        counts.add(Metric::ChargeRefunded, 1);
+        if limiter::refund(store, plan, &back, self.at_ns).is_err() {
+            counts.add(Metric::Errors, 1);
+        }
+    }
+
+    /// The lines of meter `m` keep what was reserved.
+    fn keep_reserve(&mut self, m: usize) {
+        for line in self.lines.iter_mut().filter(|l| l.meter == Some(m)) {
+            line.settled = true;
+        }
+    }
+
+    /// Moves the lines of meter `m` from their reservation to what `usage`
+    /// says the response cost (the reservation when it says nothing).
+    fn settle(
+        &mut self,
+        plan: &Plan,
+        m: usize,
+        usage: Usage,
+        store: &impl SharedStore,
+        now_ns: u64,
+        counts: &mut Counts,
+    ) {
+        let cost = match usage {
+            Usage::Found { cost, capped } => {
+                counts.add(Metric::UsageSettled, 1);
+                if capped {
+                    counts.add(Metric::UsageCapped, 1);
+                }
+                cost
+            }
+            Usage::Missing => {
+                counts.add(Metric::UsageMissing, 1);
+                return self.keep_reserve(m);
+            }
+            Usage::OverLimit => {
+                counts.add(Metric::UsageOverScanLimit, 1);
+                return self.keep_reserve(m);
+            }
+        };
+        let (mut more, mut back) = (Vec::new(), Vec::new());
+        for line in self
+            .lines
+            .iter_mut()
+            .filter(|l| !l.settled && l.meter == Some(m))
+        {
+            line.settled = true;
+            let reserved = line.bucket.cost;
+            let delta = Bucket {
+                cost: cost.abs_diff(reserved),
+                ..line.bucket
+            };
+            match cost.cmp(&reserved) {
+                std::cmp::Ordering::Greater => more.push(delta),
+                std::cmp::Ordering::Less => back.push(delta),
+                std::cmp::Ordering::Equal => {}
+            }
+        }
+        let charged = more.is_empty() || limiter::charge_more(store, plan, &more, now_ns).is_ok();
+        let refunded = back.is_empty() || limiter::refund(store, plan, &back, self.at_ns).is_ok();
+        if !(charged && refunded) {
+            counts.add(Metric::Errors, 1);
+        }
+    }
+}
+
+/// The cost in a header: a decimal integer, capped at the meter's `max`.
+fn header_usage(value: &[u8], plan: &Plan, m: usize) -> Usage {
+    let max = plan.meters.get(m).map_or(0, |p| p.max);
+    let digits = value.trim_ascii();
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return Usage::Missing;
+    }
+    // Saturates: a value past u64 is past any max.
+    let n = digits.iter().fold(0u64, |n, d| {
+        n.saturating_mul(10).saturating_add(u64::from(d - b'0'))
+    });
+    Usage::Found {
+        cost: n.min(max),
+        capped: n > max,
+    }
+}
+
+/// How the body is framed, from its headers; `Err` for a compressed body,
+/// which is not scanned.
+fn framing(head: &impl ResponseHeaders) -> Result<Framing, ()> {
+    if let Some(enc) = head.header("content-encoding") {
+        if !enc.trim_ascii().eq_ignore_ascii_case(b"identity") {
+            return Err(());
+        }
+    }
+    let sse = head.header("content-type").is_some_and(|t| {
+        let t = t.trim_ascii();
+        t.len() >= 17
+            && t.get(..17)
+                .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+    });
+    Ok(if sse { Framing::Sse } else { Framing::Json })
+}

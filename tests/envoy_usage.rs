@@ -1,0 +1,186 @@
+//! Charging from the response behind a real Envoy 1.40 (`--concurrency 2`)
+//! and an upstream of our own (`testkit::Upstream`) serving JSON, SSE,
+//! chunked, gzip and failing responses: the reservation, the settlement to
+//! the usage the body reports (split across chunks), debt and its
+//! `Retry-After`, `max`, bodies without usage, and `charge_on`.
+
+use serde_json::{json, Value};
+use testkit::{Client, ConnectionMode, Envoy, EnvoyOptions, Reply, Upstream};
+
+fn config(rules: Value) -> String {
+    json!({
+        "domain": "usage-e2e",
+        "rules": rules,
+        "response": { "retry_jitter": 0 }
+    })
+    .to_string()
+}
+
+fn start(config: &str, upstream: &Upstream) -> Envoy {
+    Envoy::start(EnvoyOptions::new(config).upstream_port(upstream.port()))
+        .unwrap_or_else(|e| panic!("could not start Envoy: {e:#}"))
+}
+
+/// 1,000 tokens a minute per client, read with the OpenAI chat preset.
+fn tokens_per_minute() -> String {
+    config(json!([{
+        "name": "tokens", "key": ["client"],
+        "limits": [{"requests": 1000, "per": "1m"}],
+        "cost_from": {"preset": "openai_chat", "max": 4000, "reserve": 100}
+    }]))
+}
+
+/// A chat completion body reporting `prompt` + `completion` tokens.
+fn completion(prompt: u64, completion: u64) -> String {
+    json!({
+        "id": "chatcmpl-1", "object": "chat.completion", "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there, \"friend\"."},
+            "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+    })
+    .to_string()
+}
+
+/// A chat completion stream whose last event carries the usage, cut into
+/// chunks inside the JSON and inside `data:`.
+fn stream(prompt: u64, completion: u64) -> Reply {
+    let mut text = String::new();
+    for word in ["Hel", "lo", "!"] {
+        let chunk = json!({"id": "c", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": word}}], "usage": null});
+        text.push_str(&format!("data: {chunk}\n\n"));
+    }
+    let last = json!({"id": "c", "object": "chat.completion.chunk", "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}});
+    text.push_str(&format!("data: {last}\n\ndata: [DONE]\n\n"));
+    let bytes = text.into_bytes();
+    let cuts = [7, 3, 41, 2, 200, bytes.len() - 30, bytes.len() - 29];
+    let mut chunks = Vec::new();
+    let mut from = 0;
+    for cut in cuts {
+        let to = cut.clamp(from, bytes.len());
+        chunks.push(bytes[from..to].to_vec());
+        from = to;
+    }
+    chunks.push(bytes[from..].to_vec());
+    chunks.retain(|c| !c.is_empty());
+    Reply::sse(&[])
+        .chunks(chunks)
+        .header("content-type", "text/event-stream")
+}
+
+fn client(envoy: &Envoy) -> Client {
+    envoy.client(ConnectionMode::NewPerRequest)
+}
+
+fn metric(envoy: &Envoy, name: &str) -> u64 {
+    envoy.metric(name).expect("admin stats").unwrap_or(0.0) as u64
+}
+
+#[test]
+fn tokens_from_json_and_sse_bodies_put_the_client_in_debt_and_retry_after_covers_it() {
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/json300", Reply::json(completion(120, 180)));
+    upstream.route("/sse500", stream(200, 300));
+    upstream.route("/cheap", Reply::json(completion(1, 0)));
+    let envoy = start(&tokens_per_minute(), &upstream);
+    let c = client(&envoy);
+    let r = c.get_as("/json300", "ann");
+    assert_eq!(r.status, 200, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 900);
+    assert!(
+        r.body.contains("chatcmpl-1"),
+        "the body passes whole: {}",
+        r.body
+    );
+    let r = c.get_as("/json300", "ann");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 600);
+    let r = c.get_as("/sse500", "ann");
+    assert_eq!(r.status, 200);
+    assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 300);
+    // 1,100 spent: 100 in debt, and a reservation of 100 needs 200 tokens
+    // refilled at 60 ms each.
+    let r = c.get_as("/cheap", "ann");
+    assert_eq!(r.status, 429, "{r:#?}");
+    assert_eq!(r.int_header("retry-after"), 12);
+    assert_eq!(upstream.requests("/cheap"), 0);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 3);
+    // Another client is not touched.
+    assert_eq!(c.get_as("/cheap", "bob").status, 200);
+}
+
+#[test]
+fn bodies_without_usage_compressed_or_past_max_charge_what_they_must() {
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/none", Reply::json(r#"{"choices": []}"#));
+    upstream.route("/huge", Reply::json(completion(1_000_000_000_000, 0)));
+    upstream.route("/gzip", Reply::json(completion(500, 500)).gzip());
+    upstream.route("/zero", Reply::json(completion(0, 0)));
+    let envoy = start(
+        &config(json!([{
+            "name": "tokens", "key": ["client"],
+            "limits": [{"requests": 10000, "per": "1h"}],
+            "cost_from": {"preset": "openai_chat", "max": 4000, "reserve": 100}
+        }])),
+        &upstream,
+    );
+    let c = client(&envoy);
+    // Each response's headers show the reservation; the next one shows the settlement.
+    assert_eq!(
+        c.get_as("/none", "ann").int_header("x-ratelimit-remaining"),
+        9900
+    );
+    // The missing usage kept the reservation: 9,900, then 100 more reserved.
+    assert_eq!(
+        c.get_as("/huge", "ann").int_header("x-ratelimit-remaining"),
+        9800
+    );
+    // /huge charged max: 9,900 − 4,000 = 5,900 before this reservation.
+    let r = c.get_as("/gzip", "ann");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 5800);
+    // The gzip body kept its reservation: 5,800, then 100 reserved.
+    assert_eq!(
+        c.get_as("/zero", "ann").int_header("x-ratelimit-remaining"),
+        5700
+    );
+    assert_eq!(
+        c.get_as("/zero", "ann").int_header("x-ratelimit-remaining"),
+        5700
+    );
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_missing"), 1);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_capped"), 1);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_compressed"), 1);
+}
+
+#[test]
+fn charge_on_2xx_lets_404s_503s_and_resets_cost_nothing() {
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/missing", Reply::json("{}").status(404));
+    upstream.route("/down", Reply::json("{}").status(503));
+    upstream.route("/reset", Reply::json("{}").reset());
+    upstream.route("/ok", Reply::json("{}"));
+    let envoy = start(
+        &config(json!([{
+            "name": "calls", "key": ["client"],
+            "limits": [{"requests": 3, "per": "1h"}],
+            "charge_on": ["2xx"]
+        }])),
+        &upstream,
+    );
+    let c = client(&envoy);
+    for path in ["/missing", "/down", "/reset"] {
+        for _ in 0..4 {
+            let r = c.get_as(path, "ann");
+            assert!(r.status == 404 || r.status >= 500, "{path}: {r:#?}");
+        }
+    }
+    for i in 0..3 {
+        assert_eq!(c.get_as("/ok", "ann").status, 200, "request {i}");
+    }
+    assert_eq!(c.get_as("/ok", "ann").status, 429);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_charge_refunded"), 12);
+}

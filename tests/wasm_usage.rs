@@ -1,0 +1,160 @@
+//! Charging from the response in the compiled filter, run in the wasmtime
+//! harness: a reservation when the request arrives, settled to the cost the
+//! response reports (a header, the JSON body, the events of a stream) at
+//! most `max`, debt and the `Retry-After` that covers it, `charge_on`
+//! refunds, and bodies that say nothing usable.
+//!
+//! Build the filter first: `cargo build --release --target wasm32-wasip1 -p ratelimit-wasm`.
+
+mod harness;
+
+use harness::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// `rules` for domain "usage", without jitter.
+fn cfg(rules: Value) -> String {
+    json!({"domain": "usage", "response": {"retry_jitter": 0}, "rules": rules}).to_string()
+}
+
+fn harness(config: &str) -> Harness {
+    let h = Harness::with_options(Options::new(2, config)).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        h.configure_results().iter().all(|c| *c),
+        "the filter refused {config}:\n{}",
+        h.log_text()
+    );
+    h
+}
+
+fn client(id: &str) -> Request {
+    Request::get("/v1/chat/completions").header("x-client-id", id)
+}
+
+/// A request of `id` whose upstream answers `upstream`.
+fn call(h: &Harness, w: usize, id: &str, upstream: Upstream) -> Outcome {
+    h.send(w, client(id).upstream(upstream))
+}
+
+/// 1,000 tokens a minute per client, each response's cost in `x-usage-tokens`.
+fn tokens_per_minute() -> String {
+    cfg(json!([{
+        "name": "tokens", "key": ["client"],
+        "limits": [{"requests": 1000, "per": "1m"}],
+        "cost_from": {"header": "x-usage-tokens", "max": 4000, "reserve": 100}
+    }]))
+}
+
+fn used(tokens: u64) -> Upstream {
+    Upstream::new(200, "{}").header("x-usage-tokens", tokens.to_string())
+}
+
+#[test]
+fn responses_of_300_300_and_500_tokens_put_the_client_in_debt_until_the_refill_covers_it() {
+    let h = harness(&tokens_per_minute());
+    // The headers show the state after the reservation of 100.
+    let o = call(&h, 0, "ann", used(300));
+    assert_eq!(
+        (o.status, o.header("x-ratelimit-remaining").as_deref()),
+        (200, Some("900"))
+    );
+    let o = call(&h, 1, "ann", used(300));
+    // 300 settled, then 100 reserved: 600 left.
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("600"));
+    let o = call(&h, 0, "ann", used(500));
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("300"));
+    // 1,100 spent of 1,000: 100 in debt, and the next reservation needs 100
+    // more: 200 tokens at 60 ms each.
+    let o = call(&h, 1, "ann", used(1));
+    assert_eq!(o.status, 429, "{o:?}");
+    assert_eq!(o.header("retry-after").as_deref(), Some("12"));
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("0"));
+    h.advance(Duration::from_millis(11_999));
+    assert_eq!(call(&h, 0, "ann", used(1)).status, 429);
+    h.advance(Duration::from_millis(1));
+    // 900 spent after the refill, 100 reserved: nothing left, exactly.
+    let o = call(&h, 0, "ann", used(100));
+    assert_eq!(
+        (o.status, o.header("x-ratelimit-remaining").as_deref()),
+        (200, Some("0"))
+    );
+    assert_eq!(call(&h, 1, "ann", used(1)).status, 429);
+    // Another client's bucket is its own.
+    assert_eq!(call(&h, 1, "bob", used(1)).status, 200);
+    assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 5);
+}
+
+#[test]
+fn a_response_under_its_reservation_gives_the_rest_back() {
+    let h = harness(&tokens_per_minute());
+    for _ in 0..30 {
+        assert_eq!(call(&h, 0, "ann", used(10)).status, 200);
+    }
+    // 300 spent: 700 left before the next reservation.
+    let o = call(&h, 1, "ann", used(10));
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("600"));
+}
+
+#[test]
+fn a_header_cost_above_max_charges_max_and_a_missing_one_keeps_the_reservation() {
+    let h = harness(&cfg(json!([{
+        "name": "tokens", "key": ["client"],
+        "limits": [{"requests": 1000, "per": "1h"}],
+        "cost_from": {"header": "x-usage-tokens", "max": 400, "reserve": 50}
+    }])));
+    let o = call(&h, 0, "ann", used(1_000_000_000_000));
+    assert_eq!(o.status, 200);
+    // 400 charged: 550 left before the next reservation of 50.
+    let o = call(&h, 0, "ann", Upstream::new(200, "{}"));
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("550"));
+    let o = call(
+        &h,
+        0,
+        "ann",
+        Upstream::new(200, "{}").header("x-usage-tokens", "12 tokens"),
+    );
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("500"));
+    let o = call(&h, 1, "ann", used(0));
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("450"));
+    assert_eq!(h.metric("ratelimit_wasm_usage_capped"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_usage_missing"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 2);
+}
+
+#[test]
+fn charge_on_2xx_refunds_404s_and_503s_and_a_stream_reset_before_its_response() {
+    let h = harness(&cfg(json!([{
+        "name": "calls", "key": ["client"],
+        "limits": [{"requests": 3, "per": "1h"}],
+        "charge_on": ["2xx"]
+    }])));
+    for i in 0..10 {
+        let status = if i % 2 == 0 { 404 } else { 503 };
+        let o = call(&h, i % 2, "ann", Upstream::new(status, "no"));
+        assert_eq!(o.status, status, "request {i}: {o:?}");
+        // The headers show the charge; the refund follows the response.
+        assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("2"));
+    }
+    // The client leaves before the upstream answers: nothing charged.
+    let id = h.begin(0, client("ann").hold_upstream());
+    let o = h.cancel(id);
+    assert!(o.completed && o.cancelled, "{o:?}");
+    for i in 0..3 {
+        assert_eq!(call(&h, i % 2, "ann", Upstream::new(200, "ok")).status, 200);
+    }
+    assert_eq!(call(&h, 0, "ann", Upstream::new(200, "ok")).status, 429);
+    assert_eq!(h.metric("ratelimit_wasm_charge_refunded"), 11);
+}
+
+#[test]
+fn charge_on_holds_codes_as_well_as_classes() {
+    let h = harness(&cfg(json!([{
+        "name": "calls", "key": ["client"],
+        "limits": [{"requests": 2, "per": "1h"}],
+        "charge_on": ["2xx", "304"]
+    }])));
+    assert_eq!(call(&h, 0, "ann", Upstream::new(304, "")).status, 304);
+    assert_eq!(call(&h, 0, "ann", Upstream::new(302, "")).status, 302);
+    assert_eq!(call(&h, 0, "ann", Upstream::new(201, "")).status, 201);
+    assert_eq!(call(&h, 0, "ann", Upstream::new(200, "")).status, 429);
+}
