@@ -11,7 +11,8 @@ pub(super) const EXPECTING: &str =
     "a duration such as \"10s\", \"1m\", \"1h\", \"1d\" or a whole number of seconds";
 
 /// A whole number of seconds between 1 and [`MAX_SECONDS`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// `Default` is 0, which no parsed duration is: it stands for "not given".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Seconds(pub u64);
 
 /// Parses `"<integer><s|m|h|d>"` or a bare integer string into seconds.

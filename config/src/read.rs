@@ -542,15 +542,19 @@ fn matcher(v: &Value, p: &mut Path) -> Result<Match> {
 #[inline(never)]
 fn limits(v: &Value, p: &mut Path) -> Result<Vec<LimitSpec>> {
     list(v, p, |v, p| {
-        let (mut requests, mut per) = (None, None);
+        let mut l = LimitSpec {
+            requests: 0,
+            per: Seconds::default(),
+            concurrent: None,
+            max_in_flight: None,
+        };
         fields!(v, p, "struct LimitSpec", {
-            "requests" => requests = Some(u64_(v, p)?),
-            "per" => per = Some(seconds(v, p)?),
+            "requests" => l.requests = u64_(v, p)?,
+            "per" => l.per = seconds(v, p)?,
+            "concurrent" => l.concurrent = opt(v, p, |v, p| u32_(v, p))?,
+            "max_in_flight" => l.max_in_flight = opt(v, p, seconds)?,
         })?;
-        Ok(LimitSpec {
-            requests: required(requests, p, "requests")?,
-            per: required(per, p, "per")?,
-        })
+        Ok(l)
     })
 }
 
@@ -646,7 +650,8 @@ mod tests {
 
     /// Every field of the schema, each with a valid value.
     fn full() -> Value {
-        let limits = json!([{"requests": 5, "per": "1m"}, {"requests": 1, "per": 2}]);
+        let limits = json!([{"requests": 5, "per": "1m"}, {"requests": 1, "per": 2},
+            {"concurrent": 3, "max_in_flight": "10m"}]);
         let matcher = json!({"path_prefix": "/a", "path_exact": "/b", "methods": ["GET"],
             "headers": {"x-a": "1"}});
         json!({

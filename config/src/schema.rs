@@ -537,6 +537,16 @@ pub struct Rule {
     pub charge_on: Option<Vec<StatusMatch>>,
 }
 
+impl Rule {
+    /// Whether the rule limits requests in flight (its own `limits` hold
+    /// `{"concurrent": N}`; validation holds every other set to the same).
+    pub fn is_concurrent(&self) -> bool {
+        self.limits.iter().any(LimitSpec::is_concurrent)
+            || (self.limits.is_empty()
+                && self.tiers.values().flatten().any(LimitSpec::is_concurrent))
+    }
+}
+
 /// A request predicate; all present conditions must hold.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -555,14 +565,41 @@ pub struct Match {
     pub headers: BTreeMap<String, String>,
 }
 
-/// `requests` per `per`.
+/// `requests` per `per` (a rate limit), or `concurrent` requests in flight
+/// at once (a concurrency limit, alone in its set).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LimitSpec {
-    /// Bucket capacity.
+    /// Bucket capacity; 0 when absent (a concurrency limit).
+    #[serde(default)]
     pub requests: u64,
-    /// Time to refill the whole bucket.
+    /// Time to refill the whole bucket; 0 when absent (a concurrency limit).
+    #[serde(default)]
     pub per: Seconds,
+    /// Most requests of one key in flight at once in this proxy.
+    #[serde(default)]
+    pub concurrent: Option<u32>,
+    /// Longest a request holds its slot: a slot older than this is taken
+    /// back, so a VM that died never leaks one. Default 5 minutes.
+    #[serde(default)]
+    pub max_in_flight: Option<Seconds>,
+}
+
+/// Default `max_in_flight` of a concurrency limit, in seconds.
+pub const DEFAULT_MAX_IN_FLIGHT: u64 = 300;
+/// Most requests a concurrency limit lets in flight per key.
+pub const MAX_CONCURRENT: u32 = 1024;
+
+impl LimitSpec {
+    /// Whether this is a concurrency limit (`concurrent`), not a rate limit.
+    pub fn is_concurrent(&self) -> bool {
+        self.concurrent.is_some()
+    }
+
+    /// How long a slot of this concurrency limit is held at most, in seconds.
+    pub fn max_in_flight_secs(&self) -> u64 {
+        self.max_in_flight.map_or(DEFAULT_MAX_IN_FLIGHT, |s| s.0)
+    }
 }
 
 /// A cost for matching requests: `cost` or `cost_from`, not both.

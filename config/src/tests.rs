@@ -661,3 +661,63 @@ fn a_response_cost_entry_may_not_meet_a_quota_counting_cost() {
     c["quotas"][0]["count"] = json!("requests");
     assert!(parse(c.to_string().as_bytes()).is_ok());
 }
+
+#[test]
+fn a_concurrency_limit_stands_alone_on_a_local_rule() {
+    let mut c = base();
+    c["rules"][0]["limits"] = json!([{"concurrent": 3}]);
+    let ok = parse(c.to_string().as_bytes()).unwrap();
+    assert_eq!(ok.rules[0].limits[0].concurrent, Some(3));
+    assert_eq!(ok.rules[0].limits[0].max_in_flight_secs(), 300);
+    assert!(ok.rules[0].is_concurrent());
+    for (limits, expected) in [
+        (json!([{"concurrent": 0}]), "rules[0].limits[0].concurrent: must be between 1 and 1024"),
+        (json!([{"concurrent": 1025}]), "rules[0].limits[0].concurrent: must be between 1 and 1024"),
+        (
+            json!([{"concurrent": 3, "requests": 5, "per": "1m"}]),
+            "rules[0].limits[0]: give concurrent, or requests and per, not both",
+        ),
+        (
+            json!([{"concurrent": 3}, {"requests": 5, "per": "1m"}]),
+            "rules[0].limits: a concurrency rule's every limit set is exactly one {\"concurrent\": N}",
+        ),
+        (
+            json!([{"requests": 5, "per": "1m"}, {"concurrent": 3}]),
+            "rules[0].limits: a concurrency rule's every limit set is exactly one {\"concurrent\": N}",
+        ),
+        (json!([{"requests": 5}]), "rules[0].limits[0].per: required for a rate limit (or give concurrent)"),
+        (
+            json!([{"per": "1m"}]),
+            "rules[0].limits[0].requests: must be between 1 and 1000000000",
+        ),
+        (
+            json!([{"concurrent": 3, "max_in_flight": "2d"}]),
+            "rules[0].limits[0].max_in_flight: must be at most 1d",
+        ),
+    ] {
+        let mut c = base();
+        c["rules"][0]["limits"] = limits.clone();
+        assert_eq!(err(c), expected, "{limits}");
+    }
+    for (field, value, expected) in [
+        ("cost", json!(2), "rules[0].cost: does not apply to a concurrency rule: each request holds one slot"),
+        ("mode", json!("shadow"), "rules[0].mode: shadow is not supported for a concurrency rule"),
+        ("charge_on", json!(["2xx"]), "rules[0].charge_on: does not apply to a concurrency rule: a slot is held until the stream ends"),
+    ] {
+        let mut c = base();
+        c["rules"][0]["limits"] = json!([{"concurrent": 3}]);
+        c["rules"][0][field] = value;
+        assert_eq!(err(c), expected, "{field}");
+    }
+    let mut tiered = base();
+    tiered["tiers"] = json!({"free": {}, "pro": {}});
+    tiered["identity"] = json!({"default_tier": "free"});
+    tiered["rules"][0]["limits"] = json!([{"concurrent": 2}]);
+    tiered["rules"][0]["tiers"] = json!({"pro": [{"requests": 5, "per": "1m"}]});
+    assert_eq!(
+        err(tiered.clone()),
+        "rules[0].tiers.pro[0]: a concurrency rule's every limit set is exactly one {\"concurrent\": N}"
+    );
+    tiered["rules"][0]["tiers"] = json!({"pro": [{"concurrent": 8}]});
+    assert!(parse(tiered.to_string().as_bytes()).is_ok());
+}

@@ -81,6 +81,9 @@ impl Config {
                 check_cost(&format!("{at}.cost"), cost)?;
             }
             rule.validate_charging(&at)?;
+            if rule.is_concurrent() {
+                rule.validate_concurrency(&at)?;
+            }
             if rule.mode == Mode::Shadow && rule.scope == Scope::Global {
                 return Err(ConfigError::field(
                     format!("{at}.mode"),
@@ -204,7 +207,23 @@ fn validate_limits(
             "needs exactly one limit: the rule is graduated, its stages are shares of it",
         ));
     }
+    if rule.is_concurrent() {
+        return validate_concurrent(at, limits);
+    }
     for (l, limit) in limits.iter().enumerate() {
+        if limit.is_concurrent() || limit.max_in_flight.is_some() {
+            return Err(ConfigError::field(
+                format!("{at}[{l}]"),
+                "a concurrency limit stands alone: the rule's every limit set is one \
+                 {\"concurrent\": N}",
+            ));
+        }
+        if limit.per.0 == 0 {
+            return Err(ConfigError::field(
+                format!("{at}[{l}].per"),
+                "required for a rate limit (or give concurrent)",
+            ));
+        }
         if limit.requests == 0 || limit.requests > MAX_REQUESTS {
             return Err(ConfigError::field(
                 format!("{at}[{l}].requests"),
@@ -222,6 +241,88 @@ fn validate_limits(
         }
     }
     Ok(())
+}
+
+/// Most seconds a concurrency slot may be held (`max_in_flight`).
+pub const MAX_IN_FLIGHT_SECS: u64 = 86_400;
+
+/// Checks one limit set of a concurrency rule: exactly one
+/// `{"concurrent": N}`, without `requests` or `per`.
+fn validate_concurrent(at: &str, limits: &[LimitSpec]) -> Result<(), ConfigError> {
+    let [limit] = limits else {
+        return Err(ConfigError::field(
+            at,
+            "a concurrency rule's every limit set is exactly one {\"concurrent\": N}",
+        ));
+    };
+    let Some(n) = limit.concurrent else {
+        return Err(ConfigError::field(
+            format!("{at}[0]"),
+            "a concurrency rule's every limit set is exactly one {\"concurrent\": N}",
+        ));
+    };
+    if limit.requests != 0 || limit.per.0 != 0 {
+        return Err(ConfigError::field(
+            format!("{at}[0]"),
+            "give concurrent, or requests and per, not both",
+        ));
+    }
+    if n == 0 || n > MAX_CONCURRENT {
+        return Err(ConfigError::field(
+            format!("{at}[0].concurrent"),
+            format!("must be between 1 and {MAX_CONCURRENT}"),
+        ));
+    }
+    if limit.max_in_flight_secs() > MAX_IN_FLIGHT_SECS {
+        return Err(ConfigError::field(
+            format!("{at}[0].max_in_flight"),
+            "must be at most 1d",
+        ));
+    }
+    Ok(())
+}
+
+impl Rule {
+    /// A concurrency rule (at `at`, `rules[2]`) is local, holds one slot per
+    /// request whatever it costs, and always enforces.
+    fn validate_concurrency(&self, at: &str) -> Result<(), ConfigError> {
+        let refused = [
+            (
+                self.scope == Scope::Global,
+                "scope",
+                "is local for a concurrency rule",
+            ),
+            (
+                self.graduated.is_some(),
+                "graduated",
+                "does not apply to a concurrency rule",
+            ),
+            (
+                self.cost.is_some(),
+                "cost",
+                "does not apply to a concurrency rule: each request holds one slot",
+            ),
+            (
+                self.cost_from.is_some(),
+                "cost_from",
+                "does not apply to a concurrency rule: each request holds one slot",
+            ),
+            (
+                self.charge_on.is_some(),
+                "charge_on",
+                "does not apply to a concurrency rule: a slot is held until the stream ends",
+            ),
+            (
+                self.mode == Mode::Shadow,
+                "mode",
+                "shadow is not supported for a concurrency rule",
+            ),
+        ];
+        match refused.iter().find(|(bad, _, _)| *bad) {
+            Some((_, field, why)) => Err(ConfigError::field(format!("{at}.{field}"), *why)),
+            None => Ok(()),
+        }
+    }
 }
 
 fn check_cost(at: &str, cost: u64) -> Result<(), ConfigError> {

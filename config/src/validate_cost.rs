@@ -15,7 +15,8 @@ use super::*;
 impl Config {
     pub(super) fn validate_costs_fit(&self) -> Result<(), ConfigError> {
         for (i, rule) in self.rules.iter().enumerate() {
-            if rule.mode == Mode::Shadow {
+            // A request holds one slot of a concurrency rule, whatever it costs.
+            if rule.mode == Mode::Shadow || rule.is_concurrent() {
                 continue;
             }
             let Some((k, smallest)) = smallest_limit(&rule.limits) else {

@@ -56,6 +56,15 @@ impl Counts {
         *v = v.saturating_add(u16::try_from(n).unwrap_or(u16::MAX));
     }
 
+    /// Adds every count of `other`.
+    pub(super) fn merge(&mut self, other: &Counts) {
+        for (i, n) in other.counted() {
+            if let Some(m) = Metric::ALL.get(i) {
+                self.add(*m, n);
+            }
+        }
+    }
+
     /// The count of one metric.
     pub fn get(&self, m: Metric) -> u64 {
         self.at(m.index())

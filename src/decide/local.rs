@@ -61,11 +61,24 @@ pub fn start(
     if watch_fallback {
         ctx.watch(&eval.fallback, &mut reports);
     }
-    let held = Held {
+    let mut held = Held {
         buckets: held,
         at_ns: now_ns,
         cost_meter: eval.cost_meter,
+        slots: Vec::new(),
     };
+    if !eval.in_flight.is_empty() {
+        match ctx.take_slots(&eval, &mut reports) {
+            Ok(slots) => held.slots = slots,
+            Err(v) => {
+                ctx.refund(&mut held);
+                if let (Some(l), Some(_)) = (&leasing.lease, &leasing.served) {
+                    ctx.give_back(l);
+                }
+                return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
+            }
+        }
+    }
     match gate {
         Some(Gate::Call) | Some(Gate::Probe) => {
             let probe = gate == Some(Gate::Probe);
@@ -89,6 +102,7 @@ fn nothing_applies(eval: &Evaluation) -> bool {
         && eval.shadow.is_empty()
         && eval.global.is_empty()
         && eval.quotas.is_empty()
+        && eval.in_flight.is_empty()
 }
 
 /// The outcome of a request nothing applies to: it passes uncounted and
@@ -291,8 +305,8 @@ impl<S: SharedStore> Ctx<'_, S> {
 /// claim. A late answer is dropped, so what the gateway charged stays charged:
 /// the strict side.
 pub fn abandon(plan: &Plan, pending: Pending, store: &impl SharedStore) -> Counts {
-    let mut counts = Counts::default();
     let held = &pending.held;
+    let mut counts = super::in_flight::release(plan, store, &held.slots, held.at_ns);
     if limiter::refund(store, plan, &held.buckets, held.at_ns).is_err() {
         counts.add(Metric::Errors, 1);
     }

@@ -17,6 +17,7 @@
 
 mod answer;
 mod counts;
+mod in_flight;
 mod local;
 mod refresh;
 mod settle;
@@ -114,6 +115,8 @@ pub struct Held {
     /// The `costs` entry's `cost_from` that set the request's cost, for the
     /// buckets of rules without their own ([`Plan::meter_of`]).
     pub cost_meter: Option<usize>,
+    /// The slots of its concurrency rules, given back when its stream ends.
+    pub slots: Vec<in_flight::Slot>,
 }
 
 /// A request waiting for the gateway.
@@ -288,6 +291,9 @@ impl<S: SharedStore> Ctx<'_, S> {
         if let Err(e) = limiter::refund(self.store, self.plan, &buckets, held.at_ns) {
             self.failed(e);
         }
+        let slots = std::mem::take(&mut held.slots);
+        let counts = in_flight::release(self.plan, self.store, &slots, self.now_ns);
+        self.counts.merge(&counts);
     }
 
     fn too_many(&mut self, reports: &[Report]) -> Verdict {
@@ -301,6 +307,9 @@ impl<S: SharedStore> Ctx<'_, S> {
         // Retry-After again would stretch it twice.
         let retry = if blocked {
             self.counts.add(Metric::Blocked, 1);
+            retry
+        } else if self.plan.any_in_flight && only_slots_deny(self.plan, reports) {
+            // A slot frees when a request ends, not on a schedule: no spread.
             retry
         } else {
             headers::jittered(retry, self.plan.retry_jitter, units(self.random).0)
@@ -457,6 +466,15 @@ fn never_passes(
         None,
         body,
     ))
+}
+
+/// Every denying report is a concurrency limit's.
+#[inline(never)]
+fn only_slots_deny(plan: &Plan, reports: &[Report]) -> bool {
+    reports
+        .iter()
+        .filter(|r| !r.check.allowed)
+        .all(|r| plan.rules.get(r.rule).is_some_and(|x| x.in_flight))
 }
 
 fn reject(

@@ -220,11 +220,18 @@ impl Stream {
     /// the upstream, a refused one was refunded when it was refused), but
     /// for what its settlement still owes or is owed.
     pub fn end(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Option<Counts> {
-        if let Some(s) = &mut self.settlement {
-            return Some(s.end(plan, store, now_ns));
+        if let Some(pending) = self.take_pending() {
+            return Some(abandon(plan, *pending, store));
         }
-        let pending = self.take_pending()?;
-        Some(abandon(plan, *pending, store))
+        let mut counts = self.settlement.as_mut().map(|s| s.end(plan, store, now_ns));
+        if let State::Decided(o) = &mut self.state {
+            if !o.held.slots.is_empty() {
+                let slots = std::mem::take(&mut o.held.slots);
+                let released = super::in_flight::release(plan, store, &slots, now_ns);
+                counts.get_or_insert_with(Counts::default).merge(&released);
+            }
+        }
+        counts
     }
 
     /// The request waiting for the gateway, taken out; any other state stays

@@ -23,9 +23,10 @@ use super::update::update;
 /// Keys per set before one must be evicted.
 pub const WAYS: usize = 4;
 
-/// The most slots one key can have: a larger limit is clamped to it, which
-/// bounds a set's size (see [`MAX_SET_BYTES`]).
-pub const MAX_CONCURRENT: u32 = 1024;
+/// The most slots one key can have (the configuration's bound on
+/// `concurrent`): a larger limit is clamped to it, which bounds a set's size
+/// (see [`MAX_SET_BYTES`]).
+pub const MAX_CONCURRENT: u32 = crate::config::MAX_CONCURRENT;
 
 const VERSION: u8 = 1;
 /// Bytes of an entry before its slots: fingerprint, count.

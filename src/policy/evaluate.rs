@@ -109,6 +109,17 @@ impl Plan {
                 continue;
             }
             let cost = rule.cost.unwrap_or(cost);
+            if rule.in_flight {
+                let hash = hash.finish();
+                eval.in_flight.push(Bucket {
+                    rule: i,
+                    variant,
+                    fingerprint: hash,
+                    set: self.in_flight.set_of(hash),
+                    cost: 1,
+                });
+                continue;
+            }
             match global {
                 Some((key, tag)) => {
                     eval.global.push(GlobalBucket {

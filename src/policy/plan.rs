@@ -10,6 +10,7 @@ use crate::config::{
     QuotaCount, Rule, Scope, StatusMatch,
 };
 use crate::limits::algorithm::Algorithm;
+use crate::limits::in_flight::InFlightLayout;
 use crate::limits::limiter::{Bucket, GraduatedPlan, RuleLimits, Rules};
 use crate::limits::slots::Slots;
 use crate::limits::store::KEY_PREFIX;
@@ -43,6 +44,14 @@ pub struct LimitText {
 }
 
 impl LimitText {
+    /// A concurrency limit's: `"<rule>";q=<slots>;qu="concurrent-requests"`
+    /// (the quota unit the IETF draft names for it; no window).
+    fn concurrent(rule: &str, slots: u64) -> LimitText {
+        let quota = itoa::Buffer::new().format(slots).to_owned();
+        let policy = format!("\"{rule}\";q={quota};qu=\"concurrent-requests\"");
+        LimitText { quota, policy }
+    }
+
     fn new(rule: &str, capacity: u64, window_secs: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(capacity).to_owned();
         let mut w = itoa::Buffer::new();
@@ -85,6 +94,9 @@ pub struct RulePlan {
     pub meter: Option<usize>,
     /// Statuses whose responses keep the charge; `None`: every status.
     pub charge_on: Option<Vec<StatusMatch>>,
+    /// A concurrency rule: each variant's one limit is `concurrent` slots
+    /// (`capacity`) held at most `max_in_flight` (`period_ns`).
+    pub in_flight: bool,
     pub(super) tier_variant: Vec<usize>,
     pub(super) matcher: Option<Matcher>,
     pub(super) key: Vec<KeyPart>,
@@ -203,6 +215,8 @@ pub struct Evaluation {
     pub global: Vec<GlobalBucket>,
     /// The local stand-ins of `global`, for `failure_mode: local`.
     pub fallback: Vec<Bucket>,
+    /// A slot of every matching concurrency rule (`set` in [`Plan::in_flight`]).
+    pub in_flight: Vec<Bucket>,
     /// The quotas the request counts against.
     pub quotas: Vec<QuotaBucket>,
     /// The client is soft: nothing rejects it.
@@ -351,6 +365,8 @@ pub struct Plan {
     pub domain: String,
     /// Every `cost_from`: the rules' own, then the `costs` entries'.
     pub meters: Vec<MeterPlan>,
+    /// Where the concurrency rules' slots live in shared data.
+    pub in_flight: InFlightLayout,
     /// Some rule is settled from its response (`cost_from`, `charge_on`):
     /// only then does an admitted request keep state for its response.
     pub settling: bool,
@@ -362,6 +378,8 @@ pub struct Plan {
     /// Some rule has graduated stages: only then does an allowed request's
     /// answer look for a warning or a delay.
     pub any_graduated: bool,
+    /// Some rule limits requests in flight.
+    pub any_in_flight: bool,
 }
 
 /// When a request's peer address is needed.
@@ -532,6 +550,7 @@ fn rule_plan(
         stand_in: false,
         meter: None,
         charge_on: rule.charge_on.clone(),
+        in_flight: rule.is_concurrent(),
         tier_variant,
         matcher: rule
             .matches
@@ -679,6 +698,10 @@ impl VariantMaker<'_> {
         let limits: Vec<(Limit, u64)> = specs
             .iter()
             .map(|l| {
+                if let Some(slots) = l.concurrent {
+                    let hold_ns = l.max_in_flight_secs().saturating_mul(1_000_000_000);
+                    return (Limit::new(slots.into(), hold_ns), 0);
+                }
                 let (capacity, period_ns) = share(l, instances);
                 // A graduated rule admits up to `reject_at` of the limit; the stages above 100% delay.
                 let burst = ((capacity as f64) * reject_at).floor() as u64;
@@ -707,7 +730,11 @@ impl VariantMaker<'_> {
         }
         let texts = limits
             .iter()
-            .map(|(l, secs)| LimitText::new(&self.rule.name, l.capacity, *secs))
+            .zip(specs.iter())
+            .map(|((l, secs), spec)| match spec.concurrent {
+                Some(_) => LimitText::concurrent(&self.rule.name, l.capacity),
+                None => LimitText::new(&self.rule.name, l.capacity, *secs),
+            })
             .collect();
         Variant {
             limits,
@@ -761,6 +788,7 @@ impl Plan {
         Plan {
             local_rules,
             any_graduated: rules.iter().any(|r| r.graduated.is_some()),
+            any_in_flight: rules.iter().any(|r| r.in_flight),
             header_names: h.0,
             header_needed,
             source,
@@ -779,6 +807,7 @@ impl Plan {
             domain: config.domain.clone(),
             meters,
             settling,
+            in_flight: InFlightLayout::new(&config.domain, config.max_buckets),
             costs,
             identity,
         }
