@@ -1087,3 +1087,128 @@ fn explain_gives_the_charge_back_for_a_status_outside_charge_on() {
         assert_eq!(lines[3], req);
     }
 }
+
+/// A cost read from the response is a range known only when the response
+/// ends: budget says so instead of counting such a request as 1.
+#[test]
+fn budget_states_that_a_cost_from_the_response_lies_between_reserve_and_max() {
+    let f = file(
+        "svc-llm.json",
+        r#"{"domain":"svc-llm","global":{"cluster":"gw"},"rules":[
+            {"name":"all","scope":"global","cost":1,"limits":[{"requests":300,"per":"1m"}]},
+            {"name":"tokens","key":["client"],"limits":[{"requests":100000,"per":"1m"}],
+             "cost_from":{"preset":"openai_chat","max":4000,"reserve":500}}],
+          "costs":[{"match":{"path_prefix":"/v1/embeddings"},
+                    "cost_from":{"header":"x-usage","max":100}}]}"#,
+    );
+    let r = run(&["budget", &f, "--provider-limit", "1000/1m"]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert!(
+        lines.contains(&format!(
+            "note: {f}: rule \"tokens\" is charged from the response, between 500 (reserve) and 4000 (max) \
+             per request; it is local, so it does not bound the service's total"
+        )
+        .as_str()),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        lines.contains(
+            &format!(
+            "note: {f}: costs[0] is charged from the response, between 1 (reserve) and 100 (max) \
+             per request; it applies to local rules only"
+        )
+            .as_str()
+        ),
+        "{}",
+        r.stdout
+    );
+    // The global rule alone bounds the service: 300 + 300 in a minute.
+    assert!(
+        r.stdout.contains("ok: 66.7% of the allowance"),
+        "{}",
+        r.stdout
+    );
+}
+
+/// `validate` reads with `config::parse`, as the filter loads: a bad
+/// `cost_from` is refused with its field path, a good one accepted.
+#[test]
+fn validate_names_the_field_path_of_a_bad_cost_from() {
+    let rule = |cost_from: &str, extra: &str| {
+        format!(
+            r#"{{"domain":"d","rules":[{{"name":"r","limits":[{{"requests":10000,"per":"1m"}}],
+                "cost_from":{cost_from}{extra}}}]}}"#
+        )
+    };
+    let good = file(
+        "cost-from-good.json",
+        &rule(
+            r#"{"preset":"anthropic_messages","max":4000,"reserve":100}"#,
+            r#","charge_on":["2xx","404"]"#,
+        ),
+    );
+    let r = run(&["validate", &good]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.ends_with("cost-from-good.json: ok\n"),
+        "{}",
+        r.stdout
+    );
+    for (name, cost_from, extra, error) in [
+        (
+            "cost-from-pointer.json",
+            r#"{"json":[{"pointer":"usage/total_tokens"}],"max":4000}"#,
+            "",
+            r#"rules[0].cost_from.json[0].pointer: "usage/total_tokens" is not a JSON Pointer: it must start with /"#,
+        ),
+        (
+            "cost-from-two.json",
+            r#"{"header":"x-usage","preset":"openai_chat","max":4000}"#,
+            "",
+            "rules[0].cost_from: give exactly one of header, json and preset",
+        ),
+        (
+            "cost-from-reserve.json",
+            r#"{"preset":"openai_chat","max":10,"reserve":11}"#,
+            "",
+            "rules[0].cost_from.reserve: 11 is above max (10)",
+        ),
+        (
+            "cost-from-preset.json",
+            r#"{"preset":"openai_chatt","max":10}"#,
+            "",
+            "rules[0].cost_from.preset: unknown variant `openai_chatt`, expected one of `openai_chat`, `openai_responses`, `anthropic_messages`",
+        ),
+        (
+            "cost-from-charge-on.json",
+            r#"{"preset":"openai_chat","max":10}"#,
+            r#","charge_on":["2xy"]"#,
+            r#"rules[0].charge_on[0]: "2xy" is not a status class (1xx to 5xx) or a status code (100 to 599)"#,
+        ),
+    ] {
+        let bad = file(name, &rule(cost_from, extra));
+        let r = run(&["validate", &bad]);
+        assert_eq!(r.code, 1, "{name}: {}", r.stdout);
+        assert!(
+            r.stderr.contains(&format!("{name}: {error}")),
+            "{name}: {}",
+            r.stderr
+        );
+    }
+    // The gateway does not settle: a global rule may not read the response.
+    let global = file(
+        "cost-from-global.json",
+        r#"{"domain":"d","global":{"cluster":"gw"},"rules":[{"name":"r","scope":"global",
+            "limits":[{"requests":10000,"per":"1m"}],"cost_from":{"preset":"openai_chat","max":10}}]}"#,
+    );
+    let r = run(&["validate", &global]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .contains("rules[0].cost_from: is supported for local rules only"),
+        "{}",
+        r.stderr
+    );
+}
