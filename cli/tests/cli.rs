@@ -1212,3 +1212,37 @@ fn validate_names_the_field_path_of_a_bad_cost_from() {
         r.stderr
     );
 }
+
+/// The filter settles and refunds only enforced rules' charges: a shadow
+/// rule is charged its reservation and nothing more, and explain says so.
+#[test]
+fn explain_says_a_shadow_rule_is_never_settled() {
+    let f = file(
+        "charging-shadow.json",
+        r#"{"domain":"llm","rules":[{"name":"tokens","key":["client"],"mode":"shadow",
+            "limits":[{"requests":100000,"per":"1m"}],
+            "cost_from":{"preset":"openai_chat","max":4000,"reserve":500},"charge_on":["2xx"]}]}"#,
+    );
+    let body = file(
+        "shadow-body.json",
+        r#"{"usage":{"prompt_tokens":1000,"completion_tokens":234}}"#,
+    );
+    let r = run(&["explain", &f, "--response-body", &body, "--status", "500"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let section = &r.stdout[r.stdout.find("\ncharged from the response:\n").unwrap()..];
+    assert_eq!(
+        section.lines().skip(2).collect::<Vec<_>>(),
+        [
+            "rule \"tokens\": reserve 500 when the request arrives, and nothing more: a shadow rule is never settled (max 4000 unused)",
+            "  source: preset openai_chat: /usage/prompt_tokens × 1 + /usage/completion_tokens × 1",
+            "  scan_limit: 1048576 bytes (a longer body keeps the reserve)",
+            "  charge_on: 2xx (not applied to a shadow rule)",
+            "  mode shadow: the filter charges the reservation only; it never settles or refunds a shadow rule",
+            "",
+            "sample response: status 500, read as JSON, body 56 bytes",
+            "rule \"tokens\": reserved 500, not settled (shadow), charged 500, settlement 0",
+        ],
+        "{}",
+        r.stdout
+    );
+}
