@@ -545,3 +545,102 @@ fn the_denied_metric_names_every_status_the_filter_answers() {
         assert!(row.contains(status), "{status} missing from {row}");
     }
 }
+
+/// The fenced blocks of `lang` in the Markdown file `file`, in order.
+fn fenced(file: &str, lang: &str) -> Vec<String> {
+    read(file)
+        .split(&format!("```{lang}\n"))
+        .skip(1)
+        .filter_map(|rest| rest.split("\n```").next().map(str::to_string))
+        .collect()
+}
+
+/// docs/llm.md's worked configuration, and the one inside its Envoy and
+/// Istio snippets, are the same configuration, and the filter's reader
+/// accepts it; in the Envoy snippet the decompressor is listed after the
+/// wasm filter (so it runs before it on responses) and before the router.
+#[test]
+fn the_llm_page_examples_parse() {
+    let json = fenced("docs/llm.md", "json");
+    assert_eq!(json.len(), 1, "docs/llm.md: one json block");
+    let worked: serde_json::Value = serde_json::from_str(&json[0]).expect("the json block");
+    let config = ratelimit_wasm::config::parse(json[0].as_bytes())
+        .unwrap_or_else(|e| panic!("docs/llm.md's worked configuration: {e}"));
+    let rule = &config.rules[0];
+    let from = rule.cost_from.as_ref().expect("cost_from");
+    assert_eq!(
+        from.preset,
+        Some(ratelimit_wasm::config::UsagePreset::OpenaiChat)
+    );
+    assert_eq!(rule.key.len(), 1, "keyed on the client");
+    assert_eq!(
+        rule.charge_on,
+        Some(vec![ratelimit_wasm::config::StatusMatch::Class(2)])
+    );
+
+    let yaml = fenced("docs/llm.md", "yaml");
+    assert_eq!(yaml.len(), 2, "docs/llm.md: the Envoy and Istio snippets");
+    let envoy: serde_json::Value =
+        serde_json::to_value(serde_norway::from_str::<serde_norway::Value>(&yaml[0]).unwrap())
+            .unwrap();
+    let names: Vec<&str> = envoy["http_filters"]
+        .as_array()
+        .expect("http_filters")
+        .iter()
+        .filter_map(|f| f["name"].as_str())
+        .collect();
+    let at = |name: &str| names.iter().position(|n| *n == name).expect(name);
+    assert!(
+        at("envoy.filters.http.wasm") < at("envoy.filters.http.decompressor")
+            && at("envoy.filters.http.decompressor") < at("envoy.filters.http.router"),
+        "{names:?}"
+    );
+    let wasm = &envoy["http_filters"][at("envoy.filters.http.wasm")];
+    let value = wasm["typed_config"]["config"]["configuration"]["value"]
+        .as_str()
+        .expect("the plugin configuration");
+    ratelimit_wasm::config::parse(value.as_bytes())
+        .unwrap_or_else(|e| panic!("docs/llm.md's Envoy snippet: {e}"));
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(value).unwrap(),
+        worked
+    );
+
+    let istio: serde_json::Value =
+        serde_json::to_value(serde_norway::from_str::<serde_norway::Value>(&yaml[1]).unwrap())
+            .unwrap();
+    assert_eq!(istio["kind"], "WasmPlugin");
+    let plugin = &istio["spec"]["pluginConfig"];
+    ratelimit_wasm::config::parse(plugin.to_string().as_bytes())
+        .unwrap_or_else(|e| panic!("docs/llm.md's Istio snippet: {e}"));
+    assert_eq!(*plugin, worked);
+}
+
+/// docs/llm.md's table of presets lists each preset's pointers as
+/// `UsagePreset::terms` has them.
+#[test]
+fn the_llm_page_lists_the_presets_pointers() {
+    use ratelimit_wasm::config::UsagePreset;
+    let page = read("docs/llm.md");
+    for preset in UsagePreset::ALL {
+        let prefix = format!("| `{}` |", preset.name());
+        let row = page
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("docs/llm.md has no row for {}", preset.name()));
+        let expected: Vec<String> = preset
+            .terms()
+            .iter()
+            .map(|(pointers, weight)| {
+                assert_eq!(*weight, 1, "the page says weight 1");
+                let quoted: Vec<String> = pointers.iter().map(|p| format!("`{p}`")).collect();
+                if quoted.len() == 1 {
+                    quoted.join("")
+                } else {
+                    format!("first of {}", quoted.join(", "))
+                }
+            })
+            .collect();
+        assert_eq!(cells(row)[1], expected.join(" + "), "{row}");
+    }
+}

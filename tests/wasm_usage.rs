@@ -158,3 +158,83 @@ fn charge_on_holds_codes_as_well_as_classes() {
     assert_eq!(call(&h, 0, "ann", Upstream::new(201, "")).status, 201);
     assert_eq!(call(&h, 0, "ann", Upstream::new(200, "")).status, 429);
 }
+
+/// Requests in flight together each hold only their reservation; when their
+/// responses all report more, each overruns by at most `max − reserve`, and
+/// the next request waits for the whole debt (docs/llm.md, "The bound").
+#[test]
+fn concurrent_requests_overrun_by_at_most_max_minus_reserve_each() {
+    let h = harness(&cfg(json!([{
+        "name": "tokens", "key": ["client"],
+        "limits": [{"requests": 1000, "per": "1h"}],
+        "cost_from": {"header": "x-usage-tokens", "max": 400, "reserve": 100}
+    }])));
+    // Ten reservations of 100 fill the bucket; the eleventh is refused.
+    let held: Vec<_> = (0..10)
+        .map(|i| h.begin(i % 2, client("ann").hold_upstream()))
+        .collect();
+    assert_eq!(call(&h, 0, "ann", used(1)).status, 429);
+    for id in held {
+        let o = h.respond_upstream(id, used(1_000_000));
+        assert_eq!(o.status, 200, "{o:?}");
+    }
+    assert_eq!(h.metric("ratelimit_wasm_usage_capped"), 10);
+    // 10 × (400 − 100) = 3,000 in debt; the next reservation needs 3,100
+    // tokens at 3.6 s each.
+    let o = call(&h, 1, "ann", used(1));
+    assert_eq!(o.status, 429, "{o:?}");
+    assert_eq!(o.header("retry-after").as_deref(), Some("11160"));
+}
+
+/// The debt a settlement may leave is bounded at `DEBT_OVERRUNS` (1,024)
+/// responses of `max`, however many requests overran together.
+#[test]
+fn the_debt_is_capped_at_1024_responses_of_max() {
+    let h = harness(&cfg(json!([{
+        "name": "tokens", "key": ["client"],
+        "limits": [{"requests": 10, "per": "10s"}],
+        "cost_from": {"header": "x-usage-tokens", "max": 2, "reserve": 0}
+    }])));
+    // A reservation of 0 admits any number at once: 2,000 in flight.
+    let held: Vec<_> = (0..2000)
+        .map(|i| h.begin(i % 2, client("ann").hold_upstream()))
+        .collect();
+    for id in held {
+        assert_eq!(h.respond_upstream(id, used(2)).status, 200);
+    }
+    // 4,000 reported past an empty bucket of 10; the debt kept is 1,024 × 2
+    // = 2,048 tokens, which refill at 1 a second.
+    let o = call(&h, 1, "ann", used(0));
+    assert_eq!(o.status, 429, "{o:?}");
+    assert_eq!(o.header("retry-after").as_deref(), Some("2048"));
+}
+
+/// What the filter does today with a shadow rule charged from the
+/// response: its bucket is watched at the reservation and never settled or
+/// refunded (only enforced charges are held for settlement). `ratelimit
+/// explain` says so (cli/src/charging.rs); change both together.
+#[test]
+fn a_shadow_rule_is_charged_its_reservation_and_never_settled() {
+    let h = harness(&cfg(json!([{
+        "name": "tokens", "key": ["client"], "mode": "shadow",
+        "limits": [{"requests": 1000, "per": "1h"}],
+        "cost_from": {"header": "x-usage-tokens", "max": 4000, "reserve": 100},
+        "charge_on": ["2xx"]
+    }])));
+    for left in ["900", "800", "700"] {
+        let o = call(&h, 0, "ann", used(900));
+        assert_eq!(o.status, 200);
+        assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some(left));
+    }
+    // A 500 outside charge_on: nothing given back either.
+    let o = call(&h, 0, "ann", Upstream::new(500, "{}"));
+    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("600"));
+    assert_eq!(
+        call(&h, 0, "ann", used(1))
+            .header("x-ratelimit-remaining")
+            .as_deref(),
+        Some("500")
+    );
+    assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 0);
+    assert_eq!(h.metric("ratelimit_wasm_charge_refunded"), 0);
+}

@@ -11,7 +11,12 @@
 //! * a set of limits admits, in a window of `w` seconds, at most the least
 //!   over its limits of `requests × (1 + w / per)`: a full bucket at once,
 //!   then its refill;
-//! * an unlimited tier or client, or a soft client, leaves the total unbounded.
+//! * an unlimited tier or client, or a soft client, leaves the total unbounded;
+//! * a cost read from the response (`cost_from`) is not a number of requests:
+//!   it lies between `reserve` and `max` per request, known only when the
+//!   response ends. Only local rules and `costs[]` entries may have one (the
+//!   gateway does not settle), so it never enters the sum; a note says so
+//!   rather than counting such a request as 1.
 
 use crate::load;
 use ratelimit_config::{duration, Config, LimitSpec, Rule, Scope};
@@ -193,6 +198,24 @@ fn service_bound(
     notes: &mut Vec<String>,
 ) -> Result<(String, Bound, usize), String> {
     let mut best: Option<(String, Bound, usize)> = None;
+    for rule in &c.rules {
+        if let Some(from) = &rule.cost_from {
+            notes.push(format!(
+                "{f}: rule {:?} is charged from the response, between {} (reserve) and {} (max) \
+                 per request; it is local, so it does not bound the service's total",
+                rule.name, from.reserve, from.max
+            ));
+        }
+    }
+    for (i, cost) in c.costs.iter().enumerate() {
+        if let Some(from) = &cost.cost_from {
+            notes.push(format!(
+                "{f}: costs[{i}] is charged from the response, between {} (reserve) and {} (max) \
+                 per request; it applies to local rules only",
+                from.reserve, from.max
+            ));
+        }
+    }
     for rule in c.rules.iter().filter(|r| r.scope == Scope::Global) {
         if !rule.key.is_empty() {
             notes.push(format!(

@@ -1,6 +1,8 @@
 //! The `explain` table: what each tier (and each client override) gets from
 //! each rule, with each limit's `RateLimit-Policy` item (a response carries
-//! one of them: the limit closest to exhaustion).
+//! one of them: the limit closest to exhaustion); then what is charged from
+//! the response (`cost_from`, `charge_on`), and, given a sample response,
+//! what the filter would settle for it (`charging.rs`).
 
 use ratelimit_config::{Config, HeaderStyle, LimitSpec, Mode, Rule};
 use ratelimit_wasm::limits::algorithm::Algorithm;
@@ -52,12 +54,13 @@ pub fn table(c: &Config) -> String {
             }
         }
         for (tier, limits) in who {
-            rows.push(row(
-                rule,
-                &tier,
-                limits,
-                rule.cost.map_or(cost.clone(), |x| x.to_string()),
-            ));
+            // A cost read from the response is not a number yet: show its range.
+            let cost = match (&rule.cost_from, rule.cost) {
+                (Some(f), _) => format!("from response: {}..{}", f.reserve, f.max),
+                (None, Some(x)) => x.to_string(),
+                (None, None) => cost.clone(),
+            };
+            rows.push(row(rule, &tier, limits, cost));
         }
     }
     render(&rows)

@@ -3,7 +3,9 @@
 //! - `validate FILE...`: exit 1 with field paths on errors; fit for CI.
 //! - `explain FILE`: every rule × tier with its effective limits, burst, cost
 //!   and scope, and each limit's `RateLimit-Policy` item (a response shows
-//!   one: the limit closest to exhaustion).
+//!   one: the limit closest to exhaustion); what `cost_from` reserves and how
+//!   it settles, and `charge_on`; with `--response-body`, what the filter
+//!   would settle for that sample response.
 //! - `budget FILE... --provider-limit N/1m --headroom 10%`: whether the
 //!   service-wide global limits of several services sharing one paid upstream
 //!   fit under the provider's limit.
@@ -16,6 +18,7 @@
 //!   drift apart.
 
 mod budget;
+mod charging;
 mod check_envoy;
 mod explain;
 mod render;
@@ -49,6 +52,19 @@ enum Command {
     Explain {
         /// A plugin configuration file (JSON).
         file: String,
+        /// A sample response body: show what the filter would settle for it,
+        /// read by the filter's own scanner.
+        #[arg(long)]
+        response_body: Option<String>,
+        /// A header of the sample response, `name: value` (repeatable).
+        #[arg(long, requires = "response_body")]
+        response_header: Vec<String>,
+        /// The sample response's status.
+        #[arg(long, default_value_t = 200, requires = "response_body")]
+        status: u16,
+        /// The sample response's content type (`text/event-stream` for a stream).
+        #[arg(long, requires = "response_body")]
+        content_type: Option<String>,
     },
     /// Check that service-wide global limits sum to under a provider's limit.
     Budget {
@@ -113,6 +129,39 @@ fn each_file(
     }
 }
 
+/// `explain`: the table, the charging section, and a sample's settlement.
+fn explain(
+    file: &str,
+    body: Option<&str>,
+    headers: &[String],
+    status: u16,
+    content_type: Option<String>,
+) -> Result<(), String> {
+    let c = load(file)?;
+    let sample = match body {
+        None => None,
+        Some(b) => {
+            let mut parsed = headers
+                .iter()
+                .map(|h| charging::parse_header(h))
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(t) = content_type {
+                parsed.insert(0, ("content-type".into(), t));
+            }
+            Some(charging::Sample {
+                status,
+                headers: parsed,
+                body: std::fs::read(b).map_err(|e| format!("{b}: cannot read: {e}"))?,
+            })
+        }
+    };
+    print!("{}{}", explain::table(&c), charging::describe(&c));
+    if let Some(s) = &sample {
+        print!("{}", charging::settle(&c, s));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -121,7 +170,19 @@ fn main() -> ExitCode {
             println!("{f}: ok");
             Ok(true)
         }),
-        Command::Explain { file } => load(&file).map(|c| print!("{}", explain::table(&c))),
+        Command::Explain {
+            file,
+            response_body,
+            response_header,
+            status,
+            content_type,
+        } => explain(
+            &file,
+            response_body.as_deref(),
+            &response_header,
+            status,
+            content_type,
+        ),
         Command::Budget {
             files,
             provider_limit,

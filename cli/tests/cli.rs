@@ -856,3 +856,393 @@ fn render_moves_a_literal_token_to_token_env() {
     let filter = std::fs::read_to_string(out2.join("envoy-wasm-filter.yaml")).unwrap();
     assert!(filter.contains("s3cret"), "{filter}");
 }
+
+/// A per-client token rule on the `openai_chat` preset, a rule reading a
+/// header, and a fixed-cost rule refunded outside its `charge_on`.
+const CHARGING: &str = r#"{"domain":"llm","rules":[
+    {"name":"tokens","key":["client"],"limits":[{"requests":100000,"per":"1m"}],
+     "cost_from":{"preset":"openai_chat","max":4000,"reserve":500,"scan_limit":1024},"charge_on":["2xx"]},
+    {"name":"hdr","limits":[{"requests":1000,"per":"1m"}],"cost_from":{"header":"X-Usage","max":100,"reserve":5}},
+    {"name":"req","limits":[{"requests":60,"per":"1m"}],"cost":1,"charge_on":["2xx","404"]}],
+  "costs":[{"match":{"path_prefix":"/v1/embeddings"},
+            "cost_from":{"json":[{"pointer":"/usage/total_tokens","weight":2}],"max":4000}}]}"#;
+
+fn settled(args: &[&str]) -> Vec<String> {
+    let r = run(args);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let at = r
+        .stdout
+        .find("\nsample response:")
+        .expect("a sample section");
+    r.stdout[at + 1..].lines().map(String::from).collect()
+}
+
+#[test]
+fn explain_shows_what_cost_from_reserves_and_how_it_settles() {
+    let f = file("charging-describe.json", CHARGING);
+    let r = run(&["explain", &f]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let tokens_row = r.stdout.lines().nth(1).unwrap();
+    assert!(
+        tokens_row.contains("from response: 500..4000"),
+        "{}",
+        r.stdout
+    );
+    let section = &r.stdout[r.stdout.find("\ncharged from the response:\n").unwrap()..];
+    assert_eq!(
+        section.lines().skip(2).collect::<Vec<_>>(),
+        [
+            "rule \"tokens\": reserve 500 when the request arrives; settles when the response ends to the cost it reports, at most max 4000",
+            "  source: preset openai_chat: /usage/prompt_tokens × 1 + /usage/completion_tokens × 1",
+            "  scan_limit: 1024 bytes (a longer body keeps the reserve)",
+            "  charge_on: 2xx (another status, or no response, gives the charge back)",
+            "rule \"hdr\": reserve 5 when the request arrives; settles when the response ends to the cost it reports, at most max 100",
+            "  source: response header x-usage (a decimal integer)",
+            "  scan_limit: not used (the body is not read)",
+            "rule \"req\": cost 1, charged when the request arrives",
+            "  charge_on: 2xx, 404 (another status, or no response, gives the charge back)",
+            "costs[0] (for rules without a cost of their own, on the requests it matches): reserve 1 when the request arrives; settles when the response ends to the cost it reports, at most max 4000",
+            "  source: JSON body or SSE events: /usage/total_tokens × 2",
+            "  scan_limit: 1048576 bytes (a longer body keeps the reserve)",
+        ],
+        "{}",
+        r.stdout
+    );
+    assert!(!r.stdout.contains("sample response"), "{}", r.stdout);
+    // A configuration charging nothing from the response has no such section.
+    let plain = run(&["explain", &shipped("ratelimit.json")]);
+    assert!(!plain.stdout.contains("charged from the response"));
+    // The sample options need a body.
+    assert_eq!(run(&["explain", &f, "--status", "500"]).code, 2);
+    let bad = file("sample.json", "{}");
+    let r = run(&[
+        "explain",
+        &f,
+        "--response-body",
+        &bad,
+        "--response-header",
+        "nocolon",
+    ]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("expected 'name: value'"), "{}", r.stderr);
+}
+
+#[test]
+fn explain_settles_a_json_response_with_the_filters_scanner() {
+    let f = file("charging-json.json", CHARGING);
+    let body = file(
+        "chat.json",
+        r#"{"id":"c1","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":1000,"completion_tokens":234,"total_tokens":1234}}"#,
+    );
+    assert_eq!(
+        settled(&[
+            "explain",
+            &f,
+            "--response-body",
+            &body,
+            "--response-header",
+            "X-Usage: 7",
+            "--content-type",
+            "application/json"
+        ]),
+        [
+            "sample response: status 200, read as JSON, body 127 bytes",
+            "rule \"tokens\": reserved 500, reported 1234, charged 1234, settlement +734; charge_on 2xx: status 200 keeps the charge",
+            "rule \"hdr\": reserved 5, reported 7, charged 7, settlement +2",
+            "rule \"req\": reserved 1 (a fixed cost), charged 1, settlement 0; charge_on 2xx, 404: status 200 keeps the charge",
+            "costs[0]: reserved 1, reported 2468, charged 2468, settlement +2467",
+        ]
+    );
+}
+
+#[test]
+fn explain_settles_an_event_stream_from_its_last_usage() {
+    let f = file("charging-sse.json", CHARGING);
+    let body = file(
+        "chat.sse",
+        "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
+         data: {\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":22,\"total_tokens\":42}}\n\n\
+         data: [DONE]\n\n",
+    );
+    assert_eq!(
+        settled(&[
+            "explain",
+            &f,
+            "--response-body",
+            &body,
+            "--content-type",
+            "text/event-stream; charset=utf-8"
+        ]),
+        [
+            "sample response: status 200, read as server-sent events, body 167 bytes",
+            "rule \"tokens\": reserved 500, reported 42, charged 42, settlement -458; charge_on 2xx: status 200 keeps the charge",
+            "rule \"hdr\": reserved 5, reported missing, charged 5 (the reserve), settlement 0",
+            "rule \"req\": reserved 1 (a fixed cost), charged 1, settlement 0; charge_on 2xx, 404: status 200 keeps the charge",
+            "costs[0]: reserved 1, reported 84, charged 84, settlement +83",
+        ]
+    );
+}
+
+#[test]
+fn explain_keeps_the_reserve_when_usage_is_missing_over_scan_limit_or_compressed() {
+    let f = file("charging-kept.json", CHARGING);
+    // No usage: the reserve stays charged (ratelimit_wasm_usage_missing).
+    let none = file("nousage.json", r#"{"id":"c1","choices":[]}"#);
+    let lines = settled(&["explain", &f, "--response-body", &none]);
+    assert_eq!(
+        lines[1],
+        "rule \"tokens\": reserved 500, reported missing, charged 500 (the reserve), settlement 0; charge_on 2xx: status 200 keeps the charge"
+    );
+    // Usage past scan_limit (1024 bytes) is never read.
+    let long = file(
+        "long.json",
+        &format!(
+            r#"{{"pad":"{}","usage":{{"prompt_tokens":1,"completion_tokens":1}}}}"#,
+            "x".repeat(1100)
+        ),
+    );
+    let lines = settled(&["explain", &f, "--response-body", &long]);
+    assert_eq!(
+        lines[1],
+        "rule \"tokens\": reserved 500, reported over scan_limit (1160 bytes > 1024), charged 500 (the reserve), settlement 0; charge_on 2xx: status 200 keeps the charge"
+    );
+    // A compressed body is not scanned; a header source is still read.
+    let body = file(
+        "gz.json",
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+    );
+    let lines = settled(&[
+        "explain",
+        &f,
+        "--response-body",
+        &body,
+        "--response-header",
+        "Content-Encoding: gzip",
+        "--response-header",
+        "x-usage: 3",
+    ]);
+    assert_eq!(
+        lines,
+        [
+            "sample response: status 200, content-encoding gzip: the body is not scanned, body 51 bytes",
+            "rule \"tokens\": reserved 500, reported compressed (not scanned), charged 500 (the reserve), settlement 0; charge_on 2xx: status 200 keeps the charge",
+            "rule \"hdr\": reserved 5, reported 3, charged 3, settlement -2",
+            "rule \"req\": reserved 1 (a fixed cost), charged 1, settlement 0; charge_on 2xx, 404: status 200 keeps the charge",
+            "costs[0]: reserved 1, reported compressed (not scanned), charged 1 (the reserve), settlement 0",
+        ]
+    );
+}
+
+#[test]
+fn explain_caps_the_charge_at_max() {
+    let f = file("charging-capped.json", CHARGING);
+    let body = file(
+        "big.json",
+        r#"{"usage":{"prompt_tokens":3000,"completion_tokens":6000}}"#,
+    );
+    let lines = settled(&[
+        "explain",
+        &f,
+        "--response-body",
+        &body,
+        "--response-header",
+        "x-usage: 250",
+    ]);
+    assert_eq!(
+        lines[1],
+        "rule \"tokens\": reserved 500, reported 9000, charged 4000 (max), settlement +3500; charge_on 2xx: status 200 keeps the charge"
+    );
+    assert_eq!(
+        lines[2],
+        "rule \"hdr\": reserved 5, reported 250, charged 100 (max), settlement +95"
+    );
+}
+
+#[test]
+fn explain_gives_the_charge_back_for_a_status_outside_charge_on() {
+    let f = file("charging-status.json", CHARGING);
+    let body = file("err.json", r#"{"error":{"message":"overloaded"}}"#);
+    for (status, req) in [
+        (
+            "500",
+            "rule \"req\": reserved 1 (a fixed cost), charged 0, settlement -1; charge_on 2xx, 404: status 500 gives the charge back",
+        ),
+        (
+            "404",
+            "rule \"req\": reserved 1 (a fixed cost), charged 1, settlement 0; charge_on 2xx, 404: status 404 keeps the charge",
+        ),
+    ] {
+        let lines = settled(&["explain", &f, "--response-body", &body, "--status", status]);
+        assert_eq!(
+            lines[1],
+            format!(
+                "rule \"tokens\": reserved 500, reported not read, charged 0, settlement -500; charge_on 2xx: status {status} gives the charge back"
+            )
+        );
+        // No charge_on: the rule settles whatever the status.
+        assert_eq!(
+            lines[2],
+            "rule \"hdr\": reserved 5, reported missing, charged 5 (the reserve), settlement 0"
+        );
+        assert_eq!(lines[3], req);
+    }
+}
+
+/// A cost read from the response is a range known only when the response
+/// ends: budget says so instead of counting such a request as 1.
+#[test]
+fn budget_states_that_a_cost_from_the_response_lies_between_reserve_and_max() {
+    let f = file(
+        "svc-llm.json",
+        r#"{"domain":"svc-llm","global":{"cluster":"gw"},"rules":[
+            {"name":"all","scope":"global","cost":1,"limits":[{"requests":300,"per":"1m"}]},
+            {"name":"tokens","key":["client"],"limits":[{"requests":100000,"per":"1m"}],
+             "cost_from":{"preset":"openai_chat","max":4000,"reserve":500}}],
+          "costs":[{"match":{"path_prefix":"/v1/embeddings"},
+                    "cost_from":{"header":"x-usage","max":100}}]}"#,
+    );
+    let r = run(&["budget", &f, "--provider-limit", "1000/1m"]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert!(
+        lines.contains(&format!(
+            "note: {f}: rule \"tokens\" is charged from the response, between 500 (reserve) and 4000 (max) \
+             per request; it is local, so it does not bound the service's total"
+        )
+        .as_str()),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        lines.contains(
+            &format!(
+            "note: {f}: costs[0] is charged from the response, between 1 (reserve) and 100 (max) \
+             per request; it applies to local rules only"
+        )
+            .as_str()
+        ),
+        "{}",
+        r.stdout
+    );
+    // The global rule alone bounds the service: 300 + 300 in a minute.
+    assert!(
+        r.stdout.contains("ok: 66.7% of the allowance"),
+        "{}",
+        r.stdout
+    );
+}
+
+/// `validate` reads with `config::parse`, as the filter loads: a bad
+/// `cost_from` is refused with its field path, a good one accepted.
+#[test]
+fn validate_names_the_field_path_of_a_bad_cost_from() {
+    let rule = |cost_from: &str, extra: &str| {
+        format!(
+            r#"{{"domain":"d","rules":[{{"name":"r","limits":[{{"requests":10000,"per":"1m"}}],
+                "cost_from":{cost_from}{extra}}}]}}"#
+        )
+    };
+    let good = file(
+        "cost-from-good.json",
+        &rule(
+            r#"{"preset":"anthropic_messages","max":4000,"reserve":100}"#,
+            r#","charge_on":["2xx","404"]"#,
+        ),
+    );
+    let r = run(&["validate", &good]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.ends_with("cost-from-good.json: ok\n"),
+        "{}",
+        r.stdout
+    );
+    for (name, cost_from, extra, error) in [
+        (
+            "cost-from-pointer.json",
+            r#"{"json":[{"pointer":"usage/total_tokens"}],"max":4000}"#,
+            "",
+            r#"rules[0].cost_from.json[0].pointer: "usage/total_tokens" is not a JSON Pointer: it must start with /"#,
+        ),
+        (
+            "cost-from-two.json",
+            r#"{"header":"x-usage","preset":"openai_chat","max":4000}"#,
+            "",
+            "rules[0].cost_from: give exactly one of header, json and preset",
+        ),
+        (
+            "cost-from-reserve.json",
+            r#"{"preset":"openai_chat","max":10,"reserve":11}"#,
+            "",
+            "rules[0].cost_from.reserve: 11 is above max (10)",
+        ),
+        (
+            "cost-from-preset.json",
+            r#"{"preset":"openai_chatt","max":10}"#,
+            "",
+            "rules[0].cost_from.preset: unknown variant `openai_chatt`, expected one of `openai_chat`, `openai_responses`, `anthropic_messages`",
+        ),
+        (
+            "cost-from-charge-on.json",
+            r#"{"preset":"openai_chat","max":10}"#,
+            r#","charge_on":["2xy"]"#,
+            r#"rules[0].charge_on[0]: "2xy" is not a status class (1xx to 5xx) or a status code (100 to 599)"#,
+        ),
+    ] {
+        let bad = file(name, &rule(cost_from, extra));
+        let r = run(&["validate", &bad]);
+        assert_eq!(r.code, 1, "{name}: {}", r.stdout);
+        assert!(
+            r.stderr.contains(&format!("{name}: {error}")),
+            "{name}: {}",
+            r.stderr
+        );
+    }
+    // The gateway does not settle: a global rule may not read the response.
+    let global = file(
+        "cost-from-global.json",
+        r#"{"domain":"d","global":{"cluster":"gw"},"rules":[{"name":"r","scope":"global",
+            "limits":[{"requests":10000,"per":"1m"}],"cost_from":{"preset":"openai_chat","max":10}}]}"#,
+    );
+    let r = run(&["validate", &global]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .contains("rules[0].cost_from: is supported for local rules only"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// The filter settles and refunds only enforced rules' charges: a shadow
+/// rule is charged its reservation and nothing more, and explain says so.
+#[test]
+fn explain_says_a_shadow_rule_is_never_settled() {
+    let f = file(
+        "charging-shadow.json",
+        r#"{"domain":"llm","rules":[{"name":"tokens","key":["client"],"mode":"shadow",
+            "limits":[{"requests":100000,"per":"1m"}],
+            "cost_from":{"preset":"openai_chat","max":4000,"reserve":500},"charge_on":["2xx"]}]}"#,
+    );
+    let body = file(
+        "shadow-body.json",
+        r#"{"usage":{"prompt_tokens":1000,"completion_tokens":234}}"#,
+    );
+    let r = run(&["explain", &f, "--response-body", &body, "--status", "500"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let section = &r.stdout[r.stdout.find("\ncharged from the response:\n").unwrap()..];
+    assert_eq!(
+        section.lines().skip(2).collect::<Vec<_>>(),
+        [
+            "rule \"tokens\": reserve 500 when the request arrives, and nothing more: a shadow rule is never settled (max 4000 unused)",
+            "  source: preset openai_chat: /usage/prompt_tokens × 1 + /usage/completion_tokens × 1",
+            "  scan_limit: 1048576 bytes (a longer body keeps the reserve)",
+            "  charge_on: 2xx (not applied to a shadow rule)",
+            "  mode shadow: the filter charges the reservation only; it never settles or refunds a shadow rule",
+            "",
+            "sample response: status 500, read as JSON, body 56 bytes",
+            "rule \"tokens\": reserved 500, not settled (shadow), charged 500, settlement 0",
+        ],
+        "{}",
+        r.stdout
+    );
+}

@@ -27,7 +27,7 @@ pub use answer::finish;
 pub use counts::Counts;
 pub use local::{abandon, start};
 pub use refresh::{refresh_finish, refresh_start, Refresh};
-pub use settle::{ResponseHeaders, Settlement};
+pub use settle::{framing, header_usage, ResponseHeaders, Settlement};
 pub use stream::{Callout, Next, Stream};
 
 use crate::config::{FailureMode, OnError};

@@ -104,14 +104,14 @@ impl Settlement {
         for m in meters {
             match plan.meters.get(m).map(|p| &p.source) {
                 Some(MeterSource::Header(name)) => {
-                    let usage = head
-                        .header(name)
-                        .map_or(Usage::Missing, |v| header_usage(&v, plan, m));
+                    let usage = head.header(name).map_or(Usage::Missing, |v| {
+                        header_usage(&v, plan.meters.get(m).map_or(0, |p| p.max))
+                    });
                     self.settle(plan, m, usage, store, now_ns, &mut counts);
                 }
                 Some(MeterSource::Body(meter)) => match framing(head) {
-                    Ok(f) => self.scans.push((m, Scan::new(meter, f))),
-                    Err(()) => {
+                    Some(f) => self.scans.push((m, Scan::new(meter, f))),
+                    None => {
                         counts.add(Metric::UsageCompressed, 1);
                         self.keep_reserve(m);
                     }
@@ -292,9 +292,9 @@ impl Settlement {
     }
 }
 
-/// The cost in a header: a decimal integer, capped at the meter's `max`.
-fn header_usage(value: &[u8], plan: &Plan, m: usize) -> Usage {
-    let max = plan.meters.get(m).map_or(0, |p| p.max);
+/// The cost in a header: a decimal integer, capped at `max`. Public so
+/// that `ratelimit explain` reads a sample response as the filter does.
+pub fn header_usage(value: &[u8], max: u64) -> Usage {
     let digits = value.trim_ascii();
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
         return Usage::Missing;
@@ -309,12 +309,13 @@ fn header_usage(value: &[u8], plan: &Plan, m: usize) -> Usage {
     }
 }
 
-/// How the body is framed, from its headers; `Err` for a compressed body,
-/// which is not scanned.
-fn framing(head: &impl ResponseHeaders) -> Result<Framing, ()> {
+/// How the body is framed, from its headers; `None` for a compressed body,
+/// which is not scanned. Public so that `ratelimit explain` frames a sample
+/// response as the filter does.
+pub fn framing(head: &impl ResponseHeaders) -> Option<Framing> {
     if let Some(enc) = head.header("content-encoding") {
         if !enc.trim_ascii().eq_ignore_ascii_case(b"identity") {
-            return Err(());
+            return None;
         }
     }
     let sse = head.header("content-type").is_some_and(|t| {
@@ -323,5 +324,5 @@ fn framing(head: &impl ResponseHeaders) -> Result<Framing, ()> {
             && t.get(..17)
                 .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
     });
-    Ok(if sse { Framing::Sse } else { Framing::Json })
+    Some(if sse { Framing::Sse } else { Framing::Json })
 }
