@@ -92,7 +92,8 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
              "rules":[{"name":"r","key":["client"],"limits":[{"requests":10,"per":"1m"}],
                        "graduated":{"warn_at":0.5}},
                       {"name":"t","limits":[{"requests":10,"per":"1m"}],
-                       "cost_from":{"json":[{"pointer":"/u"}],"max":5}}],
+                       "cost_from":{"json":[{"pointer":"/u"}],"max":5}},
+                      {"name":"c","limits":[{"concurrent":2}]}],
              "quotas":[{"name":"q","key":["client"],"period":"day","limit":5,
                         "upgrade_url":"https://example.com/up"}],
              "global":{"cluster":"gw","lease":{"fraction":0.1}}}"#,
@@ -135,6 +136,10 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
         ),
         ("quotas[].count", snake(format!("{:?}", quota.count))),
         ("rules[].cost_from.reserve", from.reserve.to_string()),
+        (
+            "rules[].limits[].max_in_flight",
+            config.rules[2].limits[0].max_in_flight_secs().to_string(),
+        ),
         ("rules[].cost_from.scan_limit", from.scan_limit.to_string()),
         ("rules[].cost_from.json[].weight", term.weight.to_string()),
         ("max_buckets", config.max_buckets.to_string()),
@@ -225,7 +230,9 @@ fn maximal_configs() -> Vec<serde_json::Value> {
             { "name": "by-header", "limits": [{ "requests": 1000, "per": "1m" }],
               "cost_from": { "header": "x-usage-tokens", "max": 10 } },
             { "name": "by-preset", "limits": [{ "requests": 1000, "per": "1m" }],
-              "cost_from": { "preset": "anthropic_messages", "max": 10 } }
+              "cost_from": { "preset": "anthropic_messages", "max": 10 } },
+            { "name": "streams", "key": ["client"],
+              "limits": [{ "concurrent": 3, "max_in_flight": "10m" }] }
         ],
         "costs": [{ "match": { "path_prefix": "/s" }, "cost": 5 }],
         "response": { "headers": "both", "problem_type": "https://example.com/p",

@@ -214,27 +214,23 @@ fn the_debt_is_capped_at_1024_responses_of_max() {
 /// refunded (only enforced charges are held for settlement). `ratelimit
 /// explain` says so (cli/src/charging.rs); change both together.
 #[test]
-fn a_shadow_rule_is_charged_its_reservation_and_never_settled() {
+fn a_shadow_rule_is_settled_and_refunded_as_an_enforced_one() {
     let h = harness(&cfg(json!([{
         "name": "tokens", "key": ["client"], "mode": "shadow",
         "limits": [{"requests": 1000, "per": "1h"}],
         "cost_from": {"header": "x-usage-tokens", "max": 4000, "reserve": 100},
         "charge_on": ["2xx"]
     }])));
-    for left in ["900", "800", "700"] {
-        let o = call(&h, 0, "ann", used(900));
+    // Each shows its reservation; the next shows the settlement of 400 before it.
+    for left in ["900", "500", "100"] {
+        let o = call(&h, 0, "ann", used(400));
         assert_eq!(o.status, 200);
         assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some(left));
     }
-    // A 500 outside charge_on: nothing given back either.
+    // 1,200 spent: a shadow rule never rejects, but it counts the debt.
     let o = call(&h, 0, "ann", Upstream::new(500, "{}"));
-    assert_eq!(o.header("x-ratelimit-remaining").as_deref(), Some("600"));
-    assert_eq!(
-        call(&h, 0, "ann", used(1))
-            .header("x-ratelimit-remaining")
-            .as_deref(),
-        Some("500")
-    );
-    assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 0);
-    assert_eq!(h.metric("ratelimit_wasm_charge_refunded"), 0);
+    assert_eq!(o.status, 500);
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 1);
+    // The 500 found no room, so it was never charged and nothing settles.
+    assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 3);
 }

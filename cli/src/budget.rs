@@ -199,6 +199,13 @@ fn service_bound(
 ) -> Result<(String, Bound, usize), String> {
     let mut best: Option<(String, Bound, usize)> = None;
     for rule in &c.rules {
+        if let Some(n) = rule.limits.first().and_then(|l| l.concurrent) {
+            notes.push(format!(
+                "{f}: rule {:?} limits requests in flight ({n} per key in each proxy), not a \
+                 rate: it does not bound the service's total",
+                rule.name
+            ));
+        }
         if let Some(from) = &rule.cost_from {
             notes.push(format!(
                 "{f}: rule {:?} is charged from the response, between {} (reserve) and {} (max) \

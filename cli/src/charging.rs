@@ -6,7 +6,7 @@
 //! header reading (`decide::framing`, `decide::header_usage`) and its
 //! streaming scanner (`usage::Scan`), so what is printed is what it does.
 
-use ratelimit_config::{Config, CostFrom, Mode, Rule, StatusMatch};
+use ratelimit_config::{Config, CostFrom, Rule, StatusMatch};
 use ratelimit_wasm::decide::{framing, header_usage, ResponseHeaders};
 use ratelimit_wasm::policy::plan::{MeterSource, Plan};
 use ratelimit_wasm::usage::{Framing, Meter, Scan, Usage};
@@ -51,15 +51,7 @@ pub fn describe(c: &Config) -> String {
     for rule in &c.rules {
         match (&rule.cost_from, &rule.charge_on) {
             (Some(from), _) => {
-                let text = if rule.mode == Mode::Shadow {
-                    format!(
-                        "reserve {} when the request arrives, and nothing more: a shadow rule is never settled (max {} unused)",
-                        from.reserve, from.max
-                    )
-                } else {
-                    summary(from)
-                };
-                out.push_str(&format!("rule {:?}: {text}\n", rule.name));
+                out.push_str(&format!("rule {:?}: {}\n", rule.name, summary(from)));
                 out.push_str(&details(from));
             }
             (None, Some(_)) => out.push_str(&format!(
@@ -73,15 +65,8 @@ pub fn describe(c: &Config) -> String {
             out.push_str(&format!(
                 "  charge_on: {} ({})\n",
                 statuses(on),
-                if rule.mode == Mode::Shadow {
-                    "not applied to a shadow rule"
-                } else {
-                    "another status, or no response, gives the charge back"
-                }
+                "another status, or no response, gives the charge back"
             ));
-        }
-        if rule.mode == Mode::Shadow {
-            out.push_str(SHADOW_NOTE);
         }
     }
     for (i, cost) in c.costs.iter().enumerate() {
@@ -98,12 +83,6 @@ pub fn describe(c: &Config) -> String {
     }
     format!("\ncharged from the response:\n{out}")
 }
-
-/// The filter keeps only enforced rules' charges for settlement: a shadow
-/// rule's bucket is charged its reservation (or cost) and never settled
-/// nor refunded.
-const SHADOW_NOTE: &str =
-    "  mode shadow: the filter charges the reservation only; it never settles or refunds a shadow rule\n";
 
 fn summary(from: &CostFrom) -> String {
     format!(
@@ -206,19 +185,6 @@ pub fn settle(c: &Config, sample: &Sample) -> String {
             .map(|on| (on, on.iter().any(|m| m.matches(sample.status))));
         let line = match (meter, kept) {
             (None, None) => continue,
-            // Shadow buckets are watched, not held: nothing settles them.
-            _ if rule.mode == Mode::Shadow => {
-                let reserved = meter
-                    .and_then(|m| plan.meters.get(m))
-                    .map(|p| p.reserve)
-                    .or(rule.cost)
-                    .map_or("the request's cost".to_string(), |n| n.to_string());
-                let line = format!(
-                    "reserved {reserved}, not settled (shadow), charged {reserved}, settlement 0"
-                );
-                out.push_str(&format!("rule {:?}: {line}\n", rule.name));
-                continue;
-            }
             // The filter gives the charge back before it reads any usage.
             (Some(m), Some((_, false))) => {
                 let reserved = plan.meters.get(m).map_or(0, |p| p.reserve);

@@ -6,6 +6,7 @@
 
 use ratelimit_config::{Config, HeaderStyle, LimitSpec, Mode, Rule};
 use ratelimit_wasm::limits::algorithm::Algorithm;
+use ratelimit_wasm::policy::plan::LimitText;
 use ratelimit_wasm::respond::headers::{self, Shown};
 
 /// One row per rule × tier (or rule × client override).
@@ -68,8 +69,15 @@ pub fn table(c: &Config) -> String {
 
 fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 9] {
     let reject_at = rule.graduated.as_ref().map_or(1.0, |g| g.reject_at);
+    let slots = limits.first().and_then(|l| l.concurrent.map(|n| (n, l)));
     let (shown, burst, policy) = if limits.is_empty() {
         ("unlimited".to_string(), "-".to_string(), "-".to_string())
+    } else if let Some((n, l)) = slots {
+        (
+            format!("{n} in flight (slot held ≤ {}s)", l.max_in_flight_secs()),
+            "-".to_string(),
+            LimitText::concurrent(&rule.name, n.into()).policy,
+        )
     } else {
         let shown = limits
             .iter()
@@ -97,7 +105,11 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
         burst,
         cost,
         format!("{:?}", rule.scope).to_lowercase(),
-        rule.algorithm.name().to_string(),
+        if slots.is_some() {
+            "-".to_string()
+        } else {
+            rule.algorithm.name().to_string()
+        },
         if rule.mode == Mode::Shadow {
             "shadow"
         } else {

@@ -1216,7 +1216,7 @@ fn validate_names_the_field_path_of_a_bad_cost_from() {
 /// The filter settles and refunds only enforced rules' charges: a shadow
 /// rule is charged its reservation and nothing more, and explain says so.
 #[test]
-fn explain_says_a_shadow_rule_is_never_settled() {
+fn explain_settles_a_shadow_rule_as_an_enforced_one() {
     let f = file(
         "charging-shadow.json",
         r#"{"domain":"llm","rules":[{"name":"tokens","key":["client"],"mode":"shadow",
@@ -1233,14 +1233,50 @@ fn explain_says_a_shadow_rule_is_never_settled() {
     assert_eq!(
         section.lines().skip(2).collect::<Vec<_>>(),
         [
-            "rule \"tokens\": reserve 500 when the request arrives, and nothing more: a shadow rule is never settled (max 4000 unused)",
+            "rule \"tokens\": reserve 500 when the request arrives; settles when the response ends to the cost it reports, at most max 4000",
             "  source: preset openai_chat: /usage/prompt_tokens × 1 + /usage/completion_tokens × 1",
             "  scan_limit: 1048576 bytes (a longer body keeps the reserve)",
-            "  charge_on: 2xx (not applied to a shadow rule)",
-            "  mode shadow: the filter charges the reservation only; it never settles or refunds a shadow rule",
+            "  charge_on: 2xx (another status, or no response, gives the charge back)",
             "",
             "sample response: status 500, read as JSON, body 56 bytes",
-            "rule \"tokens\": reserved 500, not settled (shadow), charged 500, settlement 0",
+            "rule \"tokens\": reserved 500, reported not read, charged 0, settlement -500; charge_on 2xx: status 500 gives the charge back",
+        ],
+        "{}",
+        r.stdout
+    );
+}
+
+#[test]
+fn explain_shows_a_concurrency_limit_as_slots_not_a_rate() {
+    let f = file(
+        "concurrency.json",
+        r#"{"domain":"d","rules":[
+            {"name":"streams","key":["client"],"limits":[{"concurrent":3,"max_in_flight":"2m"}]},
+            {"name":"rate","key":["client"],"limits":[{"requests":10,"per":"1m"}]}]}"#,
+    );
+    let r = run(&["explain", &f]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let row: Vec<&str> = r
+        .stdout
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split("  ")
+        .filter(|c| !c.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    assert_eq!(
+        row,
+        [
+            "streams",
+            "*",
+            "3 in flight (slot held ≤ 120s)",
+            "-",
+            "1",
+            "local",
+            "-",
+            "enforce",
+            "\"streams\";q=3;qu=\"concurrent-requests\""
         ],
         "{}",
         r.stdout

@@ -57,7 +57,12 @@ pub fn start(
             return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None));
         }
     };
-    ctx.watch(&eval.shadow, &mut reports);
+    // A shadow charge is held like an enforced one: settled from its
+    // response, and given back if the request is refused after all.
+    let mut held = held;
+    if ctx.watch(&eval.shadow, &mut reports) {
+        held.extend_from_slice(&eval.shadow);
+    }
     if watch_fallback {
         ctx.watch(&eval.fallback, &mut reports);
     }

@@ -244,14 +244,13 @@ impl<S: SharedStore> Ctx<'_, S> {
     /// what they would have denied is noted. Most requests have none: that
     /// case returns here, inlined, since the call cost c1 53 instructions.
     #[inline(always)]
-    fn watch(&mut self, buckets: &[Bucket], into: &mut Vec<Report>) {
-        if !buckets.is_empty() {
-            self.watch_charge(buckets, into);
-        }
+    fn watch(&mut self, buckets: &[Bucket], into: &mut Vec<Report>) -> bool {
+        !buckets.is_empty() && self.watch_charge(buckets, into)
     }
 
+    /// Whether the buckets were charged (they all had room).
     #[inline(never)]
-    fn watch_charge(&mut self, buckets: &[Bucket], into: &mut Vec<Report>) {
+    fn watch_charge(&mut self, buckets: &[Bucket], into: &mut Vec<Report>) -> bool {
         let mut stats = Stats::default();
         let result = limiter::check_and_consume(
             self.store,
@@ -263,12 +262,19 @@ impl<S: SharedStore> Ctx<'_, S> {
         );
         self.counts.stats(&stats);
         match result {
-            Ok(Decision::Allowed(reports)) => into.extend(reports),
+            Ok(Decision::Allowed(reports)) => {
+                into.extend(reports);
+                true
+            }
             Ok(Decision::Denied(reports)) => {
                 self.note_shadow(&reports);
                 into.extend(reports);
+                false
             }
-            Err(e) => self.failed(e),
+            Err(e) => {
+                self.failed(e);
+                false
+            }
         }
     }
 

@@ -46,12 +46,13 @@ pub struct LimitText {
 impl LimitText {
     /// A concurrency limit's: `"<rule>";q=<slots>;qu="concurrent-requests"`
     /// (the quota unit the IETF draft names for it; no window).
-    fn concurrent(rule: &str, slots: u64) -> LimitText {
+    pub fn concurrent(rule: &str, slots: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(slots).to_owned();
         let policy = format!("\"{rule}\";q={quota};qu=\"concurrent-requests\"");
         LimitText { quota, policy }
     }
 
+    /// A rate limit's: `"<rule>";q=<capacity>;w=<window>`.
     fn new(rule: &str, capacity: u64, window_secs: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(capacity).to_owned();
         let mut w = itoa::Buffer::new();
