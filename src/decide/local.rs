@@ -69,12 +69,16 @@ pub fn start(
     let mut held = Held {
         buckets: held,
         at_ns: now_ns,
-        cost_meter: eval.cost_meter,
-        slots: Vec::new(),
+        more: eval.cost_meter.map(|m| {
+            Box::new(HeldMore {
+                cost_meter: Some(m),
+                slots: Vec::new(),
+            })
+        }),
     };
     if !eval.in_flight.is_empty() {
         match ctx.take_slots(&eval, &mut reports) {
-            Ok(slots) => held.slots = slots,
+            Ok(slots) => held.more.get_or_insert_with(Box::default).slots = slots,
             Err(v) => {
                 ctx.refund(&mut held);
                 if let (Some(l), Some(_)) = (&leasing.lease, &leasing.served) {
@@ -311,7 +315,7 @@ impl<S: SharedStore> Ctx<'_, S> {
 /// the strict side.
 pub fn abandon(plan: &Plan, pending: Pending, store: &impl SharedStore) -> Counts {
     let held = &pending.held;
-    let mut counts = super::in_flight::release(plan, store, &held.slots, held.at_ns);
+    let mut counts = super::in_flight::release(plan, store, held.slots(), held.at_ns);
     if limiter::refund(store, plan, &held.buckets, held.at_ns).is_err() {
         counts.add(Metric::Errors, 1);
     }

@@ -55,7 +55,7 @@ impl Settlement {
             .buckets
             .iter()
             .filter_map(|b| {
-                let meter = plan.meter_of(b.rule, held.cost_meter);
+                let meter = plan.meter_of(b.rule, held.cost_meter());
                 let charge_on = plan
                     .rules
                     .get(b.rule)

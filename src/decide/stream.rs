@@ -137,6 +137,14 @@ impl Stream {
         self.settlement.is_some()
     }
 
+    /// Whether [`Stream::end`] reads the clock: a settlement or a slot to
+    /// give back (the others spare the host a clock hostcall).
+    #[inline(never)]
+    pub fn ends_on_the_clock(&self) -> bool {
+        self.settlement.is_some()
+            || matches!(&self.state, State::Decided(o) if !o.held.slots().is_empty())
+    }
+
     /// Whether the host should pass the response body to [`Stream::response_body`].
     pub fn wants_body(&self) -> bool {
         self.settlement.as_ref().is_some_and(|s| s.wants_body())
@@ -225,8 +233,8 @@ impl Stream {
         }
         let mut counts = self.settlement.as_mut().map(|s| s.end(plan, store, now_ns));
         if let State::Decided(o) = &mut self.state {
-            if !o.held.slots.is_empty() {
-                let slots = std::mem::take(&mut o.held.slots);
+            if !o.held.slots().is_empty() {
+                let slots = o.held.take_slots();
                 let released = super::in_flight::release(plan, store, &slots, now_ns);
                 counts.get_or_insert_with(Counts::default).merge(&released);
             }

@@ -499,7 +499,12 @@ impl HttpContext for Http {
         // The stream is done (or was cancelled while held): never resume it.
         self.delays.borrow_mut().forget(self.id);
         if let Some(plan) = self.plan.clone() {
-            if let Some(counts) = self.stream.end(&plan, &HostStore, now_ns()) {
+            let now = if self.stream.ends_on_the_clock() {
+                now_ns()
+            } else {
+                0
+            };
+            if let Some(counts) = self.stream.end(&plan, &HostStore, now) {
                 self.metrics.add_all(&counts);
             }
         }
