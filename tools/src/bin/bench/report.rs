@@ -16,7 +16,7 @@ pub const BEGIN: &str = "<!-- bench:begin -->";
 pub const END: &str = "<!-- bench:end -->";
 
 /// The issue's targets: (variant, reference, goal).
-pub const TARGETS: [(&str, &str, f64); 9] = [
+pub const TARGETS: [(&str, &str, f64); 11] = [
     ("c1", "a2", 0.95),
     ("c4", "a2", 0.95),
     ("c1", "b", 0.88),
@@ -26,6 +26,9 @@ pub const TARGETS: [(&str, &str, f64); 9] = [
     ("g", "a", 0.35),
     ("e", "c1", 0.85),
     ("d-f", "c1-f", 0.90),
+    // Charging from the response body, against c1 at the same response size.
+    ("cu-1k", "c1-1k", 0.80),
+    ("cu-64k", "c1-64k", 0.80),
 ];
 /// Gateway checks/s over raw EVALSHA/s.
 pub const GATEWAY_TARGET: f64 = 0.70;
@@ -177,6 +180,18 @@ fn checks(s: &Session, id: &str, load: LoadMode) -> String {
         out.push(format!(
             "{:.2} callouts per request, {failures:.0} failed or skipped",
             calls / decided.max(1.0)
+        ));
+    }
+    let usage = |name: &str| -> f64 { runs.iter().map(|r| counter(r, name)).sum() };
+    let settled = usage("ratelimit_wasm_usage_settled");
+    let unread =
+        usage("ratelimit_wasm_usage_missing") + usage("ratelimit_wasm_usage_over_scan_limit");
+    if settled + unread > 0.0 {
+        out.push(format!(
+            "{:.1} % settled to the usage in the body ({:.1} % capped at max), {unread:.0} \
+             without a usage read",
+            100.0 * settled / decided.max(1.0),
+            100.0 * usage("ratelimit_wasm_usage_capped") / decided.max(1.0)
         ));
     }
     let hits: f64 = runs
