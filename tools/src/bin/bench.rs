@@ -501,7 +501,7 @@ fn run() -> Result<()> {
 fn read_wasm_figures(dir: &Path) -> Result<(BTreeMap<String, serde_json::Value>, Vec<String>)> {
     let mut figures = BTreeMap::new();
     let mut notes = Vec::new();
-    for name in ["fuel", "footprint"] {
+    for name in ["fuel", "usage", "footprint"] {
         let file = dir.join(format!("{name}.json"));
         match std::fs::read_to_string(&file) {
             Ok(text) => {
