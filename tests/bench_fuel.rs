@@ -630,6 +630,28 @@ fn openai_chat_sse(len: usize) -> Vec<u8> {
     body.into_bytes()
 }
 
+/// Where a stream's cost goes: the same events as one JSON document (an
+/// array of them, the usage after it), without the SSE framing and the
+/// scan's reset per event.
+fn sse_events_as_json(len: usize) -> Vec<u8> {
+    let sse = String::from_utf8(openai_chat_sse(len)).expect("UTF-8");
+    let events: Vec<Value> = sse
+        .split("\n\n")
+        .filter_map(|e| serde_json::from_str(e.strip_prefix("data: ")?).ok())
+        .collect();
+    let usage = events.last().expect("events")["usage"].clone();
+    serde_json::to_vec(&json!({ "events": events, "usage": usage })).expect("JSON")
+}
+
+/// And the other way round: the chat completion of `len` bytes as the one
+/// event of a stream.
+fn openai_chat_json_as_one_event(len: usize) -> Vec<u8> {
+    let mut body = b"data: ".to_vec();
+    body.extend(openai_chat_json(len));
+    body.extend(b"\n\ndata: [DONE]\n\n");
+    body
+}
+
 /// Mean fuel of a whole request answered `answer`, over [`BODY_MEASURED`]
 /// requests of clients `c<first>`… (after [`BODY_WARMUP`]); every one must
 /// pass.
@@ -652,16 +674,29 @@ fn mean_answered(vm: &mut FuelVm, answer: &Answer, first: u32) -> f64 {
 /// read the body), over the body's length. Bodies: OpenAI chat completions
 /// of 1 KiB and 64 KiB (JSON, mostly one long `content` string, the usage
 /// at the end) and a 64 KiB stream of chat chunks (SSE); chunks of 16 KiB
-/// (Envoy's buffers) and of 1 KiB.
+/// (Envoy's buffers) and of 1 KiB. Also, to see where the stream's cost
+/// goes, the stream's events as one JSON document and the 64 KiB chat
+/// completion as the one event of a stream.
 #[test]
 fn instructions_per_response_byte_scanned() {
     let filter = harness::default_wasm_path();
     let mut c1 = FuelVm::new(&filter, C1);
     let mut cu = FuelVm::new(&filter, CU);
-    let bodies: [(&str, &'static str, Vec<u8>); 3] = [
+    let bodies: [(&str, &'static str, Vec<u8>); 5] = [
         ("json_1k", "application/json", openai_chat_json(1024)),
         ("json_64k", "application/json", openai_chat_json(64 * 1024)),
         ("sse_64k", "text/event-stream", openai_chat_sse(64 * 1024)),
+        // Where the stream's cost goes (see the two functions).
+        (
+            "sse_events_as_json",
+            "application/json",
+            sse_events_as_json(64 * 1024),
+        ),
+        (
+            "json_as_one_event",
+            "text/event-stream",
+            openai_chat_json_as_one_event(64 * 1024),
+        ),
     ];
     let settled = |vm: &FuelVm| vm._harness.metric("ratelimit_wasm_usage_settled");
     let mut rows = serde_json::Map::new();
@@ -684,7 +719,7 @@ fn instructions_per_response_byte_scanned() {
             first += BODY_WARMUP + BODY_MEASURED;
             let per_byte = (charged - plain) / body.len() as f64;
             println!(
-                "bench-wasm: {name:8} ({:6} bytes) in {:5}-byte chunks: c1 {plain:9.0}, \
+                "bench-wasm: {name:18} ({:6} bytes) in {:5}-byte chunks: c1 {plain:9.0}, \
                  c1 + cost_from {charged:9.0} instructions per request: {per_byte:.2} per byte",
                 body.len(),
                 chunk

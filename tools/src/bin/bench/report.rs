@@ -59,6 +59,14 @@ fn usage_figures(m: &mut String, f: &Value) {
         ("json_1k", "1 KiB chat completion (JSON)"),
         ("json_64k", "64 KiB chat completion (JSON)"),
         ("sse_64k", "64 KiB chat stream (SSE)"),
+        (
+            "sse_events_as_json",
+            "the stream's events as one JSON document",
+        ),
+        (
+            "json_as_one_event",
+            "the 64 KiB chat completion as one SSE event",
+        ),
     ] {
         for k in [16, 1] {
             let row = &f["bodies"][format!("{key}_chunks_{k}k")];
