@@ -13,6 +13,11 @@
 //!   bench's own (`tools/src/bin/bench/c1.json`, `c4.json`), so the numbers
 //!   belong to the same 1-rule and 4-rule variants `make bench` loads into
 //!   Envoy.
+//! * **Instructions per response byte** that a `cost_from` rule scans: the
+//!   same VM answers each request with a chat completion (JSON) or a chat
+//!   stream (SSE) through `proxy_on_response_body`, in 16 KiB or 1 KiB
+//!   chunks, with c1's rule plus `cost_from` (`bench/cu.json`) and with
+//!   c1's plain rule; the difference over the body's length.
 //! * **Shared-data footprint** with 1,000,000 distinct client keys: the
 //!   filter's decision code over a `MemoryStore` (the approach of
 //!   `tests/hostile.rs`), bytes stored against the bound that `max_buckets`
@@ -21,7 +26,8 @@
 //! Each test prints its figures (`bench-wasm: {json}` lines, also written to
 //! `$BENCH_WASM_OUT/<name>.json` when that variable is set, which `make
 //! bench` does) and asserts only what must hold everywhere: positive fuel, 4
-//! rules cheaper than 8 × 1 rule, and the footprint within its bound. The
+//! rules cheaper than 8 × 1 rule, every charged response settled from its
+//! body at 0 to 200 instructions per byte, and the footprint within its bound. The
 //! footprint test is `#[ignore]`d (a minute or more in a debug build;
 //! `tests/hostile.rs` holds the same kind of bound in every `cargo test`);
 //! `make bench` runs both with `--include-ignored`.
