@@ -13,6 +13,11 @@
 //!   bench's own (`tools/src/bin/bench/c1.json`, `c4.json`), so the numbers
 //!   belong to the same 1-rule and 4-rule variants `make bench` loads into
 //!   Envoy.
+//! * **Instructions per response byte** that a `cost_from` rule scans: the
+//!   same VM answers each request with a chat completion (JSON) or a chat
+//!   stream (SSE) through `proxy_on_response_body`, in 16 KiB or 1 KiB
+//!   chunks, with c1's rule plus `cost_from` (`bench/cu.json`) and with
+//!   c1's plain rule; the difference over the body's length.
 //! * **Shared-data footprint** with 1,000,000 distinct client keys: the
 //!   filter's decision code over a `MemoryStore` (the approach of
 //!   `tests/hostile.rs`), bytes stored against the bound that `max_buckets`
@@ -21,7 +26,8 @@
 //! Each test prints its figures (`bench-wasm: {json}` lines, also written to
 //! `$BENCH_WASM_OUT/<name>.json` when that variable is set, which `make
 //! bench` does) and asserts only what must hold everywhere: positive fuel, 4
-//! rules cheaper than 8 × 1 rule, and the footprint within its bound. The
+//! rules cheaper than 8 × 1 rule, every charged response settled from its
+//! body at 0 to 200 instructions per byte, and the footprint within its bound. The
 //! footprint test is `#[ignore]`d (a minute or more in a debug build;
 //! `tests/hostile.rs` holds the same kind of bound in every `cargo test`);
 //! `make bench` runs both with `--include-ignored`.
@@ -256,8 +262,17 @@ impl FuelVm {
             .expect("the stream exists")
     }
 
-    /// One request through every callback, as `Harness::send` drives it.
+    /// One request through every callback, as `Harness::send` drives it,
+    /// answered `ok\n`.
     fn request(&mut self, req: Request) -> RequestFuel {
+        self.request_answered(req, &Answer::ok())
+    }
+
+    /// One request through every callback, as `Harness::send` drives it; a
+    /// request let through is answered `answer`, whose body (when not empty)
+    /// goes through `proxy_on_response_body` chunk by chunk, as the harness's
+    /// `deliver_body` does.
+    fn request_answered(&mut self, req: Request, answer: &Answer) -> RequestFuel {
         let ctx = {
             let d = self.store.data_mut();
             let ctx = d.next_ctx;
@@ -284,19 +299,39 @@ impl FuelVm {
                 let s = self.stream(ctx);
                 s.req_map_held = false;
                 s.upstream_request = Some(s.request_headers.clone());
-                s.response_headers = Some(vec![
+                let mut headers = vec![
                     (":status".to_string(), b"200".to_vec()),
-                    ("content-length".to_string(), b"3".to_vec()),
-                ]);
-                s.response_body = b"ok\n".to_vec();
+                    (
+                        "content-length".to_string(),
+                        answer.body.len().to_string().into_bytes(),
+                    ),
+                ];
+                if let Some(t) = answer.content_type {
+                    headers.push(("content-type".to_string(), t.as_bytes().to_vec()));
+                }
+                let n = headers.len() as i32;
+                s.response_headers = Some(headers);
+                s.response_body = answer.body.clone();
                 s.resp_map_held = true;
                 s.phase = StreamPhase::ResponseHeaders;
-                2
+                n
             };
-            self.call::<(i32, i32, i32), i32>(ctx, "proxy_on_response_headers", (c, n, 0));
+            let eos = (answer.chunk.is_some() && answer.body.is_empty()) as i32;
+            self.call::<(i32, i32, i32), i32>(ctx, "proxy_on_response_headers", (c, n, eos));
             let s = self.stream(ctx);
             s.resp_map_held = false;
             s.phase = StreamPhase::Completing;
+            let chunks: Vec<&[u8]> = match answer.chunk {
+                Some(size) => answer.body.chunks(size.max(1)).collect(),
+                None => Vec::new(),
+            };
+            for (i, chunk) in chunks.iter().enumerate() {
+                self.stream(ctx).body_chunk = Some(chunk.to_vec());
+                let eos = (i + 1 == chunks.len()) as i32;
+                let len = chunk.len() as i32;
+                self.call::<(i32, i32, i32), i32>(ctx, "proxy_on_response_body", (c, len, eos));
+            }
+            self.stream(ctx).body_chunk = None;
         }
         self.stream(ctx).access_log_phase = true;
         self.call::<i32, ()>(ctx, "proxy_on_log", c);
@@ -321,6 +356,27 @@ impl FuelVm {
             total,
             passed,
             response_headers,
+        }
+    }
+}
+
+/// What the upstream answers a request let through: 200 with `body`,
+/// which reaches the filter in chunks of `chunk` bytes.
+struct Answer {
+    content_type: Option<&'static str>,
+    body: Vec<u8>,
+    /// `None`: `proxy_on_response_body` is not called (the decision
+    /// figures have always been measured so).
+    chunk: Option<usize>,
+}
+
+impl Answer {
+    /// The bench upstream's `ok\n`, the body not delivered to the filter.
+    fn ok() -> Answer {
+        Answer {
+            content_type: None,
+            body: b"ok\n".to_vec(),
+            chunk: None,
         }
     }
 }
@@ -476,6 +532,248 @@ fn instructions_per_decision_in_the_compiled_module() {
         c4_decide < 8.0 * c1_decide,
         "4 rules must cost less than 8 × 1 rule: {figures}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instructions per response byte scanned.
+
+/// c1's rule charged from the response: `cost_from` with the `openai_chat`
+/// preset (`make bench`'s cu variants).
+const CU: &str = include_str!("../tools/src/bin/bench/cu.json");
+
+/// Requests measured per body (after [`BODY_WARMUP`] unmeasured ones).
+const BODY_MEASURED: u32 = 100;
+const BODY_WARMUP: u32 = 20;
+
+const CHAT_ID: &str = r#""id":"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT","created":1741569952,"model":"gpt-4o-2024-08-06""#;
+
+/// `len` bytes of a completion's text as a JSON string's inside: words, a
+/// sentence's end now and then, an escaped line break after every 20th.
+fn prose(len: usize) -> String {
+    const WORDS: [&str; 12] = [
+        "the", "bucket", "refills", "at", "a", "steady", "rate", "while", "each", "request",
+        "spends", "tokens",
+    ];
+    let mut out = String::with_capacity(len + 16);
+    let mut i = 0usize;
+    while out.len() < len {
+        out.push_str(WORDS[(i * 7 + i / 12) % WORDS.len()]);
+        i += 1;
+        out.push_str(match i % 20 {
+            0 => ".\\n",
+            13 => ". ",
+            _ => " ",
+        });
+    }
+    out.truncate(len);
+    if out.ends_with('\\') {
+        out.pop();
+        out.push('.');
+    }
+    out
+}
+
+/// An OpenAI chat completion of `len` bytes: one long `content` string, the
+/// `usage` at the end.
+fn openai_chat_json(len: usize) -> Vec<u8> {
+    let completion = len / 4;
+    let head = format!(
+        r#"{{{CHAT_ID},"object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":""#
+    );
+    let tail = format!(
+        r#"","refusal":null,"annotations":[]}},"logprobs":null,"finish_reason":"stop"}}],"usage":{{"prompt_tokens":19,"completion_tokens":{completion},"total_tokens":{},"prompt_tokens_details":{{"cached_tokens":0,"audio_tokens":0}},"completion_tokens_details":{{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}},"service_tier":"default","system_fingerprint":"fp_fc9f1d7035"}}"#,
+        completion + 19
+    );
+    let body = format!("{head}{}{tail}", prose(len - head.len() - tail.len()));
+    assert_eq!(body.len(), len);
+    let _: Value = serde_json::from_str(&body).expect("the body is JSON");
+    body.into_bytes()
+}
+
+/// An OpenAI chat completion streamed (`stream_options.include_usage`) as
+/// events of a few words each, about `len` bytes: the usage in the last
+/// event before `[DONE]`.
+fn openai_chat_sse(len: usize) -> Vec<u8> {
+    let event = |choices: &str, usage: &str| {
+        format!(
+            "data: {{{CHAT_ID},\"object\":\"chat.completion.chunk\",\"service_tier\":\"default\",\
+             \"system_fingerprint\":\"fp_fc9f1d7035\",\"choices\":{choices},\"usage\":{usage}}}\n\n"
+        )
+    };
+    let delta = |delta: &str, finish: &str| {
+        format!(r#"[{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{finish}}}]"#)
+    };
+    let mut body = event(
+        &delta(
+            r#"{"role":"assistant","content":"","refusal":null}"#,
+            "null",
+        ),
+        "null",
+    );
+    let text = prose(len / 8);
+    let mut words = text.split_inclusive(' ');
+    let mut events = 0;
+    let end = |events: usize| {
+        event(&delta("{}", r#""stop""#), "null")
+            + &event(
+                "[]",
+                &format!(
+                    r#"{{"prompt_tokens":19,"completion_tokens":{events},"total_tokens":{},"prompt_tokens_details":{{"cached_tokens":0,"audio_tokens":0}},"completion_tokens_details":{{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}}"#,
+                    events + 19
+                ),
+            )
+            + "data: [DONE]\n\n"
+    };
+    while body.len() + end(events).len() < len {
+        let word = words.next().unwrap_or("tokens ");
+        body.push_str(&event(
+            &delta(&format!(r#"{{"content":"{word}"}}"#), "null"),
+            "null",
+        ));
+        events += 1;
+    }
+    body.push_str(&end(events));
+    body.into_bytes()
+}
+
+/// Where a stream's cost goes: the same events as one JSON document (an
+/// array of them, the usage after it), without the SSE framing and the
+/// scan's reset per event.
+fn sse_events_as_json(len: usize) -> Vec<u8> {
+    let sse = String::from_utf8(openai_chat_sse(len)).expect("UTF-8");
+    let events: Vec<Value> = sse
+        .split("\n\n")
+        .filter_map(|e| serde_json::from_str(e.strip_prefix("data: ")?).ok())
+        .collect();
+    let usage = events.last().expect("events")["usage"].clone();
+    serde_json::to_vec(&json!({ "events": events, "usage": usage })).expect("JSON")
+}
+
+/// And the other way round: the chat completion of `len` bytes as the one
+/// event of a stream.
+fn openai_chat_json_as_one_event(len: usize) -> Vec<u8> {
+    let mut body = b"data: ".to_vec();
+    body.extend(openai_chat_json(len));
+    body.extend(b"\n\ndata: [DONE]\n\n");
+    body
+}
+
+/// Mean fuel of a whole request answered `answer`, over [`BODY_MEASURED`]
+/// requests of clients `c<first>`… (after [`BODY_WARMUP`]); every one must
+/// pass.
+fn mean_answered(vm: &mut FuelVm, answer: &Answer, first: u32) -> f64 {
+    let mut total = 0u64;
+    for i in 0..BODY_WARMUP + BODY_MEASURED {
+        let f = vm.request_answered(client_request(&format!("c{}", first + i)), answer);
+        assert!(f.passed, "request {i} was not let through");
+        if i >= BODY_WARMUP {
+            total += f.total;
+        }
+    }
+    total as f64 / f64::from(BODY_MEASURED)
+}
+
+/// The wasm instructions a `cost_from` rule spends per response byte: a
+/// whole request (headers, body chunk by chunk, log) of c1's rule with
+/// `cost_from` (`bench/cu.json`: the `openai_chat` preset) minus the same
+/// request, same body, same chunks, of c1's plain rule (whose filter does not
+/// read the body), over the body's length. Bodies: OpenAI chat completions
+/// of 1 KiB and 64 KiB (JSON, mostly one long `content` string, the usage
+/// at the end) and a 64 KiB stream of chat chunks (SSE); chunks of 16 KiB
+/// (Envoy's buffers) and of 1 KiB. Also, to see where the stream's cost
+/// goes, the stream's events as one JSON document and the 64 KiB chat
+/// completion as the one event of a stream.
+#[test]
+fn instructions_per_response_byte_scanned() {
+    let filter = harness::default_wasm_path();
+    let mut c1 = FuelVm::new(&filter, C1);
+    let mut cu = FuelVm::new(&filter, CU);
+    let bodies: [(&str, &'static str, Vec<u8>); 5] = [
+        ("json_1k", "application/json", openai_chat_json(1024)),
+        ("json_64k", "application/json", openai_chat_json(64 * 1024)),
+        ("sse_64k", "text/event-stream", openai_chat_sse(64 * 1024)),
+        // Where the stream's cost goes (see the two functions).
+        (
+            "sse_events_as_json",
+            "application/json",
+            sse_events_as_json(64 * 1024),
+        ),
+        (
+            "json_as_one_event",
+            "text/event-stream",
+            openai_chat_json_as_one_event(64 * 1024),
+        ),
+    ];
+    let settled = |vm: &FuelVm| vm._harness.metric("ratelimit_wasm_usage_settled");
+    let mut rows = serde_json::Map::new();
+    let mut first = 0;
+    for (name, content_type, body) in &bodies {
+        for chunk in [16 * 1024, 1024] {
+            let answer = Answer {
+                content_type: Some(content_type),
+                body: body.clone(),
+                chunk: Some(chunk),
+            };
+            let before = settled(&cu);
+            let plain = mean_answered(&mut c1, &answer, first);
+            let charged = mean_answered(&mut cu, &answer, first);
+            assert_eq!(
+                settled(&cu) - before,
+                u64::from(BODY_WARMUP + BODY_MEASURED),
+                "every response of {name} settles to the usage it reports"
+            );
+            first += BODY_WARMUP + BODY_MEASURED;
+            let per_byte = (charged - plain) / body.len() as f64;
+            println!(
+                "bench-wasm: {name:18} ({:6} bytes) in {:5}-byte chunks: c1 {plain:9.0}, \
+                 c1 + cost_from {charged:9.0} instructions per request: {per_byte:.2} per byte",
+                body.len(),
+                chunk
+            );
+            rows.insert(
+                format!("{name}_chunks_{}k", chunk / 1024),
+                json!({
+                    "body_bytes": body.len(),
+                    "chunk_bytes": chunk,
+                    "c1_request": plain,
+                    "cost_from_request": charged,
+                    "per_byte": per_byte,
+                }),
+            );
+        }
+    }
+    assert_eq!(settled(&c1), 0, "c1's rule reads no body");
+    // The 1 KiB body's figure holds the fixed cost of a charge from the body
+    // (reservation, settlement); the slope from 1 KiB to 64 KiB is the scan's
+    // own cost per byte.
+    let extra = |key: &str| {
+        let r = &rows[key];
+        r["cost_from_request"].as_f64().unwrap_or(f64::NAN)
+            - r["c1_request"].as_f64().unwrap_or(f64::NAN)
+    };
+    let mut slopes = serde_json::Map::new();
+    for k in [16, 1] {
+        let slope = (extra(&format!("json_64k_chunks_{k}k"))
+            - extra(&format!("json_1k_chunks_{k}k")))
+            / (64.0 * 1024.0 - 1024.0);
+        println!("bench-wasm: JSON from 1 KiB to 64 KiB in {k} KiB chunks: {slope:.2} per byte");
+        slopes.insert(format!("json_chunks_{k}k"), json!(slope));
+    }
+    let figures = json!({
+        "unit": "wasm instructions (wasmtime fuel), mean per request; per_byte: \
+                 (cost_from_request - c1_request) / body_bytes",
+        "requests": BODY_MEASURED,
+        "bodies": rows,
+        "json_slope_per_byte": slopes,
+    });
+    report("usage", &figures);
+    for (name, row) in &rows {
+        let per_byte = row["per_byte"].as_f64().unwrap_or(f64::NAN);
+        assert!(
+            per_byte > 0.0 && per_byte < 200.0,
+            "{name}: {per_byte} instructions per byte scanned: {figures}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

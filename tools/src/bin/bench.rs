@@ -2,14 +2,15 @@
 //! rate-limit filter, the gateway against raw Redis, and the report
 //! (BENCHMARKS.md, BENCHMARKS.svg).
 //!
-//! Every variant runs in one session, interleaved (a a2 a3 b c1 c4 d g e b-f c1-f d-f,
-//! then again, `--repeats` times), each on a fresh Envoy (`--concurrency 2`,
+//! Every variant runs in one session, interleaved (a a2 a3 b c1 c4 d g e b-f c1-f d-f
+//! c1-1k cu-1k c1-64k cu-64k, then again, `--repeats` times), each on a fresh Envoy (`--concurrency 2`,
 //! the same flags in every variant) whose configuration is the shipped
 //! template `envoy/envoy.yaml` rendered by testkit and then changed only in
 //! the rate-limit filter entry (see `bench/configs.rs`). All of them forward
 //! to the same upstream: a separate Envoy (`--concurrency 1`, pinned to the
-//! last CPU) serving the template's own `direct_response` listener. The load
-//! is `wrk` (`bench/load.lua`): 1000 client ids in turn, or, for the f
+//! last CPU) serving the template's own `direct_response` listener (plus
+//! chat completions of 1 KiB and 64 KiB for the response-body variants). The
+//! load is `wrk` (`bench/load.lua`): 1000 client ids in turn, or, for the f
 //! variants, every other request from a client the limiter rejects.
 //!
 //! Then the gateway alone (`bench/gateway.rs`): wrk on `POST /v1/check`
@@ -84,6 +85,10 @@ const E_JSON: &str = include_str!("bench/e.json");
 /// once, then the deny cache answers it, so the rejected half of the load is
 /// decided in global mode and the admitted half as in c1-f.
 const DF_JSON: &str = include_str!("bench/df.json");
+/// cu: c1's rule charged from the response body (`cost_from` with the
+/// `openai_chat` preset, reserve 100, max 4000; also read by
+/// `tests/bench_fuel.rs`).
+const CU_JSON: &str = include_str!("bench/cu.json");
 
 /// What the wrk script sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,16 +118,20 @@ pub struct Variant {
     /// the filter entry is removed or replaced; the no-op module ignores it).
     pub plugin: &'static str,
     pub load: LoadMode,
+    /// The path requested: `/`, or one of [`configs::RESPONSE_BODIES`] for a
+    /// chat completion of that size from the upstream.
+    pub path: &'static str,
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 12] = [
+pub const VARIANTS: [Variant; 16] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
         filter: FilterVariant::None,
         plugin: C1_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -131,6 +140,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Noop,
         plugin: C1_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -139,6 +149,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::HostCalls,
         plugin: C1_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -147,6 +158,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Native,
         plugin: C1_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -155,6 +167,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Shipped,
         plugin: C1_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -163,6 +176,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Shipped,
         plugin: C4_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -171,6 +185,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Shipped,
         plugin: D_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: true,
     },
     Variant {
@@ -179,6 +194,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::NativeRls,
         plugin: D_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: true,
     },
     Variant {
@@ -187,6 +203,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Shipped,
         plugin: E_JSON,
         load: LoadMode::Spread,
+        path: "/",
         needs_gateway: true,
     },
     Variant {
@@ -195,6 +212,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Native,
         plugin: C1_JSON,
         load: LoadMode::Half,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -203,6 +221,7 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Shipped,
         plugin: C1_JSON,
         load: LoadMode::Half,
+        path: "/",
         needs_gateway: false,
     },
     Variant {
@@ -211,7 +230,44 @@ pub const VARIANTS: [Variant; 12] = [
         filter: FilterVariant::Shipped,
         plugin: DF_JSON,
         load: LoadMode::Half,
+        path: "/",
         needs_gateway: true,
+    },
+    Variant {
+        id: "c1-1k",
+        what: "as c1, the upstream answering a 1 KiB chat completion (JSON)",
+        filter: FilterVariant::Shipped,
+        plugin: C1_JSON,
+        load: LoadMode::Spread,
+        path: "/chat-1k",
+        needs_gateway: false,
+    },
+    Variant {
+        id: "cu-1k",
+        what: "c1's rule charged from the 1 KiB response body (`cost_from`, openai_chat preset)",
+        filter: FilterVariant::Shipped,
+        plugin: CU_JSON,
+        load: LoadMode::Spread,
+        path: "/chat-1k",
+        needs_gateway: false,
+    },
+    Variant {
+        id: "c1-64k",
+        what: "as c1, the upstream answering a 64 KiB chat completion (JSON)",
+        filter: FilterVariant::Shipped,
+        plugin: C1_JSON,
+        load: LoadMode::Spread,
+        path: "/chat-64k",
+        needs_gateway: false,
+    },
+    Variant {
+        id: "cu-64k",
+        what: "c1's rule charged from the 64 KiB response body (`cost_from`, openai_chat preset)",
+        filter: FilterVariant::Shipped,
+        plugin: CU_JSON,
+        load: LoadMode::Spread,
+        path: "/chat-64k",
+        needs_gateway: false,
     },
 ];
 
@@ -445,7 +501,7 @@ fn run() -> Result<()> {
 fn read_wasm_figures(dir: &Path) -> Result<(BTreeMap<String, serde_json::Value>, Vec<String>)> {
     let mut figures = BTreeMap::new();
     let mut notes = Vec::new();
-    for name in ["fuel", "footprint"] {
+    for name in ["fuel", "usage", "footprint"] {
         let file = dir.join(format!("{name}.json"));
         match std::fs::read_to_string(&file) {
             Ok(text) => {

@@ -151,8 +151,8 @@ fn retain_listeners(doc: &mut Value, keep: impl Fn(&str) -> bool) -> Result<usiz
     Ok(before - list.len())
 }
 
-/// The `http_filters` list of listener `listener`'s (only) HTTP connection manager.
-fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Value>> {
+/// The `typed_config` of listener `listener`'s (only) HTTP connection manager.
+fn hcm<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Value> {
     let l = listeners(doc)?
         .iter_mut()
         .find(|l| name_of(l) == Some(listener))
@@ -171,11 +171,57 @@ fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Va
             filters.len()
         );
     }
-    let hcm = &mut filters[0];
-    seq(
-        field(field(hcm, "typed_config")?, "http_filters")?,
-        "http_filters",
-    )
+    field(&mut filters[0], "typed_config")
+}
+
+/// The `http_filters` list of listener `listener`'s (only) HTTP connection manager.
+fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Value>> {
+    seq(field(hcm(doc, listener)?, "http_filters")?, "http_filters")
+}
+
+/// The chat completions the upstream serves besides `ok\n` (the
+/// response-body variants): path and length in bytes.
+pub const RESPONSE_BODIES: [(&str, usize); 2] = [("/chat-1k", 1024), ("/chat-64k", 64 * 1024)];
+
+/// An OpenAI chat completion of exactly `len` bytes (at least 600): one long
+/// `content` string of words, the `usage` at the end, as
+/// `tests/bench_fuel.rs` measures them.
+pub fn chat_completion(len: usize) -> String {
+    const WORDS: [&str; 12] = [
+        "the", "bucket", "refills", "at", "a", "steady", "rate", "while", "each", "request",
+        "spends", "tokens",
+    ];
+    let completion = len / 4;
+    let head = "{\"id\":\"chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT\",\"created\":1741569952,\
+                \"model\":\"gpt-4o-2024-08-06\",\"object\":\"chat.completion\",\"choices\":\
+                [{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"";
+    let tail = format!(
+        "\",\"refusal\":null,\"annotations\":[]}},\"logprobs\":null,\"finish_reason\":\"stop\"}}],\
+         \"usage\":{{\"prompt_tokens\":19,\"completion_tokens\":{completion},\"total_tokens\":{},\
+         \"prompt_tokens_details\":{{\"cached_tokens\":0,\"audio_tokens\":0}},\
+         \"completion_tokens_details\":{{\"reasoning_tokens\":0,\"audio_tokens\":0,\
+         \"accepted_prediction_tokens\":0,\"rejected_prediction_tokens\":0}}}},\
+         \"service_tier\":\"default\",\"system_fingerprint\":\"fp_fc9f1d7035\"}}",
+        completion + 19
+    );
+    let room = len.saturating_sub(head.len() + tail.len());
+    let mut content = String::with_capacity(room + 16);
+    let mut i = 0usize;
+    while content.len() < room {
+        content.push_str(WORDS[(i * 7 + i / 12) % WORDS.len()]);
+        i += 1;
+        content.push_str(match i % 20 {
+            0 => ".\\n",
+            13 => ". ",
+            _ => " ",
+        });
+    }
+    content.truncate(room);
+    if content.ends_with('\\') {
+        content.pop();
+        content.push('.');
+    }
+    format!("{head}{content}{tail}")
 }
 
 /// The baseline modules loaded in place of the filter (test fixtures).
@@ -267,12 +313,46 @@ pub fn proxy_config(
 
 /// The separate upstream: the same rendered template with only its
 /// `upstream` listener (the `direct_response` 200 with body `ok\n`, on
-/// `ports.upstream`) and no clusters.
+/// `ports.upstream`) and no clusters; before its route, one
+/// `direct_response` per [`RESPONSE_BODIES`] path: 200, `application/json`,
+/// the [`chat_completion`] of that length.
 pub fn upstream_config(ports: Ports, wasm: &Path) -> Result<String> {
     let mut doc = rendered(ports, ports.upstream, wasm, "{}")?;
     retain_listeners(&mut doc, |n| n == "upstream")?;
     if listeners(&mut doc)?.len() != 1 {
         bail!("expected exactly one `upstream` listener in the rendered template");
+    }
+    let routes_config = field(hcm(&mut doc, "upstream")?, "route_config")?;
+    let largest = RESPONSE_BODIES.iter().map(|b| b.1).max().unwrap_or(0);
+    // Envoy refuses a direct response body over 4096 bytes unless told.
+    routes_config
+        .as_mapping_mut()
+        .context("route_config")?
+        .insert(
+            Value::from("max_direct_response_body_size_bytes"),
+            Value::from(largest as u64),
+        );
+    let hosts = seq(field(routes_config, "virtual_hosts")?, "virtual_hosts")?;
+    let routes = seq(
+        field(hosts.first_mut().context("a virtual host")?, "routes")?,
+        "routes",
+    )?;
+    for (at, (path, len)) in RESPONSE_BODIES.iter().enumerate() {
+        let route = serde_json::json!({
+            "match": { "path": path },
+            "direct_response": {
+                "status": 200,
+                "body": { "inline_string": chat_completion(*len) },
+            },
+            "response_headers_to_add": [{
+                "header": { "key": "content-type", "value": "application/json" },
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }],
+        });
+        routes.insert(
+            at,
+            serde_norway::to_value(route).context("a chat completion's route")?,
+        );
     }
     *field(field(&mut doc, "static_resources")?, "clusters")? = Value::Sequence(Vec::new());
     serde_norway::to_string(&doc).context("writing the derived YAML")
@@ -365,5 +445,20 @@ mod tests {
         assert!(yaml.contains("direct_response"), "{yaml}");
         assert!(!yaml.contains("ingress"), "{yaml}");
         assert!(!yaml.contains(WASM_FILTER), "{yaml}");
+        // The chat completions first, then the template's own catch-all.
+        let mut doc: Value = serde_norway::from_str(&yaml).unwrap();
+        let rc = field(hcm(&mut doc, "upstream").unwrap(), "route_config").unwrap();
+        assert_eq!(rc["max_direct_response_body_size_bytes"], 65536);
+        let routes = &rc["virtual_hosts"][0]["routes"];
+        for (at, (path, len)) in RESPONSE_BODIES.iter().enumerate() {
+            assert_eq!(routes[at]["match"]["path"].as_str(), Some(*path));
+            let body = routes[at]["direct_response"]["body"]["inline_string"]
+                .as_str()
+                .unwrap();
+            assert_eq!(body.len(), *len);
+            let chat: serde_json::Value = serde_json::from_str(body).unwrap();
+            assert_eq!(chat["usage"]["completion_tokens"], len / 4);
+        }
+        assert_eq!(routes[2]["match"]["prefix"].as_str(), Some("/"));
     }
 }

@@ -16,7 +16,7 @@ pub const BEGIN: &str = "<!-- bench:begin -->";
 pub const END: &str = "<!-- bench:end -->";
 
 /// The issue's targets: (variant, reference, goal).
-pub const TARGETS: [(&str, &str, f64); 9] = [
+pub const TARGETS: [(&str, &str, f64); 11] = [
     ("c1", "a2", 0.95),
     ("c4", "a2", 0.95),
     ("c1", "b", 0.88),
@@ -26,9 +26,76 @@ pub const TARGETS: [(&str, &str, f64); 9] = [
     ("g", "a", 0.35),
     ("e", "c1", 0.85),
     ("d-f", "c1-f", 0.90),
+    // Charging from the response body, against c1 at the same response size.
+    ("cu-1k", "c1-1k", 0.80),
+    ("cu-64k", "c1-64k", 0.80),
 ];
 /// Gateway checks/s over raw EVALSHA/s.
 pub const GATEWAY_TARGET: f64 = 0.70;
+
+/// `tests/bench_fuel.rs`'s instructions per response byte that a
+/// `cost_from` rule scans.
+fn usage_figures(m: &mut String, f: &Value) {
+    let _ = writeln!(
+        m,
+        "### Inside the wasm: instructions per response byte
+"
+    );
+    let _ = writeln!(
+        m,
+        "A whole request (every callback, the body in chunks through \
+         `on_http_response_body`) of c1's rule with `cost_from` (`bench/cu.json`, the \
+         `openai_chat` preset) against c1 with the same body and chunks, mean over {} \
+         requests (`tests/bench_fuel.rs`):\n",
+        f["requests"]
+    );
+    let _ = writeln!(
+        m,
+        "| body | chunks | c1 | c1 + `cost_from` | per response byte |"
+    );
+    let _ = writeln!(m, "|---|---:|---:|---:|---:|");
+    let n = |v: &Value| v.as_f64().map_or("–".to_string(), |x| group(x, 0));
+    for (key, what) in [
+        ("json_1k", "1 KiB chat completion (JSON)"),
+        ("json_64k", "64 KiB chat completion (JSON)"),
+        ("sse_64k", "64 KiB chat stream (SSE)"),
+        (
+            "sse_events_as_json",
+            "the stream's events as one JSON document",
+        ),
+        (
+            "json_as_one_event",
+            "the 64 KiB chat completion as one SSE event",
+        ),
+    ] {
+        for k in [16, 1] {
+            let row = &f["bodies"][format!("{key}_chunks_{k}k")];
+            if row.is_null() {
+                continue;
+            }
+            let _ = writeln!(
+                m,
+                "| {what}, {} bytes | {k} KiB | {} | {} | {:.2} |",
+                n(&row["body_bytes"]),
+                n(&row["c1_request"]),
+                n(&row["cost_from_request"]),
+                row["per_byte"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+    let slope = |k: &str| {
+        f["json_slope_per_byte"][k]
+            .as_f64()
+            .map_or("–".to_string(), |x| format!("{x:.2}"))
+    };
+    let _ = writeln!(
+        m,
+        "\nThe JSON scan alone (1 KiB to 64 KiB): {} instructions per byte in 16 KiB \
+         chunks, {} in 1 KiB chunks; the rest of the 1 KiB figure is the charge's fixed cost.\n",
+        slope("json_chunks_16k"),
+        slope("json_chunks_1k")
+    );
+}
 
 /// The floor under c1: a3 makes c1's host calls and nothing else, so a3 ÷ a2
 /// is what those calls cost Envoy and c1 ÷ a3 what the filter's own work does.
@@ -177,6 +244,18 @@ fn checks(s: &Session, id: &str, load: LoadMode) -> String {
         out.push(format!(
             "{:.2} callouts per request, {failures:.0} failed or skipped",
             calls / decided.max(1.0)
+        ));
+    }
+    let usage = |name: &str| -> f64 { runs.iter().map(|r| counter(r, name)).sum() };
+    let settled = usage("ratelimit_wasm_usage_settled");
+    let unread =
+        usage("ratelimit_wasm_usage_missing") + usage("ratelimit_wasm_usage_over_scan_limit");
+    if settled + unread > 0.0 {
+        out.push(format!(
+            "{:.1} % settled to the usage in the body ({:.1} % capped at max), {unread:.0} \
+             without a usage read",
+            100.0 * settled / decided.max(1.0),
+            100.0 * usage("ratelimit_wasm_usage_capped") / decided.max(1.0)
         ));
     }
     let hits: f64 = runs
@@ -531,6 +610,9 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             "\n4 rules ÷ 1 rule: {:.2} (the test asserts < 8).\n",
             f["c4_over_c1"].as_f64().unwrap_or(f64::NAN)
         );
+    }
+    if let Some(f) = s.wasm.get("usage") {
+        usage_figures(&mut m, f);
     }
     if let Some(f) = s.wasm.get("footprint") {
         let _ = writeln!(

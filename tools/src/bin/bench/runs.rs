@@ -31,7 +31,7 @@ pub struct RunContext<'a> {
 }
 
 /// Counters read from the measured Envoy after a run (Prometheus names).
-const COUNTERS: [&str; 9] = [
+const COUNTERS: [&str; 13] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
@@ -41,6 +41,10 @@ const COUNTERS: [&str; 9] = [
     "ratelimit_wasm_lease_served",
     "ratelimit_wasm_lease_fetches",
     "ratelimit_wasm_deny_cache_hits",
+    "ratelimit_wasm_usage_settled",
+    "ratelimit_wasm_usage_capped",
+    "ratelimit_wasm_usage_missing",
+    "ratelimit_wasm_usage_over_scan_limit",
 ];
 
 /// The filter's counters ([`COUNTERS`]) and the native limiter's
@@ -189,7 +193,11 @@ impl RunContext<'_> {
         let mut load = wrk::Load {
             url: envoy.url("/"),
             script: self.load_lua,
-            script_args: vec![v.load.arg().to_string(), CLIENTS.to_string()],
+            script_args: vec![
+                v.load.arg().to_string(),
+                CLIENTS.to_string(),
+                v.path.to_string(),
+            ],
             threads: self.args.threads,
             connections: self.args.connections,
             seconds: self.args.warmup,
