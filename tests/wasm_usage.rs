@@ -234,3 +234,68 @@ fn a_shadow_rule_is_settled_and_refunded_as_an_enforced_one() {
     // The 500 found no room, so it was never charged and nothing settles.
     assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 3);
 }
+
+/// A body of `parts`, each repeated `times`, cut into Envoy-sized chunks.
+fn hostile(parts: &[(&[u8], usize)], content_type: &str) -> Upstream {
+    let mut body = Vec::new();
+    for (part, times) in parts {
+        for _ in 0..*times {
+            body.extend_from_slice(part);
+        }
+    }
+    Upstream::new(200, body)
+        .header("content-type", content_type)
+        .chunked(16 * 1024)
+}
+
+#[test]
+fn hostile_bodies_keep_the_reservation_without_a_trap_or_memory_growth() {
+    let h = harness(&cfg(json!([{
+        "name": "tokens", "key": ["client"],
+        "limits": [{"requests": 1000000, "per": "1h"}],
+        "cost_from": {"preset": "openai_chat", "max": 4000, "reserve": 100,
+            "scan_limit": 67108864}
+    }])));
+    // Warm both workers on a plain response, then note their memory.
+    for w in 0..2 {
+        call(
+            &h,
+            w,
+            "warm",
+            Upstream::new(
+                200,
+                r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+            ),
+        );
+    }
+    let before: Vec<usize> = (0..2).map(|w| h.memory_bytes(w)).collect();
+    let mib_line: &[u8] = &[b'a'; 1024];
+    let bodies = [
+        // An SSE line of 1 MiB, then a usage event that must still count.
+        hostile(&[(b"data: {\"x\":\"", 1), (mib_line, 1024), (b"\"}\n\n", 1),
+            (b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n", 1)], "text/event-stream"),
+        // 10^5 events.
+        hostile(&[(b"data: {\"usage\":null,\"choices\":[]}\n\n", 100_000)], "text/event-stream"),
+        // A nesting depth of 10^4.
+        hostile(&[(b"[", 10_000), (b"]", 10_000)], "application/json"),
+        hostile(&[(b"{\"a\":", 10_000), (b"1", 1), (b"}", 10_000)], "application/json"),
+        // Invalid UTF-8 around the usage.
+        hostile(&[(b"{\"\xff\xfe\":\"\xc3\x28\",\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":6}}", 1)], "application/json"),
+    ];
+    for (i, body) in bodies.into_iter().enumerate() {
+        let o = call(&h, i % 2, "ann", body);
+        assert_eq!(o.status, 200, "body {i}: {o:?}");
+    }
+    for (w, before) in before.iter().enumerate() {
+        let grown = h.memory_bytes(w).saturating_sub(*before);
+        // The 1 MiB chunks pass through the VM one at a time (16 KiB); the
+        // scan state is a few KiB. Nothing near a body's size stays.
+        println!("worker {w}: linear memory grew by {grown} bytes");
+        assert!(grown <= 256 * 1024, "worker {w} grew by {grown} bytes");
+    }
+    // Settled: the two warm-ups, the stream after the 1 MiB line (7) and the
+    // body with invalid UTF-8 around its usage (11); the 10^5 events without
+    // usage and the two deep documents keep their reservation.
+    assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 4);
+    assert_eq!(h.metric("ratelimit_wasm_usage_missing"), 3);
+}

@@ -1084,6 +1084,17 @@ impl Harness {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// Bytes of worker `w`'s linear memory (it only grows: its high-water mark).
+    pub fn memory_bytes(&self, w: usize) -> usize {
+        let mut wk = self.worker_mut(w);
+        let Worker {
+            store, instance, ..
+        } = &mut *wk;
+        instance
+            .get_memory(&mut *store, "memory")
+            .map_or(0, |m| m.data_size(&*store))
+    }
+
     /// Untyped call of any export (escape hatch); panics on a trap or a missing export.
     pub fn raw_call(&self, w: usize, ctx: u32, name: &str, args: &[Val]) -> Vec<Val> {
         let results = {
