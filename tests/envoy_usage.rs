@@ -184,3 +184,52 @@ fn charge_on_2xx_lets_404s_503s_and_resets_cost_nothing() {
     assert_eq!(c.get_as("/ok", "ann").status, 429);
     assert_eq!(metric(&envoy, "ratelimit_wasm_charge_refunded"), 12);
 }
+
+#[test]
+fn twenty_concurrent_streams_are_admitted_by_their_reservations_and_settle_exactly() {
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/stream", stream(20, 30));
+    upstream.route("/json", Reply::json(completion(1, 1)));
+    let gate = upstream.hold("/stream");
+    let envoy = start(
+        &config(json!([{
+            "name": "tokens", "key": ["client"],
+            "limits": [{"requests": 1000, "per": "1h"}],
+            "cost_from": {"preset": "openai_chat", "max": 4000, "reserve": 100}
+        }])),
+        &upstream,
+    );
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let all: Vec<_> = (0..20)
+            .map(|_| s.spawn(|| client(&envoy).get_as("/stream", "ann")))
+            .collect();
+        // Ten reservations of 100 fill the bucket while the streams are held.
+        assert!(
+            upstream.wait_in_flight(10, std::time::Duration::from_secs(10)),
+            "ten streams reach the upstream"
+        );
+        // The other ten are answered while those are held (429s).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while all.iter().filter(|h| h.is_finished()).count() < 10 {
+            assert!(std::time::Instant::now() < deadline, "ten answered early");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let denied_meanwhile = client(&envoy).get_as("/json", "ann");
+        assert_eq!(denied_meanwhile.status, 429);
+        gate.open();
+        all.into_iter()
+            .map(|h| h.join().expect("request thread").status)
+            .collect()
+    });
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    assert_eq!(admitted, 10, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 10);
+    assert_eq!(upstream.requests("/stream"), 10);
+    // Each stream reported 50: 500 spent, and the next reservation of 100
+    // leaves 400.
+    let r = client(&envoy).get_as("/json", "ann");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 400);
+    // The ten streams and that last request.
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 11);
+}
