@@ -47,7 +47,7 @@ pub fn start(
             Err(v) => return Step::Done(ctx.done(v, eval.bad_input, None, Transition::None)),
         }
     }
-    let (held, mut reports) = match ctx.charge(&charge) {
+    let (mut charged, mut reports) = match ctx.charge(&charge) {
         Ok(Some(reports)) => (charge, reports),
         Ok(None) => (Vec::new(), Vec::new()),
         Err(v) => {
@@ -59,15 +59,14 @@ pub fn start(
     };
     // A shadow charge is held like an enforced one: settled from its
     // response, and given back if the request is refused after all.
-    let mut held = held;
     if ctx.watch(&eval.shadow, &mut reports) {
-        held.extend_from_slice(&eval.shadow);
+        charged.extend_from_slice(&eval.shadow);
     }
     if watch_fallback {
         ctx.watch(&eval.fallback, &mut reports);
     }
     let mut held = Held {
-        buckets: held,
+        buckets: charged,
         at_ns: now_ns,
         more: eval.cost_meter.map(|m| {
             Box::new(HeldMore {

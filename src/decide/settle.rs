@@ -139,12 +139,16 @@ impl Settlement {
         if self.phase != Phase::Body {
             return Counts::default();
         }
+        let mut all_over = true;
         for (m, scan) in &mut self.scans {
             if let Some(MeterSource::Body(meter)) = plan.meters.get(*m).map(|p| &p.source) {
                 scan.feed(meter, chunk);
+                all_over &= scan.over_limit(meter);
             }
         }
-        if end {
+        // Past every scan limit nothing more is read: settle now, and the
+        // host stops handing the VM the rest of the body.
+        if end || all_over {
             self.finish_scans(plan, store, now_ns)
         } else {
             Counts::default()

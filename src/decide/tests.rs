@@ -792,3 +792,50 @@ fn a_stream_the_gateway_admits_holds_its_local_charge_and_one_it_denies_holds_no
     // after the next request.
     assert_eq!(local_remaining(&s), "3");
 }
+
+/// Response headers for a settlement: `(name, value)` pairs.
+struct Head(Vec<(&'static str, &'static str)>);
+
+impl ResponseHeaders for Head {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.0
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_bytes().to_vec())
+    }
+}
+
+#[test]
+fn a_body_past_its_scan_limit_settles_at_once_and_asks_for_no_more() {
+    let p = plan(
+        r#"{"domain":"d","rules":[{"name":"t","key":["client"],
+            "limits":[{"requests":1000,"per":"1h"}],
+            "cost_from":{"preset":"openai_chat","max":500,"reserve":50,"scan_limit":1024}}]}"#,
+    );
+    let s = MemoryStore::default();
+    let mut stream = Stream::default();
+    let next = stream.request_headers(&p, &req(&p, "/", Some("ann")), &s, 0, 0);
+    assert_eq!(next, Next::Decided);
+    let head = Head(vec![
+        (":status", "200"),
+        ("content-type", "application/json"),
+    ]);
+    assert_eq!(stream.response_started(&p, &head, &s, 0), Counts::default());
+    assert!(stream.wants_body());
+    let counts = stream.response_body(&p, &[b' '; 1000], false, &s, 0);
+    assert_eq!(counts, Counts::default());
+    assert!(stream.wants_body());
+    let counts = stream.response_body(&p, &[b' '; 100], false, &s, 0);
+    assert_eq!(counts.get(Metric::UsageOverScanLimit), 1);
+    assert!(
+        !stream.wants_body(),
+        "the rest of the body is not asked for"
+    );
+    // The end of the stream settles nothing more.
+    assert_eq!(
+        stream
+            .end(&p, &s, 0)
+            .map(|c| c.get(Metric::UsageOverScanLimit)),
+        Some(0)
+    );
+}

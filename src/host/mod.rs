@@ -485,7 +485,10 @@ impl HttpContext for Http {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         // Scanned as it passes, never held: the client gets each chunk at once.
-        if let (Some(plan), true) = (self.plan.clone(), self.stream.wants_body()) {
+        if !self.stream.wants_body() {
+            return Action::Continue;
+        }
+        if let Some(plan) = self.plan.clone() {
             let chunk = response_body(body_size);
             let counts =
                 self.stream

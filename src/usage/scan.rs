@@ -49,7 +49,7 @@ impl Scan {
     pub fn feed(&mut self, meter: &Meter, chunk: &[u8]) {
         let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
         self.fed = self.fed.saturating_add(len);
-        if self.fed > meter.scan_limit {
+        if self.over_limit(meter) {
             return;
         }
         let Some(sse) = &mut self.sse else {
@@ -68,10 +68,16 @@ impl Scan {
         }
     }
 
+    /// Whether the body has passed `meter.scan_limit`: nothing more is
+    /// read, and [`Scan::finish`] will say [`Usage::OverLimit`].
+    pub fn over_limit(&self, meter: &Meter) -> bool {
+        self.fed > meter.scan_limit
+    }
+
     /// The usage the body reported. An event stream's last event counts
     /// even without its closing blank line, if its data is complete JSON.
     pub fn finish(mut self, meter: &Meter) -> Usage {
-        if self.fed > meter.scan_limit {
+        if self.over_limit(meter) {
             return Usage::OverLimit;
         }
         match &self.sse {
