@@ -15,3 +15,11 @@ pub const MAX_NAME_BYTES: usize = 512;
 /// Largest `requests × window_ms`, cost, amount, `want` and `return`: the Lua
 /// scripts' doubles stay exact integers up to 2^53.
 pub const MAX_EXACT: u64 = 1 << 53;
+/// Most settlements in one `POST /v1/settle`.
+pub const MAX_SETTLEMENTS: usize = 64;
+/// Shortest and longest reservation id a check may name for its settlement.
+pub const RESERVATION_ID_BYTES: std::ops::RangeInclusive<usize> = 16..=64;
+/// How many responses of `max` a bucket charged from the response may owe:
+/// a settlement past what the bucket holds leaves it in debt, up to this
+/// many times the largest settlement, in the filter and the gateway alike.
+pub const DEBT_OVERRUNS: u64 = 1024;

@@ -589,12 +589,15 @@ fn charging_from_the_response_is_checked_with_its_paths() {
         err(both),
         "rules[0].cost_from: give cost or cost_from, not both"
     );
+    // A global rule settles on the gateway; in lease mode it is refused.
     let mut global = with(json!({"header": "x-u", "max": 4}));
     global["rules"][0]["scope"] = json!("global");
     global["global"] = json!({"cluster": "gw"});
+    assert!(parse(global.to_string().as_bytes()).is_ok());
+    global["global"]["lease"] = json!({"fraction": 0.1});
     assert_eq!(
         err(global),
-        "rules[0].cost_from: is supported for local rules only"
+        "rules[0].cost_from: does not combine with global.lease yet: a lease's local batch is not settled"
     );
 }
 
@@ -620,21 +623,25 @@ fn charge_on_takes_classes_and_codes_on_local_rules() {
     c["rules"][0]["charge_on"] = json!(["2xx"]);
     c["rules"][0]["scope"] = json!("global");
     c["global"] = json!({"cluster": "gw"});
+    assert!(parse(c.to_string().as_bytes()).is_ok());
+    c["global"]["lease"] = json!({"fraction": 0.1});
     assert_eq!(
         err(c),
-        "rules[0].charge_on: is supported for local rules only"
+        "rules[0].charge_on: does not combine with global.lease yet: a lease's local batch is not settled"
     );
 }
 
 #[test]
-fn a_response_cost_entry_may_not_meet_a_global_rule_without_its_own_cost() {
+fn a_response_cost_entry_meets_a_global_rule_only_without_leases() {
     let mut c = base();
     c["global"] = json!({"cluster": "gw"});
     c["rules"][0]["scope"] = json!("global");
     c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat", "max": 5}}]);
+    assert!(parse(c.to_string().as_bytes()).is_ok());
+    c["global"]["lease"] = json!({"fraction": 0.1});
     assert_eq!(
         err(c.clone()),
-        "costs[0].cost_from: can match global rule \"r\", which takes its cost from the request only (give that rule its own cost)"
+        "costs[0].cost_from: can match a global rule or a quota that counts cost, and does not combine with global.lease yet: a lease's local batch is not settled"
     );
     c["rules"][0]["cost"] = json!(1);
     assert!(parse(c.to_string().as_bytes()).is_ok());
@@ -648,15 +655,17 @@ fn a_response_cost_entry_may_not_meet_a_global_rule_without_its_own_cost() {
 }
 
 #[test]
-fn a_response_cost_entry_may_not_meet_a_quota_counting_cost() {
+fn a_response_cost_entry_meets_a_quota_counting_cost_only_without_leases() {
     let mut c = base();
     c["global"] = json!({"cluster": "gw"});
     c["quotas"] = json!([{"name": "month", "period": "month", "limit": 100,
         "upgrade_url": "https://example.com/buy", "count": "cost"}]);
     c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat", "max": 5}}]);
+    assert!(parse(c.to_string().as_bytes()).is_ok());
+    c["global"]["lease"] = json!({"fraction": 0.1});
     assert_eq!(
         err(c.clone()),
-        "costs[0].cost_from: can match quota \"month\", which counts the cost the request arrives with (count requests there)"
+        "costs[0].cost_from: can match a global rule or a quota that counts cost, and does not combine with global.lease yet: a lease's local batch is not settled"
     );
     c["quotas"][0]["count"] = json!("requests");
     assert!(parse(c.to_string().as_bytes()).is_ok());

@@ -1,8 +1,10 @@
 //! Validation of charging from the response: `cost_from` (one source, a
 //! `max`, a `reserve` within it) and `charge_on`, and where they may stand.
-//! The gateway settles nothing yet, so both are refused on global rules, and
-//! a `costs[]` entry reading the response may not meet a global rule that
-//! takes its cost from it, nor a quota that counts cost.
+//! A global rule settles on the gateway (`POST /v1/settle`); in lease mode
+//! the filter charges global rules from a local batch, which does not settle
+//! yet, so there both are refused on global rules, and a `costs[]` entry
+//! reading the response may not meet a global rule that takes its cost
+//! from it, nor a quota that counts cost.
 
 use super::syntax;
 use super::usage::{MAX_SCAN_LIMIT, MAX_TERMS, MAX_WEIGHT, MIN_SCAN_LIMIT};
@@ -20,12 +22,6 @@ impl Rule {
                     "give cost or cost_from, not both",
                 ));
             }
-            if self.scope == Scope::Global {
-                return Err(ConfigError::field(
-                    field,
-                    "is supported for local rules only",
-                ));
-            }
             if self.graduated.is_some() {
                 return Err(ConfigError::field(
                     field,
@@ -40,12 +36,6 @@ impl Rule {
                 return Err(ConfigError::field(
                     field,
                     "must list at least one status or class",
-                ));
-            }
-            if self.scope == Scope::Global {
-                return Err(ConfigError::field(
-                    field,
-                    "is supported for local rules only",
                 ));
             }
         }
@@ -117,42 +107,44 @@ impl CostFrom {
 }
 
 impl Config {
-    /// Refuses a `costs[]` entry reading the response where it can meet a
-    /// global rule without its own `cost`: the gateway would charge the
-    /// reservation and never settle it.
+    /// In lease mode, refuses charging from the response where it meets a
+    /// global rule: a global rule's `cost_from` or `charge_on`, and a
+    /// `costs[]` entry reading the response that can meet a global rule
+    /// without its own `cost` or a quota that counts cost.
     pub(super) fn validate_response_costs(&self) -> Result<(), ConfigError> {
+        if !self.global.as_ref().is_some_and(|g| g.lease.is_some()) {
+            return Ok(());
+        }
+        const WHY: &str = "does not combine with global.lease yet: a lease's local batch is not settled";
+        for (i, r) in self.rules.iter().enumerate() {
+            if r.scope != Scope::Global {
+                continue;
+            }
+            if r.cost_from.is_some() {
+                return Err(ConfigError::field(format!("rules[{i}].cost_from"), WHY));
+            }
+            if r.charge_on.is_some() {
+                return Err(ConfigError::field(format!("rules[{i}].charge_on"), WHY));
+            }
+        }
         let everything = Match::default();
         for (c, cost) in self.costs.iter().enumerate() {
             if cost.cost_from.is_none() {
                 continue;
             }
-            let global = self.rules.iter().find(|r| {
+            let global = self.rules.iter().any(|r| {
                 r.scope == Scope::Global
                     && r.cost.is_none()
                     && may_meet(r.matches.as_ref().unwrap_or(&everything), &cost.matches)
             });
-            if let Some(r) = global {
-                return Err(ConfigError::field(
-                    format!("costs[{c}].cost_from"),
-                    format!(
-                        "can match global rule {:?}, which takes its cost from the request only \
-                         (give that rule its own cost)",
-                        r.name
-                    ),
-                ));
-            }
-            let quota = self.quotas.iter().find(|q| {
+            let quota = self.quotas.iter().any(|q| {
                 q.count == QuotaCount::Cost
                     && may_meet(q.matches.as_ref().unwrap_or(&everything), &cost.matches)
             });
-            if let Some(q) = quota {
+            if global || quota {
                 return Err(ConfigError::field(
                     format!("costs[{c}].cost_from"),
-                    format!(
-                        "can match quota {:?}, which counts the cost the request arrives with \
-                         (count requests there)",
-                        q.name
-                    ),
+                    format!("can match a global rule or a quota that counts cost, and {WHY}"),
                 ));
             }
         }

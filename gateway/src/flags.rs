@@ -123,6 +123,9 @@ pub struct Args {
     /// Live Redis keys one domain and tag (one hash tag) may hold; a check that would create one more is refused with 503 for that hash tag only, existing keys keep working; 0 turns it off.
     #[arg(long, env = "RLGW_KEY_BUDGET", default_value_t = DEFAULT_KEY_BUDGET)]
     pub key_budget: u64,
+    /// How long a check's reservation waits for its settlement (e.g. 3600s, 600s): a settlement after it changes nothing, and the request keeps what its check charged.
+    #[arg(long, env = "RLGW_RESERVATION_TTL", default_value = "3600s", value_parser = parse_duration)]
+    pub reservation_ttl: Duration,
     /// The share of a descriptor's limit past which its hits count as near_limit in the rate limit service's metrics (theirs: NEAR_LIMIT_RATIO).
     #[arg(long, env = "RLGW_RLS_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = parse_ratio)]
     pub rls_near_limit_ratio: f64,
@@ -241,6 +244,8 @@ pub struct Config {
     pub deny_cache_entries: usize,
     /// Live keys per hash tag (`--key-budget`); 0: no budget.
     pub key_budget: u64,
+    /// Life of a reservation record (`--reservation-ttl`).
+    pub reservation_ttl: Duration,
     /// Worker threads of [`crate::run`] (`--worker-threads`, 0 resolved to
     /// the available CPUs); at least 1. [`crate::start`] serves on its
     /// caller's runtime instead.
@@ -270,6 +275,7 @@ impl Config {
             rls: RlsOptions::default(),
             deny_cache_entries: DEFAULT_DENY_CACHE_ENTRIES as usize,
             key_budget: DEFAULT_KEY_BUDGET,
+            reservation_ttl: Duration::from_millis(DEFAULT_RESERVATION_TTL_MS),
             worker_threads: 1,
         }
     }
@@ -281,6 +287,10 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 /// `--key-budget`'s default: live keys per domain (on a cluster, see
 /// `crate::redis::keys::slot_budget`).
 pub const DEFAULT_KEY_BUDGET: u64 = 100_000;
+
+/// `--reservation-ttl`'s default, in ms: an hour, longer than any stream
+/// Envoy's default timeouts let run.
+pub const DEFAULT_RESERVATION_TTL_MS: u64 = 3_600_000;
 
 /// `--deny-cache-entries`' default.
 pub const DEFAULT_DENY_CACHE_ENTRIES: u64 = 16384;
@@ -381,6 +391,7 @@ impl TryFrom<Args> for Config {
             },
             deny_cache_entries: usize::try_from(a.deny_cache_entries).unwrap_or(usize::MAX),
             key_budget: a.key_budget,
+            reservation_ttl: a.reservation_ttl,
             worker_threads: match a.worker_threads {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
                 n => usize::try_from(n).unwrap_or(1),

@@ -87,7 +87,8 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
         metrics.clone(),
         deny_cache::DenyCache::new(config.deny_cache_entries),
     )
-    .with_key_budget(config.key_budget);
+    .with_key_budget(config.key_budget)
+    .with_reservation_ttl(u64::try_from(config.reservation_ttl.as_millis()).unwrap_or(u64::MAX));
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
     if config.policy.is_empty() {
         anyhow::bail!(

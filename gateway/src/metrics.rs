@@ -5,10 +5,11 @@ use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
 };
 
-/// Results of `/v1/check` (`allowed`, `denied`) and `/v1/lease` (`lease`,
-/// whatever it granted), and of both when answered 400 or 503 (`error`), as
-/// the `result` label.
-pub const RESULTS: [&str; 4] = ["allowed", "denied", "lease", "error"];
+/// Results of `/v1/check` (`allowed`, `denied`), `/v1/lease` (`lease`,
+/// whatever it granted) and of each settlement of `/v1/settle` (`settled`;
+/// `unsettled`: its reservation was not there, already settled or expired),
+/// and of all when answered 400 or 503 (`error`), as the `result` label.
+pub const RESULTS: [&str; 6] = ["allowed", "denied", "lease", "settled", "unsettled", "error"];
 /// Error kinds, as the `kind` label.
 pub const ERROR_KINDS: [&str; 9] = [
     "bad_request",
@@ -34,10 +35,11 @@ pub const WARNING_KINDS: [&str; 8] = [
     "key_budget",
 ];
 /// Redis operations, as the `op` label.
-pub const OPS: [&str; 8] = [
+pub const OPS: [&str; 9] = [
     "check",
     "peek",
     "refund",
+    "settle",
     "lease",
     "ping",
     "load",

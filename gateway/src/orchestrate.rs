@@ -8,6 +8,12 @@
 //! the groups not yet checked are evaluated without charging (so that every
 //! limit and quota has an answer), and the answer is "denied".
 //!
+//! A check that names a reservation has each charged group keep a record of
+//! its charges beside the group's ledger ([`keys::record_key`]); a group
+//! refunded after a later denial deletes its record with the refund. One
+//! settlement is one `EVALSHA` of `settle.lua` per slot group, each reading
+//! and deleting its slot's record.
+//!
 //! One `/v1/lease` is one `EVALSHA` of `lease.lua`: the keys of one bucket
 //! and the caller's ledger share a hash tag, so they are always one slot.
 //!
@@ -50,6 +56,8 @@ pub struct Limiter {
     /// Ledgers of live keys found per (domain, slot) on a cluster; at most
     /// 16,384 per domain of the policy.
     ledgers: Arc<Mutex<HashMap<(String, Slot), String>>>,
+    /// How long a reservation record waits for its settlement, in ms.
+    record_ms: u64,
 }
 
 /// How the groups of one check ended.
@@ -81,6 +89,7 @@ impl Limiter {
             key_budget: crate::flags::DEFAULT_KEY_BUDGET,
             clock: Arc::new(RedisTime),
             ledgers: Arc::default(),
+            record_ms: crate::flags::DEFAULT_RESERVATION_TTL_MS,
         }
     }
 
@@ -97,7 +106,16 @@ impl Limiter {
             key_budget: self.key_budget,
             clock,
             ledgers: Arc::clone(&self.ledgers),
+            record_ms: self.record_ms,
         }
+    }
+
+    /// How long a reservation record waits for its settlement
+    /// (`--reservation-ttl`): a settlement after it finds nothing, and the
+    /// request keeps what its check charged.
+    pub fn with_reservation_ttl(mut self, ms: u64) -> Self {
+        self.record_ms = ms.max(1);
+        self
     }
 
     /// The most live keys one domain may hold (`--key-budget`; on a cluster
@@ -156,8 +174,7 @@ impl Limiter {
                 .await?;
             Outcome::Cached
         } else {
-            self.charge_in_order(&groups, &mut verdicts, &req.domain)
-                .await?
+            self.charge_in_order(&groups, &mut verdicts, req).await?
         };
         let buckets = limit_results(req, verdicts.limits)?;
         if outcome == Outcome::Denied {
@@ -219,7 +236,7 @@ impl Limiter {
                 quotas: group.quotas.clone(),
             };
             if !rest.limits.is_empty() || !rest.quotas.is_empty() {
-                let reply = self.run(&rest, Mode::Peek, domain).await?;
+                let reply = self.run(&rest, Mode::Peek, domain, None).await?;
                 verdicts.place(&rest, &reply);
             }
         }
@@ -233,14 +250,15 @@ impl Limiter {
         &self,
         groups: &[Group],
         verdicts: &mut Verdicts,
-        domain: &str,
+        req: &Resolved,
     ) -> Result<Outcome, StoreError> {
+        let (domain, reservation) = (req.domain.as_str(), req.reservation.as_deref());
         let mut charged: Vec<(usize, u64)> = Vec::new();
         for (gi, group) in groups.iter().enumerate() {
-            let reply = match self.run(group, Mode::Charge, domain).await {
+            let reply = match self.run(group, Mode::Charge, domain, reservation).await {
                 Ok(reply) => reply,
                 Err(e) => {
-                    self.refund_all(groups, &charged).await;
+                    self.refund_all(groups, &charged, req).await;
                     return Err(e);
                 }
             };
@@ -249,9 +267,9 @@ impl Limiter {
                 charged.push((gi, reply.now_ms));
                 continue;
             }
-            self.refund_all(groups, &charged).await;
+            self.refund_all(groups, &charged, req).await;
             for group in groups.iter().skip(gi + 1) {
-                let reply = self.run(group, Mode::Peek, domain).await?;
+                let reply = self.run(group, Mode::Peek, domain, None).await?;
                 verdicts.place(group, &reply);
             }
             verdicts.refunded_quotas(groups, &charged);
@@ -340,9 +358,36 @@ impl Limiter {
         })
     }
 
-    async fn run(&self, group: &Group, mode: Mode, domain: &str) -> Result<CheckReply, StoreError> {
+    /// Settles one resolved settlement: per slot group, `settle.lua` over the
+    /// group's record. Whether any group found its record (false: the
+    /// settlement was replayed, or its reservation expired or never was).
+    pub async fn settle(&self, s: &Resolved) -> Result<bool, StoreError> {
+        let Some(id) = s.reservation.as_deref() else {
+            return Ok(false);
+        };
+        let groups = self.groups(keys::limit_keys(&self.prefix, s), keys::quota_keys(&self.prefix, s));
+        let mut found = false;
+        for group in &groups {
+            let (ledger, _) = self.ledger(group, &s.domain);
+            let record = keys::record_key(&ledger, id);
+            let (keys, args) = script::settle_args(group, self.clock(), &record);
+            let reply: Vec<i64> = self.store.eval(script::settle(), &keys, &args, "settle").await?;
+            found |= script::parse_settle_reply(&reply).map_err(StoreError::Reply)?;
+        }
+        Ok(found)
+    }
+
+    async fn run(
+        &self,
+        group: &Group,
+        mode: Mode,
+        domain: &str,
+        reservation: Option<&str>,
+    ) -> Result<CheckReply, StoreError> {
         let (ledger, budget) = self.ledger(group, domain);
-        let (keys, args) = script::check_args(group, mode, self.clock(), &ledger, budget);
+        let record = reservation.map(|id| keys::record_key(&ledger, id));
+        let record = record.as_deref().map(|r| (r, self.record_ms));
+        let (keys, args) = script::check_args(group, mode, self.clock(), &ledger, budget, record);
         let op = match mode {
             Mode::Charge => "check",
             Mode::Peek => "peek",
@@ -376,12 +421,16 @@ impl Limiter {
 
     /// Gives back every charged group; failures are logged and counted (the
     /// client is then over-charged until its keys refill, never under-charged).
-    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64)]) {
+    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64)], req: &Resolved) {
         for &(gi, at) in charged {
             let Some(group) = groups.get(gi) else {
                 continue;
             };
-            let (keys, args) = script::refund_args(group, at, self.clock());
+            let record = req.reservation.as_deref().map(|id| {
+                let (ledger, _) = self.ledger(group, &req.domain);
+                keys::record_key(&ledger, id)
+            });
+            let (keys, args) = script::refund_args(group, at, self.clock(), record.as_deref());
             self.metrics.refunds.inc();
             if let Err(e) = self
                 .store

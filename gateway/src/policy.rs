@@ -33,7 +33,8 @@ use std::path::PathBuf;
 use ratelimit_config::key::{bounded, encode_part};
 use ratelimit_config::{self as plugin, KeyPart, QuotaCount, Scope};
 use ratelimit_protocol::{
-    Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Variant,
+    Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Settlement,
+    Variant,
 };
 
 use crate::reload::Source;
@@ -59,6 +60,11 @@ struct RulePolicy {
     tiers: HashMap<String, Vec<Limit>>,
     clients: HashMap<String, Vec<Limit>>,
     max_cost: u64,
+    /// The most a settlement may charge one request in this rule (its
+    /// `cost_from.max`, or the largest of the `costs[]` entries' that read
+    /// the response; its check cost under `charge_on` alone); `None`: the
+    /// rule does not settle, and a settlement naming it is refused.
+    settle_max: Option<u64>,
     /// The rule's key parts (`client`, `ip`, `method`, `path`,
     /// `header:<name>`), to build its key for a native descriptor (`crate::rls`).
     key: Vec<KeyPart>,
@@ -74,6 +80,9 @@ struct QuotaPolicy {
     tiers: HashMap<String, Option<u64>>,
     clients: HashMap<String, u64>,
     max_amount: u64,
+    /// The most a settlement may count one request (`count: cost` with a
+    /// `costs[]` entry reading the response); `None`: it does not settle.
+    settle_max: Option<u64>,
 }
 
 /// A domain's lease bounds.
@@ -94,7 +103,14 @@ pub struct Resolved {
     pub buckets: Vec<ResolvedBucket>,
     /// One per quota of the request, in order.
     pub quotas: Vec<ResolvedQuota>,
+    /// The id an allowed check keeps its charges under, for a settlement.
+    pub reservation: Option<String>,
 }
+
+/// A settlement with everything resolved from the policy: the buckets'
+/// costs and the quotas' amounts are the real ones, each within the
+/// policy's `max`.
+pub type ResolvedSettlement = Resolved;
 
 /// A bucket with its policy limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,6 +123,11 @@ pub struct ResolvedBucket {
     pub cost: u64,
     /// The limits of the rule's variant, from the policy.
     pub limits: Vec<Limit>,
+    /// Tokens of debt a settlement may leave in the bucket (0: none; a rule
+    /// that settles: [`plugin::bounds::DEBT_OVERRUNS`] settlements of its
+    /// `max`). Check and settle scripts read a token bucket's TAT up to that
+    /// far ahead as debt, not as a clock that stepped back.
+    pub debt: u64,
 }
 
 /// A quota with its policy amount and period.
@@ -175,6 +196,20 @@ pub fn parse(sources: &[Source]) -> Result<Policy, String> {
     Ok(policy)
 }
 
+/// The most a settlement may charge one request in global rule `r`, as the
+/// filter settles it (`Plan::meter_of`: the rule's own `cost_from`, else,
+/// without a `cost` of its own, the `costs[]` entry's); a `charge_on` rule
+/// settles at least its check cost (given back: 0). `None`: it never settles.
+fn rule_settle_max(r: &plugin::Rule, max_cost: u64, costs_settle: Option<u64>) -> Option<u64> {
+    let from_response = match (&r.cost_from, r.cost) {
+        (Some(from), _) => Some(from.max),
+        (None, None) => costs_settle,
+        (None, Some(_)) => None,
+    };
+    let charged = r.charge_on.as_ref().map(|_| r.cost.unwrap_or(max_cost));
+    from_response.max(charged)
+}
+
 fn limits_of(algorithm: Algorithm, specs: &[plugin::LimitSpec]) -> Vec<Limit> {
     specs
         .iter()
@@ -194,6 +229,14 @@ fn unverifiable(field: String, what: &str, name: &str) -> String {
         "{field}: {what} `{name}` has no `client` in its key, so the gateway cannot check whose \
          key a `client:<id>` variant names; key it on `client`, or use a tier"
     )
+}
+
+impl RulePolicy {
+    /// Tokens of debt a settlement may leave in one of the rule's buckets.
+    fn debt(&self) -> u64 {
+        self.settle_max
+            .map_or(0, |m| m.saturating_mul(plugin::bounds::DEBT_OVERRUNS))
+    }
 }
 
 impl Domain {
@@ -225,6 +268,12 @@ impl Domain {
             .max()
             .unwrap_or(1)
             .max(1);
+        // The largest real cost a `costs[]` entry reading the response settles.
+        let costs_settle = c
+            .costs
+            .iter()
+            .filter_map(|x| x.cost_from.as_ref().map(|f| f.max))
+            .max();
         let rules = c
             .rules
             .iter()
@@ -248,7 +297,11 @@ impl Domain {
                         .map(|(t, l)| (t.clone(), limits_of(r.algorithm, l)))
                         .collect(),
                     clients,
-                    max_cost: r.cost.unwrap_or(max_cost),
+                    max_cost: match &r.cost_from {
+                        Some(from) => from.max,
+                        None => r.cost.unwrap_or(max_cost),
+                    },
+                    settle_max: rule_settle_max(r, max_cost, costs_settle),
                     key: r.key.clone(),
                 };
                 (r.name.clone(), policy)
@@ -277,6 +330,10 @@ impl Domain {
                         QuotaCount::Requests => 1,
                         QuotaCount::Cost => max_cost,
                     },
+                    settle_max: match q.count {
+                        QuotaCount::Requests => None,
+                        QuotaCount::Cost => costs_settle,
+                    },
                 };
                 (q.name.clone(), policy)
             })
@@ -294,6 +351,12 @@ impl Domain {
             quotas,
             lease,
         })
+    }
+
+    fn quota(&self, at: At, domain: &str, name: &str) -> Result<&QuotaPolicy, String> {
+        self.quotas
+            .get(name)
+            .ok_or_else(|| format!("{at}: unknown quota `{name}` in domain `{domain}`"))
     }
 
     fn rule(&self, at: At, domain: &str, name: &str) -> Result<&RulePolicy, String> {
@@ -367,6 +430,77 @@ impl Policy {
             domain: req.domain.clone(),
             buckets,
             quotas,
+            reservation: req.reservation.clone(),
+        })
+    }
+
+    /// Resolves one settlement of a validated settle request (`at`:
+    /// `settlements[2]`), or the 400 message: every bucket's rule and every
+    /// quota must settle, and each real cost be within the policy's `max`.
+    pub fn resolve_settlement(
+        &self,
+        domain: &str,
+        at: usize,
+        s: &Settlement,
+    ) -> Result<ResolvedSettlement, String> {
+        let d = self.domain(domain)?;
+        let mut buckets = Vec::with_capacity(s.buckets.len());
+        let mut seen = Seen::with_capacity(s.buckets.len());
+        for (b, bucket) in s.buckets.iter().enumerate() {
+            let at = At::nested("settlements", at, "buckets", b);
+            if !seen.insert(&bucket.rule) {
+                return Err(format!("{at}.rule: rule `{}` named twice", bucket.rule));
+            }
+            let rule = d.rule(at.field("rule"), domain, &bucket.rule)?;
+            let Some(max) = rule.settle_max else {
+                return Err(format!(
+                    "{at}.rule: rule `{}` is not charged from the response: nothing to settle",
+                    bucket.rule
+                ));
+            };
+            if bucket.cost > max {
+                return Err(format!(
+                    "{at}.cost: {} is above {max}, the most rule `{}` settles",
+                    bucket.cost, bucket.rule
+                ));
+            }
+            let resolved = resolve_bucket(at, domain, d, &BucketRef { cost: 1, ..bucket.clone() })?;
+            buckets.push(ResolvedBucket {
+                cost: bucket.cost,
+                ..resolved
+            });
+        }
+        let mut quotas = Vec::with_capacity(s.quotas.len());
+        let mut seen = Seen::with_capacity(s.quotas.len());
+        for (q, quota) in s.quotas.iter().enumerate() {
+            let at = At::nested("settlements", at, "quotas", q);
+            if !seen.insert(&quota.quota) {
+                return Err(format!("{at}.quota: quota `{}` named twice", quota.quota));
+            }
+            let policy = d.quota(at.field("quota"), domain, &quota.quota)?;
+            let Some(max) = policy.settle_max else {
+                return Err(format!(
+                    "{at}.quota: quota `{}` does not count a cost read from the response: nothing to settle",
+                    quota.quota
+                ));
+            };
+            if quota.amount > max {
+                return Err(format!(
+                    "{at}.amount: {} is above {max}, the most quota `{}` settles",
+                    quota.amount, quota.quota
+                ));
+            }
+            let resolved = resolve_quota(at, domain, d, &QuotaRef { amount: 1, ..quota.clone() })?;
+            quotas.push(ResolvedQuota {
+                amount: quota.amount,
+                ..resolved
+            });
+        }
+        Ok(Resolved {
+            domain: domain.to_string(),
+            buckets,
+            quotas,
+            reservation: Some(s.reservation.clone()),
         })
     }
 
@@ -405,6 +539,7 @@ impl Policy {
                 key,
                 cost,
                 limits: r.limits.clone(),
+                debt: r.debt(),
             },
             max_cost: r.max_cost,
         })
@@ -470,6 +605,7 @@ fn resolve_bucket(
         tag: tag_of(&bucket.rule, &bucket.key).to_string(),
         cost: bucket.cost,
         limits: limits.to_vec(),
+        debt: rule.debt(),
     })
 }
 
@@ -479,12 +615,7 @@ fn resolve_quota(
     d: &Domain,
     quota: &QuotaRef,
 ) -> Result<ResolvedQuota, String> {
-    let Some(q) = d.quotas.get(&quota.quota) else {
-        return Err(format!(
-            "{at}.quota: unknown quota `{}` in domain `{domain}`",
-            quota.quota
-        ));
-    };
+    let q = d.quota(at.field("quota"), domain, &quota.quota)?;
     check_key(at.field("key"), &quota.quota, &quota.key)?;
     let limit = match &quota.variant {
         Variant::Default => q.limit,
@@ -517,6 +648,8 @@ fn resolve_quota(
 /// field paths.
 #[derive(Debug, Clone, Copy)]
 struct At {
+    /// The list and item the item's list is in (`settlements[1]`), if any.
+    outer: Option<(&'static str, usize)>,
     /// The list and the index of the item, if the field is in one.
     item: Option<(&'static str, usize)>,
     /// The field; empty for the item itself.
@@ -525,11 +658,16 @@ struct At {
 
 impl At {
     fn top(field: &'static str) -> At {
-        At { item: None, field }
+        At {
+            outer: None,
+            item: None,
+            field,
+        }
     }
 
     fn item(list: &'static str, index: usize) -> At {
         At {
+            outer: None,
             item: Some((list, index)),
             field: "",
         }
@@ -538,10 +676,21 @@ impl At {
     fn field(self, field: &'static str) -> At {
         At { field, ..self }
     }
+
+    /// An item of a list inside an item (`settlements[1].buckets[0]`).
+    fn nested(outer: &'static str, o: usize, list: &'static str, index: usize) -> At {
+        At {
+            outer: Some((outer, o)),
+            ..At::item(list, index)
+        }
+    }
 }
 
 impl std::fmt::Display for At {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some((outer, o)) = self.outer {
+            write!(f, "{outer}[{o}].")?;
+        }
         match (self.item, self.field) {
             (Some((list, i)), "") => write!(f, "{list}[{i}]"),
             (Some((list, i)), field) => write!(f, "{list}[{i}].{field}"),

@@ -168,8 +168,10 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
                 tag: "t".to_string(),
                 cost,
                 limits: specs.clone(),
+                debt: 0,
             }],
             quotas: vec![],
+            reservation: None,
         };
         let mut now_ms: u64 = 1_700_000_000_000 + rng.range(0, 10_000_000_000);
         let mut states: Vec<Option<u128>> = vec![None; n_limits];
@@ -354,8 +356,10 @@ async fn run_refunds_and_leases(
                 tag: "t".to_string(),
                 cost,
                 limits: specs.clone(),
+                debt: 0,
             }],
             quotas: vec![],
+            reservation: None,
         };
         let mut now_ms: u64 = 1_700_000_000_000 + rng.range(0, 10_000_000);
         let mut states: Vec<Option<u128>> = vec![None; n_limits];
@@ -378,7 +382,7 @@ async fn run_refunds_and_leases(
                     limits: keys::limit_keys(&prefix, &req(cost)),
                     quotas: vec![],
                 };
-                let (k, args) = script::refund_args(&group, at, &FixedClock(now_ms));
+                let (k, args) = script::refund_args(&group, at, &FixedClock(now_ms), None);
                 let _: i64 = limiter
                     .store()
                     .eval(script::refund(), &k, &args, "refund")

@@ -12,8 +12,17 @@
 //!
 //! `POST /v1/check` takes a [`CheckRequest`] and answers 200 with a
 //! [`CheckResponse`]; `POST /v1/lease` takes a [`LeaseRequest`] and answers
-//! 200 with a [`LeaseResponse`]. Both answer 400 with an [`ErrorBody`]
-//! naming the field at fault, and 503 when Redis fails.
+//! 200 with a [`LeaseResponse`]; `POST /v1/settle` takes a
+//! [`SettleRequest`] and answers 200 with a [`SettleResponse`]. All answer
+//! 400 with an [`ErrorBody`] naming the field at fault, and 503 when Redis
+//! fails.
+//!
+//! Settlement: a check that names a `reservation` id has the gateway keep,
+//! when it is allowed, a record of what it charged. A later settlement of
+//! that id moves each named bucket and quota from what the check charged to
+//! the cost the response showed (at most the policy's `cost_from.max`), and
+//! deletes the record: a settlement replayed, or of an id never reserved,
+//! finds no record and changes nothing.
 //!
 //! The answers are generic over their figures: the gateway writes `u64`; the
 //! filter reads `f64`, so that a negative or huge figure is clamped and
@@ -35,6 +44,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub const VERSION: u32 = 2;
 pub use ratelimit_config::bounds::{
     MAX_BUCKETS, MAX_EXACT, MAX_LIMITS, MAX_NAME_BYTES, MAX_QUOTAS, MAX_QUOTA_LIMIT,
+    MAX_SETTLEMENTS, RESERVATION_ID_BYTES,
 };
 pub use ratelimit_config::{Algorithm, Period};
 
@@ -145,6 +155,47 @@ pub struct CheckRequest {
     /// The quotas (each quota at most once).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub quotas: Vec<QuotaRef>,
+    /// When given, an allowed check keeps a record of its charges under this
+    /// id (16 to 64 bytes of `[0-9A-Za-z_-]`) for one [`SettleRequest`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<String>,
+}
+
+/// One request's settlement: the real cost of each bucket and quota its
+/// check reserved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settlement {
+    /// The check's `reservation`.
+    pub reservation: String,
+    /// The buckets, `cost` the real cost (0 gives the whole charge back).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketRef>,
+    /// The quotas, `amount` the real amount.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaRef>,
+}
+
+/// `POST /v1/settle` request body: settlements of one domain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleRequest {
+    /// Must be [`VERSION`].
+    pub version: u32,
+    /// The policy's `domain`.
+    pub domain: String,
+    /// 1 to [`MAX_SETTLEMENTS`] settlements.
+    pub settlements: Vec<Settlement>,
+}
+
+/// `POST /v1/settle` 200 answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettleResponse {
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// One per settlement, in order: whether its reservation was found and
+    /// settled (false: already settled, expired, or never made).
+    pub settled: Vec<bool>,
 }
 
 /// `POST /v1/lease` request body: reserve up to `want` tokens of one token
@@ -300,6 +351,14 @@ pub fn parse_check(body: &[u8]) -> Result<CheckRequest, String> {
     Ok(req)
 }
 
+/// Parses and validates a `POST /v1/settle` body; the error is `<field path>: <reason>`.
+pub fn parse_settle(body: &[u8]) -> Result<SettleRequest, String> {
+    check_version(body)?;
+    let req: SettleRequest = decode(body)?;
+    validate_settle(&req)?;
+    Ok(req)
+}
+
 /// Parses and validates a `POST /v1/lease` body; the error is `<field path>: <reason>`.
 pub fn parse_lease(body: &[u8]) -> Result<LeaseRequest, String> {
     check_version(body)?;
@@ -381,6 +440,67 @@ pub fn validate_check(req: &CheckRequest) -> Result<(), String> {
         name(&format!("quotas[{q}].tag"), &quota.tag, true)?;
         variant(&format!("quotas[{q}].variant"), &quota.variant)?;
         exact(&format!("quotas[{q}].amount"), quota.amount, 1)?;
+    }
+    if let Some(id) = &req.reservation {
+        reservation("reservation", id)?;
+    }
+    Ok(())
+}
+
+/// Checks the bounds of a settle request that serde cannot express.
+pub fn validate_settle(req: &SettleRequest) -> Result<(), String> {
+    version(req.version)?;
+    name("domain", &req.domain, false)?;
+    let n = req.settlements.len();
+    if !(1..=MAX_SETTLEMENTS).contains(&n) {
+        return Err(format!(
+            "settlements: must hold 1 to {MAX_SETTLEMENTS} settlements, got {n}"
+        ));
+    }
+    for (s, settlement) in req.settlements.iter().enumerate() {
+        let at = format!("settlements[{s}]");
+        reservation(&format!("{at}.reservation"), &settlement.reservation)?;
+        let items = settlement.buckets.len() + settlement.quotas.len();
+        if items == 0 || settlement.buckets.len() > MAX_BUCKETS {
+            return Err(format!(
+                "{at}.buckets: must hold 0 to {MAX_BUCKETS} buckets, and a bucket or a quota"
+            ));
+        }
+        if settlement.quotas.len() > MAX_QUOTAS {
+            return Err(format!(
+                "{at}.quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+                settlement.quotas.len()
+            ));
+        }
+        for (b, bucket) in settlement.buckets.iter().enumerate() {
+            name(&format!("{at}.buckets[{b}].rule"), &bucket.rule, false)?;
+            name(&format!("{at}.buckets[{b}].key"), &bucket.key, false)?;
+            name(&format!("{at}.buckets[{b}].tag"), &bucket.tag, true)?;
+            variant(&format!("{at}.buckets[{b}].variant"), &bucket.variant)?;
+            exact(&format!("{at}.buckets[{b}].cost"), bucket.cost, 0)?;
+        }
+        for (q, quota) in settlement.quotas.iter().enumerate() {
+            name(&format!("{at}.quotas[{q}].quota"), &quota.quota, false)?;
+            name(&format!("{at}.quotas[{q}].key"), &quota.key, false)?;
+            name(&format!("{at}.quotas[{q}].tag"), &quota.tag, true)?;
+            variant(&format!("{at}.quotas[{q}].variant"), &quota.variant)?;
+            exact(&format!("{at}.quotas[{q}].amount"), quota.amount, 0)?;
+        }
+    }
+    Ok(())
+}
+
+/// A reservation id: it names a Redis key, so only a bounded, plain alphabet.
+fn reservation(path: &str, id: &str) -> Result<(), String> {
+    let plain = id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !RESERVATION_ID_BYTES.contains(&id.len()) || !plain {
+        return Err(format!(
+            "{path}: must be {} to {} bytes of [0-9A-Za-z_-]",
+            RESERVATION_ID_BYTES.start(),
+            RESERVATION_ID_BYTES.end()
+        ));
     }
     Ok(())
 }
@@ -618,6 +738,62 @@ mod tests {
         );
         let err = parse_check(b"{\"version\":2,").unwrap_err();
         assert!(err.starts_with("body: EOF"), "{err}");
+    }
+
+    #[test]
+    fn settlements_parse_and_name_the_field_at_fault() {
+        let settle = json!({"version": 2, "domain": "d", "settlements": [
+            {"reservation": "0123456789abcdef", "buckets": [
+                {"rule": "tokens", "key": "tokens/c=a", "tag": "c=a", "variant": "default", "cost": 0}],
+             "quotas": [{"quota": "month", "key": "month/c=a", "tag": "c=a",
+                         "variant": "default", "amount": 7}]}]});
+        let r = parse_settle(&body(settle.clone())).unwrap();
+        assert_eq!(r.settlements[0].buckets[0].cost, 0);
+        assert_eq!(serde_json::to_value(&r).unwrap(), settle);
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|v| v["settlements"][0]["reservation"] = "short".into()),
+                "settlements[0].reservation: must be 16 to 64 bytes of [0-9A-Za-z_-]",
+            ),
+            (
+                Box::new(|v| v["settlements"][0]["reservation"] = "0123456789abcdef|x".into()),
+                "settlements[0].reservation: must be 16 to 64 bytes",
+            ),
+            (
+                Box::new(|v| v["settlements"] = json!([])),
+                "settlements: must hold 1 to 64 settlements, got 0",
+            ),
+            (
+                Box::new(|v| v["settlements"] = json!(vec![v["settlements"][0].clone(); 65])),
+                "settlements: must hold 1 to 64 settlements, got 65",
+            ),
+            (
+                Box::new(|v| v["settlements"][0]["buckets"][0]["cost"] = ((1u64 << 53) + 1).into()),
+                "settlements[0].buckets[0].cost: must be between 0 and 2^53",
+            ),
+            (
+                Box::new(|v| v["settlements"][0]["buckets"][0]["limits"] = json!([])),
+                "settlements[0].buckets[0].limits: unknown field `limits`",
+            ),
+            (
+                Box::new(|v| {
+                    v["settlements"][0] = json!({"reservation": "0123456789abcdef"});
+                }),
+                "settlements[0].buckets: must hold 0 to 64 buckets, and a bucket or a quota",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut v = settle.clone();
+            change(&mut v);
+            let err = parse_settle(&body(v)).unwrap_err();
+            assert!(err.starts_with(want), "{err:?} should start with {want:?}");
+        }
+        let mut check = good();
+        check["reservation"] = "abc".into();
+        assert_eq!(
+            parse_check(&body(check)).unwrap_err(),
+            "reservation: must be 16 to 64 bytes of [0-9A-Za-z_-]"
+        );
     }
 
     #[test]

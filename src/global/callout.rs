@@ -48,6 +48,7 @@ pub fn encode_request(plan: &Plan, global: &[GlobalBucket], quotas: &[QuotaBucke
         domain: plan.domain.clone(),
         buckets,
         quotas,
+        reservation: None,
     };
     serde_json::to_vec(&body).unwrap_or_default()
 }

@@ -166,8 +166,8 @@ pub enum MeterSource {
 
 /// Most tokens of debt a settlement may leave in a bucket, in responses of
 /// `max` each: the bound of what concurrent requests can overrun together
-/// before the rest is forgiven.
-pub const DEBT_OVERRUNS: u64 = 1024;
+/// before the rest is forgiven. The gateway holds the same bound.
+pub use crate::config::bounds::DEBT_OVERRUNS;
 
 impl MeterPlan {
     fn compile(from: &CostFrom) -> MeterPlan {

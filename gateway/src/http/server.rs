@@ -78,6 +78,7 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/check", post(check))
         .route("/v1/lease", post(lease))
+        .route("/v1/settle", post(settle))
         .route("/healthz", get(healthz))
         .route("/readyz", get(healthz))
         .route("/livez", get(livez))
@@ -413,6 +414,48 @@ async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
         }
         Err(e) => unavailable(&app, "lease", &req.domain, &e),
     }
+}
+
+/// `POST /v1/settle`: the settlements of one domain, in order, each once.
+/// Every settlement is resolved (every rule and quota must settle, every
+/// real cost be within the policy's `max`) before any is written: a body
+/// with one bad settlement is refused whole, writing nothing.
+async fn settle(State(app): State<Arc<App>>, req: Request) -> Response {
+    let admitted = match admit(&app, req).await {
+        Ok(a) => a,
+        Err(refused) => return refused,
+    };
+    let req = match protocol::parse_settle(&admitted.body) {
+        Ok(r) => r,
+        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
+    };
+    if !admitted.caller.may_use(&req.domain) {
+        return refuse(&app, Refusal::WrongDomain);
+    }
+    let policy = app.policy.current();
+    let mut resolved = Vec::with_capacity(req.settlements.len());
+    for (i, s) in req.settlements.iter().enumerate() {
+        match policy.resolve_settlement(&req.domain, i, s) {
+            Ok(r) => resolved.push(r),
+            Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
+        }
+    }
+    let mut settled = Vec::with_capacity(resolved.len());
+    for s in &resolved {
+        match app.limiter.settle(s).await {
+            Ok(found) => {
+                app.metrics
+                    .check(if found { "settled" } else { "unsettled" });
+                settled.push(found);
+            }
+            Err(e) => return unavailable(&app, "settle", &req.domain, &e),
+        }
+    }
+    let answer = protocol::SettleResponse {
+        version: protocol::VERSION,
+        settled,
+    };
+    (StatusCode::OK, Json(answer)).into_response()
 }
 
 /// `GET /healthz` and `GET /readyz`: 200 only when every worker has its

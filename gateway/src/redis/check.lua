@@ -13,12 +13,19 @@
 --                  Rust buckets and the quota period tests). Every key gets a
 --                  expiry (PX, PEXPIREAT; common.lua's ttl).
 -- ARGV[3]          L, the number of limit keys
--- ARGV[4i..4i+3]   per limit key i (i = 1..L): algorithm ("token_bucket" | "sliding_window"),
---                  requests (N or C), window_ms (W), cost (>= 1)
--- ARGV[4L+3j+1..4L+3j+3]
+-- ARGV[5i-1..5i+3] per limit key i (i = 1..L): algorithm ("token_bucket" | "sliding_window"),
+--                  requests (N or C), window_ms (W), cost (>= 1), ceiling (ms >= W: a
+--                  token bucket's TAT up to now + ceiling is a settlement's debt;
+--                  common.lua's limit_args)
+-- ARGV[5L+3j+1..5L+3j+3]
 --                  per quota j (j = 1..Q): period ("minute" | "hour" | "day" | "month"),
 --                  limit (0..2^50), amount (>= 1)
--- KEYS[L+Q+1]      the domain's ledger of live keys, "<prefix>{<domain>|live}"
+-- ARGV[last-1]     the reservation record's life in ms; 0: no record
+-- KEYS[L+Q+1]      (when ARGV[last-1] > 0) the reservation record: an allowed
+--                  charge writes there what it charged (a hash: "@at" -> now_ms,
+--                  each limit key -> cost, each quota key base -> amount), which
+--                  settle.lua reads once
+-- KEYS[last]       the domain's ledger of live keys, "<prefix>{<domain>|live}"
 --                  (on a cluster "<prefix>{<domain>|live|<n>}", n chosen so
 --                  that it shares the other keys' slot): a sorted set of the
 --                  keys the domain holds, scored by their expiry (ms)
@@ -36,13 +43,18 @@
 -- charged; else every limit and every quota is charged. A denied token bucket
 -- read as more than empty (Redis time went backwards) still stores that bound.
 --
--- clock, ttl, expire_at, divmod, ceildiv, fmt and period_bounds come from
--- common.lua, which script.rs puts in front (with why the arithmetic is exact).
+-- clock, ttl, expire_at, divmod, ceildiv, fmt, period_bounds and limit_args
+-- come from common.lua, which script.rs puts in front (with why the arithmetic is exact).
 
 local commit = ARGV[1] == '1'
 local now = clock(ARGV[2])
 local ledger = KEYS[#KEYS]
 local budget = tonumber(ARGV[#ARGV]) or 0
+local record_ms = tonumber(ARGV[#ARGV - 1]) or 0
+local n_limits = tonumber(ARGV[3])
+local n_quotas = (#ARGV - 5 - 5 * n_limits) / 3
+local record = nil
+if record_ms > 0 then record = KEYS[n_limits + n_quotas + 1] end
 local fresh = {} -- keys this call would create, as a set
 local n_fresh = 0
 local function created(key)
@@ -59,7 +71,9 @@ end
 -- reads as an empty bucket (d = W, r = 0), never emptier, as the filter's
 -- token_bucket.rs; a denial then stores that bound (returned as its state), so
 -- the bucket refills from the step on instead of after it.
-local function token_bucket(state, c, w, cost)
+-- A TAT up to `cap` ahead (the ceiling, >= W) is debt a settlement left:
+-- denied, with a wait that covers it.
+local function token_bucket(state, c, w, cost, cap)
   local d, r = 0, 0
   local bounded = false
   if state then
@@ -69,8 +83,8 @@ local function token_bucket(state, c, w, cost)
       d, r = t - now, rr
     end
   end
-  if d > w or (d == w and r > 0) then
-    d, r, bounded = w, 0, true
+  if d > cap or (d == cap and r > 0) then
+    d, r, bounded = cap, 0, true
   end
   local tol = w * c
   local free = 0
@@ -96,7 +110,7 @@ local function token_bucket(state, c, w, cost)
     end
   end
   if bounded then
-    return false, fmt(now + w) .. ':0', remaining, reset, retry, reset
+    return false, fmt(now + cap) .. ':0', remaining, reset, retry, reset
   end
   return false, nil, remaining, reset, retry, 0
 end
@@ -159,13 +173,9 @@ local pending = {} -- state written by an earlier limit of this call (same key t
 local writes = {}
 local bounds = {} -- token-bucket bounds of denied limits (time went backwards)
 local all = true
-local n_limits = tonumber(ARGV[3])
 for i = 1, n_limits do
   local key = KEYS[i]
-  local algorithm = ARGV[4 * i]
-  local requests = tonumber(ARGV[4 * i + 1])
-  local window = tonumber(ARGV[4 * i + 2])
-  local cost = tonumber(ARGV[4 * i + 3])
+  local algorithm, requests, window, cost, ceiling = limit_args(i)
   local state = pending[key]
   if state == nil then
     state = redis.call('GET', key)
@@ -173,7 +183,7 @@ for i = 1, n_limits do
   end
   local ok, new_state, remaining, reset, retry, ttl
   if algorithm == 'token_bucket' then
-    ok, new_state, remaining, reset, retry, ttl = token_bucket(state, requests, window, cost)
+    ok, new_state, remaining, reset, retry, ttl = token_bucket(state, requests, window, cost, ceiling)
   elseif algorithm == 'sliding_window' then
     ok, new_state, remaining, reset, retry, ttl = sliding_window(state, requests, window, cost)
   else
@@ -198,8 +208,8 @@ end
 local sec = divmod(now, 1000)
 local counts = {}
 local quotas = {}
-for j = 1, #KEYS - n_limits - 1 do
-  local a = 4 * n_limits + 3 * j
+for j = 1, n_quotas do
+  local a = 5 * n_limits + 3 * j
   local period = ARGV[a + 1]
   local limit = tonumber(ARGV[a + 2])
   local amount = tonumber(ARGV[a + 3])
@@ -263,6 +273,20 @@ elseif commit then
     -- The key names its period, so a late write can never extend an old one.
     redis.call('PEXPIREAT', q[1], fmt(expire_at(q[6] - now)))
     track(q[1], now + ttl(q[6] - now))
+  end
+  if record then
+    local fields = { '@at', fmt(now) }
+    for i = 1, n_limits do
+      local _, _, _, cost = limit_args(i)
+      fields[#fields + 1] = KEYS[i]
+      fields[#fields + 1] = fmt(cost)
+    end
+    for j, q in ipairs(quotas) do
+      fields[#fields + 1] = KEYS[n_limits + j]
+      fields[#fields + 1] = fmt(q[4])
+    end
+    redis.call('HSET', record, unpack(fields))
+    redis.call('PEXPIRE', record, fmt(ttl(record_ms)))
   end
   if budget > 0 then
     -- The ledger lives as long as its longest-lived key.

@@ -1,4 +1,4 @@
--- ratelimit-gateway: helpers shared by check.lua, refund.lua and lease.lua.
+-- ratelimit-gateway: helpers shared by check.lua, refund.lua, settle.lua and lease.lua.
 -- Redis scripts cannot include each other, so script.rs puts this file in
 -- front of each script; they round and count time the same way.
 --
@@ -98,3 +98,129 @@ local function period_bounds(period, s)
   return q * len, q * len + len
 end
 
+
+-- Limit i's arguments (i = 1..L) in check.lua, refund.lua and settle.lua,
+-- which all start with three ARGV of their own: algorithm, requests (N or
+-- C), window_ms (W), cost, and the ceiling: how far ahead of now (ms) a
+-- token bucket's TAT may stand as debt a settlement left (W for a rule that
+-- does not settle); a TAT further ahead only comes from Redis time that
+-- went backwards.
+local function limit_args(i)
+  local a = 5 * i - 1
+  return ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
+    tonumber(ARGV[a + 4])
+end
+
+-- Gives `cost` back to the limit at `key`, charged at `charged_at` (ms).
+-- Token bucket: the TAT goes back by cost * W / C ms (a TAT in the past reads
+-- as a full bucket; it is kept, not floored at now, so that a later step back
+-- of Redis time reads it as the filter's token_bucket.rs does).
+-- Sliding window: cur -= cost (floored at 0) in the window that was charged;
+-- if a later write moved that window into "prev", prev -= cost instead; older:
+-- nothing. A charge that a step back of Redis time counted in a later window
+-- is so given back from prev or not at all: stricter, never more than taken.
+-- The window is kept even at 0:0, since check.lua reads a clock behind it as
+-- its start (as the filter's sliding_window.rs refund). Returns whether the
+-- key changed.
+local function give_back(key, algorithm, n, w, cost, charged_at)
+  local state = redis.call('GET', key)
+  if state and algorithm == 'token_bucket' then
+    local t, r = string.match(state, '^(%d+):(%d+)$')
+    t, r = tonumber(t), tonumber(r)
+    if t and r then
+      -- TAT - cost*W/C, in whole ms and 1/C ms, without forming large products.
+      local q1, r1 = divmod(cost * w, n)
+      t, r = t - q1, r - r1
+      if r < 0 then
+        t, r = t - 1, r + n
+      end
+      if t < 0 then
+        redis.call('DEL', key) -- only a key that lost its charge (expired, rewritten)
+      else
+        redis.call('SET', key, fmt(t) .. ':' .. fmt(r), 'KEEPTTL')
+      end
+      return true
+    end
+  elseif state and algorithm == 'sliding_window' then
+    local sk, sc, sp = string.match(state, '^(%d+):(%d+):(%d+)$')
+    sk, sc, sp = tonumber(sk), tonumber(sc), tonumber(sp)
+    local k = divmod(charged_at, w)
+    if sk and sc and sp and (sk == k or sk == k + 1) then
+      if sk == k then
+        sc = math.max(sc - cost, 0)
+      else
+        sp = math.max(sp - cost, 0)
+      end
+      redis.call('SET', key, fmt(sk) .. ':' .. fmt(sc) .. ':' .. fmt(sp), 'KEEPTTL')
+      return true
+    end
+  end
+  return false
+end
+
+-- Charges `cost` more to the limit at `key` at `now`, whatever it holds: a
+-- settlement of a response that cost more than its reservation. Token
+-- bucket: the TAT moves cost * W / C ms further ahead of max(TAT, now), at
+-- most to now + ceiling (the debt bound; ceiling * C <= 2^53, so exact).
+-- Sliding window: cur += cost in the current window. Both may leave the
+-- limit over its capacity: check.lua then denies until the debt is paid.
+local function force(key, algorithm, n, w, cost, ceiling, now)
+  local state = redis.call('GET', key)
+  if algorithm == 'token_bucket' then
+    local d, r = 0, 0
+    if state then
+      local t, rr = string.match(state, '^(%d+):(%d+)$')
+      t, rr = tonumber(t), tonumber(rr)
+      if t and rr and (t > now or (t == now and rr > 0)) then
+        d, r = t - now, rr
+      end
+    end
+    if d > ceiling then d, r = ceiling, 0 end
+    local used = d * n + r
+    local room = math.max(ceiling * n - used, 0)
+    local add = room
+    if cost < divmod(room, w) then add = cost * w end
+    local q, rem = divmod(used + add, n)
+    redis.call('SET', key, fmt(now + q) .. ':' .. fmt(rem), 'PX', fmt(ttl(ceildiv(used + add, n) + 1)))
+  elseif algorithm == 'sliding_window' then
+    local sk, sc, sp
+    if state then
+      sk, sc, sp = string.match(state, '^(%d+):(%d+):(%d+)$')
+      sk, sc, sp = tonumber(sk), tonumber(sc), tonumber(sp)
+    end
+    local k = divmod(now, w)
+    local cur, prev = 0, 0
+    if sk and sc and sp then
+      if sk >= k then
+        k, cur, prev = sk, sc, sp -- a clock behind the window counts as its start
+      elseif sk + 1 == k then
+        prev = sc
+      end
+    end
+    local window_end = (k + 1) * w - now
+    redis.call('SET', key, fmt(k) .. ':' .. fmt(cur + cost) .. ':' .. fmt(prev),
+      'PX', fmt(ttl(window_end + w)))
+  end
+end
+
+-- Gives `amount` back to the quota at key base `base`, counted at
+-- `charged_at` (ms): the key of the period that held it gets DECRBY amount,
+-- floored at 0 (deleted at 0), only while now is still in that period. The
+-- expiry is kept: it can only be later than needed, never earlier.
+local function quota_give_back(base, period, amount, charged_at, now)
+  local start = period_bounds(period, divmod(charged_at, 1000))
+  if not start or start ~= period_bounds(period, divmod(now, 1000)) then
+    return false
+  end
+  local key = base .. '|' .. fmt(start)
+  local count = tonumber(redis.call('GET', key) or '')
+  if not count then
+    return false
+  end
+  if count <= amount then
+    redis.call('DEL', key)
+  else
+    redis.call('DECRBY', key, fmt(amount))
+  end
+  return true
+end

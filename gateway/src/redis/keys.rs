@@ -43,6 +43,8 @@ pub struct LimitKey {
     pub spec: LimitSpec,
     /// What the request costs in this limit (its bucket's cost).
     pub cost: u64,
+    /// Tokens of debt a settlement may leave (its bucket's).
+    pub debt: u64,
 }
 
 /// One quota of the request, with the base of its Redis key.
@@ -159,6 +161,7 @@ pub fn limit_keys(prefix: &str, req: &Resolved) -> Vec<LimitKey> {
                 key: redis_key(prefix, &req.domain, &bucket.tag, &bucket.key, l, spec),
                 spec: *spec,
                 cost: bucket.cost,
+                debt: bucket.debt,
             });
         }
     }
@@ -214,6 +217,15 @@ pub fn group_by_slot(limits: Vec<LimitKey>, quotas: Vec<QuotaKey>) -> Vec<Group>
         }
     }
     groups.into_iter().map(|(_, g)| g).collect()
+}
+
+/// The reservation record of request `id` beside `ledger`, the domain's
+/// ledger of live keys in the slot of the keys it reserves ([`live_ledger`],
+/// [`live_ledger_in_slot`]): `<ledger>|r|<id>`. Named by the slot, not by the
+/// keys, so that a settlement naming some of a check's buckets finds the
+/// record of its slot; no limit, quota or ledger key ends so.
+pub fn record_key(ledger: &str, id: &str) -> String {
+    format!("{ledger}|r|{id}")
 }
 
 /// The ledger of a domain's live keys on a single Redis (or Sentinel
@@ -339,8 +351,10 @@ mod tests {
                 tag: lease.tag.clone(),
                 cost: 1,
                 limits,
+                debt: 0,
             }],
             quotas: vec![],
+            reservation: None,
         };
         let from_check: Vec<String> = limit_keys("rl:", &check)
             .into_iter()

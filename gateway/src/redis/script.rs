@@ -1,8 +1,10 @@
 //! The three Lua scripts, their arguments and their replies.
 //!
 //! `check.lua` checks and (when every limit and every quota passes) charges
-//! every key of one slot group atomically; `refund.lua` gives back a charge;
-//! `lease.lua` grants a batch of one token bucket's tokens. All take their
+//! every key of one slot group atomically, keeping a reservation record when
+//! asked; `refund.lua` gives back a charge; `settle.lua` moves a reserved
+//! charge to the real cost, once; `lease.lua` grants a batch of one token
+//! bucket's tokens. All take their
 //! time from a [`Clock`]: in the service Redis `TIME`, so gateway replicas
 //! with skewed clocks agree.
 
@@ -22,6 +24,8 @@ pub const REFUND_LUA: &str = concat!(include_str!("common.lua"), include_str!("r
 /// (`crate::rls`), after `common.lua`: every key counted on its own.
 pub const FIXED_WINDOW_LUA: &str =
     concat!(include_str!("common.lua"), include_str!("fixed_window.lua"));
+/// The settle script, after `common.lua`.
+pub const SETTLE_LUA: &str = concat!(include_str!("common.lua"), include_str!("settle.lua"));
 /// The lease script, after `common.lua`.
 pub const LEASE_LUA: &str = concat!(include_str!("common.lua"), include_str!("lease.lua"));
 
@@ -46,6 +50,12 @@ pub fn check() -> &'static LuaScript {
 pub fn refund() -> &'static LuaScript {
     static S: OnceLock<LuaScript> = OnceLock::new();
     S.get_or_init(|| LuaScript::new("refund", REFUND_LUA))
+}
+
+/// The settle script.
+pub fn settle() -> &'static LuaScript {
+    static S: OnceLock<LuaScript> = OnceLock::new();
+    S.get_or_init(|| LuaScript::new("settle", SETTLE_LUA))
 }
 
 /// The lease script.
@@ -87,12 +97,16 @@ pub enum Mode {
 ///
 /// `budget` is the most live keys `ledger` (the domain's ledger of live keys
 /// in the group's slot, [`crate::redis::keys::live_ledger`]) may hold; 0: no budget.
+///
+/// `record` is the reservation record to write when the charge passes, and
+/// its life in ms ([`crate::redis::keys::record_key`]).
 pub fn check_args(
     group: &Group,
     mode: Mode,
     clock: &dyn Clock,
     ledger: &str,
     budget: u64,
+    record: Option<(&str, u64)>,
 ) -> (Vec<String>, Vec<String>) {
     let mut args = vec![
         match mode {
@@ -107,18 +121,24 @@ pub fn check_args(
         args.push(q.limit.to_string());
         args.push(q.amount.to_string());
     }
+    args.push(record.map_or(0, |(_, ms)| ms.max(1)).to_string());
     args.push(budget.to_string());
     let mut keys = keys(&group.limits, &group.quotas);
+    if let Some((key, _)) = record {
+        keys.push(key.to_string());
+    }
     keys.push(ledger.to_string());
     (keys, args)
 }
 
 /// Keys and arguments of a `refund.lua` call for a charge made at `charged_at_ms`
 /// (the time `check.lua` returned), at the time `clock` gives.
+/// `record`: the reservation record the charge wrote, deleted with it.
 pub fn refund_args(
     group: &Group,
     charged_at_ms: u64,
     clock: &dyn Clock,
+    record: Option<&str>,
 ) -> (Vec<String>, Vec<String>) {
     let mut args = vec![charged_at_ms.to_string(), clock::script_arg(clock)];
     push_limits(&mut args, &group.limits);
@@ -126,7 +146,32 @@ pub fn refund_args(
         args.push(q.period.name().to_string());
         args.push(q.amount.to_string());
     }
-    (keys(&group.limits, &group.quotas), args)
+    let mut keys = keys(&group.limits, &group.quotas);
+    keys.extend(record.map(str::to_string));
+    (keys, args)
+}
+
+/// Keys and arguments of a `settle.lua` call: the group's limits with the
+/// real cost as their cost, its quotas with the real amount, and the
+/// reservation record of the group's slot.
+pub fn settle_args(group: &Group, clock: &dyn Clock, record: &str) -> (Vec<String>, Vec<String>) {
+    let mut args = vec![String::new(), clock::script_arg(clock)];
+    push_limits(&mut args, &group.limits);
+    for q in &group.quotas {
+        args.push(q.period.name().to_string());
+        args.push(q.amount.to_string());
+    }
+    let mut keys = keys(&group.limits, &group.quotas);
+    keys.push(record.to_string());
+    (keys, args)
+}
+
+/// Decodes `settle.lua`'s `{found, keys changed}`: whether the record was there.
+pub fn parse_settle_reply(reply: &[i64]) -> Result<bool, String> {
+    match reply {
+        [found, changed] if *changed >= 0 => Ok(*found == 1),
+        _ => Err(format!("settle script answered {reply:?}")),
+    }
 }
 
 /// Arguments of a `lease.lua` call (its keys are [`crate::redis::keys::lease_keys`]
@@ -155,7 +200,7 @@ fn keys(limits: &[LimitKey], quotas: &[QuotaKey]) -> Vec<String> {
         .collect()
 }
 
-/// `L`, then per limit: algorithm, requests, window_ms, cost.
+/// `L`, then per limit: algorithm, requests, window_ms, cost, ceiling.
 fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
     args.push(limits.len().to_string());
     for l in limits {
@@ -163,7 +208,18 @@ fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
         args.push(l.spec.requests.to_string());
         args.push(l.spec.window_ms.to_string());
         args.push(l.cost.to_string());
+        args.push(ceiling(&l.spec, l.debt).to_string());
     }
+}
+
+/// How far ahead of now (ms) a token bucket's TAT may stand: its window,
+/// plus the time `debt` tokens take to refill, at most what keeps
+/// `ceiling × requests` within 2^53 (the scripts' exact integers).
+pub fn ceiling(spec: &crate::protocol::Limit, debt: u64) -> u64 {
+    let (w, c) = (u128::from(spec.window_ms), u128::from(spec.requests.max(1)));
+    let wanted = w + (u128::from(debt) * w).div_ceil(c);
+    let exact = u128::from(crate::protocol::MAX_EXACT) / c;
+    u64::try_from(wanted.min(exact.max(w))).unwrap_or(spec.window_ms)
 }
 
 /// One limit's verdict from `check.lua` (the answer adds the limit itself).

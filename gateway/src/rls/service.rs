@@ -510,6 +510,7 @@ impl Rls {
                 domain: shared.domain.clone(),
                 buckets: vec![bucket.bucket],
                 quotas: vec![],
+                reservation: None,
             }));
         }
         let unit = limit.unit.unwrap_or(Unit::Second);
@@ -532,8 +533,10 @@ impl Rls {
                     window_ms: unit.seconds().saturating_mul(1000),
                     algorithm,
                 }],
+                debt: 0,
             }],
             quotas: vec![],
+            reservation: None,
         }))
     }
 }

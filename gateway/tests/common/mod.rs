@@ -504,10 +504,12 @@ pub fn direct_check(
                     tag: tag.to_string(),
                     cost,
                     limits: limits_of(limits),
+                    debt: 0,
                 },
             )
             .collect(),
         quotas: Vec::new(),
+        reservation: None,
     }
 }
 
