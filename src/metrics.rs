@@ -163,3 +163,35 @@ mod tests {
         }
     }
 }
+
+/// Counters of the root context's own work, outside any request's decision
+/// (so outside [`Metric`], whose counts travel in every decision).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Background {
+    /// Settlements of global rules and quotas the gateway applied.
+    GlobalSettled,
+    /// Settlements the gateway had no reservation for: settled already (an
+    /// earlier attempt's answer was lost) or past `--reservation-ttl`.
+    GlobalSettleUnmatched,
+    /// Settlements given up (three failed attempts, a 400, or a full queue):
+    /// the request keeps what its check reserved.
+    GlobalSettleFailed,
+}
+
+impl Background {
+    /// Every counter, in a fixed order.
+    pub const ALL: [Background; 3] = [
+        Background::GlobalSettled,
+        Background::GlobalSettleUnmatched,
+        Background::GlobalSettleFailed,
+    ];
+
+    /// The name given to Envoy.
+    pub fn name(self) -> &'static str {
+        match self {
+            Background::GlobalSettled => "ratelimit_wasm_global_settled",
+            Background::GlobalSettleUnmatched => "ratelimit_wasm_global_settle_unmatched",
+            Background::GlobalSettleFailed => "ratelimit_wasm_global_settle_failed",
+        }
+    }
+}

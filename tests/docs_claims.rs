@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use ratelimit_wasm::metrics::Metric;
+use ratelimit_wasm::metrics::{Background, Metric};
 
 fn read(rel: &str) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel);
@@ -77,7 +77,11 @@ fn the_metrics_table_lists_exactly_the_filters_metrics() {
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split_once('`').map(|(name, _)| name.to_string()))
         .collect();
-    let code: Vec<String> = Metric::ALL.iter().map(|m| m.name().to_string()).collect();
+    let code: Vec<String> = Metric::ALL
+        .iter()
+        .map(|m| m.name().to_string())
+        .chain(Background::ALL.iter().map(|m| m.name().to_string()))
+        .collect();
     assert_eq!(
         documented, code,
         "docs/operations.md Metrics table vs src/metrics.rs"

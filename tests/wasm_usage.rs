@@ -293,3 +293,128 @@ fn hostile_bodies_keep_the_reservation_without_a_trap_or_memory_growth() {
     assert_eq!(h.metric("ratelimit_wasm_usage_settled"), 4);
     assert_eq!(h.metric("ratelimit_wasm_usage_missing"), 3);
 }
+
+/// A global rule of 1,000 tokens a minute, each response's cost in `x-usage-tokens`.
+fn global_tokens(charge_on: Option<Value>) -> String {
+    let mut rule = json!({
+        "name": "tokens", "scope": "global", "key": ["client"],
+        "limits": [{"requests": 1000, "per": "1m"}],
+        "cost_from": {"header": "x-usage-tokens", "max": 4000, "reserve": 100}
+    });
+    if let Some(on) = charge_on {
+        rule["charge_on"] = on;
+    }
+    json!({"domain": "usage", "response": {"retry_jitter": 0},
+           "global": {"cluster": "gw", "failure_mode": "closed"}, "rules": [rule]})
+    .to_string()
+}
+
+/// The gateway's answer allowing one token-bucket limit of 1,000 a minute.
+fn allowed(remaining: u64) -> CallResponse {
+    CallResponse::new(200).body(
+        json!({"version": 2, "allowed": true, "buckets": [{"limits": [{
+            "requests": 1000, "window_ms": 60000, "algorithm": "token_bucket", "allowed": true,
+            "remaining": remaining, "reset_ms": 6000, "retry_after_ms": 0}]}]})
+        .to_string(),
+    )
+}
+
+/// Runs one request of `id` through its check (allowed) and its response
+/// `upstream`; the reservation id its check named.
+fn through_the_gateway(h: &Harness, w: usize, id: &str, upstream: Upstream) -> (Outcome, String) {
+    let stream = h.begin(w, client(id).upstream(upstream));
+    let calls = h.pending_http_calls();
+    let [check] = calls.as_slice() else {
+        panic!("one check expected: {calls:?}");
+    };
+    assert_eq!(check.header(":path").as_deref(), Some("/v1/check"));
+    let body: Value = serde_json::from_slice(&check.body).unwrap();
+    assert_eq!(body["buckets"][0]["cost"], 100, "{body}");
+    let reservation = body["reservation"].as_str().unwrap().to_string();
+    assert_eq!(reservation.len(), 16, "{body}");
+    h.respond_http_call(check.worker, check.token, allowed(900));
+    (h.outcome(stream), reservation)
+}
+
+#[test]
+fn a_global_rule_reserves_on_the_gateway_and_settles_there_once_the_response_is_known() {
+    let h = Harness::running(Options::new(2, global_tokens(None)).clusters(&["gw"]));
+    let (o, reservation) = through_the_gateway(&h, 0, "ann", used(350));
+    assert_eq!((o.status, o.completed), (200, true), "{o:?}");
+    // Nothing leaves before the root's tick: the stream's context is gone.
+    assert!(h.pending_http_calls().is_empty());
+    h.tick(0);
+    let calls = h.pending_http_calls();
+    let [settle] = calls.as_slice() else {
+        panic!("one settle call expected: {calls:?}");
+    };
+    assert_eq!(settle.header(":path").as_deref(), Some("/v1/settle"));
+    assert_eq!(settle.timeout_ms, 1000);
+    let body: Value = serde_json::from_slice(&settle.body).unwrap();
+    assert_eq!(
+        body,
+        json!({"version": 2, "domain": "usage", "settlements": [{"reservation": reservation,
+            "buckets": [{"rule": "tokens", "key": "tokens/c=ann", "tag": "c=ann",
+                         "variant": "default", "cost": 350}]}]})
+    );
+    h.respond_http_call(
+        settle.worker,
+        settle.token,
+        CallResponse::new(200).body(r#"{"version":2,"settled":[true]}"#),
+    );
+    assert_eq!(h.metric("ratelimit_wasm_global_settled"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_global_settle_failed"), 0);
+
+    // A response that cost its reservation has nothing to settle: no call.
+    let (o, _) = through_the_gateway(&h, 1, "bob", used(100));
+    assert_eq!(o.status, 200);
+    h.tick_all();
+    assert!(h.pending_http_calls().is_empty());
+}
+
+#[test]
+fn settlements_that_cannot_be_delivered_are_retried_three_times_then_given_up() {
+    let h = Harness::running(Options::new(1, global_tokens(None)).clusters(&["gw"]));
+    let (_, reservation) = through_the_gateway(&h, 0, "ann", used(0));
+    for attempt in 1..=3 {
+        h.tick(0);
+        let calls = h.pending_http_calls();
+        let [settle] = calls.as_slice() else {
+            panic!("attempt {attempt}: one settle call expected: {calls:?}");
+        };
+        let body: Value = serde_json::from_slice(&settle.body).unwrap();
+        assert_eq!(body["settlements"][0]["reservation"], reservation.as_str());
+        assert_eq!(body["settlements"][0]["buckets"][0]["cost"], 0);
+        h.respond_http_call(
+            settle.worker,
+            settle.token,
+            CallResponse::new(503).body("{}"),
+        );
+    }
+    h.tick(0);
+    assert!(h.pending_http_calls().is_empty());
+    assert_eq!(h.metric("ratelimit_wasm_global_settle_failed"), 1);
+    assert_eq!(h.metric("ratelimit_wasm_global_settled"), 0);
+}
+
+#[test]
+fn a_global_rule_charged_on_2xx_gives_a_503_its_whole_reservation_back() {
+    let h =
+        Harness::running(Options::new(1, global_tokens(Some(json!(["2xx"])))).clusters(&["gw"]));
+    let (o, reservation) = through_the_gateway(&h, 0, "ann", Upstream::new(503, "{}"));
+    assert_eq!(o.status, 503);
+    h.tick(0);
+    let calls = h.pending_http_calls();
+    let [settle] = calls.as_slice() else {
+        panic!("one settle call expected: {calls:?}");
+    };
+    let body: Value = serde_json::from_slice(&settle.body).unwrap();
+    assert_eq!(body["settlements"][0]["reservation"], reservation.as_str());
+    assert_eq!(body["settlements"][0]["buckets"][0]["cost"], 0);
+    h.respond_http_call(
+        settle.worker,
+        settle.token,
+        CallResponse::new(200).body(r#"{"version":2,"settled":[false]}"#),
+    );
+    assert_eq!(h.metric("ratelimit_wasm_global_settle_unmatched"), 1);
+}

@@ -340,6 +340,7 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
         cluster: String::new(),
         authority: default_authority(),
         path: default_check_path(),
+        settle_path: default_settle_path(),
         timeout_ms: default_timeout_ms(),
         failure_mode: FailureMode::default(),
         instances: default_instances(),
@@ -353,6 +354,7 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
         "cluster" => cluster = Some(string(v, p)?),
         "authority" => g.authority = string(v, p)?,
         "path" => g.path = string(v, p)?,
+        "settle_path" => g.settle_path = string(v, p)?,
         "timeout_ms" => g.timeout_ms = u64_(v, p)?,
         "failure_mode" => {
                 let all = [FailureMode::Open, FailureMode::Closed, FailureMode::Local];

@@ -144,6 +144,9 @@ pub struct Global {
     /// Path of the check endpoint.
     #[serde(default = "default_check_path")]
     pub path: String,
+    /// Path of the settle endpoint (`cost_from` and `charge_on` on global rules).
+    #[serde(default = "default_settle_path")]
+    pub settle_path: String,
     /// Callout timeout; 0 is refused because Envoy treats it as no timeout.
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
@@ -317,6 +320,10 @@ pub(super) fn default_authority() -> String {
 }
 pub(super) fn default_check_path() -> String {
     "/v1/check".into()
+}
+
+pub(super) fn default_settle_path() -> String {
+    "/v1/settle".to_string()
 }
 pub(super) fn default_timeout_ms() -> u64 {
     50

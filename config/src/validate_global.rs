@@ -37,6 +37,7 @@ impl Config {
             ));
         }
         check_path("global.path", &g.path)?;
+        check_path("global.settle_path", &g.settle_path)?;
         if !(1..=60_000).contains(&g.timeout_ms) {
             return Err(ConfigError::field(
                 "global.timeout_ms",

@@ -115,7 +115,8 @@ impl Config {
         if !self.global.as_ref().is_some_and(|g| g.lease.is_some()) {
             return Ok(());
         }
-        const WHY: &str = "does not combine with global.lease yet: a lease's local batch is not settled";
+        const WHY: &str =
+            "does not combine with global.lease yet: a lease's local batch is not settled";
         for (i, r) in self.rules.iter().enumerate() {
             if r.scope != Scope::Global {
                 continue;

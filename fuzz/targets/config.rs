@@ -46,7 +46,7 @@ pub fn run(data: &[u8]) {
         assert!(g.key.starts_with(&rule.name), "{g:?}");
     }
     if !eval.global.is_empty() || !eval.quotas.is_empty() {
-        let body = callout::encode_request(&plan, &eval.global, &eval.quotas);
+        let body = callout::encode_request(&plan, &eval.global, &eval.quotas, None);
         let v: serde_json::Value = serde_json::from_slice(&body).expect("request body is JSON");
         // An empty list is left out of the body.
         assert_eq!(

@@ -9,7 +9,14 @@ use prometheus::{
 /// whatever it granted) and of each settlement of `/v1/settle` (`settled`;
 /// `unsettled`: its reservation was not there, already settled or expired),
 /// and of all when answered 400 or 503 (`error`), as the `result` label.
-pub const RESULTS: [&str; 6] = ["allowed", "denied", "lease", "settled", "unsettled", "error"];
+pub const RESULTS: [&str; 6] = [
+    "allowed",
+    "denied",
+    "lease",
+    "settled",
+    "unsettled",
+    "error",
+];
 /// Error kinds, as the `kind` label.
 pub const ERROR_KINDS: [&str; 9] = [
     "bad_request",

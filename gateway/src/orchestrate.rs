@@ -365,13 +365,19 @@ impl Limiter {
         let Some(id) = s.reservation.as_deref() else {
             return Ok(false);
         };
-        let groups = self.groups(keys::limit_keys(&self.prefix, s), keys::quota_keys(&self.prefix, s));
+        let groups = self.groups(
+            keys::limit_keys(&self.prefix, s),
+            keys::quota_keys(&self.prefix, s),
+        );
         let mut found = false;
         for group in &groups {
             let (ledger, _) = self.ledger(group, &s.domain);
             let record = keys::record_key(&ledger, id);
             let (keys, args) = script::settle_args(group, self.clock(), &record);
-            let reply: Vec<i64> = self.store.eval(script::settle(), &keys, &args, "settle").await?;
+            let reply: Vec<i64> = self
+                .store
+                .eval(script::settle(), &keys, &args, "settle")
+                .await?;
             found |= script::parse_settle_reply(&reply).map_err(StoreError::Reply)?;
         }
         Ok(found)

@@ -33,8 +33,7 @@ use std::path::PathBuf;
 use ratelimit_config::key::{bounded, encode_part};
 use ratelimit_config::{self as plugin, KeyPart, QuotaCount, Scope};
 use ratelimit_protocol::{
-    Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Settlement,
-    Variant,
+    Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Settlement, Variant,
 };
 
 use crate::reload::Source;
@@ -464,7 +463,15 @@ impl Policy {
                     bucket.cost, bucket.rule
                 ));
             }
-            let resolved = resolve_bucket(at, domain, d, &BucketRef { cost: 1, ..bucket.clone() })?;
+            let resolved = resolve_bucket(
+                at,
+                domain,
+                d,
+                &BucketRef {
+                    cost: 1,
+                    ..bucket.clone()
+                },
+            )?;
             buckets.push(ResolvedBucket {
                 cost: bucket.cost,
                 ..resolved
@@ -490,7 +497,15 @@ impl Policy {
                     quota.amount, quota.quota
                 ));
             }
-            let resolved = resolve_quota(at, domain, d, &QuotaRef { amount: 1, ..quota.clone() })?;
+            let resolved = resolve_quota(
+                at,
+                domain,
+                d,
+                &QuotaRef {
+                    amount: 1,
+                    ..quota.clone()
+                },
+            )?;
             quotas.push(ResolvedQuota {
                 amount: quota.amount,
                 ..resolved

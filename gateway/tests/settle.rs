@@ -128,28 +128,58 @@ fn a_settlement_moves_the_reservation_to_the_real_cost_once() {
     assert_eq!((status, a["allowed"].as_bool()), (200, Some(true)), "{a}");
     assert_eq!(a["buckets"][0]["limits"][0]["remaining"], 900);
 
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 350)]), "llm-token");
-    assert_eq!((status, a.clone()), (200, json!({"version": 2, "settled": [true]})));
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 350)]),
+        "llm-token",
+    );
+    assert_eq!(
+        (status, a.clone()),
+        (200, json!({"version": 2, "settled": [true]}))
+    );
     // 1,000 - 350 - 1 (the reading check itself) tokens; 10,000 - 350 - 1 of the month.
     let (tokens, month, _) = left(&s.gw);
     assert_eq!((tokens, month), (649, 9649));
 
     // Replayed: nothing found, nothing changed.
     let before = dump(&s.redis);
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 0)]), "llm-token");
-    assert_eq!((status, a), (200, json!({"version": 2, "settled": [false]})));
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 0)]),
+        "llm-token",
+    );
+    assert_eq!(
+        (status, a),
+        (200, json!({"version": 2, "settled": [false]}))
+    );
     let other_id = "ffffffffffffffffffffffffffffffff";
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(other_id, 0)]), "llm-token");
-    assert_eq!((status, a), (200, json!({"version": 2, "settled": [false]})));
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(other_id, 0)]),
+        "llm-token",
+    );
+    assert_eq!(
+        (status, a),
+        (200, json!({"version": 2, "settled": [false]}))
+    );
     assert_eq!(dump(&s.redis), before);
     let (tokens, month, _) = left(&s.gw);
     assert_eq!((tokens, month), (648, 9648));
     assert_eq!(
-        ok(s.gw.metric("ratelimit_gateway_checks_total{result=\"settled\"}"), "metrics"),
+        ok(
+            s.gw.metric("ratelimit_gateway_checks_total{result=\"settled\"}"),
+            "metrics"
+        ),
         Some(1.0)
     );
     assert_eq!(
-        ok(s.gw.metric("ratelimit_gateway_checks_total{result=\"unsettled\"}"), "metrics"),
+        ok(
+            s.gw.metric("ratelimit_gateway_checks_total{result=\"unsettled\"}"),
+            "metrics"
+        ),
         Some(2.0)
     );
 }
@@ -159,7 +189,12 @@ fn a_response_past_the_bucket_leaves_debt_that_the_next_check_waits_for() {
     let s = start();
     let (status, a) = post(&s.gw, "/v1/check", &check(Some(ID), 100), "llm-token");
     assert_eq!((status, a["allowed"].as_bool()), (200, Some(true)), "{a}");
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 2000)]), "llm-token");
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 2000)]),
+        "llm-token",
+    );
     assert_eq!((status, a["settled"].clone()), (200, json!([true])));
     // 2,000 spent of 1,000: a request of 100 waits until 1,100 tokens came
     // back, 95,040 s at 1,000 a day (less the ms the calls took); the bucket
@@ -212,16 +247,34 @@ fn settlements_a_proxy_may_not_make_are_refused_whole_and_write_nothing() {
         let (status, a) = post(&s.gw, "/v1/settle", &body, "llm-token");
         assert_eq!(status, 400, "{a}");
         let error = a["error"].as_str().unwrap_or_default();
-        assert!(error.starts_with(want), "{error:?} should start with {want:?}");
+        assert!(
+            error.starts_with(want),
+            "{error:?} should start with {want:?}"
+        );
     }
     // Another domain's token: 403, before anything is read.
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 0)]), "other-token");
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 0)]),
+        "other-token",
+    );
     assert_eq!(status, 403, "{a}");
-    let (status, _) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 0)]), "no-such-token");
+    let (status, _) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 0)]),
+        "no-such-token",
+    );
     assert_eq!(status, 401);
     assert_eq!(dump(&s.redis), before);
     // The reservation is still there for the proxy that made it.
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 0)]), "llm-token");
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 0)]),
+        "llm-token",
+    );
     assert_eq!((status, a["settled"].clone()), (200, json!([true])));
     let (tokens, month, _) = left(&s.gw);
     assert_eq!((tokens, month), (999, 9999));
@@ -237,7 +290,12 @@ fn a_denied_check_leaves_no_reservation_to_settle() {
     }
     let (status, a) = post(&s.gw, "/v1/check", &check(Some(ID), 100), "llm-token");
     assert_eq!((status, a["allowed"].as_bool()), (200, Some(false)), "{a}");
-    let (status, a) = post(&s.gw, "/v1/settle", &settle(&[settlement(ID, 0)]), "llm-token");
+    let (status, a) = post(
+        &s.gw,
+        "/v1/settle",
+        &settle(&[settlement(ID, 0)]),
+        "llm-token",
+    );
     assert_eq!((status, a["settled"].clone()), (200, json!([false])));
     assert!(
         !dump(&s.redis).contains("|r|"),

@@ -123,6 +123,14 @@ fn finish_with(
         outcome.held = held;
         return outcome;
     };
+    // Everything passed: the gateway charged it, and kept a reservation if asked.
+    let charged = answer.as_ref().is_ok_and(|a| {
+        a.reports.iter().all(|r| r.check.allowed) && a.quotas.iter().all(|q| q.allowed)
+    });
+    let reserved = p
+        .reservation
+        .filter(|_| charged)
+        .and_then(|id| super::remote::Reserved::new(plan, &eval, id));
     let result = call_result(&answer, latency_ns);
     let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
     if transition == Transition::Opened {
@@ -135,6 +143,9 @@ fn finish_with(
             (v, Some(e))
         }
     };
+    if let Some(r) = reserved {
+        held.more.get_or_insert_with(Box::default).remote = Some(Box::new(r));
+    }
     let mut outcome = ctx.done(v, eval.bad_input, gateway_error, transition);
     outcome.held = held;
     outcome

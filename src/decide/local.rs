@@ -71,7 +71,7 @@ pub fn start(
         more: eval.cost_meter.map(|m| {
             Box::new(HeldMore {
                 cost_meter: Some(m),
-                slots: Vec::new(),
+                ..HeldMore::default()
             })
         }),
     };
@@ -260,12 +260,19 @@ impl<S: SharedStore> Ctx<'_, S> {
             Some(l) if leasing.short => self.claim_lease(*l),
             _ => None,
         };
+        let mut reservation = None;
         let body = match &lease {
             Some((l, c)) => {
                 self.counts.add(Metric::LeaseFetches, 1);
                 callout::encode_lease(self.plan, l, c.want, c.returned)
             }
-            None => callout::encode_request(self.plan, &eval.global, &eval.quotas),
+            None => {
+                if self.plan.settling && super::remote::settles(self.plan, &eval) {
+                    reservation = Some(super::remote::reservation_id(self.random));
+                }
+                let id = reservation.as_deref();
+                callout::encode_request(self.plan, &eval.global, &eval.quotas, id)
+            }
         };
         Box::new(Pending {
             body,
@@ -278,6 +285,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             counts: self.counts,
             error: self.error,
             shadow_denied: self.shadow_denied,
+            reservation,
         })
     }
 

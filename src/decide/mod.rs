@@ -20,6 +20,7 @@ mod counts;
 mod in_flight;
 mod local;
 mod refresh;
+mod remote;
 mod settle;
 mod stream;
 
@@ -125,6 +126,8 @@ pub struct HeldMore {
     pub cost_meter: Option<usize>,
     /// The slots of its concurrency rules, given back when its stream ends.
     pub slots: Vec<in_flight::Slot>,
+    /// What the gateway reserved for it, to settle from its response.
+    pub remote: Option<Box<remote::Reserved>>,
 }
 
 impl Held {
@@ -139,6 +142,11 @@ impl Held {
             .as_mut()
             .map(|m| std::mem::take(&mut m.slots))
             .unwrap_or_default()
+    }
+
+    /// What the gateway reserved (see [`HeldMore::remote`]).
+    pub fn remote(&self) -> Option<&remote::Reserved> {
+        self.more.as_ref().and_then(|m| m.remote.as_deref())
     }
 
     /// The concurrency slots held.
@@ -162,6 +170,8 @@ pub struct Pending {
     error: Option<LimitError>,
     shadow_denied: Vec<String>,
     lease: Option<(Lease, Claim)>,
+    /// The id the check reserves under, when it has anything to settle.
+    reservation: Option<String>,
 }
 
 impl Pending {

@@ -4,8 +4,11 @@
 //! response (`cost_from`) moves from the reservation to the real cost, at
 //! most `max`: the difference is charged, which may leave the bucket in
 //! debt, or refunded. The response's headers and body are never held for it:
-//! the body is scanned chunk by chunk as it passes.
+//! the body is scanned chunk by chunk as it passes. What the gateway
+//! reserved settles the same way, at once when everything is known, as one
+//! settlement for the gateway (`remote`).
 
+use super::remote::Open;
 use super::*;
 use crate::config::StatusMatch;
 use crate::policy::plan::MeterSource;
@@ -26,6 +29,10 @@ pub struct Settlement {
     /// The body scans under way: a meter's index and its scan.
     scans: Vec<(usize, Scan)>,
     phase: Phase,
+    /// What the gateway reserved, while its real cost is not all known.
+    remote: Option<Open>,
+    /// The gateway's settlement, once made, until the host takes it.
+    outbox: Option<ratelimit_protocol::Settlement>,
 }
 
 /// One bucket the request was charged, and how it settles.
@@ -67,14 +74,30 @@ impl Settlement {
                 })
             })
             .collect();
-        (!lines.is_empty()).then(|| {
+        let remote = held.remote().cloned().map(Open::new);
+        (!lines.is_empty() || remote.is_some()).then(|| {
             Box::new(Settlement {
                 lines,
                 at_ns: held.at_ns,
                 scans: Vec::new(),
                 phase: Phase::Waiting,
+                remote,
+                outbox: None,
             })
         })
+    }
+
+    /// The gateway's settlement, once every line of it is known (taken once).
+    pub fn take_outbox(&mut self) -> Option<ratelimit_protocol::Settlement> {
+        self.outbox.take()
+    }
+
+    /// Everything is known: what the gateway reserved is settled.
+    fn done(&mut self, plan: &Plan) {
+        self.phase = Phase::Done;
+        if let Some(open) = self.remote.take() {
+            self.outbox = open.close(plan);
+        }
     }
 
     /// Whether the response body should be fed to [`Settlement::body`].
@@ -119,11 +142,11 @@ impl Settlement {
                 None => self.keep_reserve(m),
             }
         }
-        self.phase = if self.scans.is_empty() {
-            Phase::Done
+        if self.scans.is_empty() {
+            self.done(plan);
         } else {
-            Phase::Body
-        };
+            self.phase = Phase::Body;
+        }
         counts
     }
 
@@ -170,7 +193,7 @@ impl Settlement {
             Phase::Body => counts = self.finish_scans(plan, store, now_ns),
             Phase::Done => {}
         }
-        self.phase = Phase::Done;
+        self.done(plan);
         counts
     }
 
@@ -183,7 +206,7 @@ impl Settlement {
             };
             self.settle(plan, m, usage, store, now_ns, &mut counts);
         }
-        self.phase = Phase::Done;
+        self.done(plan);
         counts
     }
 
@@ -194,6 +217,7 @@ impl Settlement {
             .iter()
             .filter(|l| !l.settled)
             .filter_map(|l| l.meter)
+            .chain(self.remote.iter().flat_map(Open::meters))
             .collect();
         meters.sort_unstable();
         meters.dedup();
@@ -217,6 +241,9 @@ impl Settlement {
                     !status.is_some_and(|s| on.iter().any(|m: &StatusMatch| m.matches(s)))
                 })
         };
+        if let Some(open) = &mut self.remote {
+            open.refund_uncharged(&uncharged);
+        }
         let mut back = Vec::new();
         for line in self
             .lines
@@ -237,6 +264,9 @@ impl Settlement {
 
     /// The lines of meter `m` keep what was reserved.
     fn keep_reserve(&mut self, m: usize) {
+        if let Some(open) = &mut self.remote {
+            open.settle(m, None);
+        }
         for line in self.lines.iter_mut().filter(|l| l.meter == Some(m)) {
             line.settled = true;
         }
@@ -270,6 +300,9 @@ impl Settlement {
                 return self.keep_reserve(m);
             }
         };
+        if let Some(open) = &mut self.remote {
+            open.settle(m, Some(cost));
+        }
         let (mut more, mut back) = (Vec::new(), Vec::new());
         for line in self
             .lines

@@ -180,6 +180,12 @@ impl Stream {
         }
     }
 
+    /// A settlement for the gateway, once the response told everything it
+    /// reserved (taken once): the host queues it for the root's tick.
+    pub fn take_remote(&mut self) -> Option<ratelimit_protocol::Settlement> {
+        self.settlement.as_mut()?.take_outbox()
+    }
+
     /// The decision, once there is one.
     pub fn outcome(&self) -> Option<&Outcome> {
         match &self.state {

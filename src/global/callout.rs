@@ -15,8 +15,14 @@ use ratelimit_protocol::{
 pub const VERSION: u32 = ratelimit_protocol::VERSION;
 
 /// The JSON body asking the gateway to check and charge every bucket at its
-/// cost, and every quota by its amount, all or nothing.
-pub fn encode_request(plan: &Plan, global: &[GlobalBucket], quotas: &[QuotaBucket]) -> Vec<u8> {
+/// cost, and every quota by its amount, all or nothing; under `reservation`
+/// the gateway keeps what it charged for the request's settlement.
+pub fn encode_request(
+    plan: &Plan,
+    global: &[GlobalBucket],
+    quotas: &[QuotaBucket],
+    reservation: Option<&str>,
+) -> Vec<u8> {
     let buckets = global
         .iter()
         .filter_map(|g| {
@@ -48,7 +54,7 @@ pub fn encode_request(plan: &Plan, global: &[GlobalBucket], quotas: &[QuotaBucke
         domain: plan.domain.clone(),
         buckets,
         quotas,
-        reservation: None,
+        reservation: reservation.map(str::to_string),
     };
     serde_json::to_vec(&body).unwrap_or_default()
 }
@@ -125,7 +131,8 @@ fn clamp(v: f64, max: u64, clamped: &mut u64) -> u64 {
 const MS: u64 = 1_000_000;
 
 /// A 200 answer's body as `T` in this protocol version; anything else is an error.
-fn read_body<T: serde::de::DeserializeOwned>(
+/// A 200 answer of this version, read as `T`, or why not.
+pub(crate) fn read_body<T: serde::de::DeserializeOwned>(
     status: Option<&[u8]>,
     body: &[u8],
     version: fn(&T) -> u32,
@@ -384,7 +391,7 @@ mod tests {
     fn request_names_identifiers_only() {
         let (plan, global) = setup();
         let body: serde_json::Value =
-            serde_json::from_slice(&encode_request(&plan, &global, &[])).unwrap();
+            serde_json::from_slice(&encode_request(&plan, &global, &[], None)).unwrap();
         assert_eq!(
             body,
             serde_json::json!({"version":2,"domain":"demo","buckets":[

@@ -5,7 +5,7 @@
 
 use crate::decide::Counts;
 use crate::limits::store::{SharedStore, StoreError};
-use crate::metrics::Metric;
+use crate::metrics::{Background, Metric};
 use crate::policy::plan::Plan;
 use crate::vm::Jitter;
 use proxy_wasm::hostcalls;
@@ -157,17 +157,21 @@ pub(super) fn use_epoch_offset(offset: u64) {
     EPOCH_OFFSET.with(|o| o.set(Some(offset)));
 }
 
-/// Counter ids from `define_metric`, `None` where the host refused one.
+/// Counter ids from `define_metric`, `None` where the host refused one: the
+/// decisions' counters, then the root context's own.
 #[derive(Default)]
-pub(super) struct Metrics([Option<u32>; Metric::ALL.len()]);
+pub(super) struct Metrics(
+    [Option<u32>; Metric::ALL.len()],
+    [Option<u32>; Background::ALL.len()],
+);
 
 impl Metrics {
     pub(super) fn define() -> Metrics {
-        let mut ids = [None; Metric::ALL.len()];
-        for (id, m) in ids.iter_mut().zip(Metric::ALL) {
-            *id = hostcalls::define_metric(MetricType::Counter, m.name()).ok();
-        }
-        Metrics(ids)
+        let define = |name| hostcalls::define_metric(MetricType::Counter, name).ok();
+        Metrics(
+            Metric::ALL.map(|m| define(m.name())),
+            Background::ALL.map(|m| define(m.name())),
+        )
     }
 
     pub(super) fn add_all(&self, counts: &Counts) {
@@ -175,6 +179,14 @@ impl Metrics {
             if let Some(Some(id)) = self.0.get(i) {
                 let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
             }
+        }
+    }
+
+    /// Adds `n` (when not 0) to one of the root context's counters.
+    pub(super) fn add_background(&self, m: Background, n: u64) {
+        let i = Background::ALL.iter().position(|x| *x == m);
+        if let (Some(Some(id)), true) = (i.and_then(|i| self.1.get(i)), n > 0) {
+            let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 }

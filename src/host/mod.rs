@@ -14,8 +14,9 @@ use crate::config;
 use crate::decide::{self, Next, Outcome, Refresh, Stream, Verdict};
 use crate::global::circuit::Transition;
 use crate::global::lease::{Lease, Watched};
+use crate::global::outbox::{self, Batch, Outbox};
 use crate::limits::store::KEY_PREFIX;
-use crate::metrics::Metric;
+use crate::metrics::{Background, Metric};
 use crate::policy::plan::{Plan, SourceNeed};
 use crate::policy::request::RequestInfo;
 use crate::vm::timers::{Delays, RefreshSchedule, TICK};
@@ -55,6 +56,10 @@ struct Root {
     /// Lease refreshes in flight: callout token → refresh and when it left.
     refreshes: HashMap<u32, (Refresh, u64)>,
     refresh_schedule: RefreshSchedule,
+    /// Settlements this worker's streams left for the gateway.
+    outbox: Rc<RefCell<Outbox>>,
+    /// Settle calls in flight: callout token → their batch.
+    settle_calls: HashMap<u32, Batch>,
 }
 
 impl Root {
@@ -87,6 +92,46 @@ impl Root {
     }
 }
 
+impl Root {
+    /// Posts what the outbox holds, a batch per call, up to
+    /// [`outbox::MAX_CALLS`] calls in flight.
+    fn flush_settlements(&mut self, plan: &Plan) {
+        let Some(g) = plan.global.as_ref() else {
+            return;
+        };
+        while self.settle_calls.len() < outbox::MAX_CALLS {
+            let Some((batch, body)) = self.outbox.borrow_mut().next_batch(&plan.domain) else {
+                return;
+            };
+            match dispatch(plan, &body, &g.settle_path, outbox::TIMEOUT_MS) {
+                Some(token) => {
+                    self.settle_calls.insert(token, batch);
+                }
+                None => self.settled(batch, None, &[]),
+            }
+        }
+    }
+
+    /// The gateway's answer to a settle call (`status` `None`: none came).
+    fn settled(&mut self, batch: Batch, status: Option<&[u8]>, body: &[u8]) {
+        let d = self.outbox.borrow_mut().answered(batch, status, body);
+        self.metrics
+            .add_background(Background::GlobalSettled, d.settled);
+        self.metrics
+            .add_background(Background::GlobalSettleUnmatched, d.unmatched);
+        self.metrics
+            .add_background(Background::GlobalSettleFailed, d.failed);
+        if d.failed > 0 {
+            if let Some(more) = self.logs.gateway.open(now_ns()) {
+                log::warn!(
+                    "ratelimit-wasm: gave up {} settlements: their requests keep what they reserved (+{more} not logged)",
+                    d.failed
+                );
+            }
+        }
+    }
+}
+
 impl Context for Root {
     fn on_http_call_response(
         &mut self,
@@ -95,6 +140,11 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if let Some(batch) = self.settle_calls.remove(&token_id) {
+            let (status, body) = call_response(num_headers, body_size);
+            self.settled(batch, status.as_deref(), &body);
+            return;
+        }
         let (Some(plan), Some((r, sent_at))) =
             (self.plan.clone(), self.refreshes.remove(&token_id))
         else {
@@ -168,7 +218,9 @@ fn start_timer(plan: &Plan) -> Result<(), String> {
         .iter()
         .any(|r| r.graduated.is_some_and(|g| g.delay_ms > 0));
     let leases = plan.global.as_ref().is_some_and(|g| g.lease.is_some());
-    if delays || leases {
+    // Settlements of global rules wait in the outbox for the tick.
+    let settles = plan.global.is_some() && plan.settling;
+    if delays || leases || settles {
         hostcalls::set_tick_period(TICK)
             .map_err(|e| format!("no timer for delayed requests and leases: {e:?}"))?;
     }
@@ -211,6 +263,7 @@ impl RootContext for Root {
         let now = now_ns();
         if let Some(plan) = self.plan.clone() {
             self.refresh_leases(&plan, now);
+            self.flush_settlements(&plan);
         }
         let due = self.delays.borrow_mut().due(now);
         for id in due {
@@ -230,6 +283,7 @@ impl RootContext for Root {
             delays: self.delays.clone(),
             leases: self.leases.clone(),
             jitter: self.jitter.clone(),
+            outbox: self.outbox.clone(),
             stream: Stream::default(),
             call: None,
         }))
@@ -249,6 +303,7 @@ struct Http {
     delays: Rc<RefCell<Delays>>,
     leases: Rc<RefCell<Watched>>,
     jitter: Rc<Jitter>,
+    outbox: Rc<RefCell<Outbox>>,
     /// The request's state across the callbacks.
     stream: Stream,
     /// The callout in flight: its token and when it left.
@@ -386,6 +441,18 @@ impl Http {
         }
     }
 
+    /// Queues the settlement the stream's response completed, if any, for
+    /// the root's tick to post.
+    fn queue_settlement(&mut self) {
+        let Some(s) = self.stream.take_remote() else {
+            return;
+        };
+        if !self.outbox.borrow_mut().push(s) {
+            self.metrics
+                .add_background(Background::GlobalSettleFailed, 1);
+        }
+    }
+
     /// Posts the stream's callout; `None` when it could not even start.
     fn call_gateway(&self, plan: &Plan, now: u64) -> Option<u32> {
         let (c, lease) = self.stream.callout(plan)?;
@@ -479,6 +546,7 @@ impl HttpContext for Http {
                 .stream
                 .response_started(&plan, &HostResponse, &HostStore, now_ns());
             self.metrics.add_all(&counts);
+            self.queue_settlement();
         }
         Action::Continue
     }
@@ -494,6 +562,7 @@ impl HttpContext for Http {
                 self.stream
                     .response_body(&plan, &chunk, end_of_stream, &HostStore, now_ns());
             self.metrics.add_all(&counts);
+            self.queue_settlement();
         }
         Action::Continue
     }
@@ -509,6 +578,7 @@ impl HttpContext for Http {
             };
             if let Some(counts) = self.stream.end(&plan, &HostStore, now) {
                 self.metrics.add_all(&counts);
+                self.queue_settlement();
             }
         }
     }

@@ -103,6 +103,13 @@ pub struct RulePlan {
     pub(super) key: Vec<KeyPart>,
 }
 
+impl QuotaPlan {
+    /// Whether the quota counts the request's cost rather than 1.
+    pub fn counts_cost(&self) -> bool {
+        self.count == QuotaCount::Cost
+    }
+}
+
 impl RulePlan {
     /// The limits of a variant (empty for an unknown one).
     pub fn limits(&self, variant: usize) -> &[(Limit, u64)] {
@@ -266,6 +273,8 @@ pub struct GlobalPlan {
     pub authority: String,
     /// Path of the check endpoint.
     pub path: String,
+    /// Path of the settle endpoint.
+    pub settle_path: String,
     /// Callout timeout.
     pub timeout_ms: u64,
     /// Behaviour on failure.
@@ -645,6 +654,7 @@ fn global_plan(config: &Config, g: &config::Global, keys: (u64, u64)) -> GlobalP
         cluster: g.cluster.clone(),
         authority: g.authority.clone(),
         path: g.path.clone(),
+        settle_path: g.settle_path.clone(),
         timeout_ms: g.timeout_ms,
         failure_mode: g.failure_mode,
         circuit: g.circuit.clone(),

@@ -64,6 +64,11 @@ pub fn lease() -> &'static LuaScript {
     S.get_or_init(|| LuaScript::new("lease", LEASE_LUA))
 }
 
+/// The scripts of `/v1/*`, which every new connection loads ahead of use.
+pub fn all() -> [&'static LuaScript; 4] {
+    [check(), refund(), settle(), lease()]
+}
+
 /// The fixed-window script of the rate limit service.
 pub fn fixed_window() -> &'static LuaScript {
     static S: OnceLock<LuaScript> = OnceLock::new();

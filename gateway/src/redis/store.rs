@@ -63,6 +63,10 @@ pub const ACL_COMMANDS: &[&str] = &[
     "incrby",
     "decrby",
     "pexpireat",
+    // Reservation records (check.lua, settle.lua).
+    "hset",
+    "hgetall",
+    "pexpire",
     // The key budget's ledger (check.lua).
     "zadd",
     "zremrangebyscore",
@@ -679,11 +683,7 @@ fn instance() -> String {
 /// Loads every script once on a new connection (on every master, in a
 /// cluster). Best effort: `EVALSHA` loads a missing script on `NOSCRIPT`.
 async fn preload(conn: &Conn) {
-    for script in [
-        crate::redis::script::check(),
-        crate::redis::script::refund(),
-        crate::redis::script::lease(),
-    ] {
+    for script in crate::redis::script::all() {
         let mut cmd = redis::cmd("SCRIPT");
         cmd.arg("LOAD").arg(script.source);
         match conn.query::<String>(&cmd).await {
@@ -706,11 +706,7 @@ mod tests {
     /// README's ACL user can run them.
     #[test]
     fn the_acl_list_covers_every_script_call() {
-        for script in [
-            crate::redis::script::check(),
-            crate::redis::script::refund(),
-            crate::redis::script::lease(),
-        ] {
+        for script in crate::redis::script::all() {
             for call in script.source.split("redis.call(").skip(1) {
                 let name: String = call
                     .trim_start_matches(['\'', '"'])
