@@ -233,3 +233,123 @@ fn twenty_concurrent_streams_are_admitted_by_their_reservations_and_settle_exact
     // The ten streams and that last request.
     assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 11);
 }
+
+/// Two proxies, one gateway and Redis: a global rule and a monthly quota
+/// that counts cost, both charged from the stream's usage (a `costs[]`
+/// entry), settle on the gateway. 50 streamed requests of five sizes over
+/// both proxies (both workers of each) leave exactly what the upstream
+/// reported counted in Redis, every settlement applied once.
+#[test]
+fn two_proxies_settle_fifty_streams_on_the_gateway_exactly() {
+    use testkit::redis::Redis;
+    use testkit::{Gateway, GatewayOptions};
+    let redis = Redis::start().expect("redis-server");
+    let config = json!({
+        "domain": "usage-global",
+        "global": {"cluster": "ratelimit_gateway", "timeout_ms": 200, "failure_mode": "closed"},
+        "rules": [{"name": "tokens", "scope": "global", "key": ["client"],
+                   "limits": [{"requests": 100_000, "per": "30d"}]}],
+        "costs": [{"match": {"path_prefix": "/v1"},
+                   "cost_from": {"preset": "openai_chat", "max": 4000, "reserve": 100}}],
+        "quotas": [{"name": "monthly", "key": ["client"], "period": "month", "limit": 1_000_000,
+                    "count": "cost", "upgrade_url": "https://example.com/upgrade"}],
+        "response": {"retry_jitter": 0}
+    })
+    .to_string();
+    let gateway = Gateway::start(
+        GatewayOptions::new(redis.url())
+            .policy(config.clone())
+            .args(&["--redis-timeout-ms", "100"]),
+    )
+    .expect("ratelimit-gateway");
+    let upstream = Upstream::start().expect("upstream");
+    // Usage 37, 137, 237, 337 and 437 (prompt + completion).
+    let sizes: Vec<u64> = (0..5).map(|i| 37 + 100 * i).collect();
+    for (i, size) in sizes.iter().enumerate() {
+        upstream.route(&format!("/v1/s{i}"), stream(size / 3, size - size / 3));
+    }
+    let opts = EnvoyOptions::new(config)
+        .upstream_port(upstream.port())
+        .gateway_port(gateway.port());
+    let envoys = Envoy::start_all(&[opts.clone(), opts]).expect("two Envoys");
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let all: Vec<_> = (0..8)
+            .map(|t| {
+                let envoys = &envoys;
+                s.spawn(move || {
+                    (0..50)
+                        .filter(|n| n % 8 == t)
+                        .map(|n| {
+                            let r =
+                                client(&envoys[n % 2]).get_as(&format!("/v1/s{}", n % 5), "ann");
+                            assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+                            r.status
+                        })
+                        .collect::<Vec<u16>>()
+                })
+            })
+            .collect();
+        all.into_iter()
+            .flat_map(|h| h.join().expect("request thread"))
+            .collect()
+    });
+    assert_eq!(statuses, vec![200; 50]);
+    let reported: u64 = sizes.iter().sum::<u64>() * 10;
+    // The settlements leave on each worker's next tick: wait for all 50.
+    let settled = |e: &Envoy| metric(e, "ratelimit_wasm_global_settled");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while envoys.iter().map(settled).sum::<u64>() < 50 {
+        if std::time::Instant::now() > deadline {
+            let stats: Vec<String> = envoys
+                .iter()
+                .map(|e| {
+                    let page = e.stats_prometheus().unwrap_or_default();
+                    page.lines()
+                        .filter(|l| l.starts_with("ratelimit_wasm_") && !l.ends_with(" 0"))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .collect();
+            panic!(
+                "50 settlements applied: {stats:#?}\n{}",
+                envoys[0].log_tail(30)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for e in &envoys {
+        assert!(settled(e) > 0, "each proxy settled some");
+        assert_eq!(metric(e, "ratelimit_wasm_global_settle_unmatched"), 0);
+        assert_eq!(metric(e, "ratelimit_wasm_global_settle_failed"), 0);
+        assert_eq!(metric(e, "ratelimit_wasm_global_failures"), 0);
+    }
+    assert_eq!(envoys.iter().map(settled).sum::<u64>(), 50);
+    // The month's count is exactly what the upstream reported, and no
+    // reservation record is left.
+    let dump = redis.dump().expect("dumping Redis");
+    let quota: Vec<&str> = dump
+        .lines()
+        .filter(|l| l.contains("|q|monthly/") && l.contains(" string "))
+        .collect();
+    let [line] = quota.as_slice() else {
+        panic!("one quota key expected:\n{dump}");
+    };
+    assert!(
+        line.contains(&format!(" string \"{reported}\" ")),
+        "{line}: expected {reported}"
+    );
+    assert!(
+        !dump.contains("|r|"),
+        "no reservation record is left:\n{dump}"
+    );
+    // The bucket: 100,000 less what was reported, and the 100 this request
+    // reserves (a token comes back every 26 s: at most one meanwhile).
+    let r = client(&envoys[0]).get_as("/v1/s0", "ann");
+    assert_eq!(r.status, 200);
+    let left = r.int_header("x-ratelimit-remaining");
+    let exact = 100_000 - reported - 100;
+    assert!(
+        (exact..=exact + 1).contains(&left),
+        "{left} left, {exact} expected"
+    );
+}

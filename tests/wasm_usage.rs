@@ -366,8 +366,12 @@ fn a_global_rule_reserves_on_the_gateway_and_settles_there_once_the_response_is_
     assert_eq!(h.metric("ratelimit_wasm_global_settle_failed"), 0);
 
     // A response that cost its reservation has nothing to settle: no call.
-    let (o, _) = through_the_gateway(&h, 1, "bob", used(100));
+    // Every check reserves under an id of its own, without retry_jitter too.
+    let (o, other) = through_the_gateway(&h, 1, "bob", used(100));
     assert_eq!(o.status, 200);
+    assert_ne!(other, reservation);
+    let (_, third) = through_the_gateway(&h, 1, "bob", used(100));
+    assert!(third != other && third != reservation, "{third}");
     h.tick_all();
     assert!(h.pending_http_calls().is_empty());
 }

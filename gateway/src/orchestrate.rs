@@ -373,7 +373,7 @@ impl Limiter {
         for group in &groups {
             let (ledger, _) = self.ledger(group, &s.domain);
             let record = keys::record_key(&ledger, id);
-            let (keys, args) = script::settle_args(group, self.clock(), &record);
+            let (keys, args) = script::settle_args(group, self.clock(), &record, &ledger);
             let reply: Vec<i64> = self
                 .store
                 .eval(script::settle(), &keys, &args, "settle")

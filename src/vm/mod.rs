@@ -63,10 +63,11 @@ impl Jitter {
         Jitter(Cell::new(seed))
     }
 
-    /// The next number; 0 without drawing when the plan has no `retry_jitter`.
+    /// The next number; 0 without drawing when the plan has no use for it:
+    /// no `retry_jitter` to spread waits by, and no charge to settle on the
+    /// gateway, whose reservation id it is.
     pub fn next(&self, plan: &Plan) -> u64 {
-        if plan.retry_jitter <= 0.0 {
-            // No spread: waits stay as computed.
+        if plan.retry_jitter <= 0.0 && !plan.settling {
             return 0;
         }
         let state = self.0.get().wrapping_add(0x9e37_79b9_7f4a_7c15);

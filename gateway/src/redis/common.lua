@@ -164,6 +164,7 @@ end
 -- most to now + ceiling (the debt bound; ceiling * C <= 2^53, so exact).
 -- Sliding window: cur += cost in the current window. Both may leave the
 -- limit over its capacity: check.lua then denies until the debt is paid.
+-- Returns the key's new expiry (ms, on the script's clock).
 local function force(key, algorithm, n, w, cost, ceiling, now)
   local state = redis.call('GET', key)
   if algorithm == 'token_bucket' then
@@ -181,7 +182,9 @@ local function force(key, algorithm, n, w, cost, ceiling, now)
     local add = room
     if cost < divmod(room, w) then add = cost * w end
     local q, rem = divmod(used + add, n)
-    redis.call('SET', key, fmt(now + q) .. ':' .. fmt(rem), 'PX', fmt(ttl(ceildiv(used + add, n) + 1)))
+    local life = ceildiv(used + add, n) + 1
+    redis.call('SET', key, fmt(now + q) .. ':' .. fmt(rem), 'PX', fmt(ttl(life)))
+    return now + ttl(life)
   elseif algorithm == 'sliding_window' then
     local sk, sc, sp
     if state then
@@ -200,7 +203,9 @@ local function force(key, algorithm, n, w, cost, ceiling, now)
     local window_end = (k + 1) * w - now
     redis.call('SET', key, fmt(k) .. ':' .. fmt(cur + cost) .. ':' .. fmt(prev),
       'PX', fmt(ttl(window_end + w)))
+    return now + ttl(window_end + w)
   end
+  return now
 end
 
 -- Gives `amount` back to the quota at key base `base`, counted at

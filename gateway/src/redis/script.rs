@@ -157,9 +157,14 @@ pub fn refund_args(
 }
 
 /// Keys and arguments of a `settle.lua` call: the group's limits with the
-/// real cost as their cost, its quotas with the real amount, and the
-/// reservation record of the group's slot.
-pub fn settle_args(group: &Group, clock: &dyn Clock, record: &str) -> (Vec<String>, Vec<String>) {
+/// real cost as their cost, its quotas with the real amount, the
+/// reservation record of the group's slot and the slot's ledger of live keys.
+pub fn settle_args(
+    group: &Group,
+    clock: &dyn Clock,
+    record: &str,
+    ledger: &str,
+) -> (Vec<String>, Vec<String>) {
     let mut args = vec![String::new(), clock::script_arg(clock)];
     push_limits(&mut args, &group.limits);
     for q in &group.quotas {
@@ -168,6 +173,7 @@ pub fn settle_args(group: &Group, clock: &dyn Clock, record: &str) -> (Vec<Strin
     }
     let mut keys = keys(&group.limits, &group.quotas);
     keys.push(record.to_string());
+    keys.push(ledger.to_string());
     (keys, args)
 }
 

@@ -4,6 +4,9 @@
 -- KEYS[L+1..L+Q]   quota key bases of the quotas settled
 -- KEYS[L+Q+1]      the reservation record check.lua wrote for the request in
 --                  this slot (a hash: "@at" -> charged at, ms; key -> reserved)
+-- KEYS[L+Q+2]      the domain's ledger of live keys in this slot: a key a
+--                  settlement keeps alive longer gets its new expiry there, if
+--                  the ledger holds it (ZADD XX: the key budget's count is kept)
 -- ARGV[1]          unused ("": the layout of check.lua and refund.lua)
 -- ARGV[2]          "" (time from Redis TIME), or a time in ms the script runs at
 -- ARGV[3]          L, the number of limit keys
@@ -29,6 +32,7 @@ local now = clock(ARGV[2])
 local n_limits = tonumber(ARGV[3])
 local n_quotas = (#ARGV - 3 - 5 * n_limits) / 2
 local record = KEYS[n_limits + n_quotas + 1]
+local ledger = KEYS[n_limits + n_quotas + 2]
 local fields = redis.call('HGETALL', record)
 if #fields == 0 then
   return { 0, 0 }
@@ -46,7 +50,8 @@ for i = 1, n_limits do
   local algorithm, n, w, real, ceiling = limit_args(i)
   local reserved = held[key]
   if reserved and real > reserved then
-    force(key, algorithm, n, w, real - reserved, ceiling, now)
+    local expires = force(key, algorithm, n, w, real - reserved, ceiling, now)
+    redis.call('ZADD', ledger, 'XX', fmt(expires), key)
     changed = changed + 1
   elseif reserved and real < reserved then
     if give_back(key, algorithm, n, w, reserved - real, at) then
@@ -64,6 +69,7 @@ for j = 1, n_quotas do
       local key = base .. '|' .. fmt(start)
       redis.call('INCRBY', key, fmt(real - reserved))
       redis.call('PEXPIREAT', key, fmt(expire_at(stop * 1000 - now)))
+      redis.call('ZADD', ledger, 'XX', fmt(now + ttl(stop * 1000 - now)), key)
       changed = changed + 1
     end
   elseif reserved and real < reserved then
