@@ -150,6 +150,7 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
         ("on_error", snake(format!("{:?}", config.on_error))),
         ("global.authority", global.authority.clone()),
         ("global.path", global.path.clone()),
+        ("global.settle_path", global.settle_path.clone()),
         ("global.timeout_ms", global.timeout_ms.to_string()),
         (
             "global.failure_mode",
@@ -247,7 +248,7 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "max_buckets": 1024,
         "on_error": "deny",
         "global": {
-            "cluster": "gw", "authority": "ratelimit-gateway", "path": "/v1/check",
+            "cluster": "gw", "authority": "ratelimit-gateway", "path": "/v1/check", "settle_path": "/v1/settle",
             "timeout_ms": 50, "failure_mode": "local", "instances": 2, "deny_cache": 4096,
             "circuit": { "failures": 5, "latency_ms": 5, "cooldown_ms": 2000 },
             "lease": { "fraction": 0.1, "max_wait_ms": 20, "ttl_ms": 2000,

@@ -207,9 +207,13 @@ fn service_bound(
             ));
         }
         if let Some(from) = &rule.cost_from {
+            let scope = match rule.scope {
+                Scope::Local => "it is local, so it does not bound the service's total",
+                Scope::Global => "the gateway settles it, so it counts tokens, not requests",
+            };
             notes.push(format!(
                 "{f}: rule {:?} is charged from the response, between {} (reserve) and {} (max) \
-                 per request; it is local, so it does not bound the service's total",
+                 per request; {scope}",
                 rule.name, from.reserve, from.max
             ));
         }
@@ -218,7 +222,7 @@ fn service_bound(
         if let Some(from) = &cost.cost_from {
             notes.push(format!(
                 "{f}: costs[{i}] is charged from the response, between {} (reserve) and {} (max) \
-                 per request; it applies to local rules only",
+                 per request, in the rules without a cost of their own and the quotas counting cost",
                 from.reserve, from.max
             ));
         }

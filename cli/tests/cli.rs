@@ -1117,7 +1117,7 @@ fn budget_states_that_a_cost_from_the_response_lies_between_reserve_and_max() {
         lines.contains(
             &format!(
             "note: {f}: costs[0] is charged from the response, between 1 (reserve) and 100 (max) \
-             per request; it applies to local rules only"
+             per request, in the rules without a cost of their own and the quotas counting cost"
         )
             .as_str()
         ),
@@ -1197,17 +1197,26 @@ fn validate_names_the_field_path_of_a_bad_cost_from() {
             r.stderr
         );
     }
-    // The gateway does not settle: a global rule may not read the response.
+    // The gateway settles a global rule, but not in lease mode.
     let global = file(
         "cost-from-global.json",
         r#"{"domain":"d","global":{"cluster":"gw"},"rules":[{"name":"r","scope":"global",
             "limits":[{"requests":10000,"per":"1m"}],"cost_from":{"preset":"openai_chat","max":10}}]}"#,
     );
     let r = run(&["validate", &global]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let leased = file(
+        "cost-from-lease.json",
+        r#"{"domain":"d","global":{"cluster":"gw","lease":{"fraction":0.1}},"rules":[{"name":"r",
+            "scope":"global","limits":[{"requests":10000,"per":"1m"}],
+            "cost_from":{"preset":"openai_chat","max":10}}]}"#,
+    );
+    let r = run(&["validate", &leased]);
     assert_eq!(r.code, 1);
     assert!(
-        r.stderr
-            .contains("rules[0].cost_from: is supported for local rules only"),
+        r.stderr.contains(
+            "rules[0].cost_from: does not combine with global.lease yet: a lease's local batch is not settled"
+        ),
         "{}",
         r.stderr
     );

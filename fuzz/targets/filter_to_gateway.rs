@@ -52,7 +52,7 @@ fn run_with(plan: &Plan, policy: &Policy, inp: &mut Input) {
     if eval.global.is_empty() && eval.quotas.is_empty() {
         return;
     }
-    let body = callout::encode_request(plan, &eval.global, &eval.quotas);
+    let body = callout::encode_request(plan, &eval.global, &eval.quotas, None);
     let refused = |e: String| -> ! {
         let text = String::from_utf8_lossy(&body);
         let head: String = text.chars().take(400).collect();

@@ -800,7 +800,7 @@ async fn the_filter_s_request_and_answer_round_trip() {
         &[(":path", b"/"), ("x-client-id", b"alice")],
     ));
     assert_eq!((eval.global.len(), eval.quotas.len()), (1, 2), "{eval:?}");
-    let body = callout::encode_request(&plan, &eval.global, &eval.quotas);
+    let body = callout::encode_request(&plan, &eval.global, &eval.quotas, None);
     // The gateway's policy is this very configuration.
     add_policy(json);
     sync_policy();

@@ -57,6 +57,7 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
             key,
             spec,
             cost: 1,
+            debt: 0,
         }],
         quotas: vec![],
     };
@@ -67,6 +68,7 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
         &RedisTime,
         &ledger,
         DEFAULT_KEY_BUDGET,
+        None,
     );
     let mut line = vec![
         "EVALSHA".to_string(),
