@@ -134,3 +134,89 @@ async fn cluster_concurrent_cross_slot_refunds_are_exact() {
         );
     }
 }
+
+/// A reservation spanning two slots keeps a record in each: a settlement
+/// naming the buckets of one slot settles that slot and leaves the other's
+/// record for its own settlement; each applies once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_settlements_find_the_record_of_their_slot() {
+    add_policy(
+        r#"{"domain": "settle-cluster", "global": {"cluster": "gw"},
+          "rules": [
+            {"name": "by-client", "scope": "global", "key": ["client"], "limits": [{"requests": 1000, "per": "1d"}]},
+            {"name": "by-method", "scope": "global", "key": ["method"], "limits": [{"requests": 1000, "per": "1d"}]}],
+          "costs": [{"match": {"path_prefix": "/"}, "cost_from": {"header": "x-usage", "max": 2000, "reserve": 100}}],
+          "quotas": [{"name": "monthly", "key": ["client"], "period": "month", "limit": 100000,
+                      "count": "cost", "upgrade_url": "https://example.com/up"}]}"#,
+    );
+    let cluster = redis_cluster();
+    let gw = gateway(Target::Cluster(cluster.seeds()), 2000).await;
+    let client = reqwest::Client::new();
+    let bucket = |rule: &str, tag: &str, cost: u64| {
+        serde_json::json!({"rule": rule, "key": format!("{rule}/{tag}"), "tag": tag,
+                           "variant": "default", "cost": cost})
+    };
+    let quota = |amount: u64| {
+        serde_json::json!({"quota": "monthly", "key": "monthly/c=alice", "tag": "c=alice",
+                           "variant": "default", "amount": amount})
+    };
+    let check_body = |cost: u64, id: Option<&str>| {
+        let mut b = serde_json::json!({"version": 2, "domain": "settle-cluster",
+            "buckets": [bucket("by-client", "c=alice", cost), bucket("by-method", "m=GET", cost)],
+            "quotas": [quota(cost)]});
+        if let Some(id) = id {
+            b["reservation"] = id.into();
+        }
+        b
+    };
+    let id = "cluster0000000001";
+    assert_eq!(groups(&check_body(100, None)), 2, "two slots");
+    let (status, a) = check(&client, &gw.url(), &check_body(100, Some(id))).await;
+    assert_eq!((status, a["allowed"].as_bool()), (200, Some(true)), "{a}");
+    let settle = |settlement: serde_json::Value| serde_json::json!({"version": 2, "domain": "settle-cluster", "settlements": [settlement]});
+    let url = format!("{}/v1/settle", gw.url());
+    // The method's slot only: 400 of it.
+    let only_method = settle(serde_json::json!({"reservation": id,
+        "buckets": [bucket("by-method", "m=GET", 400)]}));
+    let r: serde_json::Value = client
+        .post(&url)
+        .json(&only_method)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["settled"], serde_json::json!([true]), "{r}");
+    // The client's slot (its bucket and the quota): 250, once.
+    let client_slot = settle(serde_json::json!({"reservation": id,
+        "buckets": [bucket("by-client", "c=alice", 250)], "quotas": [quota(250)]}));
+    for want in [true, false] {
+        let r: serde_json::Value = client
+            .post(&url)
+            .json(&client_slot)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["settled"], serde_json::json!([want]), "{r}");
+    }
+    let r: serde_json::Value = client
+        .post(&url)
+        .json(&only_method)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["settled"], serde_json::json!([false]), "replayed: {r}");
+    // A check of 1 reads what is left: 1000 - 250 - 1 and 1000 - 400 - 1.
+    let (_, a) = check(&client, &gw.url(), &check_body(1, None)).await;
+    assert_eq!(limit(&a, 0, 0)["remaining"], 749, "{a}");
+    assert_eq!(limit(&a, 1, 0)["remaining"], 599, "{a}");
+    assert_eq!(a["quotas"][0]["remaining"], 100_000 - 251, "{a}");
+    gw.stop().await.unwrap();
+}
