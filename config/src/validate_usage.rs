@@ -112,7 +112,7 @@ impl Config {
     /// `costs[]` entry reading the response that can meet a global rule
     /// without its own `cost` or a quota that counts cost.
     pub(super) fn validate_response_costs(&self) -> Result<(), ConfigError> {
-        if !self.global.as_ref().is_some_and(|g| g.lease.is_some()) {
+        if self.global.as_ref().is_none_or(|g| g.lease.is_none()) {
             return Ok(());
         }
         const WHY: &str =

@@ -242,7 +242,7 @@ impl Settlement {
                 })
         };
         if let Some(open) = &mut self.remote {
-            open.refund_uncharged(&uncharged);
+            open.refund_uncharged(uncharged);
         }
         let mut back = Vec::new();
         for line in self
