@@ -2,7 +2,8 @@
 //! HTTP context, which Envoy deletes with the callouts it made; so a
 //! settlement is queued here, per worker, and the root context's tick posts
 //! the queue to `POST /v1/settle` in batches. Bounded: at most
-//! [`MAX_QUEUED`] wait, and one that cannot be delivered in
+//! [`MAX_QUEUED`] wait, holding at most [`MAX_QUEUED_BYTES`] of names and
+//! keys, and one that cannot be delivered in
 //! [`MAX_ATTEMPTS`] is given up (the request keeps what its check reserved,
 //! and the gateway drops the record after `--reservation-ttl`). Retrying is
 //! safe: the gateway settles a reservation once, whatever the attempts.
@@ -13,6 +14,9 @@ use std::collections::VecDeque;
 
 /// Most settlements one worker keeps waiting; more are given up at once.
 pub const MAX_QUEUED: usize = 4096;
+/// Most bytes of names, keys and ids the waiting settlements hold (a
+/// settlement of one bucket holds about 100 to 300).
+pub const MAX_QUEUED_BYTES: usize = 1 << 20;
 /// Attempts at delivering one settlement.
 pub const MAX_ATTEMPTS: u8 = 3;
 /// Settle calls one worker keeps in flight at once.
@@ -25,6 +29,21 @@ pub const TIMEOUT_MS: u64 = 1000;
 #[derive(Debug, Default)]
 pub struct Outbox {
     queue: VecDeque<(Settlement, u8)>,
+    /// [`weight`] of what `queue` holds.
+    bytes: usize,
+}
+
+/// What a settlement holds in names, keys and ids, plus a little per item.
+fn weight(s: &Settlement) -> usize {
+    let buckets = s
+        .buckets
+        .iter()
+        .map(|b| b.rule.len() + b.key.len() + b.tag.len() + b.variant.encode().len() + 32);
+    let quotas = s
+        .quotas
+        .iter()
+        .map(|q| q.quota.len() + q.key.len() + q.tag.len() + q.variant.encode().len() + 32);
+    s.reservation.len() + 32 + buckets.chain(quotas).sum::<usize>()
 }
 
 /// A batch posted: its settlements and their attempts so far.
@@ -48,11 +67,16 @@ pub struct Delivered {
 impl Outbox {
     /// Queues a settlement; false when the queue is full (it is given up).
     pub fn push(&mut self, s: Settlement) -> bool {
-        if self.queue.len() >= MAX_QUEUED {
+        if !self.has_room(&s) {
             return false;
         }
+        self.bytes += weight(&s);
         self.queue.push_back((s, 0));
         true
+    }
+
+    fn has_room(&self, s: &Settlement) -> bool {
+        self.queue.len() < MAX_QUEUED && self.bytes + weight(s) <= MAX_QUEUED_BYTES
     }
 
     /// Settlements waiting.
@@ -73,6 +97,7 @@ impl Outbox {
         }
         let n = self.queue.len().min(MAX_SETTLEMENTS);
         let items: Vec<(Settlement, u8)> = self.queue.drain(..n).collect();
+        self.bytes -= items.iter().map(|(s, _)| weight(s)).sum::<usize>();
         let body = SettleRequest {
             version: VERSION,
             domain: domain.to_string(),
@@ -101,9 +126,10 @@ impl Outbox {
             Err(_) => {
                 // Back at the front, in their order: they are the oldest.
                 for (s, attempts) in batch.items.into_iter().rev() {
-                    if attempts + 1 >= MAX_ATTEMPTS || self.queue.len() >= MAX_QUEUED {
+                    if attempts + 1 >= MAX_ATTEMPTS || !self.has_room(&s) {
                         out.failed += 1;
                     } else {
+                        self.bytes += weight(&s);
                         self.queue.push_front((s, attempts + 1));
                     }
                 }
@@ -201,12 +227,25 @@ mod tests {
     }
 
     #[test]
-    fn the_queue_is_bounded() {
+    fn the_queue_is_bounded_in_settlements_and_in_bytes() {
         let mut o = Outbox::default();
         for i in 0..MAX_QUEUED as u64 {
             assert!(o.push(settlement(i)));
         }
         assert!(!o.push(settlement(0)));
         assert_eq!(o.len(), MAX_QUEUED);
+        while o.next_batch("d").is_some() {}
+        assert_eq!(o.bytes, 0);
+        // Settlements of 64 buckets with keys of 512 bytes (35 KiB each): 29 fit in 1 MiB.
+        let mut big = settlement(0);
+        big.buckets[0].key = "k".repeat(512);
+        big.buckets = vec![big.buckets[0].clone(); 64];
+        let mut n = 0;
+        while o.push(big.clone()) {
+            n += 1;
+        }
+        assert!(o.bytes <= MAX_QUEUED_BYTES);
+        assert_eq!(n, MAX_QUEUED_BYTES / weight(&big));
+        assert_eq!(n, 29);
     }
 }
