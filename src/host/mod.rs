@@ -107,7 +107,11 @@ impl Root {
                 Some(token) => {
                     self.settle_calls.insert(token, batch);
                 }
-                None => self.settled(batch, None, &[]),
+                None => {
+                    // Tried again on a later tick, not at once.
+                    self.settled(batch, None, &[]);
+                    return;
+                }
             }
         }
     }
