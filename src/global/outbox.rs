@@ -97,7 +97,9 @@ impl Outbox {
         }
         let n = self.queue.len().min(MAX_SETTLEMENTS);
         let items: Vec<(Settlement, u8)> = self.queue.drain(..n).collect();
-        self.bytes -= items.iter().map(|(s, _)| weight(s)).sum::<usize>();
+        self.bytes = self
+            .bytes
+            .saturating_sub(items.iter().map(|(s, _)| weight(s)).sum::<usize>());
         let body = SettleRequest {
             version: VERSION,
             domain: domain.to_string(),
