@@ -5,7 +5,7 @@
 
 use crate::decide::Counts;
 use crate::limits::store::{SharedStore, StoreError};
-use crate::metrics::Metric;
+use crate::metrics::{BodyMetric, Metric};
 use crate::policy::plan::Plan;
 use crate::vm::Jitter;
 use proxy_wasm::hostcalls;
@@ -157,9 +157,13 @@ pub(super) fn use_epoch_offset(offset: u64) {
     EPOCH_OFFSET.with(|o| o.set(Some(offset)));
 }
 
-/// Counter ids from `define_metric`, `None` where the host refused one.
+/// Counter ids from `define_metric`, `None` where the host refused one:
+/// the decisions' counters, then the request bodies'.
 #[derive(Default)]
-pub(super) struct Metrics([Option<u32>; Metric::ALL.len()]);
+pub(super) struct Metrics(
+    [Option<u32>; Metric::ALL.len()],
+    [Option<u32>; BodyMetric::ALL.len()],
+);
 
 impl Metrics {
     pub(super) fn define() -> Metrics {
@@ -167,7 +171,20 @@ impl Metrics {
         for (id, m) in ids.iter_mut().zip(Metric::ALL) {
             *id = hostcalls::define_metric(MetricType::Counter, m.name()).ok();
         }
-        Metrics(ids)
+        let mut body = [None; BodyMetric::ALL.len()];
+        for (id, m) in body.iter_mut().zip(BodyMetric::ALL) {
+            *id = hostcalls::define_metric(MetricType::Counter, m.name()).ok();
+        }
+        Metrics(ids, body)
+    }
+
+    /// Adds one to each of `metrics`.
+    pub(super) fn add_body(&self, metrics: &[BodyMetric]) {
+        for m in metrics {
+            if let Some(Some(id)) = self.1.get(m.index()) {
+                let _ = hostcalls::increment_metric(*id, 1);
+            }
+        }
     }
 
     pub(super) fn add_all(&self, counts: &Counts) {
@@ -256,6 +273,30 @@ impl crate::decide::ResponseHeaders for HostResponse {
             .ok()
             .flatten()
     }
+}
+
+/// The `size` bytes of the request body the host holds (empty when it has none).
+pub fn request_body(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Replaces the `size` bytes of the request body the host holds with
+/// `body`, and gives a `content-length` the client sent the new length (the
+/// headers are still held: the request waited for its body). `false` when
+/// the host refused the body.
+pub fn replace_request_body(size: usize, body: &[u8]) -> bool {
+    if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_err() {
+        return false;
+    }
+    let sent = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "content-length");
+    if matches!(sent, Ok(Some(_))) {
+        let len = itoa::Buffer::new().format(body.len()).to_owned();
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&len));
+    }
+    true
 }
 
 /// The `size` bytes of the response body chunk at hand (empty when the host has none).
