@@ -2,10 +2,12 @@
 //! and an upstream of our own (`testkit::Upstream`) serving JSON, SSE,
 //! chunked, gzip and failing responses: the reservation, the settlement to
 //! the usage the body reports (split across chunks), debt and its
-//! `Retry-After`, `max`, bodies without usage, and `charge_on`.
+//! `Retry-After`, `max`, bodies without usage, and `charge_on`; a
+//! reservation read from the request body (`max_tokens`), and the body
+//! rewritten so that the stream reports its usage.
 
 use serde_json::{json, Value};
-use testkit::{Client, ConnectionMode, Envoy, EnvoyOptions, Reply, Upstream};
+use testkit::{Client, ConnectionMode, Envoy, EnvoyOptions, Reply, Request, Upstream};
 
 fn config(rules: Value) -> String {
     json!({
@@ -232,4 +234,67 @@ fn twenty_concurrent_streams_are_admitted_by_their_reservations_and_settle_exact
     assert_eq!(r.int_header("x-ratelimit-remaining"), 400);
     // The ten streams and that last request.
     assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 11);
+}
+
+/// A request body with `max_tokens` and `"stream": true` waits for its body
+/// in a real Envoy: it reserves its `max_tokens`, the upstream gets the
+/// body with `stream_options.include_usage` added (framed by Envoy, the
+/// client's `content-length` gone), and the stream settles to the usage it
+/// then reports.
+#[test]
+fn a_streamed_request_reserves_its_max_tokens_and_the_upstream_is_asked_for_usage() {
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/v1/chat/completions", stream(200, 300));
+    let envoy = start(
+        &config(json!([{
+            "name": "tokens", "key": ["client"],
+            "limits": [{"requests": 1000, "per": "1m"}],
+            "cost_from": {"preset": "openai_chat", "max": 4000,
+                "reserve": {"pointer": "/max_tokens", "default": 100},
+                "ensure_stream_usage": true}
+        }])),
+        &upstream,
+    );
+    let c = client(&envoy);
+    let chat = |max_tokens: u64| {
+        let body = format!(
+            r#"{{"model":"gpt-4o-mini", "stream":true, "max_tokens":{max_tokens}, "messages":[{{"role":"user","content":"Hi"}}]}}"#
+        );
+        let r = c
+            .send(
+                &Request::post("/v1/chat/completions", body.clone())
+                    .header("x-client-id", "ann")
+                    .header("content-type", "application/json"),
+            )
+            .unwrap_or_else(|e| panic!("the request: {e:#}\n{}", envoy.log_tail(40)));
+        (body, r)
+    };
+    let (sent, r) = chat(600);
+    assert_eq!(r.status, 200, "{r:#?}");
+    // The headers show the reservation of 600.
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 400);
+    assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+    let received = upstream.received();
+    assert_eq!(received.len(), 1);
+    let got = &received[0];
+    let want = sent.replacen('{', r#"{"stream_options":{"include_usage":true},"#, 1);
+    assert_eq!(String::from_utf8_lossy(&got.body), want);
+    let as_json: Value = serde_json::from_slice(&got.body).expect("JSON");
+    assert_eq!(as_json["stream_options"]["include_usage"], json!(true));
+    // The headers left before the body was read: Envoy frames the new
+    // body itself, chunked, and no content-length of the old one is left.
+    assert_eq!(got.header("content-length"), None, "{got:?}");
+    assert_eq!(got.header("transfer-encoding"), Some("chunked"), "{got:?}");
+    // Settled to the 500 the stream reported: 500 left, exactly.
+    let (_, r) = chat(501);
+    assert_eq!(r.status, 429, "{r:#?}");
+    assert_eq!(upstream.requests("/v1/chat/completions"), 1);
+    let (_, r) = chat(500);
+    assert_eq!(r.status, 200, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 0);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_reserve_from_body"), 3);
+    // The body is read (and rewritten) before the decision: the refused
+    // request's was too.
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_body_rewritten"), 3);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 2);
 }

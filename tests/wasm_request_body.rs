@@ -51,8 +51,8 @@ fn a_request_reserves_its_max_tokens_and_the_default_without_them() {
     let h = harness(&cfg(json!({})));
     let o = h.send(0, chat("ann", r#"{"model":"m","max_tokens":500}"#));
     assert_eq!((o.status, remaining(&o)), (200, Some(500)), "{o:?}");
-    // Decided when the body ended: the one call went on.
-    assert_eq!(o.request_action, Some(Action::Pause));
+    // The headers went on; the body was held until it ended, then decided.
+    assert_eq!(o.request_action, Some(Action::Continue));
     assert_eq!(o.body_actions, [Action::Continue]);
     assert_eq!(
         o.upstream_body.as_deref(),
@@ -196,10 +196,9 @@ fn ensure_stream_usage_adds_include_usage_to_the_body_the_upstream_gets() {
         String::from_utf8(o.upstream_body.clone().unwrap()).unwrap(),
         want
     );
-    assert_eq!(
-        o.upstream_header("content-length"),
-        Some(want.len().to_string())
-    );
+    // The headers went on before the body was read: its length is Envoy's
+    // to frame (chunked to an HTTP/1 upstream).
+    assert_eq!(o.upstream_header("content-length"), None);
     assert_eq!(remaining(&o), Some(950));
     assert_eq!(h.metric("ratelimit_wasm_usage_body_rewritten"), 1);
 
@@ -224,10 +223,6 @@ fn ensure_stream_usage_adds_include_usage_to_the_body_the_upstream_gets() {
             chat("bob", body).header("content-length", body.len().to_string()),
         );
         assert_eq!(o.upstream_body.as_deref(), Some(body.as_bytes()));
-        assert_eq!(
-            o.upstream_header("content-length"),
-            Some(body.len().to_string())
-        );
     }
     assert_eq!(h.metric("ratelimit_wasm_usage_body_rewritten"), 2);
 
@@ -288,4 +283,52 @@ fn a_request_that_waited_for_its_body_still_calls_the_gateway_and_resumes() {
     // without a callout.
     let o = h.send(1, chat("ann", r#"{"max_tokens":751}"#));
     assert_eq!((o.status, o.http_calls.len()), (429, 0), "{o:?}");
+}
+
+/// The harness holds Envoy's rule: a filter that paused the headers sees
+/// the body only once it resumes them. A request waiting for the gateway
+/// (no rule reads its body) gets its body after the answer; and a body the
+/// filter decided at `request_body_limit` holds its remaining pieces while
+/// the gateway answers.
+#[test]
+fn a_body_waits_with_its_request_for_the_gateway() {
+    let config = json!({"domain": "body", "response": {"retry_jitter": 0},
+        "global": {"cluster": "gateway", "timeout_ms": 50, "failure_mode": "open"},
+        "rules": [
+            {"name": "g", "scope": "global", "key": ["client"], "cost": 1,
+             "limits": [{"requests": 10, "per": "1m"}]},
+            {"name": "tokens", "key": ["client"], "match": {"path_prefix": "/v1/chat"},
+             "limits": [{"requests": 1000, "per": "1m"}],
+             "cost_from": {"preset": "openai_chat", "max": 4000, "request_body_limit": 1024,
+                "reserve": {"pointer": "/max_tokens", "default": 100}}}]})
+    .to_string();
+    let h = harness(&config);
+    let id = h.begin(
+        0,
+        Request::post("/other")
+            .header("x-client-id", "ann")
+            .body("abc")
+            .upstream(Upstream::new(200, "{}")),
+    );
+    let o = h.outcome(id);
+    assert_eq!(
+        (o.request_action, o.body_actions.len()),
+        (Some(Action::Pause), 0)
+    );
+    h.fail_http_call(o.http_calls[0].worker, o.http_calls[0].token);
+    let o = h.outcome(id);
+    assert_eq!(o.body_actions, [Action::Continue]);
+    assert_eq!(o.upstream_body.as_deref(), Some(&b"abc"[..]));
+
+    let big = format!(r#"{{"max_tokens":300,"pad":"{}"}}"#, "x".repeat(3000));
+    let id = h.begin(1, chat("ann", &big).body_chunked(600));
+    let o = h.outcome(id);
+    // 600 bytes held, then 1,200 past the bound: decided, the callout
+    // made, and the rest held with it.
+    assert_eq!(o.body_actions, [Action::Pause; 6]);
+    assert_eq!(o.upstream_request, None);
+    h.fail_http_call(o.http_calls[0].worker, o.http_calls[0].token);
+    let o = h.outcome(id);
+    assert_eq!((o.status, remaining(&o)), (200, Some(900)), "{o:?}");
+    assert_eq!(o.upstream_body.as_deref(), Some(big.as_bytes()));
 }

@@ -18,6 +18,8 @@ pub struct BodyWait {
     /// The meters that read the body ([`Plan::body_meters`]).
     meters: Vec<usize>,
     limit: usize,
+    /// Some meter may rewrite the body (`ensure_stream_usage`).
+    rewrites: bool,
 }
 
 /// What reading the body did, for the host to carry out.
@@ -39,17 +41,27 @@ impl BodyWait {
             .map(|m| m.request_body_limit)
             .max()
             .unwrap_or(0);
+        let rewrites = meters
+            .iter()
+            .filter_map(|m| plan.meters.get(*m))
+            .any(|m| m.ensure_stream_usage);
         BodyWait {
             eval,
             random,
             meters,
             limit: usize::try_from(limit).unwrap_or(usize::MAX),
+            rewrites,
         }
     }
 
     /// The most bytes of the body read.
     pub fn limit(&self) -> usize {
         self.limit
+    }
+
+    /// Whether the body may be rewritten (`ensure_stream_usage`).
+    pub fn rewrites(&self) -> bool {
+        self.rewrites
     }
 
     /// The body as the host has it (`None`: longer than [`BodyWait::limit`]),
@@ -173,7 +185,7 @@ mod tests {
             );
             assert!(plan.reads_request_body);
             let w = wait(&plan);
-            assert_eq!(w.limit(), 64 << 10);
+            assert_eq!((w.limit(), w.rewrites()), (64 << 10, true));
             let (eval, random, read) = w.read(&plan, Some(br#"{"max_tokens": 500}"#));
             assert_eq!((costs(&eval), random), (vec![500], 9), "{cost_rule}");
             assert_eq!(read.counted, [BodyMetric::ReserveRead]);

@@ -41,8 +41,10 @@ pub enum Next {
     Decided,
     /// Post [`Stream::callout`] to the gateway, then call [`Stream::gateway_answer`].
     Call,
-    /// Hold the request until its body has ended or reached
-    /// [`Stream::body_limit`], then call [`Stream::request_body`].
+    /// Let the headers go on, hold the body until it has ended or reached
+    /// [`Stream::body_limit`], then call [`Stream::request_body`]. (Envoy
+    /// hands a filter whose headers paused none of the body until it
+    /// resumes them, so the decision cannot hold the headers too.)
     Body,
 }
 
@@ -131,6 +133,22 @@ impl Stream {
         match &self.state {
             State::Body(w) => Some(w.limit()),
             _ => None,
+        }
+    }
+
+    /// Whether the body the request waits for may be rewritten
+    /// (`ensure_stream_usage`): its length is then not known up front.
+    pub fn body_rewritten(&self) -> bool {
+        matches!(&self.state, State::Body(w) if w.rewrites())
+    }
+
+    /// Whether the rest of a body must wait: the request was decided while
+    /// its body came in and waits for the gateway, or was refused.
+    pub fn holds_body(&self) -> bool {
+        match &self.state {
+            State::Waiting(_) => true,
+            State::Decided(o) => matches!(o.verdict, Verdict::Reject { .. }),
+            State::Fresh | State::Body(_) => false,
         }
     }
 

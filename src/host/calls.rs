@@ -284,19 +284,16 @@ pub fn request_body(size: usize) -> Vec<u8> {
 }
 
 /// Replaces the `size` bytes of the request body the host holds with
-/// `body`, and gives a `content-length` the client sent the new length (the
-/// headers are still held: the request waited for its body). `false` when
-/// the host refused the body.
+/// `body`; `false` when the host refused.
 pub fn replace_request_body(size: usize, body: &[u8]) -> bool {
-    if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_err() {
-        return false;
-    }
-    let sent = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "content-length");
-    if matches!(sent, Ok(Some(_))) {
-        let len = itoa::Buffer::new().format(body.len()).to_owned();
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&len));
-    }
-    true
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_ok()
+}
+
+/// Removes the request's `content-length`: the body may change length
+/// after the headers have gone on (Envoy then frames it itself, chunked
+/// to an HTTP/1 upstream).
+pub fn drop_content_length() {
+    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", None);
 }
 
 /// The `size` bytes of the response body chunk at hand (empty when the host has none).

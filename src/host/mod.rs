@@ -21,9 +21,10 @@ use crate::policy::request::RequestInfo;
 use crate::vm::timers::{Delays, RefreshSchedule, TICK};
 use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use calls::{
-    call_response, dispatch, monotonic_ns, now_ns, property, random_seed, replace_request_body,
-    request_body, reset_request, response_body, resume_or_reset, seeded_jitter,
-    send_local_response, use_epoch_offset, wall_ns, HostResponse, HostStore, Metrics,
+    call_response, dispatch, drop_content_length, monotonic_ns, now_ns, property, random_seed,
+    replace_request_body, request_body, reset_request, response_body, resume_or_reset,
+    seeded_jitter, send_local_response, use_epoch_offset, wall_ns, HostResponse, HostStore,
+    Metrics,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -416,6 +417,14 @@ impl Http {
             end_of_stream,
         );
         self.metrics.add_body(&read.counted);
+        if next == Next::Body {
+            // Envoy gives a filter that paused its headers none of the body
+            // until it resumes them: the headers go on, the body is held.
+            if self.stream.body_rewritten() {
+                drop_content_length();
+            }
+            return Action::Continue;
+        }
         self.carry_out(plan, next, now)
     }
 
@@ -431,7 +440,8 @@ impl Http {
                 }
                 None => self.answer(plan, None, &[], now, false),
             },
-            Next::Body => Action::Pause,
+            // Only the headers phase waits for the body (see `headers_reading_body`).
+            Next::Body => Action::Continue,
         }
     }
 
@@ -504,13 +514,18 @@ impl HttpContext for Http {
                 }
                 None => self.answer(&plan, None, &[], now, false),
             },
-            Next::Body => Action::Pause,
+            // `request_headers` never waits for a body.
+            Next::Body => Action::Continue,
         }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        // Only a request waiting for its body is held; any other streams on.
         let Some(limit) = self.stream.body_limit() else {
+            // The rest of a body waits with a request that waits for the
+            // gateway or a delay, or was refused; any other streams on.
+            if self.stream.holds_body() || self.delays.borrow().holds(self.id) {
+                return Action::Pause;
+            }
             return Action::Continue;
         };
         let Some(plan) = self.plan.clone() else {

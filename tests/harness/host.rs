@@ -76,6 +76,9 @@ pub(crate) struct StreamState {
     pub upstream_body: Vec<u8>,
     /// What each `proxy_on_request_body` call returned.
     pub body_actions: Vec<Action>,
+    /// The request body waits for a resume before the filter sees it: the
+    /// headers paused (Envoy turns that Pause into StopAllIterationAndWatermark).
+    pub body_pending: bool,
     /// The chunk `proxy_on_response_body` is called with, while it is.
     pub body_chunk: Option<Vec<u8>>,
     pub access_log_phase: bool,
@@ -107,6 +110,7 @@ impl StreamState {
             request_body: Vec::new(),
             upstream_body: Vec::new(),
             body_actions: Vec::new(),
+            body_pending: false,
             body_chunk: None,
             access_log_phase: false,
             phase: StreamPhase::Created,

@@ -1170,17 +1170,30 @@ impl Harness {
                         worker: w,
                         context_id: ctx,
                     };
-                    self.with_stream(id, |s| {
+                    let pending = self.with_stream(id, |s| {
                         s.resumes += 1;
-                        if s.phase == StreamPhase::Paused {
-                            s.phase = StreamPhase::Forwarding;
-                        } else {
-                            s.notes.push(format!(
-                                "proxy_continue_stream(HttpRequest) while the stream was {:?}: ignored",
-                                s.phase
-                            ));
-                        }
+                        std::mem::take(&mut s.body_pending) && s.phase == StreamPhase::Paused
                     });
+                    if pending {
+                        // The headers go on, then the filter sees the body
+                        // Envoy held for it.
+                        self.with_stream(id, |s| {
+                            s.req_map_held = false;
+                            s.phase = StreamPhase::Forwarding;
+                        });
+                        self.deliver_request_body(id);
+                    } else {
+                        self.with_stream(id, |s| {
+                            if s.phase == StreamPhase::Paused {
+                                s.phase = StreamPhase::Forwarding;
+                            } else {
+                                s.notes.push(format!(
+                                    "proxy_continue_stream(HttpRequest) while the stream was {:?}: ignored",
+                                    s.phase
+                                ));
+                            }
+                        });
+                    }
                     self.drive(id);
                 }
                 AfterAction::ContinueResponse(ctx) => {
@@ -1467,14 +1480,23 @@ impl Harness {
     }
 
     /// The request body through `proxy_on_request_body`, chunk by chunk,
-    /// as Envoy delivers it whether or not the headers were paused. While
-    /// the filter answers Pause the chunks are buffered, and each call sees
-    /// the whole buffer (`body_size` its length, buffer 0 its bytes, which
-    /// `proxy_set_buffer_bytes` may replace); Continue passes the buffer on,
-    /// with the headers when they were paused. A buffer still held at the
-    /// end goes upstream when the filter resumes the request.
+    /// as Envoy 1.40 delivers it. Headers the filter paused make Envoy stop
+    /// all iteration (`StopAllIterationAndWatermark`, without the plugin
+    /// option `allow_on_headers_stop_iteration`): the filter sees none of
+    /// the body until it resumes the request, and then all of it. Once the
+    /// headers went on, while the filter answers Pause the chunks are
+    /// buffered, each call seeing the whole buffer (`body_size` its length,
+    /// buffer 0 its bytes, which `proxy_set_buffer_bytes` may replace), and
+    /// the request is held until Continue or a resume passes the buffer on.
     fn deliver_request_body(&self, id: StreamId) {
-        let chunks = self.with_stream(id, |s| s.request.body.clone());
+        let (chunks, stop_all) = self.with_stream(id, |s| {
+            let stop_all = s.phase == StreamPhase::Paused && !s.request.body.is_empty();
+            s.body_pending = stop_all;
+            (s.request.body.clone(), stop_all)
+        });
+        if stop_all {
+            return;
+        }
         let n = chunks.len();
         for (i, chunk) in chunks.into_iter().enumerate() {
             let before = self.with_stream(id, |s| s.phase);
@@ -1507,7 +1529,8 @@ impl Harness {
                     s.req_map_held = false;
                     s.phase = StreamPhase::Forwarding;
                 } else {
-                    s.phase = before;
+                    // Held: the request goes upstream when it is resumed.
+                    s.phase = StreamPhase::Paused;
                 }
             });
         }
