@@ -239,6 +239,48 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_waits_for_its_body_and_trailers_decide_it_on_the_defaults() {
+        let plan = plan(
+            serde_json::json!({"pointer": "/max_tokens", "default": 20}),
+            true,
+        );
+        let store = MemoryStore::default();
+        let named: [(&str, &[u8]); 2] = [(":path", b"/v1/chat"), ("x-client-id", b"a")];
+        let req = RequestInfo::with_headers(&plan.header_names, &named);
+        let mut s = Stream::default();
+        let (next, read) = s.request_headers_reading_body(&plan, &req, &store, 1, 9, false);
+        assert_eq!((next, read), (Next::Body, BodyRead::default()));
+        assert_eq!((s.body_limit(), s.body_rewritten()), (Some(64 << 10), true));
+        assert!(s.held().is_none() && !s.holds_body());
+        let (next, read) = s.request_trailers(&plan, &store, 2);
+        assert_eq!(next, Next::Decided);
+        assert_eq!(read.counted, [BodyMetric::ReserveMissing]);
+        assert_eq!(s.held().map(|h| h.buckets[0].cost), Some(20));
+        assert_eq!(s.body_limit(), None);
+        // Once decided, a late body changes nothing.
+        let (next, read) = s.request_body(&plan, Some(br#"{"max_tokens":5}"#), &store, 3);
+        assert_eq!((next, read), (Next::Decided, BodyRead::default()));
+        assert_eq!(s.held().map(|h| h.buckets[0].cost), Some(20));
+        // The same request with its body: read when the body ends.
+        let mut s = Stream::default();
+        s.request_headers_reading_body(&plan, &req, &store, 4, 9, false);
+        let (next, read) = s.request_body(&plan, Some(br#"{"max_tokens":5}"#), &store, 5);
+        assert_eq!(
+            (next, read.counted),
+            (Next::Decided, vec![BodyMetric::ReserveRead])
+        );
+        assert_eq!(s.held().map(|h| h.buckets[0].cost), Some(5));
+        // Without a body at all: decided at the headers.
+        let mut s = Stream::default();
+        let (next, read) = s.request_headers_reading_body(&plan, &req, &store, 6, 9, true);
+        assert_eq!(
+            (next, read.counted),
+            (Next::Decided, vec![BodyMetric::ReserveMissing])
+        );
+        assert_eq!(s.held().map(|h| h.buckets[0].cost), Some(20));
+    }
+
+    #[test]
     fn the_decision_after_the_body_charges_the_reservation_read() {
         let plan = plan(serde_json::json!({"pointer": "/max_tokens"}), true);
         let store = MemoryStore::default();

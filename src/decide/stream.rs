@@ -174,6 +174,27 @@ impl Stream {
         (self.take_step(plan, step), read)
     }
 
+    /// The request's trailers came before its body ended (a body of none,
+    /// or one Envoy already holds): decided on the defaults, so that no
+    /// request waiting for its body goes on without a decision.
+    #[inline(never)]
+    pub fn request_trailers(
+        &mut self,
+        plan: &Plan,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> (Next, BodyRead) {
+        if !matches!(self.state, State::Body(_)) {
+            return (Next::Decided, BodyRead::default());
+        }
+        let State::Body(wait) = std::mem::take(&mut self.state) else {
+            return (Next::Decided, BodyRead::default());
+        };
+        let (eval, random, read) = wait.absent(plan);
+        let step = start_evaluated(plan, eval, store, now_ns, random);
+        (self.take_step(plan, step), read)
+    }
+
     /// Keeps the first step's result, as [`Stream::request_headers`] does
     /// (out of line: the requests that read no body never come here).
     #[inline(never)]

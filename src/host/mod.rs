@@ -551,6 +551,24 @@ impl HttpContext for Http {
         self.carry_out(&plan, next, now)
     }
 
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.stream.body_limit().is_none() {
+            if self.stream.holds_body() || self.delays.borrow().holds(self.id) {
+                return Action::Pause;
+            }
+            return Action::Continue;
+        }
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        // Trailers end the request: one still waiting for its body is
+        // decided now, on its defaults, rather than let through undecided.
+        let now = now_ns();
+        let (next, read) = self.stream.request_trailers(&plan, &HostStore, now);
+        self.metrics.add_body(&read.counted);
+        self.carry_out(&plan, next, now)
+    }
+
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
