@@ -1,4 +1,5 @@
 use super::*;
+use proptest::prelude::*;
 
 fn ptr(s: &str) -> Vec<String> {
     crate::config::JsonPointer::parse(s).unwrap().0
@@ -186,4 +187,73 @@ fn the_member_splitter_refuses_what_is_not_an_object() {
             ("c".to_string(), &b"-2e5"[..])
         ]
     );
+}
+
+/// Any JSON value, its strings and keys full of what the splicer must skip
+/// (quotes, backslashes, brackets, commas) and of the keys it looks for.
+fn arb_value() -> impl Strategy<Value = Value> {
+    let text = prop_oneof![
+        Just("stream".to_string()),
+        Just("stream_options".to_string()),
+        Just("include_usage".to_string()),
+        "[a-z\"\\\\{}\\[\\],: ]{0,6}",
+    ];
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        text.clone().prop_map(Value::String),
+    ];
+    leaf.prop_recursive(4, 24, 4, move |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            proptest::collection::vec((text.clone(), inner), 0..4)
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    /// Whatever the body, a rewrite is valid JSON that parses to the body
+    /// with `stream_options.include_usage: true` and nothing else changed;
+    /// no rewrite is asked for a body that needs none; nothing panics.
+    #[test]
+    fn a_rewrite_changes_exactly_include_usage(
+        mut doc in arb_value(),
+        stream in any::<bool>(),
+        pretty in any::<bool>(),
+    ) {
+        if let (Value::Object(m), true) = (&mut doc, stream) {
+            m.insert("stream".into(), Value::Bool(true));
+        }
+        let bytes = if pretty {
+            serde_json::to_vec_pretty(&doc).unwrap()
+        } else {
+            serde_json::to_vec(&doc).unwrap()
+        };
+        let body = Body::parse(Some(&bytes));
+        prop_assert_eq!(&body, &Body::Json(doc.clone()));
+        let asks = doc.get("stream") == Some(&Value::Bool(true));
+        let options = doc.get(STREAM_OPTIONS);
+        match ensure_stream_usage(&body, &bytes) {
+            Rewrite::Body(out) => {
+                prop_assert!(asks);
+                let mut want = doc.clone();
+                let o = want
+                    .as_object_mut()
+                    .unwrap()
+                    .entry(STREAM_OPTIONS)
+                    .or_insert_with(|| Value::Object(Default::default()));
+                o.as_object_mut()
+                    .unwrap()
+                    .insert(INCLUDE_USAGE.into(), Value::Bool(true));
+                let got: Value = serde_json::from_slice(&out).unwrap();
+                prop_assert_eq!(got, want);
+            }
+            Rewrite::Unneeded => prop_assert!(
+                !asks || options.and_then(|o| o.get(INCLUDE_USAGE)) == Some(&Value::Bool(true))
+            ),
+            Rewrite::Unchanged => prop_assert!(asks && !options.is_some_and(Value::is_object)),
+        }
+    }
 }
