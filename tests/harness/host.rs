@@ -7,6 +7,9 @@
 //!   returned Continue, reading a value returns BadArgument (the SDK then panics). Response
 //!   headers likewise only during `on_response_headers`. In `on_log` both maps are the final
 //!   ones (a missing map gives NotFound there). Pairs of an unavailable map are empty.
+//! * request bodies (buffer 0): a filter that paused the headers sees none of the body until
+//!   it resumes them (Envoy's StopAllIterationAndWatermark); after that, chunks the filter
+//!   answers Pause for are buffered and it sees the whole buffer, which it may replace.
 //! * `send_local_response`, `continue_stream` and `close_stream` take effect after the current
 //!   VM call returns (Envoy defers them the same way).
 //! * unknown imports trap with a message naming them.
