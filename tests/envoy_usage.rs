@@ -240,7 +240,8 @@ fn twenty_concurrent_streams_are_admitted_by_their_reservations_and_settle_exact
 /// in a real Envoy: it reserves its `max_tokens`, the upstream gets the
 /// body with `stream_options.include_usage` added (framed by Envoy, the
 /// client's `content-length` gone), and the stream settles to the usage it
-/// then reports.
+/// then reports. Bodies in many pieces: a 200 KB one passes unread and
+/// unchanged on the default, a 30 KB one is read whole.
 #[test]
 fn a_streamed_request_reserves_its_max_tokens_and_the_upstream_is_asked_for_usage() {
     let upstream = Upstream::start().expect("upstream");
@@ -297,4 +298,44 @@ fn a_streamed_request_reserves_its_max_tokens_and_the_upstream_is_asked_for_usag
     // request's was too.
     assert_eq!(metric(&envoy, "ratelimit_wasm_usage_body_rewritten"), 3);
     assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 2);
+
+    // Bodies in many pieces: past the 64 KiB bound, passed on unread and
+    // unchanged with the default reserved; under it, read whole.
+    let send = |body: &str| {
+        c.send(
+            &Request::post("/v1/chat/completions", body.to_string())
+                .header("x-client-id", "bob")
+                .header("content-type", "application/json"),
+        )
+        .unwrap_or_else(|e| panic!("the request: {e:#}\n{}", envoy.log_tail(40)))
+    };
+    let big = format!(
+        r#"{{"stream":true,"max_tokens":300,"pad":"{}"}}"#,
+        "x".repeat(200_000)
+    );
+    let r = send(&big);
+    assert_eq!(
+        (r.status, r.int_header("x-ratelimit-remaining")),
+        (200, 900)
+    );
+    assert_eq!(
+        upstream.received().last().map(|g| g.body.clone()),
+        Some(big.into_bytes())
+    );
+    assert_eq!(
+        metric(&envoy, "ratelimit_wasm_reserve_default_too_large"),
+        1
+    );
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_body_unchanged"), 1);
+    // Settled to 500: a 30 KB body asking for 250 leaves 250.
+    let mid = format!(r#"{{"max_tokens":250,"pad":"{}"}}"#, "y".repeat(30_000));
+    let r = send(&mid);
+    assert_eq!(
+        (r.status, r.int_header("x-ratelimit-remaining")),
+        (200, 250)
+    );
+    assert_eq!(
+        upstream.received().last().map(|g| g.body.clone()),
+        Some(mid.into_bytes())
+    );
 }
