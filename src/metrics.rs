@@ -151,6 +151,69 @@ impl Metric {
     }
 }
 
+/// The counters of a request body read before the request is decided
+/// (`cost_from.reserve` from a pointer, `ensure_stream_usage`). Apart from
+/// [`Metric`]: the host counts them itself, so the counts every decision
+/// carries (`decide::Counts`) stay as small as they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyMetric {
+    /// Requests whose reservation was read from their body.
+    ReserveRead,
+    /// Requests that reserved the default: no body, or a JSON body without
+    /// a whole number of at least 1 at the pointer.
+    ReserveMissing,
+    /// Requests that reserved the default: the body is not JSON.
+    ReserveNotJson,
+    /// Requests that reserved the default: the body is longer than
+    /// `request_body_limit`, passed on unread.
+    ReserveTooLarge,
+    /// Request bodies given `stream_options.include_usage: true`.
+    UsageBodyRewritten,
+    /// Request bodies `ensure_stream_usage` could not read (longer than
+    /// `request_body_limit`, not JSON, a `stream_options` that is not an
+    /// object), passed on unchanged.
+    UsageBodyUnchanged,
+}
+
+impl BodyMetric {
+    /// Every counter, in a fixed order.
+    pub const ALL: [BodyMetric; 6] = [
+        BodyMetric::ReserveRead,
+        BodyMetric::ReserveMissing,
+        BodyMetric::ReserveNotJson,
+        BodyMetric::ReserveTooLarge,
+        BodyMetric::UsageBodyRewritten,
+        BodyMetric::UsageBodyUnchanged,
+    ];
+
+    /// The name given to Envoy.
+    pub fn name(self) -> &'static str {
+        match self {
+            BodyMetric::ReserveRead => "ratelimit_wasm_reserve_from_body",
+            BodyMetric::ReserveMissing => "ratelimit_wasm_reserve_default_missing",
+            BodyMetric::ReserveNotJson => "ratelimit_wasm_reserve_default_not_json",
+            BodyMetric::ReserveTooLarge => "ratelimit_wasm_reserve_default_too_large",
+            BodyMetric::UsageBodyRewritten => "ratelimit_wasm_usage_body_rewritten",
+            BodyMetric::UsageBodyUnchanged => "ratelimit_wasm_usage_body_unchanged",
+        }
+    }
+
+    /// Position in [`BodyMetric::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The name of every counter: [`Metric::ALL`], [`BodyMetric::ALL`], then
+/// [`Background::ALL`].
+pub fn all_names() -> impl Iterator<Item = &'static str> {
+    Metric::ALL
+        .iter()
+        .map(|m| m.name())
+        .chain(BodyMetric::ALL.iter().map(|m| m.name()))
+        .chain(Background::ALL.iter().map(|m| m.name()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,6 +224,15 @@ mod tests {
             assert!(m.name().starts_with("ratelimit_wasm_"));
             assert_eq!(m.index(), i);
         }
+        for (i, m) in BodyMetric::ALL.iter().enumerate() {
+            assert!(m.name().starts_with("ratelimit_wasm_"));
+            assert_eq!(m.index(), i);
+        }
+        let mut names: Vec<&str> = all_names().collect();
+        let n = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), n, "a name is given twice");
     }
 }
 

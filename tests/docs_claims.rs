@@ -5,8 +5,6 @@
 
 use std::path::PathBuf;
 
-use ratelimit_wasm::metrics::{Background, Metric};
-
 fn read(rel: &str) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
@@ -77,10 +75,8 @@ fn the_metrics_table_lists_exactly_the_filters_metrics() {
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split_once('`').map(|(name, _)| name.to_string()))
         .collect();
-    let code: Vec<String> = Metric::ALL
-        .iter()
-        .map(|m| m.name().to_string())
-        .chain(Background::ALL.iter().map(|m| m.name().to_string()))
+    let code: Vec<String> = ratelimit_wasm::metrics::all_names()
+        .map(str::to_string)
         .collect();
     assert_eq!(
         documented, code,
@@ -97,7 +93,10 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
                        "graduated":{"warn_at":0.5}},
                       {"name":"t","limits":[{"requests":10,"per":"1m"}],
                        "cost_from":{"json":[{"pointer":"/u"}],"max":5}},
-                      {"name":"c","limits":[{"concurrent":2}]}],
+                      {"name":"c","limits":[{"concurrent":2}]},
+                      {"name":"b","limits":[{"requests":10,"per":"1m"}],
+                       "cost_from":{"json":[{"pointer":"/u"}],"max":5,
+                                    "reserve":{"pointer":"/max_tokens"}}}],
              "quotas":[{"name":"q","key":["client"],"period":"day","limit":5,
                         "upgrade_url":"https://example.com/up"}],
              "global":{"cluster":"gw","lease":{"fraction":0.1}}}"#,
@@ -110,6 +109,15 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
     let graduated = rule.graduated.as_ref().expect("graduated");
     let from = config.rules[1].cost_from.as_ref().expect("cost_from");
     let term = from.json.as_ref().and_then(|j| j.first()).expect("a term");
+    let from_body = match &config.rules[3]
+        .cost_from
+        .as_ref()
+        .expect("cost_from")
+        .reserve
+    {
+        ratelimit_wasm::config::Reserve::FromBody(r) => r.clone(),
+        other => panic!("reserve read as {other:?}"),
+    };
     let actual: Vec<(&str, String)> = vec![
         (
             "identity.client_id_header",
@@ -145,6 +153,18 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
             config.rules[2].limits[0].max_in_flight_secs().to_string(),
         ),
         ("rules[].cost_from.scan_limit", from.scan_limit.to_string()),
+        (
+            "rules[].cost_from.reserve.default",
+            from_body.default.to_string(),
+        ),
+        (
+            "rules[].cost_from.request_body_limit",
+            from.request_body_limit.to_string(),
+        ),
+        (
+            "rules[].cost_from.ensure_stream_usage",
+            from.ensure_stream_usage.to_string(),
+        ),
         ("rules[].cost_from.json[].weight", term.weight.to_string()),
         ("max_buckets", config.max_buckets.to_string()),
         ("on_error", snake(format!("{:?}", config.on_error))),
@@ -235,7 +255,9 @@ fn maximal_configs() -> Vec<serde_json::Value> {
             { "name": "by-header", "limits": [{ "requests": 1000, "per": "1m" }],
               "cost_from": { "header": "x-usage-tokens", "max": 10 } },
             { "name": "by-preset", "limits": [{ "requests": 1000, "per": "1m" }],
-              "cost_from": { "preset": "anthropic_messages", "max": 10 } },
+              "cost_from": { "preset": "anthropic_messages", "max": 10,
+                             "reserve": { "pointer": "/max_tokens", "default": 5 },
+                             "request_body_limit": 65536, "ensure_stream_usage": true } },
             { "name": "streams", "key": ["client"],
               "limits": [{ "concurrent": 3, "max_in_flight": "10m" }] }
         ],

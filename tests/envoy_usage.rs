@@ -2,10 +2,12 @@
 //! and an upstream of our own (`testkit::Upstream`) serving JSON, SSE,
 //! chunked, gzip and failing responses: the reservation, the settlement to
 //! the usage the body reports (split across chunks), debt and its
-//! `Retry-After`, `max`, bodies without usage, and `charge_on`.
+//! `Retry-After`, `max`, bodies without usage, and `charge_on`; a
+//! reservation read from the request body (`max_tokens`), and the body
+//! rewritten so that the stream reports its usage.
 
 use serde_json::{json, Value};
-use testkit::{Client, ConnectionMode, Envoy, EnvoyOptions, Reply, Upstream};
+use testkit::{Client, ConnectionMode, Envoy, EnvoyOptions, Reply, Request, Upstream};
 
 fn config(rules: Value) -> String {
     json!({
@@ -351,5 +353,109 @@ fn two_proxies_settle_fifty_streams_on_the_gateway_exactly() {
     assert!(
         (exact..=exact + 1).contains(&left),
         "{left} left, {exact} expected"
+    );
+}
+
+/// A request body with `max_tokens` and `"stream": true` waits for its body
+/// in a real Envoy: it reserves its `max_tokens`, the upstream gets the
+/// body with `stream_options.include_usage` added (framed by Envoy, the
+/// client's `content-length` gone), and the stream settles to the usage it
+/// then reports. Bodies in many pieces: a 200 KB one passes unread and
+/// unchanged on the default, a 30 KB one is read whole.
+#[test]
+fn a_streamed_request_reserves_its_max_tokens_and_the_upstream_is_asked_for_usage() {
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/v1/chat/completions", stream(200, 300));
+    let envoy = start(
+        &config(json!([{
+            "name": "tokens", "key": ["client"],
+            "limits": [{"requests": 1000, "per": "1m"}],
+            "cost_from": {"preset": "openai_chat", "max": 4000,
+                "reserve": {"pointer": "/max_tokens", "default": 100},
+                "ensure_stream_usage": true}
+        }])),
+        &upstream,
+    );
+    let c = client(&envoy);
+    let chat = |max_tokens: u64| {
+        let body = format!(
+            r#"{{"model":"gpt-4o-mini", "stream":true, "max_tokens":{max_tokens}, "messages":[{{"role":"user","content":"Hi"}}]}}"#
+        );
+        let r = c
+            .send(
+                &Request::post("/v1/chat/completions", body.clone())
+                    .header("x-client-id", "ann")
+                    .header("content-type", "application/json"),
+            )
+            .unwrap_or_else(|e| panic!("the request: {e:#}\n{}", envoy.log_tail(40)));
+        (body, r)
+    };
+    let (sent, r) = chat(600);
+    assert_eq!(r.status, 200, "{r:#?}");
+    // The headers show the reservation of 600.
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 400);
+    assert!(r.body.ends_with("data: [DONE]\n\n"), "{}", r.body);
+    let received = upstream.received();
+    assert_eq!(received.len(), 1);
+    let got = &received[0];
+    let want = sent.replacen('{', r#"{"stream_options":{"include_usage":true},"#, 1);
+    assert_eq!(String::from_utf8_lossy(&got.body), want);
+    let as_json: Value = serde_json::from_slice(&got.body).expect("JSON");
+    assert_eq!(as_json["stream_options"]["include_usage"], json!(true));
+    // The headers left before the body was read: Envoy frames the new
+    // body itself, chunked, and no content-length of the old one is left.
+    assert_eq!(got.header("content-length"), None, "{got:?}");
+    assert_eq!(got.header("transfer-encoding"), Some("chunked"), "{got:?}");
+    // Settled to the 500 the stream reported: 500 left, exactly.
+    let (_, r) = chat(501);
+    assert_eq!(r.status, 429, "{r:#?}");
+    assert_eq!(upstream.requests("/v1/chat/completions"), 1);
+    let (_, r) = chat(500);
+    assert_eq!(r.status, 200, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 0);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_reserve_from_body"), 3);
+    // The body is read (and rewritten) before the decision: the refused
+    // request's was too.
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_body_rewritten"), 3);
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_settled"), 2);
+
+    // Bodies in many pieces: past the 64 KiB bound, passed on unread and
+    // unchanged with the default reserved; under it, read whole.
+    let send = |body: &str| {
+        c.send(
+            &Request::post("/v1/chat/completions", body.to_string())
+                .header("x-client-id", "bob")
+                .header("content-type", "application/json"),
+        )
+        .unwrap_or_else(|e| panic!("the request: {e:#}\n{}", envoy.log_tail(40)))
+    };
+    let big = format!(
+        r#"{{"stream":true,"max_tokens":300,"pad":"{}"}}"#,
+        "x".repeat(200_000)
+    );
+    let r = send(&big);
+    assert_eq!(
+        (r.status, r.int_header("x-ratelimit-remaining")),
+        (200, 900)
+    );
+    assert_eq!(
+        upstream.received().last().map(|g| g.body.clone()),
+        Some(big.into_bytes())
+    );
+    assert_eq!(
+        metric(&envoy, "ratelimit_wasm_reserve_default_too_large"),
+        1
+    );
+    assert_eq!(metric(&envoy, "ratelimit_wasm_usage_body_unchanged"), 1);
+    // Settled to 500: a 30 KB body asking for 250 leaves 250.
+    let mid = format!(r#"{{"max_tokens":250,"pad":"{}"}}"#, "y".repeat(30_000));
+    let r = send(&mid);
+    assert_eq!(
+        (r.status, r.int_header("x-ratelimit-remaining")),
+        (200, 250)
+    );
+    assert_eq!(
+        upstream.received().last().map(|g| g.body.clone()),
+        Some(mid.into_bytes())
     );
 }

@@ -583,19 +583,45 @@ fn cost_from(v: &Value, p: &mut Path) -> Result<CostFrom> {
         json: None,
         preset: None,
         max: 0,
-        reserve: usage::default_reserve(),
+        reserve: Reserve::default(),
         scan_limit: usage::default_scan_limit(),
+        request_body_limit: usage::default_request_body_limit(),
+        ensure_stream_usage: false,
     };
     fields!(v, p, "struct CostFrom", {
         "header" => c.header = opt(v, p, string_)?,
         "json" => c.json = opt(v, p, |v, p| list(v, p, usage_term))?,
         "preset" => c.preset = opt(v, p, |v, p| pick(v, p, &UsagePreset::NAMES, &UsagePreset::ALL))?,
         "max" => max = Some(u64_(v, p)?),
-        "reserve" => c.reserve = u64_(v, p)?,
+        "reserve" => c.reserve = reserve(v, p)?,
         "scan_limit" => c.scan_limit = u64_(v, p)?,
+        "request_body_limit" => c.request_body_limit = u64_(v, p)?,
+        "ensure_stream_usage" => c.ensure_stream_usage = boolean(v, p)?,
     })?;
     c.max = required(max, p, "max")?;
     Ok(c)
+}
+
+/// `reserve`: a number, or `{"pointer", "default"}` (told apart by type, as
+/// `Reserve`'s `Deserialize` does).
+#[inline(never)]
+fn reserve(v: &Value, p: &mut Path) -> Result<Reserve> {
+    match v {
+        Value::Number(n) if n.as_u64().is_some() => Ok(Reserve::Fixed(n.as_u64().unwrap_or(1))),
+        Value::Object(_) => {
+            let mut pointer = None;
+            let mut default = usage::default_reserve();
+            fields!(v, p, "struct ReserveFrom", {
+                "pointer" => pointer = Some(parsed(v, p, JsonPointer::parse)?),
+                "default" => default = u64_(v, p)?,
+            })?;
+            Ok(Reserve::FromBody(ReserveFrom {
+                pointer: required(pointer, p, "pointer")?,
+                default,
+            }))
+        }
+        _ => Err(p.invalid_type(v, usage::RESERVE_EXPECTED)),
+    }
 }
 
 #[inline(never)]
@@ -667,7 +693,8 @@ mod tests {
                 "tiers": {"free": limits}, "algorithm": "sliding_window", "scope": "local",
                 "mode": "shadow", "cost": 2, "charge_on": ["2xx", "404"],
                 "cost_from": {"header": "x-u", "json": [{"pointer": "/a/b", "weight": 2}],
-                    "preset": "openai_chat", "max": 9, "reserve": 3, "scan_limit": 4096},
+                    "preset": "openai_chat", "max": 9, "reserve": {"pointer": "/max_tokens", "default": 3},
+                    "scan_limit": 4096, "request_body_limit": 2048, "ensure_stream_usage": true},
                 "graduated": {"warn_at": 0.5, "delay_at": 0.8, "delay_ms": 10, "reject_at": 1,
                     "block_at": 2.5, "block_for": "1h"}}],
             "costs": [{"match": matcher, "cost": 5,

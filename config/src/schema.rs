@@ -629,7 +629,7 @@ impl Cost {
     /// the reservation of its `cost_from`.
     pub fn upfront(&self) -> u64 {
         match (&self.cost_from, self.cost) {
-            (Some(from), _) => from.reserve,
+            (Some(from), _) => from.reserve.upfront(),
             (None, cost) => cost.unwrap_or(1),
         }
     }

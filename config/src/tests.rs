@@ -532,14 +532,24 @@ fn charging_from_the_response_is_checked_with_its_paths() {
     )
     .unwrap();
     let from = ok.rules[0].cost_from.as_ref().unwrap();
-    assert_eq!((from.max, from.reserve, from.scan_limit), (4, 2, 1 << 20));
+    assert_eq!(
+        (from.max, &from.reserve, from.scan_limit),
+        (4, &Reserve::Fixed(2), 1 << 20)
+    );
+    assert_eq!(
+        (from.request_body_limit, from.ensure_stream_usage),
+        (64 << 10, false)
+    );
     let defaults = parse(
         with(json!({"header": "x-usage", "max": 4}))
             .to_string()
             .as_bytes(),
     )
     .unwrap();
-    assert_eq!(defaults.rules[0].cost_from.as_ref().unwrap().reserve, 1);
+    assert_eq!(
+        defaults.rules[0].cost_from.as_ref().unwrap().reserve,
+        Reserve::Fixed(1)
+    );
     for (from, expected) in [
         (json!({"max": 4}), "rules[0].cost_from: give exactly one of header, json and preset"),
         (
@@ -549,6 +559,46 @@ fn charging_from_the_response_is_checked_with_its_paths() {
         (json!({"header": "x-u"}), "rules[0].cost_from: missing field `max`"),
         (json!({"header": "x-u", "max": 0}), "rules[0].cost_from.max: must be between 1 and 1000000000"),
         (json!({"header": "x-u", "max": 4, "reserve": 5}), "rules[0].cost_from.reserve: 5 is above max (4)"),
+        (
+            json!({"preset": "openai_chat", "max": 4, "reserve": {"pointer": "/max_tokens", "default": 5}}),
+            "rules[0].cost_from.reserve.default: 5 is above max (4)",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 40, "reserve": {"pointer": "/max_tokens", "default": 6}}),
+            "rules[0].cost_from.reserve.default: 6 is above rules[0].limits[0].requests (5), the capacity of rule \"r\", which it can match: such a request could never pass",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "reserve": {"pointer": "max_tokens"}}),
+            "rules[0].cost_from.reserve.pointer: \"max_tokens\" is not a JSON Pointer: it must start with /",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "reserve": {"default": 2}}),
+            "rules[0].cost_from.reserve: missing field `pointer`",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "reserve": {"pointer": "/m", "dflt": 2}}),
+            "rules[0].cost_from.reserve.dflt: unknown field `dflt`, expected `pointer` or `default`",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "reserve": "/max_tokens"}),
+            "rules[0].cost_from.reserve: invalid type: string \"/max_tokens\", expected a number of tokens or an object with pointer and default",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "reserve": -1}),
+            "rules[0].cost_from.reserve: invalid type: integer `-1`, expected a number of tokens or an object with pointer and default",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "request_body_limit": 1023}),
+            "rules[0].cost_from.request_body_limit: must be between 1024 and 1048576 bytes",
+        ),
+        (
+            json!({"preset": "openai_chat", "max": 4, "request_body_limit": 1048577}),
+            "rules[0].cost_from.request_body_limit: must be between 1024 and 1048576 bytes",
+        ),
+        (
+            json!({"header": "x-u", "max": 4, "ensure_stream_usage": true}),
+            "rules[0].cost_from.ensure_stream_usage: needs a json or preset source: the usage it asks for is read from the body",
+        ),
         (
             json!({"header": "x-u", "max": 40, "reserve": 6}),
             "rules[0].cost_from.reserve: 6 is above rules[0].limits[0].requests (5), the capacity of rule \"r\", which it can match: such a request could never pass",
@@ -729,4 +779,27 @@ fn a_concurrency_limit_stands_alone_on_a_local_rule() {
     );
     tiered["rules"][0]["tiers"] = json!({"pro": [{"concurrent": 8}]});
     assert!(parse(tiered.to_string().as_bytes()).is_ok());
+}
+
+#[test]
+fn a_reserve_read_from_the_body_keeps_its_default_and_names_its_path_in_costs() {
+    let mut c = base();
+    c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat",
+        "max": 100, "reserve": {"pointer": "/max_tokens", "default": 6}}}]);
+    assert_eq!(
+        err(c.clone()),
+        "costs[0].cost_from.reserve.default: 6 is above rules[0].limits[0].requests (5), the capacity of rule \"r\", which it can match: such a request could never pass"
+    );
+    c["costs"][0]["cost_from"]["reserve"] = json!({"pointer": "/max_tokens"});
+    let config = parse(c.to_string().as_bytes()).unwrap();
+    let from = config.costs[0].cost_from.as_ref().unwrap();
+    assert_eq!(
+        from.reserve,
+        Reserve::FromBody(ReserveFrom {
+            pointer: JsonPointer::parse("/max_tokens").unwrap(),
+            default: 1
+        })
+    );
+    assert_eq!(config.costs[0].upfront(), 1);
+    assert_eq!(from.reserve.to_string(), "/max_tokens (default 1)");
 }

@@ -21,6 +21,14 @@ pub const DEFAULT_SCAN_LIMIT: u64 = 1 << 20;
 pub const MIN_SCAN_LIMIT: u64 = 1024;
 /// Upper bound of `scan_limit`.
 pub const MAX_SCAN_LIMIT: u64 = 64 << 20;
+/// Default `request_body_limit`: bytes of a request body read for the
+/// reservation or rewritten by `ensure_stream_usage`.
+pub const DEFAULT_REQUEST_BODY_LIMIT: u64 = 64 << 10;
+/// Lower bound of `request_body_limit`.
+pub const MIN_REQUEST_BODY_LIMIT: u64 = 1024;
+/// Upper bound of `request_body_limit`: Envoy's default per-connection
+/// buffer is 1 MiB, and a body is held whole in the VM while it is read.
+pub const MAX_REQUEST_BODY_LIMIT: u64 = 1 << 20;
 
 /// Where a request's real cost is read from its response.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -37,16 +45,120 @@ pub struct CostFrom {
     pub preset: Option<UsagePreset>,
     /// The most one response may charge; a larger reported cost charges this.
     pub max: u64,
-    /// Tokens held when the request arrives: the bucket must hold them.
-    #[serde(default = "default_reserve")]
-    pub reserve: u64,
+    /// Tokens held when the request arrives: the bucket must hold them. A
+    /// number, or read from the request's JSON body.
+    #[serde(default)]
+    pub reserve: Reserve,
     /// Bytes of the body scanned for the usage; a longer body charges `reserve`.
     #[serde(default = "default_scan_limit")]
     pub scan_limit: u64,
+    /// Bytes of the request body the filter holds to read `reserve` from it
+    /// or to rewrite it (`ensure_stream_usage`); a longer body is passed on
+    /// unread and unchanged.
+    #[serde(default = "default_request_body_limit")]
+    pub request_body_limit: u64,
+    /// Adds `"stream_options": {"include_usage": true}` to a request whose
+    /// JSON body asks for a stream (`"stream": true`) without it, so that an
+    /// OpenAI-style stream reports its usage.
+    #[serde(default)]
+    pub ensure_stream_usage: bool,
 }
 
 pub(super) fn default_reserve() -> u64 {
     1
+}
+
+pub(super) fn default_request_body_limit() -> u64 {
+    DEFAULT_REQUEST_BODY_LIMIT
+}
+
+/// What a request reserves when it arrives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reserve {
+    /// A fixed number of tokens.
+    Fixed(u64),
+    /// A number in the request's JSON body (`max_tokens`), or `default`.
+    FromBody(ReserveFrom),
+}
+
+impl Default for Reserve {
+    fn default() -> Self {
+        Reserve::Fixed(default_reserve())
+    }
+}
+
+/// A reservation read from the request body: the integer at `pointer`, or
+/// `default` when the body has none (absent, not a whole number of at least
+/// 1, not JSON, longer than `request_body_limit`, or no body at all).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveFrom {
+    /// Where the value is (RFC 6901), e.g. `/max_tokens`.
+    pub pointer: JsonPointer,
+    /// The reservation when the body has no usable value.
+    #[serde(default = "default_reserve")]
+    pub default: u64,
+}
+
+/// What the configuration says `reserve` may be, in errors.
+pub const RESERVE_EXPECTED: &str = "a number of tokens or an object with pointer and default";
+
+impl Reserve {
+    /// The fixed reservation, or the default of one read from the body: what
+    /// a request without a usable body reserves, and the least bound checks hold.
+    pub fn upfront(&self) -> u64 {
+        match self {
+            Reserve::Fixed(n) => *n,
+            Reserve::FromBody(f) => f.default,
+        }
+    }
+
+    /// The pointer read from the request body, if any.
+    pub fn pointer(&self) -> Option<&JsonPointer> {
+        match self {
+            Reserve::Fixed(_) => None,
+            Reserve::FromBody(f) => Some(&f.pointer),
+        }
+    }
+
+    /// The path of the number [`Reserve::upfront`] is, under `at` (`rules[0].cost_from`).
+    pub fn field(&self, at: &str) -> String {
+        match self {
+            Reserve::Fixed(_) => format!("{at}.reserve"),
+            Reserve::FromBody(_) => format!("{at}.reserve.default"),
+        }
+    }
+}
+
+impl fmt::Display for Reserve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reserve::Fixed(n) => write!(f, "{n}"),
+            Reserve::FromBody(r) => write!(f, "{} (default {})", r.pointer, r.default),
+        }
+    }
+}
+
+// A number or an object, told apart by the JSON type (not `untagged`, whose
+// error hides the path of a bad field inside the object).
+impl<'de> Deserialize<'de> for Reserve {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Reserve;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(RESERVE_EXPECTED)
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Reserve, E> {
+                Ok(Reserve::Fixed(n))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Reserve, A::Error> {
+                ReserveFrom::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(Reserve::FromBody)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 pub(super) fn default_scan_limit() -> u64 {

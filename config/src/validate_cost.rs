@@ -39,10 +39,10 @@ impl Config {
                 continue;
             }
             if let Some(from) = &rule.cost_from {
-                if from.reserve > smallest {
+                if from.reserve.upfront() > smallest {
                     return Err(too_big(
-                        from.reserve,
-                        format!("rules[{i}].cost_from.reserve"),
+                        from.reserve.upfront(),
+                        from.reserve.field(&format!("rules[{i}].cost_from")),
                     ));
                 }
                 continue;
@@ -51,11 +51,14 @@ impl Config {
             let rule_match = rule.matches.as_ref().unwrap_or(&everything);
             for (c, cost) in self.costs.iter().enumerate() {
                 let (upfront, field) = match (&cost.cost_from, cost.cost) {
-                    (Some(from), _) => (from.reserve, "cost_from.reserve"),
-                    (None, c) => (c.unwrap_or(1), "cost"),
+                    (Some(from), _) => (
+                        from.reserve.upfront(),
+                        from.reserve.field(&format!("costs[{c}].cost_from")),
+                    ),
+                    (None, n) => (n.unwrap_or(1), format!("costs[{c}].cost")),
                 };
                 if upfront > smallest && may_meet(rule_match, &cost.matches) {
-                    return Err(too_big(upfront, format!("costs[{c}].{field}")));
+                    return Err(too_big(upfront, field));
                 }
             }
         }

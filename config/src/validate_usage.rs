@@ -7,7 +7,10 @@
 //! from it, nor a quota that counts cost.
 
 use super::syntax;
-use super::usage::{MAX_SCAN_LIMIT, MAX_TERMS, MAX_WEIGHT, MIN_SCAN_LIMIT};
+use super::usage::{
+    MAX_REQUEST_BODY_LIMIT, MAX_SCAN_LIMIT, MAX_TERMS, MAX_WEIGHT, MIN_REQUEST_BODY_LIMIT,
+    MIN_SCAN_LIMIT,
+};
 use super::validate_cost::may_meet;
 use super::*;
 
@@ -90,10 +93,26 @@ impl CostFrom {
                 format!("must be between 1 and {MAX_REQUESTS}"),
             ));
         }
-        if self.reserve > self.max {
+        if self.reserve.upfront() > self.max {
             return Err(ConfigError::field(
-                format!("{at}.reserve"),
-                format!("{} is above max ({})", self.reserve, self.max),
+                self.reserve.field(at),
+                format!("{} is above max ({})", self.reserve.upfront(), self.max),
+            ));
+        }
+        if !(MIN_REQUEST_BODY_LIMIT..=MAX_REQUEST_BODY_LIMIT).contains(&self.request_body_limit) {
+            return Err(ConfigError::field(
+                format!("{at}.request_body_limit"),
+                format!(
+                    "must be between {MIN_REQUEST_BODY_LIMIT} and {MAX_REQUEST_BODY_LIMIT} bytes"
+                ),
+            ));
+        }
+        // A header source says nothing of the body's shape: the stream's
+        // usage would be asked for and never read.
+        if self.ensure_stream_usage && self.header.is_some() {
+            return Err(ConfigError::field(
+                format!("{at}.ensure_stream_usage"),
+                "needs a json or preset source: the usage it asks for is read from the body",
             ));
         }
         if !(MIN_SCAN_LIMIT..=MAX_SCAN_LIMIT).contains(&self.scan_limit) {

@@ -259,11 +259,13 @@ impl Domain {
                 }
             }
         }
-        // The largest cost `costs` can give a request; 1 when none matches.
+        // The largest cost `costs` can give a request at its check (a
+        // reservation read from the request body reaches `max` at most); 1
+        // when none matches.
         let max_cost = c
             .costs
             .iter()
-            .map(|x| x.upfront())
+            .map(|x| x.cost_from.as_ref().map_or(x.upfront(), |f| f.max))
             .max()
             .unwrap_or(1)
             .max(1);

@@ -18,7 +18,34 @@ pub fn start(
     now_ns: u64,
     random: u64,
 ) -> Step {
-    let mut eval = plan.evaluate(req);
+    first_step(plan, || plan.evaluate(req), store, now_ns, random)
+}
+
+/// [`start`] for a request already evaluated: one that waited for its body
+/// (`decide::body`), whose reservations the body set.
+pub fn start_evaluated(
+    plan: &Plan,
+    eval: Evaluation,
+    store: &impl SharedStore,
+    now_ns: u64,
+    random: u64,
+) -> Step {
+    first_step(plan, move || eval, store, now_ns, random)
+}
+
+/// The first step over the evaluation `evaluate` makes. A closure rather
+/// than the evaluation itself: [`start`] then builds it in place, where
+/// passing it by value cost c1 129 instructions of copying (a decision
+/// 4,758.9 against 4,629.9).
+#[inline(always)]
+fn first_step(
+    plan: &Plan,
+    evaluate: impl FnOnce() -> Evaluation,
+    store: &impl SharedStore,
+    now_ns: u64,
+    random: u64,
+) -> Step {
+    let mut eval = evaluate();
     let mut ctx = Ctx::new(plan, store, now_ns, random);
     if !eval.bad_input.is_empty() {
         ctx.counts.add(Metric::BadInput, 1);

@@ -9,13 +9,16 @@
 //! are charged as if enforced but never reject.
 //!
 //! `stream` holds a request's state across the host's callbacks and calls
-//! the phases: `local` (the first step: the local charge, the lease, the
-//! circuit; `start` and `abandon`), `answer` (the gateway's answer:
+//! the phases: `body` (a request whose reservation is read from its body,
+//! or whose body asks a stream for its usage, waits for it), `local` (the
+//! first step: the local charge, the lease, the circuit; `start` and
+//! `abandon`), `answer` (the gateway's answer:
 //! `finish`); `refresh` is the root timer's lease top-ups and `counts` the
 //! metric increments. This file holds what the phases share: the verdict
 //! and the context that charges, refunds and words the answers.
 
 mod answer;
+mod body;
 mod counts;
 mod in_flight;
 mod local;
@@ -25,8 +28,9 @@ mod settle;
 mod stream;
 
 pub use answer::finish;
+pub use body::{BodyRead, BodyWait};
 pub use counts::Counts;
-pub use local::{abandon, start};
+pub use local::{abandon, start, start_evaluated};
 pub use refresh::{refresh_finish, refresh_start, Refresh};
 pub use settle::{framing, header_usage, ResponseHeaders, Settlement};
 pub use stream::{Callout, Next, Stream};

@@ -1,6 +1,7 @@
 //! One request's life in the filter, from its request headers to the end of
-//! its stream. Each phase the host sees (request headers, the gateway's
-//! answer, response headers, the end) is a method here over the state the
+//! its stream. Each phase the host sees (request headers, the request body
+//! when a reservation is read from it, the gateway's answer, response
+//! headers, the end) is a method here over the state the
 //! earlier phases left: what the request waits for, the headers its response
 //! gets, and the local charge it holds. The host layer only fetches what a
 //! phase reads and carries out what it returns.
@@ -22,6 +23,8 @@ enum State {
     /// Not decided yet (or nothing to decide: no plan).
     #[default]
     Fresh,
+    /// Waiting for the request body, nothing charged yet.
+    Body(Box<BodyWait>),
     /// Waiting for the gateway's answer.
     Waiting(Box<Pending>),
     /// Decided: let through (now or after a delay) with the headers its
@@ -38,6 +41,11 @@ pub enum Next {
     Decided,
     /// Post [`Stream::callout`] to the gateway, then call [`Stream::gateway_answer`].
     Call,
+    /// Let the headers go on, hold the body until it has ended or reached
+    /// [`Stream::body_limit`], then call [`Stream::request_body`]. (Envoy
+    /// hands a filter whose headers paused none of the body until it
+    /// resumes them, so the decision cannot hold the headers too.)
+    Body,
 }
 
 /// A callout to make: the body, the gateway's path and the timeout.
@@ -73,6 +81,125 @@ impl Stream {
         random: u64,
     ) -> Next {
         match start(plan, req, store, now_ns, random) {
+            Step::Done(outcome) => {
+                self.state = State::Decided(outcome);
+                if plan.settling {
+                    self.open_settlement(plan);
+                }
+                Next::Decided
+            }
+            Step::Call(pending) => {
+                self.state = State::Waiting(pending);
+                Next::Call
+            }
+        }
+    }
+
+    /// Request headers of a plan that reads request bodies
+    /// ([`Plan::reads_request_body`]): a request matching a `cost_from` that
+    /// reads the body waits for it (`end_of_stream`: there is none, and the
+    /// defaults apply); any other is decided as [`Stream::request_headers`]
+    /// does. Out of line: the plans that read no body keep the one copy of
+    /// the first step inlined in [`Stream::request_headers`].
+    #[inline(never)]
+    pub fn request_headers_reading_body(
+        &mut self,
+        plan: &Plan,
+        req: &RequestInfo,
+        store: &impl SharedStore,
+        now_ns: u64,
+        random: u64,
+        end_of_stream: bool,
+    ) -> (Next, BodyRead) {
+        let eval = plan.evaluate(req);
+        let meters = plan.body_meters(&eval);
+        if meters.is_empty() {
+            let step = start_evaluated(plan, eval, store, now_ns, random);
+            return (self.take_step(plan, step), BodyRead::default());
+        }
+        let wait = BodyWait::new(plan, eval, random, meters);
+        if end_of_stream {
+            let (eval, random, read) = wait.absent(plan);
+            let step = start_evaluated(plan, eval, store, now_ns, random);
+            return (self.take_step(plan, step), read);
+        }
+        self.state = State::Body(Box::new(wait));
+        (Next::Body, BodyRead::default())
+    }
+
+    /// The most bytes of the request body to hold, while the request waits
+    /// for it; `None` otherwise (the body passes untouched).
+    pub fn body_limit(&self) -> Option<usize> {
+        match &self.state {
+            State::Body(w) => Some(w.limit()),
+            _ => None,
+        }
+    }
+
+    /// Whether the body the request waits for may be rewritten
+    /// (`ensure_stream_usage`): its length is then not known up front.
+    pub fn body_rewritten(&self) -> bool {
+        matches!(&self.state, State::Body(w) if w.rewrites())
+    }
+
+    /// Whether the rest of a body must wait: the request was decided while
+    /// its body came in and waits for the gateway, or was refused.
+    pub fn holds_body(&self) -> bool {
+        match &self.state {
+            State::Waiting(_) => true,
+            State::Decided(o) => matches!(o.verdict, Verdict::Reject { .. }),
+            State::Fresh | State::Body(_) => false,
+        }
+    }
+
+    /// The request body (`None`: longer than [`Stream::body_limit`]): sets
+    /// the reservations from it and decides, or says to call the gateway.
+    /// What the host carries out besides: the rewritten body, the counts.
+    #[inline(never)]
+    pub fn request_body(
+        &mut self,
+        plan: &Plan,
+        bytes: Option<&[u8]>,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> (Next, BodyRead) {
+        if !matches!(self.state, State::Body(_)) {
+            return (Next::Decided, BodyRead::default());
+        }
+        let State::Body(wait) = std::mem::take(&mut self.state) else {
+            return (Next::Decided, BodyRead::default());
+        };
+        let (eval, random, read) = wait.read(plan, bytes);
+        let step = start_evaluated(plan, eval, store, now_ns, random);
+        (self.take_step(plan, step), read)
+    }
+
+    /// The request's trailers came before its body ended (a body of none,
+    /// or one Envoy already holds): decided on the defaults, so that no
+    /// request waiting for its body goes on without a decision.
+    #[inline(never)]
+    pub fn request_trailers(
+        &mut self,
+        plan: &Plan,
+        store: &impl SharedStore,
+        now_ns: u64,
+    ) -> (Next, BodyRead) {
+        if !matches!(self.state, State::Body(_)) {
+            return (Next::Decided, BodyRead::default());
+        }
+        let State::Body(wait) = std::mem::take(&mut self.state) else {
+            return (Next::Decided, BodyRead::default());
+        };
+        let (eval, random, read) = wait.absent(plan);
+        let step = start_evaluated(plan, eval, store, now_ns, random);
+        (self.take_step(plan, step), read)
+    }
+
+    /// Keeps the first step's result, as [`Stream::request_headers`] does
+    /// (out of line: the requests that read no body never come here).
+    #[inline(never)]
+    fn take_step(&mut self, plan: &Plan, step: Step) -> Next {
+        match step {
             Step::Done(outcome) => {
                 self.state = State::Decided(outcome);
                 if plan.settling {
@@ -257,7 +384,7 @@ impl Stream {
         }
         match std::mem::take(&mut self.state) {
             State::Waiting(pending) => Some(pending),
-            State::Fresh | State::Decided(_) => None,
+            State::Fresh | State::Body(_) | State::Decided(_) => None,
         }
     }
 

@@ -5,7 +5,7 @@
 
 use crate::decide::Counts;
 use crate::limits::store::{SharedStore, StoreError};
-use crate::metrics::{Background, Metric};
+use crate::metrics::{Background, BodyMetric, Metric};
 use crate::policy::plan::Plan;
 use crate::vm::Jitter;
 use proxy_wasm::hostcalls;
@@ -157,11 +157,12 @@ pub(super) fn use_epoch_offset(offset: u64) {
     EPOCH_OFFSET.with(|o| o.set(Some(offset)));
 }
 
-/// Counter ids from `define_metric`, `None` where the host refused one: the
-/// decisions' counters, then the root context's own.
+/// Counter ids from `define_metric`, `None` where the host refused one:
+/// the decisions' counters, the request bodies', then the root context's own.
 #[derive(Default)]
 pub(super) struct Metrics(
     [Option<u32>; Metric::ALL.len()],
+    [Option<u32>; BodyMetric::ALL.len()],
     [Option<u32>; Background::ALL.len()],
 );
 
@@ -170,8 +171,18 @@ impl Metrics {
         let define = |name| hostcalls::define_metric(MetricType::Counter, name).ok();
         Metrics(
             Metric::ALL.map(|m| define(m.name())),
+            BodyMetric::ALL.map(|m| define(m.name())),
             Background::ALL.map(|m| define(m.name())),
         )
+    }
+
+    /// Adds one to each of `metrics`.
+    pub(super) fn add_body(&self, metrics: &[BodyMetric]) {
+        for m in metrics {
+            if let Some(Some(id)) = self.1.get(m.index()) {
+                let _ = hostcalls::increment_metric(*id, 1);
+            }
+        }
     }
 
     pub(super) fn add_all(&self, counts: &Counts) {
@@ -185,7 +196,7 @@ impl Metrics {
     /// Adds `n` (when not 0) to one of the root context's counters.
     pub(super) fn add_background(&self, m: Background, n: u64) {
         let i = Background::ALL.iter().position(|x| *x == m);
-        if let (Some(Some(id)), true) = (i.and_then(|i| self.1.get(i)), n > 0) {
+        if let (Some(Some(id)), true) = (i.and_then(|i| self.2.get(i)), n > 0) {
             let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
@@ -268,6 +279,27 @@ impl crate::decide::ResponseHeaders for HostResponse {
             .ok()
             .flatten()
     }
+}
+
+/// The `size` bytes of the request body the host holds (empty when it has none).
+pub fn request_body(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Replaces the `size` bytes of the request body the host holds with
+/// `body`; `false` when the host refused.
+pub fn replace_request_body(size: usize, body: &[u8]) -> bool {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_ok()
+}
+
+/// Removes the request's `content-length`: the body may change length
+/// after the headers have gone on (Envoy then frames it itself, chunked
+/// to an HTTP/1 upstream).
+pub fn drop_content_length() {
+    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", None);
 }
 
 /// The `size` bytes of the response body chunk at hand (empty when the host has none).

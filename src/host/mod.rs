@@ -22,9 +22,10 @@ use crate::policy::request::RequestInfo;
 use crate::vm::timers::{Delays, RefreshSchedule, TICK};
 use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use calls::{
-    call_response, dispatch, monotonic_ns, now_ns, property, random_seed, reset_request,
-    response_body, resume_or_reset, seeded_jitter, send_local_response, use_epoch_offset, wall_ns,
-    HostResponse, HostStore, Metrics,
+    call_response, dispatch, drop_content_length, monotonic_ns, now_ns, property, random_seed,
+    replace_request_body, request_body, reset_request, response_body, resume_or_reset,
+    seeded_jitter, send_local_response, use_epoch_offset, wall_ns, HostResponse, HostStore,
+    Metrics,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -467,6 +468,54 @@ impl Http {
         Some(token)
     }
 
+    /// Request headers of a plan that reads request bodies (out of line:
+    /// the others never come here).
+    #[inline(never)]
+    fn headers_reading_body(
+        &mut self,
+        plan: &Plan,
+        req: &RequestInfo,
+        now: u64,
+        random: u64,
+        end_of_stream: bool,
+    ) -> Action {
+        let (next, read) = self.stream.request_headers_reading_body(
+            plan,
+            req,
+            &HostStore,
+            now,
+            random,
+            end_of_stream,
+        );
+        self.metrics.add_body(&read.counted);
+        if next == Next::Body {
+            // Envoy gives a filter that paused its headers none of the body
+            // until it resumes them: the headers go on, the body is held.
+            if self.stream.body_rewritten() {
+                drop_content_length();
+            }
+            return Action::Continue;
+        }
+        self.carry_out(plan, next, now)
+    }
+
+    /// Carries out what a phase before the request went on returned: the
+    /// verdict, the callout, or the wait for the body.
+    fn carry_out(&mut self, plan: &Plan, next: Next, now: u64) -> Action {
+        match next {
+            Next::Decided => self.conclude(plan, now, false),
+            Next::Call => match self.call_gateway(plan, now) {
+                Some(token) => {
+                    self.call = Some((token, now));
+                    Action::Pause
+                }
+                None => self.answer(plan, None, &[], now, false),
+            },
+            // Only the headers phase waits for the body (see `headers_reading_body`).
+            Next::Body => Action::Continue,
+        }
+    }
+
     /// The gateway's answer, or none (`status` `None`), for the waiting request.
     fn answer(
         &mut self,
@@ -514,13 +563,16 @@ impl Context for Http {
 }
 
 impl HttpContext for Http {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
         let req = Self::read_request(&plan);
         let now = now_ns();
         let random = self.jitter.next(&plan);
+        if plan.reads_request_body {
+            return self.headers_reading_body(&plan, &req, now, random, end_of_stream);
+        }
         match self
             .stream
             .request_headers(&plan, &req, &HostStore, now, random)
@@ -533,7 +585,59 @@ impl HttpContext for Http {
                 }
                 None => self.answer(&plan, None, &[], now, false),
             },
+            // `request_headers` never waits for a body.
+            Next::Body => Action::Continue,
         }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(limit) = self.stream.body_limit() else {
+            // The rest of a body waits with a request that waits for the
+            // gateway or a delay, or was refused; any other streams on.
+            if self.stream.holds_body() || self.delays.borrow().holds(self.id) {
+                return Action::Pause;
+            }
+            return Action::Continue;
+        };
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        // Envoy buffers the body while this returns Pause; `body_size` is
+        // all of it so far. Past the bound it is decided unread.
+        let over = body_size > limit || (!end_of_stream && body_size >= limit);
+        if !over && !end_of_stream {
+            return Action::Pause;
+        }
+        let bytes = (!over).then(|| request_body(body_size));
+        let now = now_ns();
+        let (next, read) = self
+            .stream
+            .request_body(&plan, bytes.as_deref(), &HostStore, now);
+        self.metrics.add_body(&read.counted);
+        if let Some(new) = &read.rewritten {
+            if !replace_request_body(body_size, new) {
+                log::warn!("ratelimit-wasm: the host refused the rewritten request body");
+            }
+        }
+        self.carry_out(&plan, next, now)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.stream.body_limit().is_none() {
+            if self.stream.holds_body() || self.delays.borrow().holds(self.id) {
+                return Action::Pause;
+            }
+            return Action::Continue;
+        }
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        // Trailers end the request: one still waiting for its body is
+        // decided now, on its defaults, rather than let through undecided.
+        let now = now_ns();
+        let (next, read) = self.stream.request_trailers(&plan, &HostStore, now);
+        self.metrics.add_body(&read.counted);
+        self.carry_out(&plan, next, now)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

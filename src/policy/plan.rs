@@ -156,10 +156,17 @@ pub struct QuotaBucket {
 pub struct MeterPlan {
     /// Where the cost is.
     pub source: MeterSource,
-    /// Charged when the request arrives.
+    /// Charged when the request arrives: the fixed reservation, or the
+    /// default of one read from the request body.
     pub reserve: u64,
     /// The most one response charges.
     pub max: u64,
+    /// Where the reservation is read in the request body (split, unescaped).
+    pub reserve_from: Option<Vec<String>>,
+    /// Ask a stream for its usage (rewrite the request body).
+    pub ensure_stream_usage: bool,
+    /// Bytes of the request body held to read it.
+    pub request_body_limit: u64,
 }
 
 /// Where a [`MeterPlan`] reads the cost.
@@ -177,13 +184,21 @@ pub enum MeterSource {
 pub use crate::config::bounds::DEBT_OVERRUNS;
 
 impl MeterPlan {
+    /// Whether a request this meter settles waits for its body.
+    pub fn reads_request_body(&self) -> bool {
+        self.reserve_from.is_some() || self.ensure_stream_usage
+    }
+
     fn compile(from: &CostFrom) -> MeterPlan {
         let terms = match (&from.header, &from.json, from.preset) {
             (Some(h), _, _) => {
                 return MeterPlan {
                     source: MeterSource::Header(h.to_ascii_lowercase()),
-                    reserve: from.reserve,
+                    reserve: from.reserve.upfront(),
                     max: from.max,
+                    reserve_from: from.reserve.pointer().map(|p| p.0.clone()),
+                    ensure_stream_usage: false,
+                    request_body_limit: from.request_body_limit,
                 }
             }
             (None, Some(json), _) => json
@@ -202,8 +217,11 @@ impl MeterPlan {
                 max: from.max,
                 scan_limit: from.scan_limit,
             }),
-            reserve: from.reserve,
+            reserve: from.reserve.upfront(),
             max: from.max,
+            reserve_from: from.reserve.pointer().map(|p| p.0.clone()),
+            ensure_stream_usage: from.ensure_stream_usage,
+            request_body_limit: from.request_body_limit,
         }
     }
 }
@@ -380,6 +398,9 @@ pub struct Plan {
     /// Some rule is settled from its response (`cost_from`, `charge_on`):
     /// only then does an admitted request keep state for its response.
     pub settling: bool,
+    /// Some `cost_from` reads the request body (`reserve` from a pointer,
+    /// `ensure_stream_usage`): only then may a request wait for its body.
+    pub reads_request_body: bool,
     pub(super) costs: Vec<(Matcher, u64, Option<usize>)>,
     pub(super) identity: IdentityPlan,
     /// Rules a request may charge locally (neither global nor a stand-in):
@@ -553,7 +574,9 @@ fn rule_plan(
         algorithm: rule.algorithm,
         scope: rule.scope,
         shadow: rule.mode == Mode::Shadow,
-        cost: rule.cost.or(rule.cost_from.as_ref().map(|f| f.reserve)),
+        cost: rule
+            .cost
+            .or(rule.cost_from.as_ref().map(|f| f.reserve.upfront())),
         graduated,
         variants: specs.iter().map(|s| maker.make(s, 1)).collect(),
         fallback: None,
@@ -782,6 +805,7 @@ impl Plan {
             })
             .collect();
         let settling = !meters.is_empty() || rules.iter().any(|r| r.charge_on.is_some());
+        let reads_request_body = meters.iter().any(MeterPlan::reads_request_body);
         let id = &config.identity;
         let (header_needed, source) = reads(
             h.0.len(),
@@ -818,6 +842,7 @@ impl Plan {
             domain: config.domain.clone(),
             meters,
             settling,
+            reads_request_body,
             in_flight: InFlightLayout::new(&config.domain, config.max_buckets),
             costs,
             identity,
@@ -827,6 +852,27 @@ impl Plan {
     /// The limits of a bucket's rule and variant.
     pub fn limits(&self, rule: usize, variant: usize) -> &[(Limit, u64)] {
         self.rules.get(rule).map_or(&[], |r| r.limits(variant))
+    }
+
+    /// The meters of `eval`'s buckets (and of its `costs` entry) that read
+    /// the request body, each once: empty when the request is decided at
+    /// its headers.
+    pub fn body_meters(&self, eval: &Evaluation) -> Vec<usize> {
+        let mut out: Vec<usize> = eval
+            .buckets
+            .iter()
+            .chain(&eval.shadow)
+            .filter_map(|b| self.meter_of(b.rule, eval.cost_meter))
+            .chain(eval.cost_meter)
+            .filter(|m| {
+                self.meters
+                    .get(*m)
+                    .is_some_and(MeterPlan::reads_request_body)
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// The meter that settles a bucket of `rule`: the rule's own

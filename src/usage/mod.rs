@@ -3,13 +3,16 @@
 //! the [`Scan`] of one body, fed chunk by chunk in bounded state, plain JSON
 //! (`json.rs`, over `segments.rs` and `find.rs`) or server-sent events
 //! (`sse.rs`, [`Framing`]); [`Preset`] has the terms of the LLM APIs whose
-//! responses report their token usage.
+//! responses report their token usage. `request.rs` reads the request
+//! body before the request is decided: a reservation (`max_tokens`) and the
+//! rewrite that asks a stream for its usage.
 
 pub mod find;
 pub mod json;
 pub mod meter;
 pub mod path;
 pub mod preset;
+pub mod request;
 pub mod scan;
 pub mod segments;
 pub mod sse;

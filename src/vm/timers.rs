@@ -40,6 +40,11 @@ impl Delays {
         due
     }
 
+    /// Whether request `id` is held.
+    pub fn holds(&self, id: u32) -> bool {
+        self.held.iter().any(|(d, _, _)| *d == id)
+    }
+
     /// Forgets request `id`: its stream is done and must never be resumed.
     pub fn forget(&mut self, id: u32) {
         self.held.retain(|(d, _, _)| *d != id);

@@ -7,6 +7,9 @@
 //!   returned Continue, reading a value returns BadArgument (the SDK then panics). Response
 //!   headers likewise only during `on_response_headers`. In `on_log` both maps are the final
 //!   ones (a missing map gives NotFound there). Pairs of an unavailable map are empty.
+//! * request bodies (buffer 0): a filter that paused the headers sees none of the body until
+//!   it resumes them (Envoy's StopAllIterationAndWatermark); after that, chunks the filter
+//!   answers Pause for are buffered and it sees the whole buffer, which it may replace.
 //! * `send_local_response`, `continue_stream` and `close_stream` take effect after the current
 //!   VM call returns (Envoy defers them the same way).
 //! * unknown imports trap with a message naming them.
@@ -32,6 +35,8 @@ pub enum StreamPhase {
     RequestHeaders,
     /// `on_request_headers` returned Pause (waiting for the filter to resume it).
     Paused,
+    /// Inside `on_request_body`.
+    RequestBody,
     /// The request goes upstream (transient).
     Forwarding,
     /// The request went upstream and the test holds the answer (`Request::hold_upstream`).
@@ -68,6 +73,15 @@ pub(crate) struct StreamState {
     pub response_headers: Option<Pairs>,
     pub resp_map_held: bool,
     pub response_body: Vec<u8>,
+    /// The request body the host holds for the filter (buffer 0).
+    pub request_body: Vec<u8>,
+    /// The request body that went upstream.
+    pub upstream_body: Vec<u8>,
+    /// What each `proxy_on_request_body` call returned.
+    pub body_actions: Vec<Action>,
+    /// The request body waits for a resume before the filter sees it: the
+    /// headers paused (Envoy turns that Pause into StopAllIterationAndWatermark).
+    pub body_pending: bool,
     /// The chunk `proxy_on_response_body` is called with, while it is.
     pub body_chunk: Option<Vec<u8>>,
     pub access_log_phase: bool,
@@ -96,6 +110,10 @@ impl StreamState {
             response_headers: None,
             resp_map_held: false,
             response_body: Vec::new(),
+            request_body: Vec::new(),
+            upstream_body: Vec::new(),
+            body_actions: Vec::new(),
+            body_pending: false,
             body_chunk: None,
             access_log_phase: false,
             phase: StreamPhase::Created,
@@ -566,13 +584,17 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
                                             len: i32|
      -> Result<i32> {
         let data = read(&mut c, ptr, len)?;
-        if ty != 1 {
-            bail!("proxy_set_buffer_bytes(buffer type {ty}): the harness only supports the response body (1)");
+        if ty != 0 && ty != 1 {
+            bail!("proxy_set_buffer_bytes(buffer type {ty}): the harness only supports the request (0) and response (1) bodies");
         }
         let Some(s) = c.data_mut().active_stream_mut() else {
             return Ok(i(NOT_FOUND));
         };
-        let body = &mut s.response_body;
+        let body = if ty == 0 {
+            &mut s.request_body
+        } else {
+            &mut s.response_body
+        };
         let start = (start as u32 as usize).min(body.len());
         let end = start.saturating_add(size as u32 as usize).min(body.len());
         body.splice(start..end, data);
@@ -1072,6 +1094,7 @@ fn buffer(c: &C<'_>, ty: i32) -> Option<Vec<u8>> {
         7 if h.plugin_config_available => Some(h.inner().opts.plugin_config.clone()),
         6 => Some(h.inner().opts.vm_config.clone()),
         4 => h.http_call_response.as_ref().map(|r| r.body.clone()),
+        0 => h.active_stream().map(|s| s.request_body.clone()),
         1 => h.active_stream().map(|s| {
             s.body_chunk
                 .clone()

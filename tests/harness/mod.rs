@@ -361,6 +361,9 @@ pub struct Request {
     pub upstream: Upstream,
     /// If set, the request stops after going upstream until `Harness::respond_upstream`.
     pub hold_upstream: bool,
+    /// The request body as `proxy_on_request_body` sees it arrive, one call
+    /// per chunk; empty: the request ends with its headers.
+    pub body: Vec<Vec<u8>>,
 }
 
 impl Request {
@@ -378,6 +381,7 @@ impl Request {
             )],
             upstream: Upstream::default(),
             hold_upstream: false,
+            body: Vec::new(),
         }
     }
     pub fn get(path: &str) -> Self {
@@ -451,6 +455,17 @@ impl Request {
         self.upstream.status = status;
         self
     }
+    /// A request body, delivered in one chunk (the headers then do not end the stream).
+    pub fn body(mut self, body: impl AsRef<[u8]>) -> Self {
+        self.body = vec![body.as_ref().to_vec()];
+        self
+    }
+    /// The body cut into chunks of `size` bytes (the last may be shorter).
+    pub fn body_chunked(mut self, size: usize) -> Self {
+        let whole = self.body.concat();
+        self.body = whole.chunks(size.max(1)).map(<[u8]>::to_vec).collect();
+        self
+    }
     pub fn hold_upstream(mut self) -> Self {
         self.hold_upstream = true;
         self
@@ -487,6 +502,11 @@ pub struct Outcome {
     pub body: Vec<u8>,
     /// Request headers as forwarded upstream (after the filter's changes); None if not forwarded.
     pub upstream_request: Option<Vec<(String, Vec<u8>)>>,
+    /// The request body as the upstream got it (after the filter's
+    /// changes); None if not forwarded.
+    pub upstream_body: Option<Vec<u8>>,
+    /// What each `proxy_on_request_body` call returned.
+    pub body_actions: Vec<Action>,
     /// Http callouts this stream's context made.
     pub http_calls: Vec<HttpCall>,
     /// `proxy_continue_stream(HttpRequest)` calls on this stream.
@@ -1150,17 +1170,30 @@ impl Harness {
                         worker: w,
                         context_id: ctx,
                     };
-                    self.with_stream(id, |s| {
+                    let pending = self.with_stream(id, |s| {
                         s.resumes += 1;
-                        if s.phase == StreamPhase::Paused {
-                            s.phase = StreamPhase::Forwarding;
-                        } else {
-                            s.notes.push(format!(
-                                "proxy_continue_stream(HttpRequest) while the stream was {:?}: ignored",
-                                s.phase
-                            ));
-                        }
+                        std::mem::take(&mut s.body_pending) && s.phase == StreamPhase::Paused
                     });
+                    if pending {
+                        // The headers go on, then the filter sees the body
+                        // Envoy held for it.
+                        self.with_stream(id, |s| {
+                            s.req_map_held = false;
+                            s.phase = StreamPhase::Forwarding;
+                        });
+                        self.deliver_request_body(id);
+                    } else {
+                        self.with_stream(id, |s| {
+                            if s.phase == StreamPhase::Paused {
+                                s.phase = StreamPhase::Forwarding;
+                            } else {
+                                s.notes.push(format!(
+                                    "proxy_continue_stream(HttpRequest) while the stream was {:?}: ignored",
+                                    s.phase
+                                ));
+                            }
+                        });
+                    }
                     self.drive(id);
                 }
                 AfterAction::ContinueResponse(ctx) => {
@@ -1294,6 +1327,8 @@ impl Harness {
                 }
                 StreamPhase::Forwarding => {
                     self.with_stream(id, |s| {
+                        let buffered = std::mem::take(&mut s.request_body);
+                        s.upstream_body.extend(buffered);
                         s.upstream_request = Some(s.request_headers.clone());
                         if s.request.hold_upstream {
                             s.phase = StreamPhase::AwaitingUpstream;
@@ -1404,13 +1439,21 @@ impl Harness {
             "proxy_on_context_create",
             (ctx as i32, ROOT_CONTEXT_ID as i32),
         );
-        let n = self.with_stream(id, |s| {
+        let (n, eos) = self.with_stream(id, |s| {
             s.phase = StreamPhase::RequestHeaders;
             s.req_map_held = true;
-            s.request_headers.len() as i32
+            (
+                s.request_headers.len() as i32,
+                s.request.body.is_empty() as i32,
+            )
         });
         let action = self
-            .invoke::<(i32, i32, i32), i32>(w, ctx, "proxy_on_request_headers", (ctx as i32, n, 1))
+            .invoke::<(i32, i32, i32), i32>(
+                w,
+                ctx,
+                "proxy_on_request_headers",
+                (ctx as i32, n, eos),
+            )
             .map(Action::from_i32)
             .unwrap_or(Action::Continue);
         self.with_stream(id, |s| {
@@ -1431,8 +1474,66 @@ impl Harness {
                 }
             }
         });
+        self.deliver_request_body(id);
         self.drive(id);
         id
+    }
+
+    /// The request body through `proxy_on_request_body`, chunk by chunk,
+    /// as Envoy 1.40 delivers it. Headers the filter paused make Envoy stop
+    /// all iteration (`StopAllIterationAndWatermark`, without the plugin
+    /// option `allow_on_headers_stop_iteration`): the filter sees none of
+    /// the body until it resumes the request, and then all of it. Once the
+    /// headers went on, while the filter answers Pause the chunks are
+    /// buffered, each call seeing the whole buffer (`body_size` its length,
+    /// buffer 0 its bytes, which `proxy_set_buffer_bytes` may replace), and
+    /// the request is held until Continue or a resume passes the buffer on.
+    fn deliver_request_body(&self, id: StreamId) {
+        let (chunks, stop_all) = self.with_stream(id, |s| {
+            let stop_all = s.phase == StreamPhase::Paused && !s.request.body.is_empty();
+            s.body_pending = stop_all;
+            (s.request.body.clone(), stop_all)
+        });
+        if stop_all {
+            return;
+        }
+        let n = chunks.len();
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let before = self.with_stream(id, |s| s.phase);
+            if !matches!(before, StreamPhase::Paused | StreamPhase::Forwarding) {
+                break;
+            }
+            let len = self.with_stream(id, |s| {
+                s.request_body.extend(chunk);
+                s.phase = StreamPhase::RequestBody;
+                s.request_body.len() as i32
+            });
+            let eos = (i + 1 == n) as i32;
+            let action = self
+                .invoke::<(i32, i32, i32), i32>(
+                    id.worker,
+                    id.context_id,
+                    "proxy_on_request_body",
+                    (id.context_id as i32, len, eos),
+                )
+                .map(Action::from_i32)
+                .unwrap_or(Action::Continue);
+            self.with_stream(id, |s| {
+                if s.phase != StreamPhase::RequestBody {
+                    return; // a local reply or reset happened meanwhile
+                }
+                s.body_actions.push(action);
+                if action == Action::Continue {
+                    let buffered = std::mem::take(&mut s.request_body);
+                    s.upstream_body.extend(buffered);
+                    s.req_map_held = false;
+                    s.phase = StreamPhase::Forwarding;
+                } else {
+                    // Held: the request goes upstream when it is resumed.
+                    s.phase = StreamPhase::Paused;
+                }
+            });
+        }
     }
 
     /// A snapshot of a stream (live or finished and not yet forgotten).
@@ -1462,6 +1563,8 @@ impl Harness {
             headers: s.response_headers.clone().unwrap_or_default(),
             body: s.response_body.clone(),
             upstream_request: s.upstream_request.clone(),
+            upstream_body: s.upstream_request.as_ref().map(|_| s.upstream_body.clone()),
+            body_actions: s.body_actions.clone(),
             http_calls: s
                 .calls
                 .iter()
