@@ -437,6 +437,9 @@ mod tests {
                 "1000000000",
                 "1000",
                 "1",
+                // The ceiling (the window: no debt), no reservation record.
+                "1000",
+                "0",
                 "100000",
             ]
         );
