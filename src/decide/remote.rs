@@ -6,6 +6,7 @@
 //! sent to the gateway as one [`ratelimit_protocol::Settlement`] under the
 //! check's reservation id.
 
+use crate::global::callout;
 use crate::policy::plan::{Evaluation, GlobalBucket, Plan, QuotaBucket};
 use ratelimit_protocol::{BucketRef, QuotaRef, Settlement};
 
@@ -170,16 +171,7 @@ impl Open {
             .iter()
             .enumerate()
             .filter(|(i, (g, _))| real(*i, g.cost) != g.cost)
-            .filter_map(|(i, (g, _))| {
-                let rule = plan.rules.get(g.rule)?;
-                Some(BucketRef {
-                    rule: rule.name.clone(),
-                    key: g.key.clone(),
-                    tag: g.tag.clone(),
-                    variant: rule.variants.get(g.variant)?.wire.clone(),
-                    cost: real(i, g.cost),
-                })
-            })
+            .filter_map(|(i, (g, _))| callout::bucket_ref(plan, g, real(i, g.cost)))
             .collect();
         let quotas: Vec<QuotaRef> = self
             .reserved
@@ -187,15 +179,7 @@ impl Open {
             .iter()
             .enumerate()
             .filter(|(j, (q, _))| real(n + j, q.amount) != q.amount)
-            .filter_map(|(j, (q, _))| {
-                Some(QuotaRef {
-                    quota: plan.quotas.get(q.quota)?.name.clone(),
-                    key: q.key.clone(),
-                    tag: q.tag.clone(),
-                    variant: q.variant.clone(),
-                    amount: real(n + j, q.amount),
-                })
-            })
+            .filter_map(|(j, (q, _))| callout::quota_ref(plan, q, real(n + j, q.amount)))
             .collect();
         (!buckets.is_empty() || !quotas.is_empty()).then_some(Settlement {
             reservation: self.reserved.id,

@@ -25,29 +25,11 @@ pub fn encode_request(
 ) -> Vec<u8> {
     let buckets = global
         .iter()
-        .filter_map(|g| {
-            // A bucket of an unknown rule or variant is left out.
-            let rule = plan.rules.get(g.rule)?;
-            Some(BucketRef {
-                rule: rule.name.clone(),
-                key: g.key.clone(),
-                tag: g.tag.clone(),
-                variant: rule.variants.get(g.variant)?.wire.clone(),
-                cost: g.cost,
-            })
-        })
+        .filter_map(|g| bucket_ref(plan, g, g.cost))
         .collect();
     let quotas = quotas
         .iter()
-        .filter_map(|q| {
-            Some(QuotaRef {
-                quota: plan.quotas.get(q.quota)?.name.clone(),
-                key: q.key.clone(),
-                tag: q.tag.clone(),
-                variant: q.variant.clone(),
-                amount: q.amount,
-            })
-        })
+        .filter_map(|q| quota_ref(plan, q, q.amount))
         .collect();
     let body = CheckRequest {
         version: VERSION,
@@ -57,6 +39,30 @@ pub fn encode_request(
         reservation: reservation.map(str::to_string),
     };
     serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// The wire form of a global bucket at `cost`; `None` (left out) for a
+/// bucket of an unknown rule or variant.
+pub fn bucket_ref(plan: &Plan, g: &GlobalBucket, cost: u64) -> Option<BucketRef> {
+    let rule = plan.rules.get(g.rule)?;
+    Some(BucketRef {
+        rule: rule.name.clone(),
+        key: g.key.clone(),
+        tag: g.tag.clone(),
+        variant: rule.variants.get(g.variant)?.wire.clone(),
+        cost,
+    })
+}
+
+/// The wire form of a quota counting `amount`; `None` for an unknown quota.
+pub fn quota_ref(plan: &Plan, q: &QuotaBucket, amount: u64) -> Option<QuotaRef> {
+    Some(QuotaRef {
+        quota: plan.quotas.get(q.quota)?.name.clone(),
+        key: q.key.clone(),
+        tag: q.tag.clone(),
+        variant: q.variant.clone(),
+        amount,
+    })
 }
 
 /// Why an answer was not usable; each is a gateway failure for the failure mode.
