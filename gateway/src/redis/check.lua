@@ -43,8 +43,8 @@
 -- charged; else every limit and every quota is charged. A denied token bucket
 -- read as more than empty (Redis time went backwards) still stores that bound.
 --
--- clock, ttl, expire_at, divmod, ceildiv, fmt, period_bounds and limit_args
--- come from common.lua, which script.rs puts in front (with why the arithmetic is exact).
+-- clock, ttl, expire_at, divmod, ceildiv, fmt, period_bounds, tb_use and
+-- limit_args come from common.lua, which script.rs puts in front (with why the arithmetic is exact).
 
 local commit = ARGV[1] == '1'
 local now = clock(ARGV[2])
@@ -74,15 +74,8 @@ end
 -- A TAT up to `cap` ahead (the ceiling, >= W) is debt a settlement left:
 -- denied, with a wait that covers it.
 local function token_bucket(state, c, w, cost, cap)
-  local d, r = 0, 0
+  local d, r = tb_use(state, now)
   local bounded = false
-  if state then
-    local t, rr = string.match(state, '^(%d+):(%d+)$')
-    t, rr = tonumber(t), tonumber(rr)
-    if t and rr and (t > now or (t == now and rr > 0)) then
-      d, r = t - now, rr
-    end
-  end
   if d > cap or (d == cap and r > 0) then
     d, r, bounded = cap, 0, true
   end

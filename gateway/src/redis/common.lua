@@ -99,6 +99,21 @@ local function period_bounds(period, s)
 end
 
 
+-- A token bucket's use at `now` from its state "tat_ms:rem" (TAT = tat_ms +
+-- rem/C ms, 0 <= rem < C): TAT - now = d + r/C ms, returned as d, r; (0, 0)
+-- when there is no state or the TAT is past (the bucket is full). The
+-- caller bounds d (check.lua, lease.lua, force).
+local function tb_use(state, now)
+  if state then
+    local t, r = string.match(state, '^(%d+):(%d+)$')
+    t, r = tonumber(t), tonumber(r)
+    if t and r and (t > now or (t == now and r > 0)) then
+      return t - now, r
+    end
+  end
+  return 0, 0
+end
+
 -- Limit i's arguments (i = 1..L) in check.lua, refund.lua and settle.lua,
 -- which all start with three ARGV of their own: algorithm, requests (N or
 -- C), window_ms (W), cost, and the ceiling: how far ahead of now (ms) a
@@ -168,14 +183,7 @@ end
 local function force(key, algorithm, n, w, cost, ceiling, now)
   local state = redis.call('GET', key)
   if algorithm == 'token_bucket' then
-    local d, r = 0, 0
-    if state then
-      local t, rr = string.match(state, '^(%d+):(%d+)$')
-      t, rr = tonumber(t), tonumber(rr)
-      if t and rr and (t > now or (t == now and rr > 0)) then
-        d, r = t - now, rr
-      end
-    end
+    local d, r = tb_use(state, now)
     if d > ceiling then d, r = ceiling, 0 end
     local used = d * n + r
     local room = math.max(ceiling * n - used, 0)

@@ -38,7 +38,7 @@
 -- want and return > 2^53), so every + - * is exact, and divisions go through
 -- divmod (math.fmod is exact).
 
--- clock, ttl, divmod, ceildiv and fmt come from common.lua, which script.rs puts
+-- clock, ttl, divmod, ceildiv, fmt and tb_use come from common.lua, which script.rs puts
 -- in front: the same rounding as check.lua.
 
 local now = clock(ARGV[1])
@@ -49,19 +49,6 @@ local L = #KEYS - 1
 local ledger = KEYS[L + 1]
 local held = tonumber(redis.call('GET', ledger) or '0') or 0
 if give > held then give = held end
-
--- The bucket's use as check.lua reads it: TAT - now = d + r/C ms with
--- 0 <= r < C, or (0, 0) when the TAT is past (the bucket is full).
-local function read(state)
-  if state then
-    local t, r = string.match(state, '^(%d+):(%d+)$')
-    t, r = tonumber(t), tonumber(r)
-    if t and r and (t > now or (t == now and r > 0)) then
-      return t - now, r
-    end
-  end
-  return 0, 0
-end
 
 -- (d, r) with n tokens given back: n*W/C ms less, floored at now. With
 -- n = a*C + b the products stay below 2^53: b*W < C*W, and a*W is formed only
@@ -83,7 +70,8 @@ local granted = want
 for i = 1, L do
   local c = tonumber(ARGV[2 * i + 3])
   local w = tonumber(ARGV[2 * i + 4])
-  local d0, r0 = read(redis.call('GET', KEYS[i]))
+  -- The bucket's use as check.lua reads it (common.lua's tb_use).
+  local d0, r0 = tb_use(redis.call('GET', KEYS[i]), now)
   local d, r = give_back(d0, r0, c, w, give)
   -- More than a full bucket of use only comes from Redis time that went
   -- backwards: it reads as an empty bucket and that bound is stored, as in
