@@ -173,45 +173,20 @@ async fn cluster_settlements_find_the_record_of_their_slot() {
     assert_eq!(groups(&check_body(100, None)), 2, "two slots");
     let (status, a) = check(&client, &gw.url(), &check_body(100, Some(id))).await;
     assert_eq!((status, a["allowed"].as_bool()), (200, Some(true)), "{a}");
-    let settle = |settlement: serde_json::Value| serde_json::json!({"version": 2, "domain": "settle-cluster", "settlements": [settlement]});
-    let url = format!("{}/v1/settle", gw.url());
+    let batch = |settlement: serde_json::Value| serde_json::json!({"version": 2, "domain": "settle-cluster", "settlements": [settlement]});
     // The method's slot only: 400 of it.
-    let only_method = settle(serde_json::json!({"reservation": id,
+    let only_method = batch(serde_json::json!({"reservation": id,
         "buckets": [bucket("by-method", "m=GET", 400)]}));
-    let r: serde_json::Value = client
-        .post(&url)
-        .json(&only_method)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, r) = settle(&client, &gw.url(), &only_method).await;
     assert_eq!(r["settled"], serde_json::json!([true]), "{r}");
     // The client's slot (its bucket and the quota): 250, once.
-    let client_slot = settle(serde_json::json!({"reservation": id,
+    let client_slot = batch(serde_json::json!({"reservation": id,
         "buckets": [bucket("by-client", "c=alice", 250)], "quotas": [quota(250)]}));
     for want in [true, false] {
-        let r: serde_json::Value = client
-            .post(&url)
-            .json(&client_slot)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, r) = settle(&client, &gw.url(), &client_slot).await;
         assert_eq!(r["settled"], serde_json::json!([want]), "{r}");
     }
-    let r: serde_json::Value = client
-        .post(&url)
-        .json(&only_method)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, r) = settle(&client, &gw.url(), &only_method).await;
     assert_eq!(r["settled"], serde_json::json!([false]), "replayed: {r}");
     // A check of 1 reads what is left: 1000 - 250 - 1 and 1000 - 400 - 1.
     let (_, a) = check(&client, &gw.url(), &check_body(1, None)).await;

@@ -338,6 +338,11 @@ pub async fn check(client: &reqwest::Client, base: &str, body: &Value) -> (u16, 
     post(client, &format!("{base}/v1/check"), body).await
 }
 
+/// Posts `body` to `/v1/settle`.
+pub async fn settle(client: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
+    post(client, &format!("{base}/v1/settle"), body).await
+}
+
 /// Posts raw bytes to `/v1/check`.
 pub async fn check_raw(client: &reqwest::Client, base: &str, body: &'static str) -> (u16, Value) {
     sync_policy();
