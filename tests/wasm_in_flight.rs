@@ -126,3 +126,105 @@ fn a_rate_limit_refused_request_holds_no_slot_and_a_full_key_refunds_the_rate_ch
     assert_eq!(o.status, 429);
     assert_eq!(o.body_json()["violated-policies"], json!(["rate"]));
 }
+
+/// Three in flight per client on the gateway (`scope: global`).
+fn global_three() -> String {
+    json!({"domain": "inflight", "response": {"retry_jitter": 0},
+        "global": {"cluster": "gw", "failure_mode": "closed"},
+        "rules": [{"name": "streams", "scope": "global", "key": ["client"],
+                   "limits": [{"concurrent": 3, "max_in_flight": "1m"}]}]})
+    .to_string()
+}
+
+/// The gateway's answer to a check of one slot.
+fn slot_answer(allowed: bool, remaining: u64) -> CallResponse {
+    let wait = if allowed { 0 } else { 1000 };
+    CallResponse::new(200).body(
+        json!({"version": 2, "allowed": allowed, "buckets": [{"limits": [{
+            "requests": 3, "window_ms": 60000, "algorithm": "token_bucket", "in_flight": true,
+            "allowed": allowed, "remaining": remaining, "reset_ms": wait, "retry_after_ms": wait}]}]})
+        .to_string(),
+    )
+}
+
+/// The one callout waiting for its answer, and its JSON body.
+fn the_pending_call(h: &Harness, what: &str) -> (HttpCall, Value) {
+    let calls = h.pending_http_calls();
+    let [call] = calls.as_slice() else {
+        panic!("one {what} expected: {calls:?}");
+    };
+    let body = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
+    (call.clone(), body)
+}
+
+/// The settlement that releases `reservation`'s slot of ann's `streams`.
+fn release_of(reservation: &str) -> Value {
+    json!({"version": 2, "domain": "inflight", "settlements": [{"reservation": reservation,
+        "buckets": [{"rule": "streams", "key": "streams/c=ann", "tag": "c=ann",
+                     "variant": "default", "cost": 0}]}]})
+}
+
+#[test]
+fn a_global_slot_is_taken_under_a_reservation_and_released_on_the_gateway_when_the_stream_ends() {
+    let h = Harness::running(Options::new(2, global_three()).clusters(&["gw"]));
+    let stream = h.begin(0, client("ann").hold_upstream());
+    let (check, body) = the_pending_call(&h, "check");
+    assert_eq!(body["buckets"][0]["cost"], 1, "{body}");
+    let reservation = body["reservation"].as_str().unwrap().to_string();
+    h.respond_http_call(check.worker, check.token, slot_answer(true, 2));
+    // In flight: the slot is held, nothing is settled yet, whatever the tick.
+    h.tick_all();
+    assert!(h.pending_http_calls().is_empty());
+    let o = h.respond_upstream(stream, Upstream::new(200, "{}"));
+    assert_eq!(o.status, 200);
+    assert_eq!(
+        o.header("ratelimit-policy").as_deref(),
+        Some("\"streams\";q=3;qu=\"concurrent-requests\"")
+    );
+    h.tick(0);
+    let (settle, body) = the_pending_call(&h, "settle call");
+    assert_eq!(settle.header(":path").as_deref(), Some("/v1/settle"));
+    assert_eq!(body, release_of(&reservation));
+    h.respond_http_call(
+        settle.worker,
+        settle.token,
+        CallResponse::new(200).body(r#"{"version":2,"settled":[true]}"#),
+    );
+    assert_eq!(h.metric("ratelimit_wasm_global_settled"), 1);
+}
+
+#[test]
+fn a_full_global_key_is_429_with_retry_after_1_and_is_never_answered_from_the_deny_cache() {
+    let h = Harness::running(Options::new(1, global_three()).clusters(&["gw"]));
+    for round in 0..2 {
+        let stream = h.begin(0, client("ann"));
+        let (check, _) = the_pending_call(&h, &format!("check {round}"));
+        h.respond_http_call(check.worker, check.token, slot_answer(false, 0));
+        let o = h.outcome(stream);
+        assert_eq!(o.status, 429, "{o:?}");
+        assert_eq!(o.header("retry-after").as_deref(), Some("1"));
+    }
+    // A denied check took no slot: nothing to release.
+    h.tick(0);
+    assert!(h.pending_http_calls().is_empty());
+}
+
+#[test]
+fn a_client_that_leaves_while_its_check_is_on_its_way_releases_the_slot_it_may_hold() {
+    let h = Harness::running(Options::new(1, global_three()).clusters(&["gw"]));
+    let stream = h.begin(0, client("ann"));
+    let (_, body) = the_pending_call(&h, "check");
+    let reservation = body["reservation"].as_str().unwrap().to_string();
+    h.cancel(stream);
+    h.tick(0);
+    let settles: Vec<HttpCall> = h
+        .pending_http_calls()
+        .into_iter()
+        .filter(|c| c.header(":path").as_deref() == Some("/v1/settle"))
+        .collect();
+    let [settle] = settles.as_slice() else {
+        panic!("one settle call expected: {settles:?}");
+    };
+    let body: Value = serde_json::from_slice(&settle.body).unwrap();
+    assert_eq!(body, release_of(&reservation));
+}

@@ -123,14 +123,16 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
 /// The `RateLimit-Policy` value a response showing limit `l` of rule
 /// `name` carries, written by the filter's own header code.
 fn policy_item(name: &str, l: &LimitSpec) -> String {
+    let quota = l.concurrent.map_or(l.requests, u64::from);
     let shown = Shown {
         policy: name,
-        quota: l.requests,
+        quota,
         window_secs: l.per.0,
-        remaining: l.requests,
+        remaining: quota,
         reset_secs: 0,
         retry_after_secs: 1,
         text: None,
+        in_flight: l.is_concurrent(),
     };
     headers::render(HeaderStyle::Ietf, &shown)
         .into_iter()

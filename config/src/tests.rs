@@ -722,6 +722,22 @@ fn a_response_cost_entry_meets_a_quota_counting_cost_only_without_leases() {
 }
 
 #[test]
+fn a_concurrency_limit_is_held_on_the_gateway_with_scope_global_even_in_lease_mode() {
+    let mut c = base();
+    c["global"] = json!({"cluster": "gw", "lease": {"fraction": 0.1}});
+    c["rules"][0]["scope"] = json!("global");
+    c["rules"][0]["limits"] = json!([{"concurrent": 3, "max_in_flight": "1m"}]);
+    let ok = parse(c.to_string().as_bytes()).unwrap();
+    assert!(ok.rules[0].is_concurrent());
+    assert_eq!(ok.rules[0].scope, Scope::Global);
+    c["rules"][0]["cost_from"] = json!({"header": "x-usage", "max": 10});
+    assert_eq!(
+        err(c),
+        "rules[0].cost_from: does not apply to a concurrency rule: each request holds one slot"
+    );
+}
+
+#[test]
 fn a_concurrency_limit_stands_alone_on_a_local_rule() {
     let mut c = base();
     c["rules"][0]["limits"] = json!([{"concurrent": 3}]);

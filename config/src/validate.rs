@@ -288,11 +288,6 @@ impl Rule {
     fn validate_concurrency(&self, at: &str) -> Result<(), ConfigError> {
         let refused = [
             (
-                self.scope == Scope::Global,
-                "scope",
-                "is local for a concurrency rule",
-            ),
-            (
                 self.graduated.is_some(),
                 "graduated",
                 "does not apply to a concurrency rule",

@@ -107,6 +107,7 @@ fn run_with(plan: &Plan, policy: &Policy, inp: &mut Input) {
                         requests: l.requests,
                         window_ms: l.window_ms,
                         algorithm: l.algorithm,
+                        in_flight: l.in_flight,
                         allowed,
                         remaining: inp.u64() % (l.requests + 1),
                         reset_ms: inp.u64() % (2 * l.window_ms + 1),

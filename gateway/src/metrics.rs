@@ -53,8 +53,13 @@ pub const OPS: [&str; 9] = [
     "health",
     "fixed_window",
 ];
-/// Algorithms, as the `algorithm` label.
-pub const ALGORITHMS: [&str; 2] = ratelimit_config::Algorithm::NAMES;
+/// How limits count, as the `algorithm` label: the algorithms, and
+/// concurrency limits ([`ratelimit_protocol::Limit::counter`]).
+// Destructured: a new algorithm fails the build here until it is listed.
+pub const ALGORITHMS: [&str; 3] = {
+    let [bucket, window] = ratelimit_config::Algorithm::NAMES;
+    [bucket, window, ratelimit_protocol::IN_FLIGHT]
+};
 /// Quota periods, as the `period` label.
 pub const PERIODS: [&str; 4] = ["minute", "hour", "day", "month"];
 /// What a reload reads (`crate::reload`), as the `what` label.

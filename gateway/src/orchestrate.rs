@@ -287,6 +287,10 @@ impl Limiter {
         asked_at: Instant,
     ) {
         for ((keys, answer), spec) in bucket_keys.iter().zip(buckets).zip(&req.buckets) {
+            // A slot may be released any moment: a concurrency denial is never remembered.
+            if spec.limits.iter().any(|l| l.in_flight) {
+                continue;
+            }
             let verdicts: Vec<LimitVerdict> = answer
                 .limits
                 .iter()
@@ -314,10 +318,7 @@ impl Limiter {
         for (bucket, spec) in buckets.iter().zip(&req.buckets) {
             for (r, l) in bucket.limits.iter().zip(&spec.limits) {
                 if !r.allowed {
-                    self.metrics
-                        .denials
-                        .with_label_values(&[l.algorithm.name()])
-                        .inc();
+                    self.metrics.denials.with_label_values(&[l.counter()]).inc();
                 }
             }
         }
@@ -522,6 +523,7 @@ fn limit_results(
                 requests: limit.requests,
                 window_ms: limit.window_ms,
                 algorithm: limit.algorithm,
+                in_flight: limit.in_flight,
                 allowed: r.allowed,
                 remaining: r.remaining,
                 reset_ms: r.reset_ms,

@@ -67,6 +67,9 @@ struct RulePolicy {
     /// The rule's key parts (`client`, `ip`, `method`, `path`,
     /// `header:<name>`), to build its key for a native descriptor (`crate::rls`).
     key: Vec<KeyPart>,
+    /// A concurrency rule: each check takes one slot under its reservation,
+    /// which a settlement of cost 0 gives back.
+    in_flight: bool,
 }
 
 #[derive(Debug)]
@@ -198,8 +201,13 @@ pub fn parse(sources: &[Source]) -> Result<Policy, String> {
 /// The most a settlement may charge one request in global rule `r`, as the
 /// filter settles it (`Plan::meter_of`: the rule's own `cost_from`, else,
 /// without a `cost` of its own, the `costs[]` entry's); a `charge_on` rule
-/// settles at least its check cost (given back: 0). `None`: it never settles.
+/// settles at least its check cost (given back: 0), and a concurrency rule
+/// settles its slot to 0 when the stream ends. `None`: it never settles.
 fn rule_settle_max(r: &plugin::Rule, max_cost: u64, costs_settle: Option<u64>) -> Option<u64> {
+    if r.is_concurrent() {
+        // A slot's real cost once its stream ended: released.
+        return Some(0);
+    }
     let from_response = match (&r.cost_from, r.cost) {
         (Some(from), _) => Some(from.max),
         (None, None) => costs_settle,
@@ -212,10 +220,19 @@ fn rule_settle_max(r: &plugin::Rule, max_cost: u64, costs_settle: Option<u64>) -
 fn limits_of(algorithm: Algorithm, specs: &[plugin::LimitSpec]) -> Vec<Limit> {
     specs
         .iter()
-        .map(|l| Limit {
-            requests: l.requests,
-            window_ms: l.per.0.saturating_mul(1000),
-            algorithm,
+        .map(|l| match l.concurrent {
+            Some(slots) => Limit {
+                requests: slots.into(),
+                window_ms: l.max_in_flight_secs().saturating_mul(1000),
+                algorithm,
+                in_flight: true,
+            },
+            None => Limit {
+                requests: l.requests,
+                window_ms: l.per.0.saturating_mul(1000),
+                algorithm,
+                in_flight: false,
+            },
         })
         .collect()
 }
@@ -299,11 +316,13 @@ impl Domain {
                         .collect(),
                     clients,
                     max_cost: match &r.cost_from {
+                        _ if r.is_concurrent() => 1,
                         Some(from) => from.max,
                         None => r.cost.unwrap_or(max_cost),
                     },
                     settle_max: rule_settle_max(r, max_cost, costs_settle),
                     key: r.key.clone(),
+                    in_flight: r.is_concurrent(),
                 };
                 (r.name.clone(), policy)
             })
@@ -412,7 +431,16 @@ impl Policy {
                     bucket.rule
                 ));
             }
-            buckets.push(resolve_bucket(at, &req.domain, d, bucket)?);
+            let resolved = resolve_bucket(at, &req.domain, d, bucket)?;
+            if req.reservation.is_none() && resolved.limits.iter().any(|l| l.in_flight) {
+                return Err(format!(
+                    "{}: rule `{}` is a concurrency rule: its check needs a reservation, \
+                     under which the slot is released",
+                    at.field("rule"),
+                    bucket.rule
+                ));
+            }
+            buckets.push(resolved);
         }
         let mut seen = Seen::with_capacity(req.quotas.len());
         let mut quotas = Vec::with_capacity(req.quotas.len());
@@ -538,6 +566,13 @@ impl Policy {
     ) -> Result<SharedBucket, String> {
         let d = self.domain(domain)?;
         let r = d.rule(At::top("shared.rule"), domain, rule)?;
+        if r.in_flight {
+            // The rate limit service protocol has no end of request to release a slot at.
+            return Err(format!(
+                "shared.rule: rule `{rule}` is a concurrency rule, which a descriptor cannot hold: \
+                 the rate limit service is never told when a request ends"
+            ));
+        }
         if values.len() != r.key.len() {
             return Err(format!(
                 "shared.entries: rule `{rule}` has {} key parts, the descriptor gave {}",
@@ -572,6 +607,12 @@ impl Policy {
             ));
         };
         let rule = d.rule(At::top("rule"), &req.domain, &req.rule)?;
+        if rule.in_flight {
+            return Err(format!(
+                "rule: rule `{}` is a concurrency rule; leases need token_bucket",
+                req.rule
+            ));
+        }
         if rule.algorithm != Algorithm::TokenBucket {
             return Err(format!(
                 "rule: rule `{}` is a {}; leases need token_bucket",
@@ -896,6 +937,7 @@ mod tests {
             requests,
             window_ms,
             algorithm: Algorithm::TokenBucket,
+            in_flight: false,
         };
         assert_eq!(r.buckets[0].limits, [tb(20, 60_000), tb(5, 1000)]);
         assert_eq!(
@@ -903,7 +945,8 @@ mod tests {
             [Limit {
                 requests: 10,
                 window_ms: 60_000,
-                algorithm: Algorithm::SlidingWindow
+                algorithm: Algorithm::SlidingWindow,
+                in_flight: false,
             }]
         );
         assert_eq!(

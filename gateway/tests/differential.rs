@@ -81,6 +81,7 @@ fn gen_limit(rng: &mut Rng, alg: Algorithm) -> LimitSpec {
         requests,
         window_ms,
         algorithm: alg,
+        in_flight: false,
     }
 }
 
@@ -340,6 +341,7 @@ async fn run_refunds_and_leases(
                     requests,
                     window_ms,
                     algorithm: alg,
+                    in_flight: false,
                 }
             })
             .collect();

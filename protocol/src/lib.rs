@@ -235,6 +235,34 @@ pub struct Limit {
     pub window_ms: u64,
     /// How to count.
     pub algorithm: Algorithm,
+    /// A concurrency limit (`{"concurrent": N}`): at most `requests`
+    /// requests in flight, each slot held at most `window_ms`; `algorithm`
+    /// does not apply.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub in_flight: bool,
+}
+
+impl Limit {
+    /// How the limit counts, as the Lua scripts, the Redis keys and the
+    /// gateway's `algorithm` label name it: the algorithm's name, or
+    /// [`IN_FLIGHT`] for a concurrency limit.
+    pub fn counter(&self) -> &'static str {
+        if self.in_flight {
+            IN_FLIGHT
+        } else {
+            self.algorithm.name()
+        }
+    }
+}
+
+/// The name of a concurrency limit's counting in the Lua scripts, the Redis
+/// keys and the gateway's `algorithm` label (beside [`Algorithm::NAMES`]).
+pub const IN_FLIGHT: &str = "concurrent";
+
+// `skip_serializing_if` takes a reference.
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// One limit's answer, with the limit the gateway enforced.
@@ -246,6 +274,9 @@ pub struct LimitResult<N = u64> {
     pub window_ms: N,
     /// The enforced limit's algorithm.
     pub algorithm: Algorithm,
+    /// A concurrency limit ([`Limit::in_flight`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub in_flight: bool,
     /// Whether this limit alone lets the cost through.
     pub allowed: bool,
     /// Whole tokens left after the request (before it, when this limit denies).
@@ -806,6 +837,7 @@ mod tests {
                     requests: 30,
                     window_ms: 60_000,
                     algorithm: Algorithm::TokenBucket,
+                    in_flight: false,
                     allowed: true,
                     remaining: 29,
                     reset_ms: 2000,

@@ -4,7 +4,9 @@
 //! without a cost of their own and quotas that count cost), each moved from
 //! what the check charged to the real cost once the response is known, and
 //! sent to the gateway as one [`ratelimit_protocol::Settlement`] under the
-//! check's reservation id.
+//! check's reservation id. A global concurrency rule's slot is a line too:
+//! reserved 1, settled to 0 when the stream ends, so the settlement that
+//! holds a slot is sent then.
 
 use crate::global::callout;
 use crate::policy::plan::{Evaluation, GlobalBucket, Plan, QuotaBucket};
@@ -27,15 +29,13 @@ pub fn settles(plan: &Plan, eval: &Evaluation) -> bool {
             .any(|q| quota_meter(plan, eval, q).is_some())
 }
 
-/// How a global bucket settles: `Some(meter)` reads its real cost, `Some(None)`
-/// only gives it back for a status its rule's `charge_on` leaves out.
+/// How a global bucket settles: `Some(meter)` reads its real cost,
+/// `Some(None)` only gives it back: for a status its rule's `charge_on`
+/// leaves out, or, for a concurrency rule, when the stream ends.
 fn bucket_meter(plan: &Plan, eval: &Evaluation, g: &GlobalBucket) -> Option<Option<usize>> {
+    let rule = plan.rules.get(g.rule)?;
     let meter = plan.meter_of(g.rule, eval.cost_meter);
-    let charge_on = plan
-        .rules
-        .get(g.rule)
-        .is_some_and(|r| r.charge_on.is_some());
-    (meter.is_some() || charge_on).then_some(meter)
+    (meter.is_some() || rule.charge_on.is_some() || rule.in_flight).then_some(meter)
 }
 
 /// A quota that counts cost settles by the `costs[]` entry's meter.
@@ -145,6 +145,28 @@ impl Open {
             .filter(|(_, rule, _, _)| rule.is_some_and(&uncharged))
             .map(|(i, ..)| i)
             .collect();
+        self.set(lines, |_| 0);
+    }
+
+    /// The open lines of concurrency rules: the slots still held.
+    fn slots<'a>(&'a self, plan: &'a Plan) -> impl Iterator<Item = usize> + 'a {
+        self.lines()
+            .filter(|(_, rule, _, _)| {
+                rule.and_then(|r| plan.rules.get(r))
+                    .is_some_and(|r| r.in_flight)
+            })
+            .map(|(i, ..)| i)
+    }
+
+    /// Whether a concurrency slot is still held: the settlement then waits
+    /// for the end of the stream.
+    pub fn holds_slots(&self, plan: &Plan) -> bool {
+        self.slots(plan).next().is_some()
+    }
+
+    /// The stream ended: its concurrency slots are released (real cost 0).
+    pub fn release_slots(&mut self, plan: &Plan) {
+        let lines = self.slots(plan).collect();
         self.set(lines, |_| 0);
     }
 

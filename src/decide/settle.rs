@@ -8,7 +8,7 @@
 //! reserved settles the same way, at once when everything is known, as one
 //! settlement for the gateway (`remote`).
 
-use super::remote::Open;
+use super::remote::{Open, Reserved};
 use super::*;
 use crate::config::StatusMatch;
 use crate::policy::plan::MeterSource;
@@ -92,12 +92,35 @@ impl Settlement {
         self.outbox.take()
     }
 
-    /// Everything is known: what the gateway reserved is settled.
+    /// Everything is known: what the gateway reserved is settled, unless it
+    /// holds a concurrency slot, settled with it when the stream ends.
     fn done(&mut self, plan: &Plan) {
         self.phase = Phase::Done;
+        if self.remote.as_ref().is_some_and(|o| o.holds_slots(plan)) {
+            return;
+        }
         if let Some(open) = self.remote.take() {
             self.outbox = open.close(plan);
         }
+    }
+
+    /// The settlement of a request whose stream ended while its check was
+    /// on its way: the concurrency slots it may have taken are released
+    /// (the gateway finds no record if it took none); `None` without slots.
+    pub fn released(plan: &Plan, reserved: Reserved) -> Option<Box<Settlement>> {
+        let mut open = Open::new(reserved);
+        if !open.holds_slots(plan) {
+            return None;
+        }
+        open.release_slots(plan);
+        Some(Box::new(Settlement {
+            lines: Vec::new(),
+            at_ns: 0,
+            scans: Vec::new(),
+            phase: Phase::Done,
+            remote: None,
+            outbox: open.close(plan),
+        }))
     }
 
     /// Whether the response body should be fed to [`Settlement::body`].
@@ -180,7 +203,8 @@ impl Settlement {
 
     /// The end of the stream: a request that never saw its response gives
     /// back the charge of its `charge_on` rules; a scan still under way (the
-    /// body ended early) settles on what it found.
+    /// body ended early) settles on what it found; concurrency slots held on
+    /// the gateway are released.
     pub fn end(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Counts {
         let mut counts = Counts::default();
         match self.phase {
@@ -192,6 +216,9 @@ impl Settlement {
             }
             Phase::Body => counts = self.finish_scans(plan, store, now_ns),
             Phase::Done => {}
+        }
+        if let Some(open) = &mut self.remote {
+            open.release_slots(plan);
         }
         self.done(plan);
         counts

@@ -356,12 +356,17 @@ impl Stream {
     }
 
     /// The end of the stream: a request still waiting for the gateway (its
-    /// client left) gives its local charge back, and says what to count. A
+    /// client left) gives its local charge back and releases the global
+    /// concurrency slots its check may take, and says what to count. A
     /// decided request keeps what it was charged (an admitted one reached
     /// the upstream, a refused one was refunded when it was refused), but
     /// for what its settlement still owes or is owed.
     pub fn end(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Option<Counts> {
         if let Some(pending) = self.take_pending() {
+            self.settlement = pending.reservation.clone().and_then(|id| {
+                let reserved = super::remote::Reserved::new(plan, &pending.eval, id)?;
+                Settlement::released(plan, reserved)
+            });
             return Some(abandon(plan, *pending, store));
         }
         let mut counts = self.settlement.as_mut().map(|s| s.end(plan, store, now_ns));

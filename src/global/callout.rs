@@ -181,12 +181,20 @@ fn enforced(requests: f64, window_ms: f64) -> Result<Enforced, AnswerError> {
 }
 
 /// Whether the gateway enforced what this filter's configuration says for
-/// limit `i` of `rule`'s `variant`.
-fn agrees(rule: &RulePlan, variant: usize, i: usize, e: Enforced, algorithm: Algorithm) -> bool {
+/// limit `i` of `rule`'s `variant`: the same figures, and the same algorithm
+/// for a rate limit, or a concurrency limit for a concurrency rule.
+fn agrees(
+    rule: &RulePlan,
+    variant: usize,
+    i: usize,
+    e: Enforced,
+    (algorithm, in_flight): (Algorithm, bool),
+) -> bool {
     rule.limits(variant).get(i).is_some_and(|(l, _)| {
         l.capacity == e.requests
             && l.period_ns == e.window_ms.saturating_mul(MS)
-            && rule.algorithm == algorithm
+            && rule.in_flight == in_flight
+            && (in_flight || rule.algorithm == algorithm)
     })
 }
 
@@ -229,7 +237,7 @@ pub fn parse_answer(
         mismatch |= got.limits.len() != rule.limits(asked.variant).len();
         for (i, l) in got.limits.iter().enumerate() {
             let e = enforced(l.requests, l.window_ms)?;
-            mismatch |= !agrees(rule, asked.variant, i, e, l.algorithm);
+            mismatch |= !agrees(rule, asked.variant, i, e, (l.algorithm, l.in_flight));
             let remaining = clamp(l.remaining, e.requests, &mut clamped);
             let reset_ms = clamp(l.reset_ms, 2 * e.window_ms, &mut clamped);
             let mut retry_ms = clamp(l.retry_after_ms, 2 * e.window_ms, &mut clamped);
@@ -363,7 +371,13 @@ pub fn parse_lease_answer(
     for (i, ((limit, _), l)) in limits.iter().zip(&answer.limits).enumerate() {
         let e = enforced(l.requests, l.window_ms)?;
         // A lease is only ever of a token bucket.
-        out.mismatch |= !agrees(rule, lease.bucket.variant, i, e, Algorithm::TokenBucket);
+        out.mismatch |= !agrees(
+            rule,
+            lease.bucket.variant,
+            i,
+            e,
+            (Algorithm::TokenBucket, false),
+        );
         let window_ms = limit.period_ns / MS;
         out.limits.push((
             clamp(l.remaining, limit.capacity, &mut clamped),

@@ -104,10 +104,12 @@ impl Entry {
     }
 }
 
-/// The slot of `g` in the deny cache, when the cache is on.
+/// The slot of `g` in the deny cache, when the cache is on; none for a
+/// concurrency rule, whose slot may be released any moment.
 fn place(plan: &Plan, g: &GlobalBucket) -> Option<Placed> {
     let slots: &Slots = plan.global.as_ref()?.deny_cache.as_ref()?;
-    let variant = &plan.rules.get(g.rule)?.variants.get(g.variant)?.wire;
+    let rule = plan.rules.get(g.rule).filter(|r| !r.in_flight)?;
+    let variant = &rule.variants.get(g.variant)?.wire;
     // The wire name of the variant, without allocating it.
     let (kind, name): (&[u8], &[u8]) = match variant {
         Variant::Default => (b"default", b""),

@@ -143,11 +143,12 @@ impl Slot {
     }
 }
 
-/// The lease of `g`, when lease mode is on and its rule can lease (token bucket).
+/// The lease of `g`, when lease mode is on and its rule can lease (token
+/// bucket; a concurrency rule's slots are taken per request).
 pub fn locate(plan: &Plan, g: &GlobalBucket) -> Option<Lease> {
     let lp = plan.global.as_ref()?.lease.as_ref()?;
     let rule = plan.rules.get(g.rule)?;
-    if rule.algorithm != Algorithm::TokenBucket {
+    if rule.algorithm != Algorithm::TokenBucket || rule.in_flight {
         return None;
     }
     let limits = rule.limits(g.variant);

@@ -108,8 +108,13 @@ impl Plan {
             if !applies {
                 continue;
             }
-            let cost = rule.cost.unwrap_or(cost);
-            if rule.in_flight {
+            // A slot is one request, whatever the request costs.
+            let cost = if rule.in_flight {
+                1
+            } else {
+                rule.cost.unwrap_or(cost)
+            };
+            if rule.in_flight && global.is_none() {
                 let hash = hash.finish();
                 eval.in_flight.push(Bucket {
                     rule: i,

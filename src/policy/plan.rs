@@ -395,8 +395,10 @@ pub struct Plan {
     pub meters: Vec<MeterPlan>,
     /// Where the concurrency rules' slots live in shared data.
     pub in_flight: InFlightLayout,
-    /// Some rule is settled from its response (`cost_from`, `charge_on`):
-    /// only then does an admitted request keep state for its response.
+    /// Some rule is settled from its response (`cost_from`, `charge_on`), or
+    /// holds a global concurrency slot, released through the gateway when
+    /// the stream ends: only then does an admitted request keep state for
+    /// its response.
     pub settling: bool,
     /// Some `cost_from` reads the request body (`reserve` from a pointer,
     /// `ensure_stream_usage`): only then may a request wait for its body.
@@ -591,8 +593,10 @@ fn rule_plan(
             .map(|m| Matcher::compile(m, |n| h.id(n))),
         key,
     };
+    // A concurrency rule has no stand-in: its slots are released through
+    // the gateway, which a local share could not be.
     let divisor = match (&config.global, rule.scope) {
-        (Some(g), Scope::Global) => Some(g.instances.max(1)),
+        (Some(g), Scope::Global) if !rule.is_concurrent() => Some(g.instances.max(1)),
         _ => None,
     };
     let stand_in = divisor.map(|n| RulePlan {
@@ -804,7 +808,10 @@ impl Plan {
                 )
             })
             .collect();
-        let settling = !meters.is_empty() || rules.iter().any(|r| r.charge_on.is_some());
+        let settling = !meters.is_empty()
+            || rules
+                .iter()
+                .any(|r| r.charge_on.is_some() || (r.in_flight && r.scope == Scope::Global));
         let reads_request_body = meters.iter().any(MeterPlan::reads_request_body);
         let id = &config.identity;
         let (header_needed, source) = reads(
@@ -877,9 +884,10 @@ impl Plan {
 
     /// The meter that settles a bucket of `rule`: the rule's own
     /// `cost_from`, or the request's `costs` entry's when the rule has no
-    /// cost of its own (`cost_meter`, from [`Evaluation::cost_meter`]).
+    /// cost of its own (`cost_meter`, from [`Evaluation::cost_meter`]);
+    /// none for a concurrency rule, whose slot is one request.
     pub fn meter_of(&self, rule: usize, cost_meter: Option<usize>) -> Option<usize> {
-        let r = self.rules.get(rule)?;
+        let r = self.rules.get(rule).filter(|r| !r.in_flight)?;
         match (r.meter, r.cost) {
             (Some(m), _) => Some(m),
             (None, None) => cost_meter,

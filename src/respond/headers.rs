@@ -24,6 +24,8 @@ pub struct Shown<'a> {
     /// `quota` and the policy field as the plan wrote them, for this
     /// filter's own limits (`None`: a limit the gateway stated).
     pub text: Option<&'a LimitText>,
+    /// A concurrency limit: `quota` slots, no window.
+    pub in_flight: bool,
 }
 
 fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
@@ -48,6 +50,7 @@ fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
         reset_secs: ceil_secs(r.check.reset_ns),
         retry_after_secs: ceil_secs(r.check.retry_after_ns).max(1),
         text,
+        in_flight: rule.in_flight,
     })
 }
 
@@ -387,6 +390,11 @@ fn write(style: HeaderStyle, s: &Shown, set: &mut impl FnMut(Name, &str)) {
     if matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
         match s.text {
             Some(text) => set(POLICY, &text.policy),
+            None if s.in_flight => {
+                let mut q = itoa::Buffer::new();
+                let unit = ";qu=\"concurrent-requests\"";
+                set(POLICY, &field("\";q=", q.format(s.quota), unit, ""));
+            }
             None => {
                 let (mut q, mut w) = (itoa::Buffer::new(), itoa::Buffer::new());
                 set(
@@ -410,7 +418,8 @@ mod tests {
     fn plan() -> Plan {
         let json = r#"{"domain":"d","rules":[
             {"name":"per-client","limits":[{"requests":60,"per":"1m"},{"requests":10,"per":"1s"}]},
-            {"name":"uploads","limits":[{"requests":5,"per":"1m"}]}]}"#;
+            {"name":"uploads","limits":[{"requests":5,"per":"1m"}]},
+            {"name":"streams","limits":[{"concurrent":4}]}]}"#;
         Plan::compile(&config::parse(json.as_bytes()).unwrap(), [0; 16])
     }
 
@@ -586,7 +595,7 @@ mod tests {
     #[test]
     fn the_plans_ready_texts_are_what_render_would_write() {
         let p = plan();
-        for (rule, limit) in [(0, 0), (0, 1), (1, 0)] {
+        for (rule, limit) in [(0, 0), (0, 1), (1, 0), (2, 0)] {
             let s = closest(&p, &[report(rule, limit, true, 3, 7, 0)]).unwrap();
             assert!(s.text.is_some());
             let formatted = Shown {

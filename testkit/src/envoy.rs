@@ -311,6 +311,12 @@ impl Envoy {
             .context("Envoy was stopped without an exit status")
     }
 
+    /// Kills Envoy now (SIGKILL, as a crash): its streams end without
+    /// their `on_log`, and its ports are free when this returns.
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+
     /// Envoy's process id (0 once stopped).
     pub fn pid(&self) -> u32 {
         self.process.pid().unwrap_or_default()

@@ -34,6 +34,19 @@ pub fn free_port() -> io::Result<u16> {
     ))
 }
 
+/// A loopback listener on a port the system picked (no window in which
+/// another process can take it, as with [`free_port`]), recorded as handed
+/// out.
+pub fn bind_loopback() -> io::Result<(TcpListener, u16)> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    let port = listener.local_addr()?.port();
+    handed_out()
+        .lock()
+        .map_err(|_| io::Error::other("port registry poisoned"))?
+        .insert(port);
+    Ok((listener, port))
+}
+
 /// The three ports an Envoy rendered from `envoy/envoy.yaml` listens on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ports {

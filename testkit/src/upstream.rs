@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use crate::ports::free_port;
+use crate::ports::bind_loopback;
 
 /// The body of a [`Reply`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -238,9 +238,7 @@ impl Upstream {
     /// Starts an upstream on a free loopback port. Every path answers 404
     /// (a small JSON body) until routed.
     pub fn start() -> Result<Upstream> {
-        let port = free_port().context("picking a free port")?;
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, port))
-            .with_context(|| format!("binding 127.0.0.1:{port}"))?;
+        let (listener, port) = bind_loopback().context("binding a loopback port")?;
         listener
             .set_nonblocking(true)
             .context("making the listener non-blocking")?;

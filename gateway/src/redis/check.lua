@@ -13,9 +13,10 @@
 --                  Rust buckets and the quota period tests). Every key gets a
 --                  expiry (PX, PEXPIREAT; common.lua's ttl).
 -- ARGV[3]          L, the number of limit keys
--- ARGV[5i-1..5i+3] per limit key i (i = 1..L): algorithm ("token_bucket" | "sliding_window"),
---                  requests (N or C), window_ms (W), cost (>= 1), ceiling (ms >= W: a
---                  token bucket's TAT up to now + ceiling is a settlement's debt;
+-- ARGV[5i-1..5i+3] per limit key i (i = 1..L): algorithm ("token_bucket" |
+--                  "sliding_window" | "concurrent"), requests (N, C or slots), window_ms
+--                  (W; a slot's longest hold), cost (>= 1; 1 for a slot), ceiling (ms >=
+--                  W: a token bucket's TAT up to now + ceiling is a settlement's debt;
 --                  common.lua's limit_args)
 -- ARGV[5L+3j+1..5L+3j+3]
 --                  per quota j (j = 1..Q): period ("minute" | "hour" | "day" | "month"),
@@ -24,7 +25,9 @@
 -- KEYS[L+Q+1]      (when ARGV[last-1] > 0) the reservation record: an allowed
 --                  charge writes there what it charged (a hash: "@at" -> now_ms,
 --                  each limit key -> cost, each quota key base -> amount), which
---                  settle.lua reads once
+--                  settle.lua reads once. Its name is also the request's member
+--                  in a concurrency limit's sorted set (a "concurrent" limit
+--                  needs it)
 -- KEYS[last]       the domain's ledger of live keys, "<prefix>{<domain>|live}"
 --                  (on a cluster "<prefix>{<domain>|live|<n>}", n chosen so
 --                  that it shares the other keys' slot): a sorted set of the
@@ -37,6 +40,13 @@
 -- Returns { all_allowed (1|0), now_ms,
 --           then per limit: allowed (1|0), remaining, reset_ms, retry_after_ms,
 --           then per quota: allowed (1|0), remaining, reset_ms }.
+--
+-- A concurrency limit's key is a sorted set of the requests holding a slot,
+-- each scored by its deadline (now + W): the members scored after now hold
+-- the slots; a charge drops the expired ones and adds the request's. A
+-- request already holding a live slot (a retried check) is allowed again
+-- without a second slot. As the filter's own concurrency limits: reset 0
+-- when allowed; reset and retry 1 s when denied.
 --
 -- All or nothing: if any limit denies, nothing is charged (the quotas report
 -- their uncharged state); else if any quota would be exceeded, nothing is
@@ -161,6 +171,20 @@ local function sliding_window(state, n, w, cost)
   return false, nil, remaining, reset, retry + behind, 0
 end
 
+-- Concurrency limit: the live slots at `key` (sorted set; members scored by
+-- deadline), with `member` taking one more if there is room.
+local function in_flight(key, n, w, member)
+  local live = redis.call('ZCOUNT', key, '(' .. fmt(now), '+inf')
+  local mine = tonumber(redis.call('ZSCORE', key, member) or '')
+  if mine and mine > now then
+    return true, fmt(now + w), n - math.min(live, n), 0, 0, w
+  end
+  if live < n then
+    return true, fmt(now + w), n - live - 1, 0, 0, w
+  end
+  return false, nil, 0, 1000, 1000, 0
+end
+
 local out = { 1, now }
 local pending = {} -- state written by an earlier limit of this call (same key twice)
 local writes = {}
@@ -170,19 +194,29 @@ for i = 1, n_limits do
   local key = KEYS[i]
   local algorithm, requests, window, cost, ceiling = limit_args(i)
   local state = pending[key]
-  if state == nil then
+  if algorithm == 'concurrent' then
+    if not record then
+      return redis.error_reply('ERR ratelimit: a concurrent limit needs a reservation record')
+    end
+    if redis.call('EXISTS', key) == 0 then created(key) end
+  elseif state == nil then
     state = redis.call('GET', key)
     if not state then created(key) end
   end
   local ok, new_state, remaining, reset, retry, ttl
-  if algorithm == 'token_bucket' then
+  if algorithm == 'concurrent' then
+    ok, new_state, remaining, reset, retry, ttl = in_flight(key, requests, window, record)
+  elseif algorithm == 'token_bucket' then
     ok, new_state, remaining, reset, retry, ttl = token_bucket(state, requests, window, cost, ceiling)
   elseif algorithm == 'sliding_window' then
     ok, new_state, remaining, reset, retry, ttl = sliding_window(state, requests, window, cost)
   else
     return redis.error_reply('ERR ratelimit: unknown algorithm ' .. tostring(algorithm))
   end
-  if ok then
+  if ok and algorithm == 'concurrent' then
+    writes[#writes + 1] = { key, new_state, ttl, record }
+    out[#out + 1] = 1
+  elseif ok then
     pending[key] = new_state
     writes[#writes + 1] = { key, new_state, ttl }
     out[#out + 1] = 1
@@ -233,10 +267,18 @@ for _, q in ipairs(quotas) do
 end
 
 -- A denial writes only the bounds; a pass every charge. A later write to the
--- same key carries every earlier charge of this call.
+-- same key carries every earlier charge of this call. A slot (a fourth
+-- field: the member) is added to its set, whose expired members go, and the
+-- set lives as long as its newest slot.
 local function set_all(list)
   for _, wr in ipairs(list) do
-    redis.call('SET', wr[1], wr[2], 'PX', fmt(ttl(wr[3])))
+    if wr[4] then
+      redis.call('ZREMRANGEBYSCORE', wr[1], '-inf', fmt(now))
+      redis.call('ZADD', wr[1], wr[2], wr[4])
+      redis.call('PEXPIRE', wr[1], fmt(ttl(wr[3])))
+    else
+      redis.call('SET', wr[1], wr[2], 'PX', fmt(ttl(wr[3])))
+    end
   end
 end
 

@@ -135,9 +135,13 @@ end
 -- nothing. A charge that a step back of Redis time counted in a later window
 -- is so given back from prev or not at all: stricter, never more than taken.
 -- The window is kept even at 0:0, since check.lua reads a clock behind it as
--- its start (as the filter's sliding_window.rs refund). Returns whether the
--- key changed.
-local function give_back(key, algorithm, n, w, cost, charged_at)
+-- its start (as the filter's sliding_window.rs refund). Concurrency limit:
+-- `member` (the reservation record's name, as check.lua took the slot)
+-- leaves the set. Returns whether the key changed.
+local function give_back(key, algorithm, n, w, cost, charged_at, member)
+  if algorithm == 'concurrent' then
+    return member ~= nil and redis.call('ZREM', key, member) == 1
+  end
   local state = redis.call('GET', key)
   if state and algorithm == 'token_bucket' then
     local t, r = string.match(state, '^(%d+):(%d+)$')
@@ -181,6 +185,9 @@ end
 -- limit over its capacity: check.lua then denies until the debt is paid.
 -- Returns the key's new expiry (ms, on the script's clock).
 local function force(key, algorithm, n, w, cost, ceiling, now)
+  if algorithm == 'concurrent' then
+    return now -- never: a slot's real cost is 0 (the policy's max)
+  end
   local state = redis.call('GET', key)
   if algorithm == 'token_bucket' then
     local d, r = tb_use(state, now)

@@ -2,7 +2,9 @@
 //!
 //! One key per limit (a lease names the same keys as a check of the same
 //! bucket, [`lease_keys`]):
-//! `<prefix>{<domain>|<tag>}|<key>|<limit index>|<algorithm>|<requests>|<window_ms>`.
+//! `<prefix>{<domain>|<tag>}|<key>|<limit index>|<algorithm>|<requests>|<window_ms>`
+//! (a concurrency limit's `algorithm` part is `concurrent`, its `requests`
+//! the slots, its `window_ms` the longest hold: a sorted set of slots).
 //! The `{…}` hash tag puts every key of one domain and tag in one cluster
 //! slot; the limit's parameters in the name make a changed limit start a
 //! fresh key. `domain`, `tag` and `key` are escaped (`%` → `%25`, `|` → `%7C`,
@@ -100,7 +102,7 @@ pub fn redis_key(
         escape(domain),
         escape(tag),
         escape(key),
-        spec.algorithm.name(),
+        spec.counter(),
         spec.requests,
         spec.window_ms
     )
@@ -300,6 +302,7 @@ mod tests {
         requests: 60,
         window_ms: 60000,
         algorithm: Algorithm::TokenBucket,
+        in_flight: false,
     };
 
     #[test]
@@ -333,6 +336,7 @@ mod tests {
                 requests: 5,
                 window_ms: 1000,
                 algorithm: Algorithm::TokenBucket,
+                in_flight: false,
             },
         ];
         let lease = ResolvedLease {

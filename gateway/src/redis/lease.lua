@@ -53,7 +53,7 @@ if give > held then give = held end
 -- (d, r) with n tokens given back: n*W/C ms less, floored at now. With
 -- n = a*C + b the products stay below 2^53: b*W < C*W, and a*W is formed only
 -- when a <= floor(d/W) + 1 (a larger a takes back more than d + 1 ms).
-local function give_back(d, r, c, w, n)
+local function use_less(d, r, c, w, n)
   local a, b = divmod(n, c)
   if a > divmod(d, w) + 1 then return 0, 0 end
   local q1, r1 = divmod(b * w, c)
@@ -72,7 +72,7 @@ for i = 1, L do
   local w = tonumber(ARGV[2 * i + 4])
   -- The bucket's use as check.lua reads it (common.lua's tb_use).
   local d0, r0 = tb_use(redis.call('GET', KEYS[i]), now)
-  local d, r = give_back(d0, r0, c, w, give)
+  local d, r = use_less(d0, r0, c, w, give)
   -- More than a full bucket of use only comes from Redis time that went
   -- backwards: it reads as an empty bucket and that bound is stored, as in
   -- check.lua (bounded after the give-back, as the filter's refund then check).

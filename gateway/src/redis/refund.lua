@@ -4,7 +4,9 @@
 -- KEYS[1..L]       the limit keys check.lua charged (one slot)
 -- KEYS[L+1..L+Q]   the quota key bases check.lua charged
 -- KEYS[L+Q+1]      (optional) the reservation record check.lua wrote: deleted,
---                  so that no settlement can give the charge back again
+--                  so that no settlement can give the charge back again; also
+--                  the member whose concurrency slots are given back (a
+--                  "concurrent" limit is given back only with it)
 -- ARGV[1]          now_ms that check.lua returned for the charge
 -- ARGV[2]          "" (time from Redis TIME), or a time in ms the script runs at
 -- ARGV[3]          L, the number of limit keys
@@ -26,9 +28,11 @@ local now = clock(ARGV[2])
 local changed = 0
 local n_limits = tonumber(ARGV[3])
 local n_quotas = (#ARGV - 3 - 5 * n_limits) / 2
+local record = nil
+if #KEYS > n_limits + n_quotas then record = KEYS[#KEYS] end
 for i = 1, n_limits do
   local algorithm, n, w, cost = limit_args(i)
-  if give_back(KEYS[i], algorithm, n, w, cost, charged_at) then
+  if give_back(KEYS[i], algorithm, n, w, cost, charged_at, record) then
     changed = changed + 1
   end
 end
@@ -38,7 +42,7 @@ for j = 1, n_quotas do
     changed = changed + 1
   end
 end
-if #KEYS > n_limits + n_quotas then
-  redis.call('DEL', KEYS[#KEYS])
+if record then
+  redis.call('DEL', record)
 end
 return changed

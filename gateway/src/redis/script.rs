@@ -215,7 +215,7 @@ fn keys(limits: &[LimitKey], quotas: &[QuotaKey]) -> Vec<String> {
 fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
     args.push(limits.len().to_string());
     for l in limits {
-        args.push(l.spec.algorithm.name().to_string());
+        args.push(l.spec.counter().to_string());
         args.push(l.spec.requests.to_string());
         args.push(l.spec.window_ms.to_string());
         args.push(l.cost.to_string());
@@ -383,6 +383,7 @@ mod tests {
             requests,
             window_ms,
             algorithm: Algorithm::TokenBucket,
+            in_flight: false,
         };
         let req = ResolvedLease {
             domain: "d".to_string(),

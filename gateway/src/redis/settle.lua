@@ -22,7 +22,10 @@
 --   (common.lua's force: at most to the ceiling's debt), and a quota counts
 --   it in the current period;
 -- - real < reserved: the difference is given back as refund.lua gives back
---   (common.lua's give_back, quota_give_back), from when it was charged.
+--   (common.lua's give_back, quota_give_back), from when it was charged; a
+--   concurrency slot (reserved 1, real 0: its stream ended) is released.
+--   The gateway's policy bounds a concurrency limit's real cost at 0, so a
+--   slot is never forced.
 -- Returns { found (1|0), keys changed }.
 
 -- clock, divmod, fmt, limit_args, force, give_back and quota_give_back come
@@ -54,7 +57,7 @@ for i = 1, n_limits do
     redis.call('ZADD', ledger, 'XX', fmt(expires), key)
     changed = changed + 1
   elseif reserved and real < reserved then
-    if give_back(key, algorithm, n, w, reserved - real, at) then
+    if give_back(key, algorithm, n, w, reserved - real, at, record) then
       changed = changed + 1
     end
   end

@@ -72,6 +72,11 @@ pub const ACL_COMMANDS: &[&str] = &[
     "zremrangebyscore",
     "zcard",
     "zrange",
+    // Concurrency limits' sets of slots (check.lua, refund.lua, settle.lua).
+    "exists",
+    "zcount",
+    "zscore",
+    "zrem",
 ];
 
 /// Where Redis is. `Debug` and `Display` show the addresses redacted.

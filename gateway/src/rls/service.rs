@@ -532,6 +532,7 @@ impl Rls {
                     requests: u64::from(limit.requests_per_unit),
                     window_ms: unit.seconds().saturating_mul(1000),
                     algorithm,
+                    in_flight: false,
                 }],
                 debt: 0,
             }],

@@ -488,6 +488,7 @@ fn limits_of(limits: &[L]) -> Vec<ratelimit_gateway::protocol::Limit> {
             requests: *r,
             window_ms: *w,
             algorithm: serde_json::from_value(json!(a)).unwrap(),
+            in_flight: false,
         })
         .collect()
 }

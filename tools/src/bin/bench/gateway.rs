@@ -47,6 +47,7 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
         requests: 1_000_000_000,
         window_ms: 1000,
         algorithm: Algorithm::TokenBucket,
+        in_flight: false,
     };
     let tag = format!("c={client}");
     let key = keys::redis_key(PREFIX, DOMAIN, &tag, &format!("global/{tag}"), 0, &spec);
