@@ -228,3 +228,31 @@ fn a_client_that_leaves_while_its_check_is_on_its_way_releases_the_slot_it_may_h
     let body: Value = serde_json::from_slice(&settle.body).unwrap();
     assert_eq!(body, release_of(&reservation));
 }
+
+#[test]
+fn under_failure_mode_local_a_failed_check_goes_on_without_a_slot_and_releases_what_it_may_hold() {
+    let config = global_three().replace("\"closed\"", "\"local\"");
+    let h = Harness::running(Options::new(1, config).clusters(&["gw"]));
+    let mut reservations = Vec::new();
+    for n in 0..5 {
+        let stream = h.begin(0, client("ann").hold_upstream());
+        let (check, body) = the_pending_call(&h, &format!("check {n}"));
+        reservations.push(body["reservation"].as_str().unwrap().to_string());
+        // A timeout may come after the gateway took the slot.
+        h.timeout_http_call(check.worker, check.token);
+        assert!(
+            h.open_streams().contains(&stream),
+            "request {n} goes upstream"
+        );
+    }
+    // No stand-in holds a slot here, and each slot the gateway may hold is released.
+    h.tick(0);
+    let (_, body) = the_pending_call(&h, "settle call");
+    let released: Vec<&str> = body["settlements"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["reservation"].as_str().unwrap())
+        .collect();
+    assert_eq!(released, reservations);
+}

@@ -155,6 +155,7 @@ impl Config {
             let global = self.rules.iter().any(|r| {
                 r.scope == Scope::Global
                     && r.cost.is_none()
+                    && !r.is_concurrent()
                     && may_meet(r.matches.as_ref().unwrap_or(&everything), &cost.matches)
             });
             let quota = self.quotas.iter().any(|q| {

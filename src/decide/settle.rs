@@ -104,23 +104,38 @@ impl Settlement {
         }
     }
 
-    /// The settlement of a request whose stream ended while its check was
-    /// on its way: the concurrency slots it may have taken are released
-    /// (the gateway finds no record if it took none); `None` without slots.
-    pub fn released(plan: &Plan, reserved: Reserved) -> Option<Box<Settlement>> {
+    /// What releases the concurrency slots a check under `reserved` may
+    /// have taken, for a request that will not settle them at its stream's
+    /// end (its stream ended while the check was on its way, or the check
+    /// failed); the gateway finds no record if the check took none. `None`
+    /// without slots.
+    pub fn release_of(plan: &Plan, reserved: Reserved) -> Option<ratelimit_protocol::Settlement> {
         let mut open = Open::new(reserved);
         if !open.holds_slots(plan) {
             return None;
         }
         open.release_slots(plan);
-        Some(Box::new(Settlement {
+        open.close(plan)
+    }
+
+    /// A settlement with nothing left to do but send `release`.
+    pub fn sending(release: ratelimit_protocol::Settlement) -> Box<Settlement> {
+        Box::new(Settlement {
             lines: Vec::new(),
             at_ns: 0,
             scans: Vec::new(),
             phase: Phase::Done,
             remote: None,
-            outbox: open.close(plan),
-        }))
+            outbox: Some(release),
+        })
+    }
+
+    /// Sends `release` too, at once (a check that failed has nothing else
+    /// for the gateway).
+    pub fn send_also(&mut self, release: ratelimit_protocol::Settlement) {
+        if self.outbox.is_none() && self.remote.is_none() {
+            self.outbox = Some(release);
+        }
     }
 
     /// Whether the response body should be fed to [`Settlement::body`].

@@ -244,10 +244,22 @@ impl Stream {
         let Some(pending) = self.take_pending() else {
             return false;
         };
+        // A failed check may still have taken its slots (a timeout after
+        // the gateway's commit): they are released at once.
+        let release = status
+            .is_none_or(|s| s != b"200")
+            .then(|| release_of(plan, &pending))
+            .flatten();
         let outcome = finish(plan, *pending, status, body, latency_ns, store, now_ns);
         self.state = State::Decided(outcome);
         if plan.settling {
             self.open_settlement(plan);
+        }
+        if let Some(release) = release {
+            match &mut self.settlement {
+                Some(s) => s.send_also(release),
+                None => self.settlement = Some(Settlement::sending(release)),
+            }
         }
         true
     }
@@ -363,10 +375,7 @@ impl Stream {
     /// for what its settlement still owes or is owed.
     pub fn end(&mut self, plan: &Plan, store: &impl SharedStore, now_ns: u64) -> Option<Counts> {
         if let Some(pending) = self.take_pending() {
-            self.settlement = pending.reservation.clone().and_then(|id| {
-                let reserved = super::remote::Reserved::new(plan, &pending.eval, id)?;
-                Settlement::released(plan, reserved)
-            });
+            self.settlement = release_of(plan, &pending).map(Settlement::sending);
             return Some(abandon(plan, *pending, store));
         }
         let mut counts = self.settlement.as_mut().map(|s| s.end(plan, store, now_ns));
@@ -401,4 +410,12 @@ impl Stream {
             Verdict::Reject { .. } => None,
         }
     }
+}
+
+/// What releases the global concurrency slots `pending`'s check may take,
+/// for a request that will not settle them when its stream ends.
+fn release_of(plan: &Plan, pending: &Pending) -> Option<ratelimit_protocol::Settlement> {
+    let id = pending.reservation.clone()?;
+    let reserved = super::remote::Reserved::new(plan, &pending.eval, id)?;
+    Settlement::release_of(plan, reserved)
 }

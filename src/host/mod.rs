@@ -531,6 +531,8 @@ impl Http {
             .stream
             .gateway_answer(plan, status, body, latency, &HostStore, now)
         {
+            // A failed check's release of the slots it may hold.
+            self.queue_settlement();
             self.conclude(plan, now, paused)
         } else {
             Action::Continue

@@ -390,3 +390,34 @@ fn the_failure_mode_local_stand_in_keeps_the_exact_share_with_more_proxies_than_
     let (limit, _) = stand_in(1, 366 * 86_400, 10_000, "token_bucket");
     assert_eq!((limit.capacity, limit.period_ns), (1, u64::MAX));
 }
+
+#[test]
+fn a_global_concurrency_rule_is_one_slot_per_request_on_the_gateway_without_stand_in_or_lease() {
+    let p = plan(
+        r#"{"domain": "d",
+        "global": {"cluster": "gw", "failure_mode": "local", "instances": 2, "lease": {"fraction": 0.1}},
+        "rules": [{"name": "streams", "scope": "global", "key": ["client"],
+                   "limits": [{"concurrent": 3}]}],
+        "costs": [{"match": {"path_prefix": "/"},
+                   "cost_from": {"header": "x-usage", "max": 100, "reserve": 40}}]}"#,
+    );
+    // No stand-in rule follows it, and it settles (its slot is released through the gateway).
+    assert_eq!(p.rules.len(), 1);
+    assert!(p.settling);
+    let e = p.evaluate(&request(
+        &p,
+        "GET",
+        "/v1",
+        &[("x-client-id", "a")],
+        "1.1.1.1:1",
+    ));
+    assert!(e.in_flight.is_empty() && e.buckets.is_empty() && e.fallback.is_empty());
+    let [g] = e.global.as_slice() else {
+        panic!("one global bucket: {:?}", e.global);
+    };
+    // One slot, whatever `costs[]` reserves, and never read from the response.
+    assert_eq!((g.rule, g.cost, g.key.as_str()), (0, 1, "streams/c=a"));
+    assert_eq!(p.meter_of(0, e.cost_meter), None);
+    assert!(e.cost_meter.is_some());
+    assert_eq!(crate::global::lease::locate(&p, g), None);
+}
