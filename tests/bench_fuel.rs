@@ -52,6 +52,7 @@ use wasmtime::{Engine, Instance, Module, Store};
 
 const C1: &str = include_str!("../tools/src/bin/bench/c1.json");
 const C4: &str = include_str!("../tools/src/bin/bench/c4.json");
+const CC: &str = include_str!("../tools/src/bin/bench/cc.json");
 
 /// Requests measured per configuration (after [`WARMUP`] unmeasured ones).
 const MEASURED: u32 = 400;
@@ -510,6 +511,8 @@ fn instructions_per_decision_in_the_compiled_module() {
 
     let mut c4 = FuelVm::new(&filter, C4);
     let (c4_decide, c4_total) = mean_passing(&mut c4);
+    let mut cc = FuelVm::new(&filter, CC);
+    let (cc_decide, cc_total) = mean_passing(&mut cc);
 
     let noop = baseline_fuel(&noop_wasm_path(), "noop-filter");
     let host_calls = baseline_fuel(&hostcalls_wasm_path(), "hostcalls-filter");
@@ -520,12 +523,21 @@ fn instructions_per_decision_in_the_compiled_module() {
         "clients": CLIENTS,
         "c1": { "decision": c1_decide, "request": c1_total, "denied_decision": denied_decide },
         "c4": { "decision": c4_decide, "request": c4_total },
+        "cc": { "decision": cc_decide, "request": cc_total },
         "noop": noop,
         "hostcalls": host_calls,
         "c4_over_c1": c4_decide / c1_decide,
     });
     report("fuel", &figures);
-    for v in [c1_decide, c1_total, denied_decide, c4_decide, c4_total] {
+    for v in [
+        c1_decide,
+        c1_total,
+        denied_decide,
+        c4_decide,
+        c4_total,
+        cc_decide,
+        cc_total,
+    ] {
         assert!(v > 0.0, "{figures}");
     }
     assert!(

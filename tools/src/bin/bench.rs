@@ -2,7 +2,7 @@
 //! rate-limit filter, the gateway against raw Redis, and the report
 //! (BENCHMARKS.md, BENCHMARKS.svg).
 //!
-//! Every variant runs in one session, interleaved (a a2 a3 b c1 c4 d g e b-f c1-f d-f
+//! Every variant runs in one session, interleaved (a a2 a3 b c1 c4 cc d g e b-f c1-f d-f
 //! c1-1k cu-1k c1-64k cu-64k, then again, `--repeats` times), each on a fresh Envoy (`--concurrency 2`,
 //! the same flags in every variant) whose configuration is the shipped
 //! template `envoy/envoy.yaml` rendered by testkit and then changed only in
@@ -89,6 +89,9 @@ const DF_JSON: &str = include_str!("bench/df.json");
 /// `openai_chat` preset, reserve 100, max 4000; also read by
 /// `tests/bench_fuel.rs`).
 const CU_JSON: &str = include_str!("bench/cu.json");
+/// cc: c1's rule and a concurrency cap per client (`{"concurrent": 64}`,
+/// never reached): a slot taken and given back per request.
+const CC_JSON: &str = include_str!("bench/cc.json");
 
 /// What the wrk script sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +127,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 16] = [
+pub const VARIANTS: [Variant; 17] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -175,6 +178,15 @@ pub const VARIANTS: [Variant; 16] = [
         what: "this filter, 4 local rules with burst sub-limits",
         filter: FilterVariant::Shipped,
         plugin: C4_JSON,
+        load: LoadMode::Spread,
+        path: "/",
+        needs_gateway: false,
+    },
+    Variant {
+        id: "cc",
+        what: "this filter, c1's rule and a concurrency cap per client",
+        filter: FilterVariant::Shipped,
+        plugin: CC_JSON,
         load: LoadMode::Spread,
         path: "/",
         needs_gateway: false,

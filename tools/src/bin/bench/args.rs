@@ -25,7 +25,7 @@ pub struct Args {
 }
 
 const USAGE: &str = "usage: bench [--repeats N] [--seconds S] [--warmup S] [--connections C] \
-                     [--threads T] [--only a,a2,a3,b,c1,c4,d,g,e,b-f,c1-f,d-f,c1-1k,cu-1k,c1-64k,cu-64k,gw] [--wait-quiet SECONDS] \
+                     [--threads T] [--only a,a2,a3,b,c1,c4,cc,d,g,e,b-f,c1-f,d-f,c1-1k,cu-1k,c1-64k,cu-64k,gw] [--wait-quiet SECONDS] \
                      [--work-dir DIR] [--wasm-results DIR] [--publish]";
 
 /// The process's command line, parsed.
