@@ -47,6 +47,7 @@ deps: ## install what is missing (idempotent, cheap when present)
 wasm: ## build the filter and the test fixtures for wasm32-wasip1 (release)
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
 	cargo build --release --target $(WASM_TARGET) -p trap-filter -p noop-filter -p hostcalls-filter
+	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm --features test-trap --target-dir $(or $(CARGO_TARGET_DIR),target)/test-trap
 
 build: wasm ## build the filter (wasm32-wasip1) and every host crate
 	cargo build --workspace

@@ -215,3 +215,67 @@ fn three_in_flight_across_two_proxies_and_a_killed_proxys_slots_come_back_at_the
     });
     assert_eq!(upstream.requests("/fast"), 0);
 }
+
+/// The filter built with `--features test-trap` (`make wasm`): a response
+/// carrying `x-test-trap` kills its VM.
+fn crashing_wasm() -> std::path::PathBuf {
+    let path =
+        testkit::paths::target_dir().join("test-trap/wasm32-wasip1/release/ratelimit_wasm.wasm");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `make wasm` (cargo build --release --target wasm32-wasip1 \
+         -p ratelimit-wasm --features test-trap --target-dir target/test-trap)",
+        path.display()
+    );
+    path
+}
+
+/// A VM that dies holding a slot (a trap in `on_http_response_headers`, as
+/// a crash: its `on_log` never runs) leaves the slot in shared data, where
+/// it outlives the VM; Envoy's reloaded VM and the other worker's both
+/// count it until its `max_in_flight` (2 s), then take it back.
+#[test]
+fn a_slot_held_by_a_vm_that_crashed_is_taken_back_at_max_in_flight() {
+    use std::time::Instant;
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/crash", Reply::json("{}").header("x-test-trap", "1"));
+    upstream.route("/fast", Reply::json("{}"));
+    let config = json!({
+        "domain": "inflight-crash",
+        "rules": [{"name": "streams", "key": ["client"],
+                   "limits": [{"concurrent": 1, "max_in_flight": "2s"}]}],
+        "response": {"retry_jitter": 0}
+    })
+    .to_string();
+    let mut opts = EnvoyOptions::new(config).upstream_port(upstream.port());
+    opts.wasm = Some(crashing_wasm());
+    let envoy = Envoy::start(opts).unwrap_or_else(|e| panic!("could not start Envoy: {e:#}"));
+    // A VM that traps within 1-1.5 s of its load leaves its worker answering
+    // 503 until then (tests/envoy_failure_policy.rs): let both VMs settle first.
+    std::thread::sleep(Duration::from_millis(1600));
+    let started = Instant::now();
+    let crashed = client(&envoy).get_as("/crash", "ann");
+    assert_eq!(
+        crashed.status, 503,
+        "the VM died answering it: {crashed:#?}"
+    );
+    // Both workers (one with a fresh VM) see the dead VM's slot until its deadline.
+    let mut denied = 0;
+    while started.elapsed() < Duration::from_millis(1500) {
+        let r = client(&envoy).get_as("/fast", "ann");
+        assert_eq!(r.status, 429, "{r:#?}");
+        denied += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(denied >= 4, "{denied}");
+    std::thread::sleep(Duration::from_millis(2200).saturating_sub(started.elapsed()));
+    for _ in 0..4 {
+        assert_eq!(client(&envoy).get_as("/fast", "ann").status, 200);
+    }
+    let reloaded = envoy
+        .stat("wasm.ratelimit.vm_reload_success")
+        .ok()
+        .flatten();
+    assert_eq!(reloaded, Some(1), "a fresh VM replaced the crashed one");
+    assert_eq!(upstream.requests("/fast"), 4);
+}

@@ -643,6 +643,8 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        #[cfg(feature = "test-trap")]
+        crash_on_test_trap();
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
@@ -691,5 +693,16 @@ impl HttpContext for Http {
                 self.queue_settlement();
             }
         }
+    }
+}
+
+/// Test builds only (`--features test-trap`): a response carrying
+/// `x-test-trap` kills the VM (an abort traps on wasm32-wasip1), as a crash
+/// would, so that a real Envoy test sees what a dead VM leaves behind.
+#[cfg(feature = "test-trap")]
+fn crash_on_test_trap() {
+    let header = hostcalls::get_map_value(MapType::HttpResponseHeaders, "x-test-trap");
+    if header.ok().flatten().is_some() {
+        std::process::abort();
     }
 }
