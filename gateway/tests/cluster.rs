@@ -195,3 +195,49 @@ async fn cluster_settlements_find_the_record_of_their_slot() {
     assert_eq!(a["quotas"][0]["remaining"], 100_000 - 251, "{a}");
     gw.stop().await.unwrap();
 }
+
+/// A concurrency slot in one cluster slot and a limit in another: when the
+/// other limit denies, the concurrency slot the check took is given back
+/// (refund.lua, under the check's record), so the set holds only the
+/// requests really in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_concurrency_slots_are_given_back_when_another_slot_denies() {
+    add_policy(
+        r#"{"domain": "inflight-cluster", "global": {"cluster": "gw"},
+          "rules": [
+            {"name": "streams", "scope": "global", "key": ["client"], "limits": [{"concurrent": 2}]},
+            {"name": "by-method", "scope": "global", "key": ["method"], "limits": [{"requests": 1, "per": "1d"}]}]}"#,
+    );
+    let cluster = redis_cluster();
+    let gw = gateway(Target::Cluster(cluster.seeds()), 2000).await;
+    let client = reqwest::Client::new();
+    let bucket = |rule: &str, tag: &str| {
+        serde_json::json!({"rule": rule, "key": format!("{rule}/{tag}"), "tag": tag,
+                           "variant": "default", "cost": 1})
+    };
+    let body = |id: &str, method: bool| {
+        let mut buckets = vec![bucket("streams", "c=alice")];
+        if method {
+            buckets.push(bucket("by-method", "m=GET"));
+        }
+        serde_json::json!({"version": 2, "domain": "inflight-cluster", "buckets": buckets,
+                           "reservation": id})
+    };
+    assert_eq!(groups(&body("inflight00000001", true)), 2, "two slots");
+    let (status, a) = check(&client, &gw.url(), &body("inflight00000001", true)).await;
+    assert_eq!((status, a["allowed"].as_bool()), (200, Some(true)), "{a}");
+    assert_eq!(limit(&a, 0, 0)["remaining"], 1, "{a}");
+    // by-method is spent: denied, and the slot of streams it may have taken is given back.
+    let (_, a) = check(&client, &gw.url(), &body("inflight00000002", true)).await;
+    assert_eq!(a["allowed"].as_bool(), Some(false), "{a}");
+    // One slot held (the first check's): one more fits, then none.
+    let (_, a) = check(&client, &gw.url(), &body("inflight00000003", false)).await;
+    assert_eq!(
+        (a["allowed"].as_bool(), &limit(&a, 0, 0)["remaining"]),
+        (Some(true), &serde_json::json!(0)),
+        "{a}"
+    );
+    let (_, a) = check(&client, &gw.url(), &body("inflight00000004", false)).await;
+    assert_eq!(a["allowed"].as_bool(), Some(false), "{a}");
+    gw.stop().await.unwrap();
+}
