@@ -368,15 +368,25 @@ fn a_global_rule_reserves_on_the_gateway_and_settles_there_once_the_response_is_
     assert_eq!(h.metric("ratelimit_wasm_global_settled"), 1);
     assert_eq!(h.metric("ratelimit_wasm_global_settle_failed"), 0);
 
-    // A response that cost its reservation has nothing to settle: no call.
-    // Every check reserves under an id of its own, without retry_jitter too.
+    // A response that cost its reservation settles too, changing nothing
+    // but the record, which the gateway then deletes instead of keeping it
+    // for an hour. Every check reserves under an id of its own, without
+    // retry_jitter too; one call carries the worker's settlements.
     let (o, other) = through_the_gateway(&h, 1, "bob", used(100));
     assert_eq!(o.status, 200);
     assert_ne!(other, reservation);
     let (_, third) = through_the_gateway(&h, 1, "bob", used(100));
     assert!(third != other && third != reservation, "{third}");
     h.tick_all();
-    assert!(h.pending_http_calls().is_empty());
+    let settle = the_pending_call(&h, "settle call of worker 1");
+    let body: Value = serde_json::from_slice(&settle.body).unwrap();
+    let bucket = json!([{"rule": "tokens", "key": "tokens/c=bob", "tag": "c=bob",
+                         "variant": "default", "cost": 100}]);
+    assert_eq!(
+        body["settlements"],
+        json!([{"reservation": other, "buckets": bucket},
+               {"reservation": third, "buckets": bucket}])
+    );
 }
 
 #[test]

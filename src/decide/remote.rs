@@ -181,8 +181,9 @@ impl Open {
     }
 
     /// The settlement to send: every line still open keeps what it
-    /// reserved, and only the lines whose real cost differs are named;
-    /// `None` when none does.
+    /// reserved. Every line is named, a real cost equal to its reservation
+    /// too: the gateway then deletes the record (found in the slot of the
+    /// keys named) instead of keeping it for `--reservation-ttl`.
     pub fn close(self, plan: &Plan) -> Option<Settlement> {
         let n = self.reserved.buckets.len();
         let real =
@@ -192,7 +193,6 @@ impl Open {
             .buckets
             .iter()
             .enumerate()
-            .filter(|(i, (g, _))| real(*i, g.cost) != g.cost)
             .filter_map(|(i, (g, _))| callout::bucket_ref(plan, g, real(i, g.cost)))
             .collect();
         let quotas: Vec<QuotaRef> = self
@@ -200,7 +200,6 @@ impl Open {
             .quotas
             .iter()
             .enumerate()
-            .filter(|(j, (q, _))| real(n + j, q.amount) != q.amount)
             .filter_map(|(j, (q, _))| callout::quota_ref(plan, q, real(n + j, q.amount)))
             .collect();
         (!buckets.is_empty() || !quotas.is_empty()).then_some(Settlement {
