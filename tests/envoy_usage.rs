@@ -459,3 +459,75 @@ fn a_streamed_request_reserves_its_max_tokens_and_the_upstream_is_asked_for_usag
         Some(mid.into_bytes())
     );
 }
+
+/// Two proxies and the gateway on a real Redis: a global rule reserves the
+/// `max_tokens` read from each request body on the gateway, and the stream
+/// settles there to the usage it reports, whichever proxy the next request
+/// goes through.
+#[test]
+fn a_global_rule_reserves_max_tokens_on_the_gateway_and_settles_the_stream_exactly() {
+    use testkit::redis::Redis;
+    use testkit::{Gateway, GatewayOptions};
+    let redis = Redis::start().expect("redis-server");
+    let config = json!({
+        "domain": "usage-body-global",
+        "global": {"cluster": "ratelimit_gateway", "timeout_ms": 500, "failure_mode": "closed"},
+        "rules": [{"name": "tokens", "scope": "global", "key": ["client"],
+                   "limits": [{"requests": 1000, "per": "1d"}],
+                   "cost_from": {"preset": "openai_chat", "max": 4000,
+                       "reserve": {"pointer": "/max_tokens", "default": 100},
+                       "ensure_stream_usage": true}}],
+        "response": {"retry_jitter": 0}
+    })
+    .to_string();
+    let gateway = Gateway::start(GatewayOptions::new(redis.url()).policy(config.clone()))
+        .expect("ratelimit-gateway");
+    let upstream = Upstream::start().expect("upstream");
+    upstream.route("/v1/chat/completions", stream(200, 300));
+    let opts = EnvoyOptions::new(config)
+        .upstream_port(upstream.port())
+        .gateway_port(gateway.port());
+    let envoys = Envoy::start_all(&[opts.clone(), opts]).expect("two Envoys");
+    let chat = |e: &Envoy, max_tokens: u64| {
+        let body = format!(r#"{{"stream":true,"max_tokens":{max_tokens},"messages":[]}}"#);
+        client(e)
+            .send(
+                &Request::post("/v1/chat/completions", body)
+                    .header("x-client-id", "ann")
+                    .header("content-type", "application/json"),
+            )
+            .unwrap_or_else(|e| panic!("the request: {e:#}"))
+    };
+    let settled = |e: &Envoy, n: u64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while metric(e, "ratelimit_wasm_global_settled") < n {
+            assert!(std::time::Instant::now() < deadline, "{n} settled");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    // 600 reserved on the gateway (the headers show it), then settled to 500.
+    let r = chat(&envoys[0], 600);
+    assert_eq!(r.status, 200, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 400);
+    settled(&envoys[0], 1);
+    // 500 left, whichever proxy asks: 501 does not fit, 500 does.
+    let r = chat(&envoys[1], 501);
+    assert_eq!(r.status, 429, "{r:#?}");
+    let r = chat(&envoys[1], 500);
+    assert_eq!(r.status, 200, "{r:#?}");
+    assert_eq!(r.int_header("x-ratelimit-remaining"), 0);
+    settled(&envoys[1], 1);
+    assert_eq!(upstream.requests("/v1/chat/completions"), 2);
+    for got in upstream.received() {
+        let body: Value = serde_json::from_slice(&got.body).expect("JSON");
+        assert_eq!(body["stream_options"]["include_usage"], json!(true));
+    }
+    for e in &envoys {
+        assert_eq!(metric(e, "ratelimit_wasm_global_settle_unmatched"), 0);
+    }
+    let dump = redis.dump().expect("dumping Redis");
+    assert!(
+        !dump.contains("|r|"),
+        "no reservation record is left:\n{dump}"
+    );
+}

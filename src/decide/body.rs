@@ -123,21 +123,40 @@ impl BodyWait {
 /// most `max` already), each capped at its rule's smallest limit, as a
 /// fixed `reserve` is held to when the configuration is loaded: a request
 /// whose body asks for more than a bucket holds is not refused for ever.
+/// Local, shadow, stand-in and global buckets alike, and the quotas that
+/// count the cost of a `costs[]` entry reading the body.
 fn set_reserve(plan: &Plan, eval: &mut Evaluation, m: usize, meter: &MeterPlan, value: u64) {
     let cost_meter = eval.cost_meter;
-    for b in eval.buckets.iter_mut().chain(eval.shadow.iter_mut()) {
-        if plan.meter_of(b.rule, cost_meter) == Some(m) {
-            let smallest = plan
-                .limits(b.rule, 0)
-                .iter()
-                .map(|(l, _)| l.capacity)
-                .min()
-                .unwrap_or(value);
-            b.cost = value.min(smallest).max(1);
-        }
+    let reserve = |rule: usize, variant: usize| {
+        let smallest = plan
+            .limits(rule, variant)
+            .iter()
+            .map(|(l, _)| l.capacity)
+            .min()
+            .unwrap_or(value);
+        value.min(smallest).max(1)
+    };
+    let local = eval
+        .buckets
+        .iter_mut()
+        .chain(eval.shadow.iter_mut())
+        .chain(eval.fallback.iter_mut());
+    for b in local.filter(|b| plan.meter_of(b.rule, cost_meter) == Some(m)) {
+        b.cost = reserve(b.rule, b.variant);
+    }
+    for g in eval
+        .global
+        .iter_mut()
+        .filter(|g| plan.meter_of(g.rule, cost_meter) == Some(m))
+    {
+        g.cost = reserve(g.rule, g.variant);
     }
     if cost_meter == Some(m) {
         eval.cost = value.min(meter.max);
+        let counts_cost = |q: usize| plan.quotas.get(q).is_some_and(|p| p.counts_cost());
+        for q in eval.quotas.iter_mut().filter(|q| counts_cost(q.quota)) {
+            q.amount = eval.cost;
+        }
     }
 }
 
@@ -301,5 +320,28 @@ mod tests {
             panic!("a local rule needs no callout");
         };
         assert!(matches!(o.verdict, Verdict::Pass(_)));
+    }
+
+    #[test]
+    fn the_body_sets_the_reservation_of_a_global_rule_and_of_a_quota_counting_cost() {
+        let config = serde_json::json!({"domain": "d", "global": {"cluster": "gw"},
+            "rules": [{"name": "g", "scope": "global", "key": ["client"],
+                       "limits": [{"requests": 800, "per": "1m"}]}],
+            "costs": [{"match": {"path_prefix": "/v1"}, "cost_from": {"preset": "openai_chat",
+                "max": 1000, "reserve": {"pointer": "/max_tokens", "default": 20}}}],
+            "quotas": [{"name": "monthly", "key": ["client"], "period": "month", "limit": 100000,
+                        "count": "cost", "upgrade_url": "https://example.com/up"}]});
+        let config = crate::config::parse(config.to_string().as_bytes()).unwrap();
+        let plan = Plan::compile(&config, [7; 16]);
+        let read = |body: &[u8]| {
+            let (eval, _, _) = wait(&plan).read(&plan, Some(body));
+            let global: Vec<u64> = eval.global.iter().map(|g| g.cost).collect();
+            let quotas: Vec<u64> = eval.quotas.iter().map(|q| q.amount).collect();
+            (global, quotas)
+        };
+        assert_eq!(read(br#"{"max_tokens": 500}"#), (vec![500], vec![500]));
+        // The rule holds at most its smallest limit; the quota counts up to max.
+        assert_eq!(read(br#"{"max_tokens": 900}"#), (vec![800], vec![900]));
+        assert_eq!(read(br#"{}"#), (vec![20], vec![20]));
     }
 }

@@ -869,7 +869,9 @@ impl Plan {
             .buckets
             .iter()
             .chain(&eval.shadow)
-            .filter_map(|b| self.meter_of(b.rule, eval.cost_meter))
+            .map(|b| b.rule)
+            .chain(eval.global.iter().map(|g| g.rule))
+            .filter_map(|rule| self.meter_of(rule, eval.cost_meter))
             .chain(eval.cost_meter)
             .filter(|m| {
                 self.meters
