@@ -372,9 +372,9 @@ impl Limiter {
         );
         let mut found = false;
         for group in &groups {
-            let (ledger, _) = self.ledger(group, &s.domain);
+            let (ledger, budget) = self.ledger(group, &s.domain);
             let record = keys::record_key(&ledger, id);
-            let (keys, args) = script::settle_args(group, self.clock(), &record, &ledger);
+            let (keys, args) = script::settle_args(group, self.clock(), &record, (&ledger, budget));
             let reply: Vec<i64> = self
                 .store
                 .eval(script::settle(), &keys, &args, "settle")

@@ -217,3 +217,59 @@ async fn on_a_cluster_the_budget_is_per_domain_and_slot() {
     let refused = "ratelimit_gateway_key_budget_refusals_total{domain=\"kbc\"}";
     assert_eq!(metric(&client, &base, refused).await, 1.0);
 }
+
+/// A settlement that writes a key the ledger no longer holds (a bucket that
+/// expired meanwhile, a quota's new period) puts it back in the ledger, so
+/// the budget counts every live key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_a_settlement_creates_is_counted_in_the_budget() {
+    add_policy(
+        r#"{"domain": "kb-settle", "global": {"cluster": "gw"},
+          "rules": [{"name": "tokens", "scope": "global", "key": ["client"],
+                     "limits": [{"requests": 1000, "per": "1d"}]}],
+          "costs": [{"match": {"path_prefix": "/"},
+                     "cost_from": {"header": "x-usage", "max": 2000, "reserve": 100}}]}"#,
+    );
+    let redis = redis();
+    let gw = gateway_with(Target::Single(redis.url()), 2000, |mut c| {
+        c.key_budget = 10;
+        c
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let bucket = |cost: u64| {
+        serde_json::json!({"rule": "tokens", "key": "tokens/c=ann", "tag": "c=ann",
+                           "variant": "default", "cost": cost})
+    };
+    let id = "kbsettle00000001";
+    let body = serde_json::json!({"version": 2, "domain": "kb-settle", "buckets": [bucket(100)],
+                                  "reservation": id});
+    let (status, a) = check(&client, &gw.url(), &body).await;
+    assert_eq!((status, &a["allowed"]), (200, &Value::Bool(true)), "{a}");
+    let keys: Vec<String> = keys_of(&redis, "kb-settle")
+        .into_iter()
+        .filter(|k| !k.contains("|r|"))
+        .collect();
+    let [key] = keys.as_slice() else {
+        panic!("one bucket key besides the record: {keys:?}")
+    };
+    let ledger = "rl:{kb-settle|live}";
+    // The bucket expires and the ledger forgets it.
+    redis.cli(&["DEL", key]).unwrap();
+    redis.cli(&["ZREM", ledger, key]).unwrap();
+    let settlement = serde_json::json!({"version": 2, "domain": "kb-settle",
+        "settlements": [{"reservation": id, "buckets": [bucket(500)]}]});
+    let (status, r) = settle(&client, &gw.url(), &settlement).await;
+    assert_eq!(
+        (status, &r["settled"]),
+        (200, &serde_json::json!([true])),
+        "{r}"
+    );
+    assert!(
+        redis.cli(&["--raw", "GET", key]).unwrap().contains(':'),
+        "the settlement wrote it"
+    );
+    let score = redis.cli(&["--raw", "ZSCORE", ledger, key]).unwrap();
+    assert!(!score.trim().is_empty(), "the ledger counts {key} again");
+    gw.stop().await.unwrap();
+}

@@ -53,8 +53,8 @@
 -- charged; else every limit and every quota is charged. A denied token bucket
 -- read as more than empty (Redis time went backwards) still stores that bound.
 --
--- clock, ttl, expire_at, divmod, ceildiv, fmt, period_bounds, tb_use and
--- limit_args come from common.lua, which script.rs puts in front (with why the arithmetic is exact).
+-- clock, ttl, expire_at, divmod, ceildiv, fmt, period_bounds, tb_use,
+-- limit_args, ledger_track and ledger_keep come from common.lua, which script.rs puts in front (with why the arithmetic is exact).
 
 local commit = ARGV[1] == '1'
 local now = clock(ARGV[2])
@@ -284,9 +284,7 @@ end
 
 -- The ledger forgets expired keys, then must have room for the new ones.
 local function track(key, expire_ms)
-  if budget > 0 then
-    redis.call('ZADD', ledger, fmt(expire_ms), key)
-  end
+  if budget > 0 then ledger_track(ledger, key, expire_ms) end
 end
 
 if not all then
@@ -324,9 +322,7 @@ elseif commit then
     redis.call('PEXPIRE', record, fmt(ttl(record_ms)))
   end
   if budget > 0 then
-    -- The ledger lives as long as its longest-lived key.
-    local last = redis.call('ZRANGE', ledger, -1, -1, 'WITHSCORES')
-    if last[2] then redis.call('PEXPIREAT', ledger, fmt(expire_at(tonumber(last[2]) - now))) end
+    ledger_keep(ledger, now)
   end
 end
 return out

@@ -223,6 +223,18 @@ local function force(key, algorithm, n, w, cost, ceiling, now)
   return now
 end
 
+-- The domain's ledger of live keys (the key budget's count; check.lua):
+-- `key` lives until `expire_ms` (on the script's clock), and the ledger as
+-- long as its longest-lived key.
+local function ledger_track(ledger, key, expire_ms)
+  redis.call('ZADD', ledger, fmt(expire_ms), key)
+end
+
+local function ledger_keep(ledger, now)
+  local last = redis.call('ZRANGE', ledger, -1, -1, 'WITHSCORES')
+  if last[2] then redis.call('PEXPIREAT', ledger, fmt(expire_at(tonumber(last[2]) - now))) end
+end
+
 -- Gives `amount` back to the quota at key base `base`, counted at
 -- `charged_at` (ms): the key of the period that held it gets DECRBY amount,
 -- floored at 0 (deleted at 0), only while now is still in that period. The

@@ -158,14 +158,15 @@ pub fn refund_args(
 
 /// Keys and arguments of a `settle.lua` call: the group's limits with the
 /// real cost as their cost, its quotas with the real amount, the
-/// reservation record of the group's slot and the slot's ledger of live keys.
+/// reservation record of the group's slot, and the slot's ledger of live
+/// keys with its budget (0: none kept).
 pub fn settle_args(
     group: &Group,
     clock: &dyn Clock,
     record: &str,
-    ledger: &str,
+    (ledger, budget): (&str, u64),
 ) -> (Vec<String>, Vec<String>) {
-    let mut args = vec![String::new(), clock::script_arg(clock)];
+    let mut args = vec![budget.to_string(), clock::script_arg(clock)];
     push_limits(&mut args, &group.limits);
     for q in &group.quotas {
         args.push(q.period.name().to_string());

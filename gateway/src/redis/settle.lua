@@ -4,10 +4,12 @@
 -- KEYS[L+1..L+Q]   quota key bases of the quotas settled
 -- KEYS[L+Q+1]      the reservation record check.lua wrote for the request in
 --                  this slot (a hash: "@at" -> charged at, ms; key -> reserved)
--- KEYS[L+Q+2]      the domain's ledger of live keys in this slot: a key a
---                  settlement keeps alive longer gets its new expiry there, if
---                  the ledger holds it (ZADD XX: the key budget's count is kept)
--- ARGV[1]          unused ("": the layout of check.lua and refund.lua)
+-- KEYS[L+Q+2]      the domain's ledger of live keys in this slot, when the key
+--                  budget keeps one: a key a settlement writes gets its
+--                  expiry there, a key it creates (a quota's new period, a
+--                  bucket that had expired) too, so that the budget counts
+--                  every live key
+-- ARGV[1]          the key budget (0: none, and no ledger is kept)
 -- ARGV[2]          "" (time from Redis TIME), or a time in ms the script runs at
 -- ARGV[3]          L, the number of limit keys
 -- ARGV[5i-1..5i+3] per limit key i (i = 1..L): as for check.lua (common.lua's
@@ -28,8 +30,8 @@
 --   slot is never forced.
 -- Returns { found (1|0), keys changed }.
 
--- clock, divmod, fmt, limit_args, force, give_back and quota_give_back come
--- from common.lua, which script.rs puts in front.
+-- clock, divmod, fmt, limit_args, force, give_back, quota_give_back,
+-- ledger_track and ledger_keep come from common.lua, which script.rs puts in front.
 
 local now = clock(ARGV[2])
 local n_limits = tonumber(ARGV[3])
@@ -47,6 +49,11 @@ for f = 1, #fields, 2 do
 end
 local at = held['@at'] or now
 
+local budgeted = (tonumber(ARGV[1]) or 0) > 0
+local function track(key, expire_ms)
+  if budgeted then ledger_track(ledger, key, expire_ms) end
+end
+
 local changed = 0
 for i = 1, n_limits do
   local key = KEYS[i]
@@ -54,7 +61,7 @@ for i = 1, n_limits do
   local reserved = held[key]
   if reserved and real > reserved then
     local expires = force(key, algorithm, n, w, real - reserved, ceiling, now)
-    redis.call('ZADD', ledger, 'XX', fmt(expires), key)
+    track(key, expires)
     changed = changed + 1
   elseif reserved and real < reserved then
     if give_back(key, algorithm, n, w, reserved - real, at, record) then
@@ -72,7 +79,7 @@ for j = 1, n_quotas do
       local key = base .. '|' .. fmt(start)
       redis.call('INCRBY', key, fmt(real - reserved))
       redis.call('PEXPIREAT', key, fmt(expire_at(stop * 1000 - now)))
-      redis.call('ZADD', ledger, 'XX', fmt(now + ttl(stop * 1000 - now)), key)
+      track(key, now + ttl(stop * 1000 - now))
       changed = changed + 1
     end
   elseif reserved and real < reserved then
@@ -81,4 +88,5 @@ for j = 1, n_quotas do
     end
   end
 end
+if budgeted then ledger_keep(ledger, now) end
 return { 1, changed }
