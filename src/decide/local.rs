@@ -121,6 +121,10 @@ fn first_step(
         }
         _ => {
             let served = leasing.served.is_some();
+            // What it spent from the batch settles there, as a local charge would.
+            if let Some(l) = leasing.lease.as_deref().filter(|_| served && plan.settling) {
+                held.keep_lease(plan, l);
+            }
             let v = ctx.admit(leasing.served, reports);
             let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
             outcome.lease = leasing.lease.filter(|_| served);
@@ -194,9 +198,9 @@ impl<S: SharedStore> Ctx<'_, S> {
             }
             Ok(Take::Short) => leasing.short = true,
             Ok(Take::Busy) => {}
-            Ok(Take::Empty { wait_ns }) => {
+            Ok(Take::Empty { wait_ns } | Take::InDebt { wait_ns }) => {
                 self.counts.add(Metric::LeaseServed, 1);
-                let reports = lease::empty_reports(self.plan, &l, wait_ns, self.now_ns);
+                let reports = lease::refused_reports(self.plan, &l, wait_ns, self.now_ns);
                 return Err(self.too_many(&reports));
             }
             Err(e) => self.failed(e),

@@ -132,6 +132,9 @@ pub struct HeldMore {
     pub slots: Vec<in_flight::Slot>,
     /// What the gateway reserved for it, to settle from its response.
     pub remote: Option<Box<remote::Reserved>>,
+    /// The lease it spent from, when its rule settles from the response:
+    /// the settlement goes to the lease's slot.
+    pub leased: Option<Box<Lease>>,
 }
 
 impl Held {
@@ -156,6 +159,20 @@ impl Held {
     /// The concurrency slots held.
     pub fn slots(&self) -> &[in_flight::Slot] {
         self.more.as_ref().map_or(&[], |m| m.slots.as_slice())
+    }
+
+    /// The lease spent from (see [`HeldMore::leased`]).
+    pub fn leased(&self) -> Option<&Lease> {
+        self.more.as_ref().and_then(|m| m.leased.as_deref())
+    }
+
+    /// Keeps `l`, which the request spent from, when its rule settles from
+    /// the response. Out of line: most lease decisions settle nothing.
+    #[inline(never)]
+    fn keep_lease(&mut self, plan: &Plan, l: &Lease) {
+        if settle::settles_from_response(plan, l.bucket.rule, self.cost_meter()).is_some() {
+            self.more.get_or_insert_with(Box::default).leased = Some(Box::new(l.clone()));
+        }
     }
 }
 
@@ -182,6 +199,11 @@ impl Pending {
     /// The lease this callout fetches a batch for.
     pub fn lease(&self) -> Option<&Lease> {
         self.lease.as_ref().map(|(l, _)| l)
+    }
+
+    /// Debt of another bucket that this callout's claim dropped.
+    pub fn dropped_debt(&self) -> u64 {
+        self.lease.as_ref().map_or(0, |(_, c)| c.dropped_debt)
     }
 
     /// Path and timeout of this callout: the lease endpoint for a lease.

@@ -7,6 +7,7 @@
 //! phase reads and carries out what it returns.
 
 use super::*;
+use crate::global::lease::Settled;
 
 /// A request's state between the host's callbacks.
 #[derive(Debug, Default)]
@@ -323,6 +324,23 @@ impl Stream {
     /// reserved (taken once): the host queues it for the root's tick.
     pub fn take_remote(&mut self) -> Option<ratelimit_protocol::Settlement> {
         self.settlement.as_mut()?.take_outbox()
+    }
+
+    /// What settling against a lease could not apply since the last call,
+    /// for the host to count.
+    pub fn take_lease_left(&mut self) -> Settled {
+        self.settlement
+            .as_mut()
+            .map_or_else(Settled::default, |s| s.take_lease_left())
+    }
+
+    /// Debt of another bucket that this request's lease claim dropped when
+    /// it took the slot over, for the host to count.
+    pub fn dropped_debt(&self) -> u64 {
+        match &self.state {
+            State::Waiting(p) => p.dropped_debt(),
+            _ => 0,
+        }
     }
 
     /// The decision, once there is one.
