@@ -25,10 +25,10 @@ pub fn finish(
         let spent = answer
             .as_ref()
             .is_ok_and(|a| a.reports.iter().all(|r| r.check.allowed));
-        if spent && plan.settling {
-            pending.held.keep_lease(plan, &l);
-        }
-        return finish_with(plan, pending, answer, latency_ns, store, now_ns);
+        let mut outcome = finish_with(plan, pending, answer, latency_ns, store, now_ns);
+        // Spent from the batch: its response settles there.
+        outcome.lease = spent.then(|| Box::new(l));
+        return outcome;
     }
     let answer = callout::parse_answer(
         plan,

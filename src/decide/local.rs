@@ -121,10 +121,6 @@ fn first_step(
         }
         _ => {
             let served = leasing.served.is_some();
-            // What it spent from the batch settles there, as a local charge would.
-            if let Some(l) = leasing.lease.as_deref().filter(|_| served && plan.settling) {
-                held.keep_lease(plan, l);
-            }
             let v = ctx.admit(leasing.served, reports);
             let mut outcome = ctx.done(v, eval.bad_input, None, Transition::None);
             outcome.lease = leasing.lease.filter(|_| served);

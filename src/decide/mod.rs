@@ -100,9 +100,10 @@ pub struct Outcome {
     pub shadow_denied: Vec<String>,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
-    /// The lease that served the request, for the timer to keep topped up.
-    /// Boxed: inline it made every outcome 96 bytes larger, and every
-    /// decision moves its outcome (81 wasm instructions for c1).
+    /// The lease the request spent from: for the timer to keep topped up,
+    /// and for its response to settle against. Boxed: inline it made every
+    /// outcome 96 bytes larger, and every decision moves its outcome (81
+    /// wasm instructions for c1).
     pub lease: Option<Box<Lease>>,
     /// What an admitted request still holds of the local charge: what the
     /// response phases settle. Empty for a refused request (refunded).
@@ -132,9 +133,6 @@ pub struct HeldMore {
     pub slots: Vec<in_flight::Slot>,
     /// What the gateway reserved for it, to settle from its response.
     pub remote: Option<Box<remote::Reserved>>,
-    /// The lease it spent from, when its rule settles from the response:
-    /// the settlement goes to the lease's slot.
-    pub leased: Option<Box<Lease>>,
 }
 
 impl Held {
@@ -159,20 +157,6 @@ impl Held {
     /// The concurrency slots held.
     pub fn slots(&self) -> &[in_flight::Slot] {
         self.more.as_ref().map_or(&[], |m| m.slots.as_slice())
-    }
-
-    /// The lease spent from (see [`HeldMore::leased`]).
-    pub fn leased(&self) -> Option<&Lease> {
-        self.more.as_ref().and_then(|m| m.leased.as_deref())
-    }
-
-    /// Keeps `l`, which the request spent from, when its rule settles from
-    /// the response. Out of line: most lease decisions settle nothing.
-    #[inline(never)]
-    fn keep_lease(&mut self, plan: &Plan, l: &Lease) {
-        if settle::settles_from_response(plan, l.bucket.rule, self.cost_meter()).is_some() {
-            self.more.get_or_insert_with(Box::default).leased = Some(Box::new(l.clone()));
-        }
     }
 }
 

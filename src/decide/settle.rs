@@ -63,7 +63,7 @@ struct LeaseLine {
 /// rule's `cost_from`, or the `costs` entry's `cost_meter` for a rule
 /// without a cost of its own), `Some(None)` only gives it back for a status
 /// its `charge_on` leaves out; `None` when it keeps what it was charged.
-pub(super) fn settles_from_response(
+fn settles_from_response(
     plan: &Plan,
     rule: usize,
     cost_meter: Option<usize>,
@@ -84,9 +84,9 @@ enum Phase {
 }
 
 impl Settlement {
-    /// The settlement of an admitted request's charge `held`, or `None`
-    /// when none of its buckets settles from the response.
-    pub fn new(plan: &Plan, held: &Held) -> Option<Box<Settlement>> {
+    /// The settlement of an admitted request's charge `held` and of what it
+    /// spent from `leased`, or `None` when none of it settles from the response.
+    pub fn new(plan: &Plan, held: &Held, leased: Option<&Lease>) -> Option<Box<Settlement>> {
         let lines: Vec<Line> = held
             .buckets
             .iter()
@@ -100,7 +100,7 @@ impl Settlement {
             })
             .collect();
         let remote = held.remote().cloned().map(Open::new);
-        let leased = held.leased().and_then(|l| {
+        let leased = leased.and_then(|l| {
             let meter = settles_from_response(plan, l.bucket.rule, held.cost_meter())?;
             Some(LeaseLine {
                 lease: Box::new(l.clone()),

@@ -268,7 +268,8 @@ impl Stream {
     /// Keeps what an admitted request settles from its response.
     #[inline(never)]
     fn open_settlement(&mut self, plan: &Plan) {
-        self.settlement = self.held().and_then(|h| Settlement::new(plan, h));
+        let leased = self.outcome().and_then(|o| o.lease.as_deref());
+        self.settlement = self.held().and_then(|h| Settlement::new(plan, h, leased));
     }
 
     /// Whether the response phases have anything to settle: only then need
