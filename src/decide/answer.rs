@@ -92,8 +92,12 @@ pub(super) fn lease_answer(
     };
     let mut reports = lease::reports(plan, l, &slot, now_ns);
     if !spent {
-        // The gateway's wait, or the debt's when the grant went to paying it.
-        let debt_wait = slot.debt_wait_ns(&l.debt, cost, now_ns).unwrap_or(0);
+        // The gateway's wait, or the debt's when the grant went to paying it
+        // (only this bucket's: the slot may have changed hands meanwhile).
+        let debt_wait = Some(&slot)
+            .filter(|s| s.fingerprint == l.fingerprint)
+            .and_then(|s| s.debt_wait_ns(&l.debt, cost, now_ns))
+            .unwrap_or(0);
         for (r, retry_ms) in reports.iter_mut().zip(&a.retry_after_ms) {
             r.check.allowed = false;
             r.check.retry_after_ns = ((*retry_ms).max(1) * 1_000_000).max(debt_wait);
