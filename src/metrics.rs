@@ -236,8 +236,9 @@ mod tests {
     }
 }
 
-/// Counters of the root context's own work, outside any request's decision
-/// (so outside [`Metric`], whose counts travel in every decision).
+/// Counters outside any request's decision (so outside [`Metric`], whose
+/// counts travel in every decision): the root context's own work, and what
+/// settling against a lease could not apply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Background {
     /// Settlements of global rules and quotas the gateway applied.
@@ -248,14 +249,22 @@ pub enum Background {
     /// Settlements given up (three failed attempts, a 400, or a full queue):
     /// the request keeps what its check reserved.
     GlobalSettleFailed,
+    /// Tokens a settlement could not give back to the lease batch a request
+    /// spent from (expired, taken over, or holding a whole lease already).
+    LeaseUnreturned,
+    /// Tokens of lease debt dropped: a settlement past the debt's cap or
+    /// after another bucket took the slot, or a slot in debt taken over.
+    LeaseDebtDropped,
 }
 
 impl Background {
     /// Every counter, in a fixed order.
-    pub const ALL: [Background; 3] = [
+    pub const ALL: [Background; 5] = [
         Background::GlobalSettled,
         Background::GlobalSettleUnmatched,
         Background::GlobalSettleFailed,
+        Background::LeaseUnreturned,
+        Background::LeaseDebtDropped,
     ];
 
     /// The name given to Envoy.
@@ -264,6 +273,8 @@ impl Background {
             Background::GlobalSettled => "ratelimit_wasm_global_settled",
             Background::GlobalSettleUnmatched => "ratelimit_wasm_global_settle_unmatched",
             Background::GlobalSettleFailed => "ratelimit_wasm_global_settle_failed",
+            Background::LeaseUnreturned => "ratelimit_wasm_lease_unreturned",
+            Background::LeaseDebtDropped => "ratelimit_wasm_lease_debt_dropped",
         }
     }
 }

@@ -639,16 +639,14 @@ fn charging_from_the_response_is_checked_with_its_paths() {
         err(both),
         "rules[0].cost_from: give cost or cost_from, not both"
     );
-    // A global rule settles on the gateway; in lease mode it is refused.
+    // A global rule settles on the gateway, or against its lease's batch.
     let mut global = with(json!({"header": "x-u", "max": 4}));
     global["rules"][0]["scope"] = json!("global");
     global["global"] = json!({"cluster": "gw"});
     assert!(parse(global.to_string().as_bytes()).is_ok());
     global["global"]["lease"] = json!({"fraction": 0.1});
-    assert_eq!(
-        err(global),
-        "rules[0].cost_from: does not combine with global.lease yet: a lease's local batch is not settled"
-    );
+    let leased = parse(global.to_string().as_bytes()).unwrap();
+    assert_eq!(leased.rules[0].cost_from.as_ref().map(|f| f.max), Some(4));
 }
 
 #[test]
@@ -675,24 +673,20 @@ fn charge_on_takes_classes_and_codes_on_local_rules() {
     c["global"] = json!({"cluster": "gw"});
     assert!(parse(c.to_string().as_bytes()).is_ok());
     c["global"]["lease"] = json!({"fraction": 0.1});
-    assert_eq!(
-        err(c),
-        "rules[0].charge_on: does not combine with global.lease yet: a lease's local batch is not settled"
-    );
+    let leased = parse(c.to_string().as_bytes()).unwrap();
+    assert_eq!(leased.rules[0].charge_on, Some(vec![StatusMatch::Class(2)]));
 }
 
 #[test]
-fn a_response_cost_entry_meets_a_global_rule_only_without_leases() {
+fn a_response_cost_entry_meets_a_global_rule_with_or_without_leases() {
     let mut c = base();
     c["global"] = json!({"cluster": "gw"});
     c["rules"][0]["scope"] = json!("global");
     c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat", "max": 5}}]);
     assert!(parse(c.to_string().as_bytes()).is_ok());
     c["global"]["lease"] = json!({"fraction": 0.1});
-    assert_eq!(
-        err(c.clone()),
-        "costs[0].cost_from: can match a global rule or a quota that counts cost, and does not combine with global.lease yet: a lease's local batch is not settled"
-    );
+    let leased = parse(c.to_string().as_bytes()).unwrap();
+    assert_eq!(leased.costs[0].cost_from.as_ref().map(|f| f.max), Some(5));
     c["rules"][0]["cost"] = json!(1);
     assert!(parse(c.to_string().as_bytes()).is_ok());
     c["costs"][0]["cost"] = json!(1);
@@ -704,8 +698,10 @@ fn a_response_cost_entry_meets_a_global_rule_only_without_leases() {
     assert_eq!(err(c), "costs[0]: give exactly one of cost and cost_from");
 }
 
+/// A request counting against a quota is never served from a lease: it is
+/// checked on the gateway, and settles there, in lease mode too.
 #[test]
-fn a_response_cost_entry_meets_a_quota_counting_cost_only_without_leases() {
+fn a_response_cost_entry_meets_a_quota_counting_cost_with_or_without_leases() {
     let mut c = base();
     c["global"] = json!({"cluster": "gw"});
     c["quotas"] = json!([{"name": "month", "period": "month", "limit": 100,
@@ -713,12 +709,8 @@ fn a_response_cost_entry_meets_a_quota_counting_cost_only_without_leases() {
     c["costs"] = json!([{"match": {"path_prefix": "/v1/chat"}, "cost_from": {"preset": "openai_chat", "max": 5}}]);
     assert!(parse(c.to_string().as_bytes()).is_ok());
     c["global"]["lease"] = json!({"fraction": 0.1});
-    assert_eq!(
-        err(c.clone()),
-        "costs[0].cost_from: can match a global rule or a quota that counts cost, and does not combine with global.lease yet: a lease's local batch is not settled"
-    );
-    c["quotas"][0]["count"] = json!("requests");
-    assert!(parse(c.to_string().as_bytes()).is_ok());
+    let leased = parse(c.to_string().as_bytes()).unwrap();
+    assert_eq!(leased.quotas[0].count, QuotaCount::Cost);
 }
 
 #[test]

@@ -111,7 +111,6 @@ impl Config {
                 }
             }
         }
-        self.validate_response_costs()?;
         self.validate_costs_fit()?;
         if !(0.0..=0.5).contains(&self.response.retry_jitter) {
             return Err(ConfigError::field(

@@ -1,17 +1,14 @@
 //! Validation of charging from the response: `cost_from` (one source, a
-//! `max`, a `reserve` within it) and `charge_on`, and where they may stand.
-//! A global rule settles on the gateway (`POST /v1/settle`); in lease mode
-//! the filter charges global rules from a local batch, which does not settle
-//! yet, so there both are refused on global rules, and a `costs[]` entry
-//! reading the response may not meet a global rule that takes its cost
-//! from it, nor a quota that counts cost.
+//! `max`, a `reserve` within it) and `charge_on`. Every rule may settle: a
+//! local one in its bucket, a global one on the gateway (`POST /v1/settle`)
+//! or, in lease mode, against the batch it spent from; a quota is never
+//! leased, so it always settles on the gateway.
 
 use super::syntax;
 use super::usage::{
     MAX_REQUEST_BODY_LIMIT, MAX_SCAN_LIMIT, MAX_TERMS, MAX_WEIGHT, MIN_REQUEST_BODY_LIMIT,
     MIN_SCAN_LIMIT,
 };
-use super::validate_cost::may_meet;
 use super::*;
 
 impl Rule {
@@ -120,54 +117,6 @@ impl CostFrom {
                 format!("{at}.scan_limit"),
                 format!("must be between {MIN_SCAN_LIMIT} and {MAX_SCAN_LIMIT} bytes"),
             ));
-        }
-        Ok(())
-    }
-}
-
-impl Config {
-    /// In lease mode, refuses charging from the response where it meets a
-    /// global rule: a global rule's `cost_from` or `charge_on`, and a
-    /// `costs[]` entry reading the response that can meet a global rule
-    /// without its own `cost` or a quota that counts cost.
-    pub(super) fn validate_response_costs(&self) -> Result<(), ConfigError> {
-        if self.global.as_ref().is_none_or(|g| g.lease.is_none()) {
-            return Ok(());
-        }
-        const WHY: &str =
-            "does not combine with global.lease yet: a lease's local batch is not settled";
-        for (i, r) in self.rules.iter().enumerate() {
-            if r.scope != Scope::Global {
-                continue;
-            }
-            if r.cost_from.is_some() {
-                return Err(ConfigError::field(format!("rules[{i}].cost_from"), WHY));
-            }
-            if r.charge_on.is_some() {
-                return Err(ConfigError::field(format!("rules[{i}].charge_on"), WHY));
-            }
-        }
-        let everything = Match::default();
-        for (c, cost) in self.costs.iter().enumerate() {
-            if cost.cost_from.is_none() {
-                continue;
-            }
-            let global = self.rules.iter().any(|r| {
-                r.scope == Scope::Global
-                    && r.cost.is_none()
-                    && !r.is_concurrent()
-                    && may_meet(r.matches.as_ref().unwrap_or(&everything), &cost.matches)
-            });
-            let quota = self.quotas.iter().any(|q| {
-                q.count == QuotaCount::Cost
-                    && may_meet(q.matches.as_ref().unwrap_or(&everything), &cost.matches)
-            });
-            if global || quota {
-                return Err(ConfigError::field(
-                    format!("costs[{c}].cost_from"),
-                    format!("can match a global rule or a quota that counts cost, and {WHY}"),
-                ));
-            }
         }
         Ok(())
     }

@@ -22,7 +22,13 @@ pub fn finish(
             error: &mut pending.error,
         };
         let answer = lease_answer(plan, &mut noted, &l, c, cost, status, body, store, now_ns);
-        return finish_with(plan, pending, answer, latency_ns, store, now_ns);
+        let spent = answer
+            .as_ref()
+            .is_ok_and(|a| a.reports.iter().all(|r| r.check.allowed));
+        let mut outcome = finish_with(plan, pending, answer, latency_ns, store, now_ns);
+        // Spent from the batch: its response settles there.
+        outcome.lease = spent.then(|| Box::new(l));
+        return outcome;
     }
     let answer = callout::parse_answer(
         plan,
@@ -42,7 +48,8 @@ pub fn finish(
 }
 
 /// Stores a lease answer in the slot, spending `cost` of it at once, and reads
-/// it as a check answer: allowed when the batch covers the cost.
+/// it as a check answer: allowed when the slot covers the cost once the
+/// grant has paid its debt.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn lease_answer(
     plan: &Plan,
@@ -68,26 +75,32 @@ pub(super) fn lease_answer(
             return Err(parsed.err().unwrap_or(AnswerError::NoAnswer));
         }
     };
-    let spend = if a.granted >= cost { cost } else { 0 };
     // Nothing granted: the pool is empty until the gateway expects a token.
     let empty_ns = if a.granted == 0 {
         a.retry_after_ms.iter().max().copied().unwrap_or(0).max(1) * 1_000_000
     } else {
         0
     };
-    let slot = match lease::store_grant(store, l, lp, a.granted, spend, &a.limits, empty_ns, now_ns)
-    {
-        Ok(slot) => slot,
+    let stored = lease::store_grant(store, l, lp, a.granted, cost, &a.limits, empty_ns, now_ns);
+    let (slot, spent) = match stored {
+        Ok(stored) => stored,
         Err(e) => {
             p.failed(e);
-            lease::Slot::default()
+            // Unrecorded, the grant is still this request's to spend.
+            (lease::Slot::default(), a.granted >= cost)
         }
     };
     let mut reports = lease::reports(plan, l, &slot, now_ns);
-    if a.granted < cost {
+    if !spent {
+        // The gateway's wait, or the debt's when the grant went to paying it
+        // (only this bucket's: the slot may have changed hands meanwhile).
+        let debt_wait = Some(&slot)
+            .filter(|s| s.fingerprint == l.fingerprint)
+            .and_then(|s| s.debt_wait_ns(&l.debt, cost, now_ns))
+            .unwrap_or(0);
         for (r, retry_ms) in reports.iter_mut().zip(&a.retry_after_ms) {
             r.check.allowed = false;
-            r.check.retry_after_ns = (*retry_ms).max(1) * 1_000_000;
+            r.check.retry_after_ns = ((*retry_ms).max(1) * 1_000_000).max(debt_wait);
         }
     }
     Ok(Answer {

@@ -194,9 +194,9 @@ impl<S: SharedStore> Ctx<'_, S> {
             }
             Ok(Take::Short) => leasing.short = true,
             Ok(Take::Busy) => {}
-            Ok(Take::Empty { wait_ns }) => {
+            Ok(Take::Empty { wait_ns } | Take::InDebt { wait_ns }) => {
                 self.counts.add(Metric::LeaseServed, 1);
-                let reports = lease::empty_reports(self.plan, &l, wait_ns, self.now_ns);
+                let reports = lease::refused_reports(self.plan, &l, wait_ns, self.now_ns);
                 return Err(self.too_many(&reports));
             }
             Err(e) => self.failed(e),

@@ -100,9 +100,10 @@ pub struct Outcome {
     pub shadow_denied: Vec<String>,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
-    /// The lease that served the request, for the timer to keep topped up.
-    /// Boxed: inline it made every outcome 96 bytes larger, and every
-    /// decision moves its outcome (81 wasm instructions for c1).
+    /// The lease the request spent from: for the timer to keep topped up,
+    /// and for its response to settle against. Boxed: inline it made every
+    /// outcome 96 bytes larger, and every decision moves its outcome (81
+    /// wasm instructions for c1).
     pub lease: Option<Box<Lease>>,
     /// What an admitted request still holds of the local charge: what the
     /// response phases settle. Empty for a refused request (refunded).
@@ -182,6 +183,11 @@ impl Pending {
     /// The lease this callout fetches a batch for.
     pub fn lease(&self) -> Option<&Lease> {
         self.lease.as_ref().map(|(l, _)| l)
+    }
+
+    /// Debt of another bucket that this callout's claim dropped.
+    pub fn dropped_debt(&self) -> u64 {
+        self.lease.as_ref().map_or(0, |(_, c)| c.dropped_debt)
     }
 
     /// Path and timeout of this callout: the lease endpoint for a lease.

@@ -6,11 +6,13 @@
 //! debt, or refunded. The response's headers and body are never held for it:
 //! the body is scanned chunk by chunk as it passes. What the gateway
 //! reserved settles the same way, at once when everything is known, as one
-//! settlement for the gateway (`remote`).
+//! settlement for the gateway (`remote`); what a request spent from a lease
+//! settles against the lease's slot (`lease::settle`) as a local bucket does.
 
 use super::remote::{Open, Reserved};
 use super::*;
 use crate::config::StatusMatch;
+use crate::global::lease::Settled;
 use crate::policy::plan::MeterSource;
 use crate::usage::{Framing, Scan, Usage};
 
@@ -33,6 +35,10 @@ pub struct Settlement {
     remote: Option<Open>,
     /// The gateway's settlement, once made, until the host takes it.
     outbox: Option<ratelimit_protocol::Settlement>,
+    /// The lease batch the request spent from.
+    leased: Option<LeaseLine>,
+    /// What settling against the lease could not apply, until the host counts it.
+    lease_left: Settled,
 }
 
 /// One bucket the request was charged, and how it settles.
@@ -42,6 +48,29 @@ struct Line {
     /// The meter reading its real cost; `None` for a cost fixed up front.
     meter: Option<usize>,
     settled: bool,
+}
+
+/// The lease a request spent its global rule's cost from, and how it settles.
+#[derive(Debug)]
+struct LeaseLine {
+    lease: Box<Lease>,
+    /// As [`Line::meter`].
+    meter: Option<usize>,
+    settled: bool,
+}
+
+/// How a bucket of `rule` settles: `Some(meter)` reads its real cost (the
+/// rule's `cost_from`, or the `costs` entry's `cost_meter` for a rule
+/// without a cost of its own), `Some(None)` only gives it back for a status
+/// its `charge_on` leaves out; `None` when it keeps what it was charged.
+fn settles_from_response(
+    plan: &Plan,
+    rule: usize,
+    cost_meter: Option<usize>,
+) -> Option<Option<usize>> {
+    let meter = plan.meter_of(rule, cost_meter);
+    let charge_on = plan.rules.get(rule).is_some_and(|r| r.charge_on.is_some());
+    (meter.is_some() || charge_on).then_some(meter)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,19 +84,15 @@ enum Phase {
 }
 
 impl Settlement {
-    /// The settlement of an admitted request's charge `held`, or `None`
-    /// when none of its buckets settles from the response.
-    pub fn new(plan: &Plan, held: &Held) -> Option<Box<Settlement>> {
+    /// The settlement of an admitted request's charge `held` and of what it
+    /// spent from `leased`, or `None` when none of it settles from the response.
+    pub fn new(plan: &Plan, held: &Held, leased: Option<&Lease>) -> Option<Box<Settlement>> {
         let lines: Vec<Line> = held
             .buckets
             .iter()
             .filter_map(|b| {
-                let meter = plan.meter_of(b.rule, held.cost_meter());
-                let charge_on = plan
-                    .rules
-                    .get(b.rule)
-                    .is_some_and(|r| r.charge_on.is_some());
-                (meter.is_some() || charge_on).then_some(Line {
+                let meter = settles_from_response(plan, b.rule, held.cost_meter())?;
+                Some(Line {
                     bucket: *b,
                     meter,
                     settled: false,
@@ -75,7 +100,15 @@ impl Settlement {
             })
             .collect();
         let remote = held.remote().cloned().map(Open::new);
-        (!lines.is_empty() || remote.is_some()).then(|| {
+        let leased = leased.and_then(|l| {
+            let meter = settles_from_response(plan, l.bucket.rule, held.cost_meter())?;
+            Some(LeaseLine {
+                lease: Box::new(l.clone()),
+                meter,
+                settled: false,
+            })
+        });
+        (!lines.is_empty() || remote.is_some() || leased.is_some()).then(|| {
             Box::new(Settlement {
                 lines,
                 at_ns: held.at_ns,
@@ -83,8 +116,16 @@ impl Settlement {
                 phase: Phase::Waiting,
                 remote,
                 outbox: None,
+                leased,
+                lease_left: Settled::default(),
             })
         })
+    }
+
+    /// What settling against the lease could not apply since the last call
+    /// (tokens not given back, debt dropped), for the host to count.
+    pub fn take_lease_left(&mut self) -> Settled {
+        std::mem::take(&mut self.lease_left)
     }
 
     /// The gateway's settlement, once every line of it is known (taken once).
@@ -127,6 +168,8 @@ impl Settlement {
             phase: Phase::Done,
             remote: None,
             outbox: Some(release),
+            leased: None,
+            lease_left: Settled::default(),
         })
     }
 
@@ -160,7 +203,7 @@ impl Settlement {
         let status = head
             .header(":status")
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
-        self.refund_uncharged(plan, store, status, &mut counts);
+        self.refund_uncharged(plan, store, status, now_ns, &mut counts);
         let meters = self.open_meters();
         for m in meters {
             match plan.meters.get(m).map(|p| &p.source) {
@@ -224,8 +267,9 @@ impl Settlement {
         let mut counts = Counts::default();
         match self.phase {
             Phase::Waiting => {
-                self.refund_uncharged(plan, store, None, &mut counts);
-                if self.lines.iter().any(|l| !l.settled) {
+                self.refund_uncharged(plan, store, None, now_ns, &mut counts);
+                let lease_open = self.leased.as_ref().is_some_and(|l| !l.settled);
+                if lease_open || self.lines.iter().any(|l| !l.settled) {
                     counts.add(Metric::UsageMissing, 1);
                 }
             }
@@ -260,6 +304,12 @@ impl Settlement {
             .filter(|l| !l.settled)
             .filter_map(|l| l.meter)
             .chain(self.remote.iter().flat_map(Open::meters))
+            .chain(
+                self.leased
+                    .iter()
+                    .filter(|l| !l.settled)
+                    .filter_map(|l| l.meter),
+            )
             .collect();
         meters.sort_unstable();
         meters.dedup();
@@ -273,6 +323,7 @@ impl Settlement {
         plan: &Plan,
         store: &impl SharedStore,
         status: Option<u16>,
+        now_ns: u64,
         counts: &mut Counts,
     ) {
         let uncharged = |rule: usize| {
@@ -286,6 +337,13 @@ impl Settlement {
         if let Some(open) = &mut self.remote {
             open.refund_uncharged(uncharged);
         }
+        let lease_back = self
+            .leased
+            .as_ref()
+            .is_some_and(|l| !l.settled && uncharged(l.lease.bucket.rule));
+        if lease_back {
+            self.settle_lease(store, 0, now_ns, counts);
+        }
         let mut back = Vec::new();
         for line in self
             .lines
@@ -295,19 +353,47 @@ impl Settlement {
             line.settled = true;
             back.push(line.bucket);
         }
-        if back.is_empty() {
+        if back.is_empty() && !lease_back {
             return;
         }
         counts.add(Metric::ChargeRefunded, 1);
-        if limiter::refund(store, plan, &back, self.at_ns).is_err() {
+        if !back.is_empty() && limiter::refund(store, plan, &back, self.at_ns).is_err() {
             counts.add(Metric::Errors, 1);
         }
+    }
+
+    /// Settles the open lease line at `real` and marks it settled.
+    fn settle_lease(
+        &mut self,
+        store: &impl SharedStore,
+        real: u64,
+        now_ns: u64,
+        counts: &mut Counts,
+    ) {
+        let Some(line) = self.leased.as_mut().filter(|l| !l.settled) else {
+            return;
+        };
+        line.settled = true;
+        match lease::settle(store, &line.lease, line.lease.bucket.cost, real, now_ns) {
+            Ok(left) => self.lease_left.add(left),
+            Err(_) => counts.add(Metric::Errors, 1),
+        }
+    }
+
+    /// Whether the lease line is open and read by meter `m`.
+    fn lease_metered(&self, m: usize) -> bool {
+        self.leased
+            .as_ref()
+            .is_some_and(|l| !l.settled && l.meter == Some(m))
     }
 
     /// The lines of meter `m` keep what was reserved.
     fn keep_reserve(&mut self, m: usize) {
         if let Some(open) = &mut self.remote {
             open.settle(m, None);
+        }
+        if let Some(line) = self.leased.as_mut().filter(|l| l.meter == Some(m)) {
+            line.settled = true;
         }
         for line in self.lines.iter_mut().filter(|l| l.meter == Some(m)) {
             line.settled = true;
@@ -344,6 +430,9 @@ impl Settlement {
         };
         if let Some(open) = &mut self.remote {
             open.settle(m, Some(cost));
+        }
+        if self.lease_metered(m) {
+            self.settle_lease(store, cost, now_ns, counts);
         }
         let (mut more, mut back) = (Vec::new(), Vec::new());
         for line in self

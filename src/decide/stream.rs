@@ -7,6 +7,7 @@
 //! phase reads and carries out what it returns.
 
 use super::*;
+use crate::global::lease::Settled;
 
 /// A request's state between the host's callbacks.
 #[derive(Debug, Default)]
@@ -267,7 +268,8 @@ impl Stream {
     /// Keeps what an admitted request settles from its response.
     #[inline(never)]
     fn open_settlement(&mut self, plan: &Plan) {
-        self.settlement = self.held().and_then(|h| Settlement::new(plan, h));
+        let leased = self.outcome().and_then(|o| o.lease.as_deref());
+        self.settlement = self.held().and_then(|h| Settlement::new(plan, h, leased));
     }
 
     /// Whether the response phases have anything to settle: only then need
@@ -323,6 +325,23 @@ impl Stream {
     /// reserved (taken once): the host queues it for the root's tick.
     pub fn take_remote(&mut self) -> Option<ratelimit_protocol::Settlement> {
         self.settlement.as_mut()?.take_outbox()
+    }
+
+    /// What settling against a lease could not apply since the last call,
+    /// for the host to count.
+    pub fn take_lease_left(&mut self) -> Settled {
+        self.settlement
+            .as_mut()
+            .map_or_else(Settled::default, |s| s.take_lease_left())
+    }
+
+    /// Debt of another bucket that this request's lease claim dropped when
+    /// it took the slot over, for the host to count.
+    pub fn dropped_debt(&self) -> u64 {
+        match &self.state {
+            State::Waiting(p) => p.dropped_debt(),
+            _ => 0,
+        }
     }
 
     /// The decision, once there is one.

@@ -839,3 +839,58 @@ fn a_body_past_its_scan_limit_settles_at_once_and_asks_for_no_more() {
         Some(0)
     );
 }
+
+#[test]
+fn streams_spent_from_a_lease_settle_their_responses_against_its_slot() {
+    let p = plan(
+        r#"{"domain":"d","response":{"retry_jitter":0},
+           "global":{"cluster":"gw","failure_mode":"closed","lease":{"fraction":0.05}},
+           "rules":[{"name":"tokens","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1m"}],
+                     "cost_from":{"header":"x-u","max":40,"reserve":2},"charge_on":["2xx"]}]}"#,
+    );
+    let s = MemoryStore::default();
+    let r = req(&p, "/", Some("ann"));
+    let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
+    let slot = || {
+        let (bytes, _) = s.get(&l.slot_key).unwrap().unwrap();
+        let slot = crate::global::lease::Slot::decode(&bytes).unwrap();
+        (slot.tokens, slot.debt)
+    };
+    let respond = |stream: &mut Stream, status: &'static str, used: &'static str| {
+        let head = Head(vec![(":status", status), ("x-u", used)]);
+        let counts = stream.response_started(&p, &head, &s, T0);
+        (counts, stream.take_lease_left())
+    };
+    // The request that fetches the batch of 5 spends its reservation of 2,
+    // and its response of 1 gives 1 back.
+    let mut fetched = Stream::default();
+    assert_eq!(fetched.request_headers(&p, &r, &s, T0, NEUTRAL), Next::Call);
+    assert!(fetched.gateway_answer(&p, Some(b"200"), &lease_answer_body(5, 0), 0, &s, T0));
+    assert_eq!(slot(), (3, 0));
+    let (counts, left) = respond(&mut fetched, "200", "1");
+    assert_eq!(counts.get(Metric::UsageSettled), 1);
+    assert_eq!(left, crate::global::lease::Settled::default());
+    assert_eq!(slot(), (4, 0));
+    // One served from the batch and answered 503 gives its 2 back (charge_on).
+    let mut refunded = Stream::default();
+    assert_eq!(
+        refunded.request_headers(&p, &r, &s, T0, NEUTRAL),
+        Next::Decided
+    );
+    assert_eq!(slot(), (2, 0));
+    let (counts, _) = respond(&mut refunded, "503", "9");
+    assert_eq!(counts.get(Metric::ChargeRefunded), 1);
+    assert_eq!(counts.get(Metric::UsageSettled), 0);
+    assert_eq!(slot(), (4, 0));
+    // One that cost 9: the 2 left after its reservation, then 5 owed.
+    let mut over = Stream::default();
+    over.request_headers(&p, &r, &s, T0, NEUTRAL);
+    respond(&mut over, "200", "9");
+    assert_eq!(slot(), (0, 5));
+    assert_eq!(over.end(&p, &s, T0), Some(Counts::default()));
+    // The next waits for 5 + 2 tokens at 600 ms each: 4.2 s, without a callout.
+    let o = done(start(&p, &r, &s, T0, NEUTRAL));
+    assert_eq!(header(rejected(&o).1, "retry-after"), "5");
+    assert_eq!(o.counts.get(Metric::LeaseServed), 1);
+    assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+}

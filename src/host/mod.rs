@@ -447,8 +447,14 @@ impl Http {
     }
 
     /// Queues the settlement the stream's response completed, if any, for
-    /// the root's tick to post.
+    /// the root's tick to post, and counts what settling against a lease
+    /// could not apply.
     fn queue_settlement(&mut self) {
+        let left = self.stream.take_lease_left();
+        self.metrics
+            .add_background(Background::LeaseUnreturned, left.unreturned);
+        self.metrics
+            .add_background(Background::LeaseDebtDropped, left.dropped);
         let Some(s) = self.stream.take_remote() else {
             return;
         };
@@ -460,6 +466,8 @@ impl Http {
 
     /// Posts the stream's callout; `None` when it could not even start.
     fn call_gateway(&self, plan: &Plan, now: u64) -> Option<u32> {
+        self.metrics
+            .add_background(Background::LeaseDebtDropped, self.stream.dropped_debt());
         let (c, lease) = self.stream.callout(plan)?;
         let token = dispatch(plan, c.body, c.path, c.timeout_ms)?;
         if let Some(l) = lease {
