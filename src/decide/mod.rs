@@ -98,10 +98,9 @@ pub struct Outcome {
     pub gateway_error: Option<AnswerError>,
     /// What the circuit breaker did.
     pub circuit: Transition,
-    /// Rules that would have denied but only watch (shadow rules, soft clients).
-    pub shadow_denied: Vec<String>,
-    /// The rules and quotas that refused it (or would have), for the
-    /// per-rule counters ([`Tally::outcome`]).
+    /// The rules and quotas that refused it, and the rules that would have
+    /// but only watch (shadow rules, soft clients): for the per-rule
+    /// counters ([`Tally::outcome`]) and the log.
     pub refusals: Vec<Refusal>,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
@@ -113,6 +112,21 @@ pub struct Outcome {
     /// What an admitted request still holds of the local charge: what the
     /// response phases settle. Empty for a refused request (refunded).
     pub held: Held,
+}
+
+impl Outcome {
+    /// The names of the rules that would have denied but only watch, for
+    /// the log.
+    pub fn shadow_denied<'p>(&self, plan: &'p Plan) -> Vec<&'p str> {
+        self.refusals
+            .iter()
+            .filter_map(|r| match *r {
+                Refusal::ShadowDenied(n) => plan.rules.get(n as usize),
+                Refusal::Denied(_) | Refusal::Spent(_) => None,
+            })
+            .map(|r| r.name.as_str())
+            .collect()
+    }
 }
 
 /// The local buckets a request was charged, and when: a refund finds the
@@ -178,7 +192,6 @@ pub struct Pending {
     random: u64,
     counts: Counts,
     error: Option<LimitError>,
-    shadow_denied: Vec<String>,
     refusals: Vec<Refusal>,
     lease: Option<(Lease, Claim)>,
     /// The id the check reserves under, when it has anything to settle.
@@ -232,7 +245,6 @@ struct Ctx<'a, S> {
     random: u64,
     counts: Counts,
     error: Option<LimitError>,
-    shadow_denied: Vec<String>,
     refusals: Vec<Refusal>,
 }
 
@@ -245,7 +257,6 @@ impl<'a, S> Ctx<'a, S> {
             random,
             counts: Counts::default(),
             error: None,
-            shadow_denied: Vec::new(),
             refusals: Vec::new(),
         }
     }
@@ -337,9 +348,6 @@ impl<S: SharedStore> Ctx<'_, S> {
     fn note_shadow(&mut self, reports: &[Report]) {
         self.counts.add(Metric::ShadowDenied, 1);
         self.note_refusals(reports, Refusal::ShadowDenied);
-        for name in headers::violated(self.plan, reports) {
-            self.shadow_denied.push(name.to_string());
-        }
     }
 
     fn give_back(&mut self, l: &Lease) {
@@ -510,7 +518,6 @@ impl<S: SharedStore> Ctx<'_, S> {
             error: self.error,
             gateway_error,
             circuit,
-            shadow_denied: self.shadow_denied,
             refusals: self.refusals,
             bad_input,
             lease: None,

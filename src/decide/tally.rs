@@ -6,7 +6,8 @@
 //! Besides the decisions' [`Counts`], a decision counts per rule (allowed,
 //! denied, shadow-denied, near its limit) and per quota (spent), read from
 //! its [`Outcome`]: the labels come from the configuration, never from a
-//! client, so their number stays the configuration's.
+//! client, so their number stays the configuration's. The host defines a
+//! global rule's local stand-in with its global rule's counters.
 
 use super::{Counts, Outcome, Verdict};
 use crate::limits::limiter::Report;
@@ -34,7 +35,8 @@ pub enum Counter {
     Body(BodyMetric),
     /// The root context's own.
     Background(Background),
-    /// A counter of rule `n` (a rule of the configuration, never a stand-in).
+    /// A counter of rule `n` of the plan (a stand-in's are its global
+    /// rule's).
     Rule(usize, RuleMetric),
     /// The spent counter of quota `n`.
     Quota(usize),
@@ -46,12 +48,13 @@ pub struct Tally {
     decisions: [u64; Metric::ALL.len()],
     body: [u64; BodyMetric::ALL.len()],
     background: [u64; Background::ALL.len()],
-    rules: Vec<[u64; RuleMetric::ALL.len()]>,
+    /// Per rule of the plan (a stand-in too: the host counts it under its
+    /// global rule), [`RuleMetric::ALL`] counts in a row.
+    rules: Vec<u64>,
     quotas: Vec<u64>,
-    /// Per rule of the plan, the rule its counts go to: a global rule's
-    /// local stand-in counts as its global rule.
-    owner: Vec<usize>,
     near_limit: f64,
+    /// The most tokens left with which one of the plan's limits is near.
+    nearest: u64,
     /// Something was added since the last drain.
     dirty: bool,
 }
@@ -59,17 +62,19 @@ pub struct Tally {
 impl Tally {
     /// Empty counts for `plan`'s rules and quotas.
     pub fn new(plan: &Plan) -> Tally {
-        let mut owner: Vec<usize> = (0..plan.rules.len()).collect();
-        for (i, r) in plan.rules.iter().enumerate() {
-            if let Some(slot) = r.fallback.and_then(|f| owner.get_mut(f)) {
-                *slot = i;
-            }
-        }
         Tally {
-            rules: vec![[0; RuleMetric::ALL.len()]; plan.rules.len()],
+            rules: vec![0; plan.rules.len() * RuleMetric::ALL.len()],
             quotas: vec![0; plan.quotas.len()],
-            owner,
             near_limit: plan.near_limit,
+            nearest: plan
+                .rules
+                .iter()
+                .flat_map(|r| &r.variants)
+                .flat_map(|v| &v.limits)
+                .filter(|(l, _)| l.capacity > 0)
+                .map(|(l, _)| ((1.0 - plan.near_limit) * l.capacity as f64) as u64)
+                .max()
+                .unwrap_or(0),
             ..Tally::default()
         }
     }
@@ -124,30 +129,21 @@ impl Tally {
     }
 
     /// An admitted request: each rule that reported counts it allowed
-    /// once, and near its limit once when one of its limits is.
+    /// once, and near its limit once when one of its limits is (a rule's
+    /// reports are adjacent: one per limit of its bucket).
     fn admitted(&mut self, plan: &Plan, reports: &[Report]) {
-        // A rule's reports are adjacent: one per limit of its bucket.
-        let mut i = 0;
-        while let Some(first) = reports.get(i) {
-            let rule = first.rule;
-            let run = reports
-                .get(i..)
-                .unwrap_or_default()
-                .iter()
-                .take_while(|r| r.rule == rule);
-            let mut n = 0;
-            let mut near = false;
-            for r in run {
-                n += 1;
-                near |= self.is_near(plan, r);
+        let (mut seen, mut near) = (usize::MAX, usize::MAX);
+        for r in reports {
+            if r.rule != seen {
+                seen = r.rule;
+                if r.check.allowed {
+                    self.rule(r.rule, RuleMetric::Allowed);
+                }
             }
-            if first.check.allowed {
-                self.rule(rule, RuleMetric::Allowed);
+            if r.rule != near && self.is_near(plan, r) {
+                near = r.rule;
+                self.rule(r.rule, RuleMetric::NearLimit);
             }
-            if near {
-                self.rule(rule, RuleMetric::NearLimit);
-            }
-            i += n;
         }
     }
 
@@ -155,19 +151,19 @@ impl Tally {
     fn is_near(&self, plan: &Plan, r: &Report) -> bool {
         let capacity = match r.enforced {
             Some(e) => e.requests,
+            // More left than any of this filter's limits is near with: not near.
+            None if r.check.remaining > self.nearest => return false,
             None => plan
                 .limits(r.rule, r.variant)
                 .get(r.limit)
                 .map_or(0, |(l, _)| l.capacity),
         };
-        r.check.allowed
-            && capacity > 0
-            && r.check.remaining as f64 <= (1.0 - self.near_limit) * capacity as f64
+        r.check.allowed && capacity > 0 && near(r.check.remaining, capacity, self.near_limit)
     }
 
     fn rule(&mut self, rule: usize, m: RuleMetric) {
-        let owner = self.owner.get(rule).copied().unwrap_or(rule);
-        if let Some(v) = self.rules.get_mut(owner).and_then(|c| c.get_mut(m.index())) {
+        let i = rule * RuleMetric::ALL.len() + m.index();
+        if let Some(v) = self.rules.get_mut(i) {
             *v = v.saturating_add(1);
             self.dirty = true;
         }
@@ -194,13 +190,17 @@ impl Tally {
         for (m, v) in Background::ALL.iter().zip(&mut self.background) {
             each(Counter::Background(*m), v);
         }
-        for (rule, counts) in self.rules.iter_mut().enumerate() {
-            for (m, v) in RuleMetric::ALL.iter().zip(counts) {
-                each(Counter::Rule(rule, *m), v);
-            }
+        let per_rule = RuleMetric::ALL.iter().cycle();
+        for (i, (m, v)) in per_rule.zip(&mut self.rules).enumerate() {
+            each(Counter::Rule(i / RuleMetric::ALL.len(), *m), v);
         }
         for (quota, v) in self.quotas.iter_mut().enumerate() {
             each(Counter::Quota(quota), v);
         }
     }
+}
+
+/// Whether `remaining` of `capacity` is at least `share` used.
+fn near(remaining: u64, capacity: u64, share: f64) -> bool {
+    remaining as f64 <= (1.0 - share) * capacity as f64
 }

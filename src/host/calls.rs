@@ -173,10 +173,10 @@ pub(super) struct Metrics {
 
 impl Metrics {
     /// Defines every counter of `plan`: a global rule's stand-in has none
-    /// of its own (its counts go to its global rule, [`Tally`]).
+    /// of its own, its counts go to its global rule's.
     pub(super) fn define(plan: &Plan) -> Metrics {
         let define = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
-        let rules = plan
+        let mut rules: Vec<[Option<u32>; RuleMetric::ALL.len()]> = plan
             .rules
             .iter()
             .map(|r| {
@@ -187,6 +187,15 @@ impl Metrics {
                 })
             })
             .collect();
+        // A stand-in counts under its global rule.
+        for (i, r) in plan.rules.iter().enumerate() {
+            let ids = rules.get(i).copied();
+            if let (Some(f), Some(ids)) = (r.fallback, ids) {
+                if let Some(slot) = rules.get_mut(f) {
+                    *slot = ids;
+                }
+            }
+        }
         Metrics {
             decisions: Metric::ALL.map(|m| define(m.name())),
             body: BodyMetric::ALL.map(|m| define(m.name())),

@@ -399,11 +399,11 @@ impl Http {
                 );
             }
         }
-        if !outcome.shadow_denied.is_empty() {
+        let shadow = outcome.shadow_denied(plan);
+        if !shadow.is_empty() {
             if let Some(more) = self.logs.shadow.open(now) {
                 log::info!(
-                    "ratelimit-wasm: shadow: {:?} would have denied this request (+{more} not logged)",
-                    outcome.shadow_denied
+                    "ratelimit-wasm: shadow: {shadow:?} would have denied this request (+{more} not logged)"
                 );
             }
         }
