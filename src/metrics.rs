@@ -318,7 +318,7 @@ pub enum Background {
     /// Settlements the gateway had no reservation for: settled already (an
     /// earlier attempt's answer was lost) or past `--reservation-ttl`.
     GlobalSettleUnmatched,
-    /// Settlements given up (three failed attempts, a 400, or a full queue):
+    /// Settlements given up (three failed attempts, a 400 or 404, or a full queue):
     /// the request keeps what its check reserved.
     GlobalSettleFailed,
     /// Tokens a settlement could not give back to the lease batch a request
