@@ -204,3 +204,53 @@ impl Tally {
 fn near(remaining: u64, capacity: u64, share: f64) -> bool {
     remaining as f64 <= (1.0 - share) * capacity as f64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> Plan {
+        let json = r#"{"domain":"d","metrics":{"near_limit":0.75},"rules":[
+            {"name":"a","limits":[{"requests":8,"per":"1m"}]},
+            {"name":"b","limits":[{"requests":100,"per":"1h"}]}]}"#;
+        Plan::compile(&crate::config::parse(json.as_bytes()).unwrap(), [0; 16])
+    }
+
+    fn drained(t: &mut Tally) -> Vec<(Counter, u64)> {
+        let mut out = Vec::new();
+        t.drain(|c, n| out.push((c, n)));
+        out
+    }
+
+    #[test]
+    fn near_is_at_least_the_share_used_and_the_fast_bound_is_the_largest_limits() {
+        assert!(near(2, 8, 0.75));
+        assert!(!near(3, 8, 0.75));
+        assert!(near(0, 1, 0.8));
+        let t = Tally::new(&plan());
+        // 25 of 100 left is near; nothing past it is, for any limit.
+        assert_eq!(t.nearest, 25);
+    }
+
+    #[test]
+    fn drain_hands_each_sum_once_then_nothing() {
+        let p = plan();
+        let mut t = Tally::new(&p);
+        assert!(drained(&mut t).is_empty());
+        t.body(&[BodyMetric::ReserveRead, BodyMetric::ReserveRead]);
+        t.background(Background::GlobalSettled, 3);
+        t.background(Background::GlobalSettleFailed, 0);
+        t.rule(1, RuleMetric::Denied);
+        t.rule(1, RuleMetric::Denied);
+        t.rule(9, RuleMetric::Denied); // no such rule: ignored
+        assert_eq!(
+            drained(&mut t),
+            [
+                (Counter::Body(BodyMetric::ReserveRead), 2),
+                (Counter::Background(Background::GlobalSettled), 3),
+                (Counter::Rule(1, RuleMetric::Denied), 2),
+            ]
+        );
+        assert!(drained(&mut t).is_empty());
+    }
+}
