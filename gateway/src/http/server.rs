@@ -371,22 +371,52 @@ impl Drop for ChargeInFlight<'_> {
     }
 }
 
-async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
-    let admitted = match admit(&app, req).await {
-        Ok(a) => a,
-        Err(refused) => return refused,
-    };
-    let req = match protocol::parse_check(&admitted.body) {
-        Ok(r) => r,
-        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
-    };
-    if !admitted.caller.may_use(&req.domain) {
-        return refuse(&app, Refusal::WrongDomain);
+/// A `/v1/*` call past the steps every one takes: admitted, its body
+/// parsed, its domain the token's and one the policy names.
+struct Call<T> {
+    /// Held until the answer is made (its place among `--max-in-flight`).
+    admitted: Admitted,
+    req: T,
+    /// The policy in force when the call was read.
+    policy: Arc<crate::policy::Policy>,
+}
+
+/// Admits `req` ([`admit`]), parses its body with `parse` (400), then
+/// checks that the caller's token is for its `domain` (403) and that the
+/// policy names that domain (404), in that order for every route; or the
+/// answer that refuses it.
+async fn admit_call<T>(
+    app: &App,
+    req: Request,
+    parse: fn(&[u8]) -> Result<T, String>,
+    domain: fn(&T) -> &str,
+) -> Result<Call<T>, Response> {
+    let admitted = admit(app, req).await?;
+    let req = parse(&admitted.body).map_err(|m| bad_request(app, StatusCode::BAD_REQUEST, m))?;
+    if !admitted.caller.may_use(domain(&req)) {
+        return Err(refuse(app, Refusal::WrongDomain));
     }
     let policy = app.policy.current();
-    if let Err(e) = policy.has_domain(&req.domain) {
-        return unknown_domain(&app, &e);
+    if let Err(e) = policy.has_domain(domain(&req)) {
+        return Err(unknown_domain(app, &e));
     }
+    Ok(Call {
+        admitted,
+        req,
+        policy,
+    })
+}
+
+async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
+    // `_admitted` keeps the call's place among `--max-in-flight` to the end.
+    let Call {
+        admitted: _admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, protocol::parse_check, |r| &r.domain).await {
+        Ok(c) => c,
+        Err(refused) => return refused,
+    };
     // Limits, windows and amounts from the policy: 400 for what it lacks.
     let resolved = match policy.resolve_check(&req) {
         Ok(r) => r,
@@ -406,22 +436,15 @@ async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
 }
 
 async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
-    let admitted = match admit(&app, req).await {
-        Ok(a) => a,
+    let Call {
+        admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, protocol::parse_lease, |r| &r.domain).await {
+        Ok(c) => c,
         Err(refused) => return refused,
     };
-    let req = match protocol::parse_lease(&admitted.body) {
-        Ok(r) => r,
-        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
-    };
     let caller = &admitted.caller;
-    if !caller.may_use(&req.domain) {
-        return refuse(&app, Refusal::WrongDomain);
-    }
-    let policy = app.policy.current();
-    if let Err(e) = policy.has_domain(&req.domain) {
-        return unknown_domain(&app, &e);
-    }
     let resolved = match policy.resolve_lease(&req) {
         Ok(r) => r,
         Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
@@ -444,21 +467,15 @@ async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
 /// real cost be within the policy's `max`) before any is written: a body
 /// with one bad settlement is refused whole, writing nothing.
 async fn settle(State(app): State<Arc<App>>, req: Request) -> Response {
-    let admitted = match admit(&app, req).await {
-        Ok(a) => a,
+    // `_admitted` keeps the call's place among `--max-in-flight` to the end.
+    let Call {
+        admitted: _admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, protocol::parse_settle, |r| &r.domain).await {
+        Ok(c) => c,
         Err(refused) => return refused,
     };
-    let req = match protocol::parse_settle(&admitted.body) {
-        Ok(r) => r,
-        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
-    };
-    if !admitted.caller.may_use(&req.domain) {
-        return refuse(&app, Refusal::WrongDomain);
-    }
-    let policy = app.policy.current();
-    if let Err(e) = policy.has_domain(&req.domain) {
-        return unknown_domain(&app, &e);
-    }
     let mut resolved = Vec::with_capacity(req.settlements.len());
     for (i, s) in req.settlements.iter().enumerate() {
         match policy.resolve_settlement(&req.domain, i, s) {
