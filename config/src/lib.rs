@@ -35,7 +35,7 @@ pub use key::KeyPart;
 pub use schema::*;
 pub use syntax::MAX_URI_LEN;
 pub use usage::{CostFrom, JsonPointer, Reserve, ReserveFrom, StatusMatch, UsagePreset, UsageTerm};
-pub use validate::{parse, MAX_QUOTA, MAX_SHARE};
+pub use validate::{graduated_tokens, parse, MAX_QUOTA, MAX_SHARE};
 pub use validate_global::MAX_GLOBAL_PRODUCT;
 pub use vocab::{Algorithm, Period, RlsAlgorithm};
 

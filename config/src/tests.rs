@@ -205,13 +205,24 @@ fn graduated_and_shadow_constraints() {
         err(v),
         r#"rules[0].graduated: needs "algorithm": "token_bucket""#
     );
+    // Shadow and graduated global rules are the gateway's to enforce.
     let mut v = base();
     v["global"] = json!({"cluster": "gw"});
     v["rules"][0]["scope"] = json!("global");
     v["rules"][0]["mode"] = json!("shadow");
+    v["rules"][0]["graduated"] = json!({"warn_at": 0.5, "block_at": 2.0, "block_for": "1m"});
+    assert!(crate::parse(v.to_string().as_bytes()).is_ok());
+    // A graduated global rule's largest share counts in the 2^53 bound.
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw"});
+    v["rules"][0]["scope"] = json!("global");
+    v["rules"][0]["limits"] = json!([{"requests": 100_000_000u64, "per": "1d"}]);
+    assert!(crate::parse(v.to_string().as_bytes()).is_ok());
+    v["rules"][0]["graduated"] = json!({"reject_at": 1.2});
     assert_eq!(
         err(v),
-        "rules[0].mode: shadow is supported for local rules only"
+        "rules[0].limits[0].per: requests × per × the largest graduated share (reject_at, \
+         block_at) must stay under 2^53 milliseconds for a global rule"
     );
     let mut v = base();
     v["rules"][0]["scope"] = json!("global");

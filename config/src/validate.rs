@@ -84,12 +84,6 @@ impl Config {
             if rule.is_concurrent() {
                 rule.validate_concurrency(&at)?;
             }
-            if rule.mode == Mode::Shadow && rule.scope == Scope::Global {
-                return Err(ConfigError::field(
-                    format!("{at}.mode"),
-                    "shadow is supported for local rules only",
-                ));
-            }
             if let Some(g) = &rule.graduated {
                 validate_graduated(&format!("{at}.graduated"), rule, g)?;
             }
@@ -235,14 +229,19 @@ fn validate_limits(
                 format!("must be between 1 and {MAX_REQUESTS}"),
             ));
         }
-        let product = limit
-            .requests
+        // A graduated rule's bucket holds `reject_at` of the limit, and its
+        // demand `block_at` of it: the gateway's scripts count those too.
+        let product = graduated_tokens(limit.requests, rule.graduated.as_ref())
             .saturating_mul(limit.per.0.saturating_mul(1000));
         if rule.scope == Scope::Global && product > MAX_GLOBAL_PRODUCT {
-            return Err(ConfigError::field(
-                format!("{at}[{l}].per"),
-                "requests × per must stay under 2^53 milliseconds for a global rule",
-            ));
+            let reason = match rule.graduated {
+                None => "requests × per must stay under 2^53 milliseconds for a global rule",
+                Some(_) => {
+                    "requests × per × the largest graduated share (reject_at, block_at) \
+                     must stay under 2^53 milliseconds for a global rule"
+                }
+            };
+            return Err(ConfigError::field(format!("{at}[{l}].per"), reason));
         }
     }
     Ok(())
@@ -335,6 +334,14 @@ fn check_cost(at: &str, cost: u64) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// The most tokens a graduated rule's limit of `requests` counts: its
+/// bucket (`reject_at` of it) or its demand (`block_at` of it), rounded up;
+/// `requests` for a rule without stages.
+pub fn graduated_tokens(requests: u64, g: Option<&Graduated>) -> u64 {
+    let share = g.map_or(1.0, |g| g.reject_at.max(g.block_at.unwrap_or(1.0)).max(1.0));
+    ((requests as f64) * share).ceil() as u64
+}
+
 /// Most a graduated share may be.
 pub const MAX_SHARE: f64 = 100.0;
 
@@ -344,9 +351,6 @@ fn validate_graduated(at: &str, rule: &Rule, g: &Graduated) -> Result<(), Config
             at,
             "needs \"algorithm\": \"token_bucket\"",
         ));
-    }
-    if rule.scope != Scope::Local {
-        return Err(ConfigError::field(at, "is supported for local rules only"));
     }
     let share = |name: &str, v: f64, min: f64| -> Result<(), ConfigError> {
         if !v.is_finite() || v < min || v > MAX_SHARE {

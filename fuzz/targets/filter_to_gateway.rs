@@ -119,6 +119,8 @@ fn run_with(plan: &Plan, policy: &Policy, inp: &mut Input) {
                     }
                 })
                 .collect(),
+            watch: b.watch,
+            stage: None,
         })
         .collect();
     let quotas = resolved

@@ -20,6 +20,12 @@
 //! Requests come here resolved from the policy ([`crate::policy`]): the
 //! answers carry the limits, amounts and periods enforced.
 //!
+//! A watched bucket (a shadow rule's, a soft client's) never makes a check
+//! denied, and is charged only with the rest (`check.lua`); a graduated
+//! one gets its stage in the answer. Neither is remembered by, nor answered
+//! from, the deny cache: a shadow denial is no denial, and a graduated
+//! bucket counts every request's demand.
+//!
 //! A check with a bucket that Redis denied lately, its wait not over, is a
 //! denial without a charge ([`crate::deny_cache`]): the cached bucket answers
 //! from memory, and only the other buckets and quotas, if any, are read
@@ -36,12 +42,13 @@ use crate::clock::{Clock, RedisTime};
 use crate::deny_cache::DenyCache;
 use crate::logging::Escaped;
 use crate::metrics::Metrics;
-use crate::policy::{Resolved, ResolvedLease};
+use crate::policy::{Resolved, ResolvedBucket, ResolvedLease};
 use crate::protocol::{
-    BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, VERSION,
+    BucketResult, CheckResponse, LeaseLimitResult, LeaseResponse, LimitResult, QuotaResult, Stage,
+    VERSION,
 };
 use crate::redis::keys::{self, Group, LimitKey, QuotaKey};
-use crate::redis::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict};
+use crate::redis::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict, StageVerdict};
 use crate::redis::store::{Store, StoreError};
 
 /// The check logic over a [`Store`].
@@ -75,6 +82,8 @@ enum Outcome {
 struct Verdicts {
     limits: Vec<Vec<Option<LimitVerdict>>>,
     quotas: Vec<Option<QuotaVerdict>>,
+    /// Per bucket, the stage of its special limit (watched or graduated).
+    stages: Vec<Option<StageVerdict>>,
 }
 
 impl Limiter {
@@ -163,7 +172,10 @@ impl Limiter {
         let cached: Vec<Option<Vec<LimitVerdict>>> = bucket_keys
             .iter()
             .zip(&req.buckets)
-            .map(|(k, b)| self.deny.lookup(k, b.cost, asked_at))
+            .map(|(k, b)| match k.is_empty() {
+                true => None,
+                false => self.deny.lookup(k, b.cost, asked_at),
+            })
             .collect();
         let groups = self.groups(limits, quotas);
         let mut verdicts = Verdicts::new(req);
@@ -176,7 +188,7 @@ impl Limiter {
         } else {
             self.charge_in_order(&groups, &mut verdicts, req).await?
         };
-        let buckets = limit_results(req, verdicts.limits)?;
+        let buckets = limit_results(req, verdicts.limits, &verdicts.stages)?;
         if outcome == Outcome::Denied {
             self.remember_denial(&bucket_keys, &buckets, req, asked_at);
         }
@@ -194,14 +206,17 @@ impl Limiter {
     }
 
     /// Each bucket's keys, when the deny cache is on (else none: nothing is
-    /// looked up or remembered).
+    /// looked up or remembered); none for a watched or graduated bucket.
     fn bucket_keys(&self, req: &Resolved, limits: &[LimitKey]) -> Vec<Vec<String>> {
         if !self.deny.enabled() {
             return Vec::new();
         }
         (0..req.buckets.len())
             .map(|b| {
-                let of_b = limits.iter().filter(|l| l.bucket == b);
+                let mut of_b = limits.iter().filter(|l| l.bucket == b).peekable();
+                if of_b.peek().is_some_and(|l| l.watched || l.graduated.is_some()) {
+                    return Vec::new();
+                }
                 of_b.map(|l| l.key.clone()).collect()
             })
             .collect()
@@ -253,7 +268,9 @@ impl Limiter {
         req: &Resolved,
     ) -> Result<Outcome, StoreError> {
         let (domain, reservation) = (req.domain.as_str(), req.reservation.as_deref());
-        let mut charged: Vec<(usize, u64)> = Vec::new();
+        // Each group charged: its index, its time, and whether its watched
+        // limits were charged with it.
+        let mut charged: Vec<(usize, u64, bool)> = Vec::new();
         for (gi, group) in groups.iter().enumerate() {
             let reply = match self.run(group, Mode::Charge, domain, reservation).await {
                 Ok(reply) => reply,
@@ -264,7 +281,12 @@ impl Limiter {
             };
             verdicts.place(group, &reply);
             if reply.allowed {
-                charged.push((gi, reply.now_ms));
+                let watched_ok = group
+                    .limits
+                    .iter()
+                    .zip(&reply.limits)
+                    .all(|(l, v)| !l.watched || v.allowed);
+                charged.push((gi, reply.now_ms, watched_ok));
                 continue;
             }
             self.refund_all(groups, &charged, req).await;
@@ -289,6 +311,10 @@ impl Limiter {
         for ((keys, answer), spec) in bucket_keys.iter().zip(buckets).zip(&req.buckets) {
             // A slot may be released any moment: a concurrency denial is never remembered.
             if spec.limits.iter().any(|l| l.in_flight) {
+                continue;
+            }
+            // A watched or graduated bucket has no keys here.
+            if keys.is_empty() {
                 continue;
             }
             let verdicts: Vec<LimitVerdict> = answer
@@ -316,6 +342,9 @@ impl Limiter {
             }
         }
         for (bucket, spec) in buckets.iter().zip(&req.buckets) {
+            if !spec.watch.is_enforced() {
+                continue;
+            }
             for (r, l) in bucket.limits.iter().zip(&spec.limits) {
                 if !r.allowed {
                     self.metrics.denials.with_label_values(&[l.counter()]).inc();
@@ -394,13 +423,16 @@ impl Limiter {
         let (ledger, budget) = self.ledger(group, domain);
         let record = reservation.map(|id| keys::record_key(&ledger, id));
         let record = record.as_deref().map(|r| (r, self.record_ms));
-        let (keys, args) = script::check_args(group, mode, self.clock(), &ledger, budget, record);
+        let spread = spread();
+        let (keys, args) =
+            script::check_args(group, mode, self.clock(), (&ledger, budget), record, spread);
         let op = match mode {
             Mode::Charge => "check",
             Mode::Peek => "peek",
         };
         let reply: Vec<i64> = self.store.eval(script::check(), &keys, &args, op).await?;
-        script::parse_check_reply(&reply, group.limits.len(), group.quotas.len())
+        let special = script::special_count(&group.limits);
+        script::parse_check_reply(&reply, group.limits.len(), group.quotas.len(), special)
             .map_err(StoreError::Reply)
     }
 
@@ -428,10 +460,21 @@ impl Limiter {
 
     /// Gives back every charged group; failures are logged and counted (the
     /// client is then over-charged until its keys refill, never under-charged).
-    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64)], req: &Resolved) {
-        for &(gi, at) in charged {
+    async fn refund_all(&self, groups: &[Group], charged: &[(usize, u64, bool)], req: &Resolved) {
+        for &(gi, at, watched_ok) in charged {
             let Some(group) = groups.get(gi) else {
                 continue;
+            };
+            // Only what the group charged: its watched limits only with them.
+            let only_charged;
+            let group = if watched_ok || group.limits.iter().all(|l| !l.watched) {
+                group
+            } else {
+                only_charged = Group {
+                    limits: group.limits.iter().filter(|l| !l.watched).cloned().collect(),
+                    quotas: group.quotas.clone(),
+                };
+                &only_charged
             };
             let record = req.reservation.as_deref().map(|id| {
                 let (ledger, _) = self.ledger(group, &req.domain);
@@ -461,11 +504,24 @@ impl Verdicts {
                 .map(|b| vec![None; b.limits.len()])
                 .collect(),
             quotas: vec![None; req.quotas.len()],
+            stages: vec![None; req.buckets.len()],
         }
     }
 
     /// The verdicts of one group's reply, at their limits and quotas.
     fn place(&mut self, group: &Group, reply: &CheckReply) {
+        let special = group
+            .limits
+            .iter()
+            .filter(|l| l.watched || l.graduated.is_some());
+        for (lk, st) in special.zip(&reply.stages) {
+            if let Some(slot) = self.stages.get_mut(lk.bucket) {
+                // A bucket's first limit holds its stage (a graduated rule has one).
+                if lk.limit == 0 {
+                    *slot = Some(*st);
+                }
+            }
+        }
         for (lk, r) in group.limits.iter().zip(&reply.limits) {
             if let Some(slot) = self
                 .limits
@@ -496,8 +552,8 @@ impl Verdicts {
     /// The groups charged before a denial were refunded: their quotas report
     /// what they had before the request, like every quota of a denied answer
     /// (they passed, so before = after + amount exactly).
-    fn refunded_quotas(&mut self, groups: &[Group], charged: &[(usize, u64)]) {
-        for &(gi, _) in charged {
+    fn refunded_quotas(&mut self, groups: &[Group], charged: &[(usize, u64, bool)]) {
+        for &(gi, _, _) in charged {
             for qk in groups.get(gi).map_or(&[][..], |g| &g.quotas) {
                 if let Some(Some(r)) = self.quotas.get_mut(qk.quota) {
                     r.remaining = r.remaining.saturating_add(qk.amount);
@@ -511,9 +567,10 @@ impl Verdicts {
 fn limit_results(
     req: &Resolved,
     verdicts: Vec<Vec<Option<LimitVerdict>>>,
+    stages: &[Option<StageVerdict>],
 ) -> Result<Vec<BucketResult>, StoreError> {
     let mut buckets = Vec::with_capacity(req.buckets.len());
-    for (bucket, spec) in verdicts.into_iter().zip(&req.buckets) {
+    for (b, (bucket, spec)) in verdicts.into_iter().zip(&req.buckets).enumerate() {
         let mut limits = Vec::with_capacity(spec.limits.len());
         for (r, limit) in bucket.into_iter().zip(&spec.limits) {
             let Some(r) = r else {
@@ -530,9 +587,37 @@ fn limit_results(
                 retry_after_ms: r.retry_after_ms,
             });
         }
-        buckets.push(BucketResult { limits });
+        let stage = stage_of(spec, stages.get(b).copied().flatten());
+        buckets.push(BucketResult {
+            limits,
+            watch: spec.watch,
+            stage,
+        });
     }
     Ok(buckets)
+}
+
+/// A graduated bucket's stage from what `check.lua` found: the policy's
+/// thresholds over the tokens in use. `None` for a bucket without stages
+/// (or one peeked past its block, which has no stage to tell).
+fn stage_of(spec: &ResolvedBucket, found: Option<StageVerdict>) -> Option<Stage> {
+    let (s, v) = (spec.stages?, found?);
+    let reached = |from: Option<u64>| !v.blocked && from.is_some_and(|f| v.used >= f);
+    Some(Stage {
+        used: v.used,
+        warn: reached(s.warn_from),
+        delay_ms: if reached(s.delay_from) { s.delay_ms } else { 0 },
+        blocked: v.blocked,
+    })
+}
+
+/// A share in `[0, 1)` for a new block's jitter.
+fn spread() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    (bits >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Every quota's answer, in the request's order.

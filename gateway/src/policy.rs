@@ -24,8 +24,15 @@
 //!   the largest of `costs[]` and 1), an amount up to what the quota's
 //!   `count` allows (1, or that largest cost);
 //! * a lease only on a token-bucket rule of a domain with `global.lease`,
+//!   enforced and without graduated stages (those are checked per request),
 //!   granted at most `lease.fraction` of its smallest limit, its ledger kept
 //!   `lease.ttl_ms`.
+//!
+//! How a bucket is held is the policy's too, never a field of the request:
+//! a rule's `mode: shadow` and a soft client (`identity.clients.<id>.soft`,
+//! recognised on a rule keyed on `client` by the key's `client` part, as a
+//! client override is) make it watched ([`Watch`]); a rule's `graduated`
+//! stages become [`Stages`] for the limit of the variant named.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -34,6 +41,7 @@ use ratelimit_config::key::{bounded, encode_part};
 use ratelimit_config::{self as plugin, KeyPart, QuotaCount, Scope};
 use ratelimit_protocol::{
     Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Settlement, Variant,
+    Watch,
 };
 
 use crate::reload::Source;
@@ -66,6 +74,11 @@ struct Domain {
     rules: HashMap<String, RulePolicy>,
     quotas: HashMap<String, QuotaPolicy>,
     lease: Option<LeasePolicy>,
+    /// The `client` key part (`c=<id>`, as the filter encodes it) of every
+    /// soft client.
+    soft: HashSet<String>,
+    /// `response.retry_jitter`: the most a block is lengthened, as a share.
+    retry_jitter: f64,
 }
 
 #[derive(Debug)]
@@ -86,6 +99,10 @@ struct RulePolicy {
     /// A concurrency rule: each check takes one slot under its reservation,
     /// which a settlement of cost 0 gives back.
     in_flight: bool,
+    /// `mode: shadow`: counted, never denying.
+    shadow: bool,
+    /// The rule's graduated stages, as shares of its limit.
+    graduated: Option<plugin::Graduated>,
 }
 
 #[derive(Debug)]
@@ -131,7 +148,7 @@ pub struct Resolved {
 pub type ResolvedSettlement = Resolved;
 
 /// A bucket with its policy limits.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResolvedBucket {
     /// As the request named it.
     pub key: String,
@@ -146,6 +163,61 @@ pub struct ResolvedBucket {
     /// `max`). Check and settle scripts read a token bucket's TAT up to that
     /// far ahead as debt, not as a clock that stepped back.
     pub debt: u64,
+    /// Whether the bucket's denial denies the check (the rule's mode, the
+    /// client's softness).
+    pub watch: Watch,
+    /// The rule's graduated stages for this variant's limit.
+    pub stages: Option<Stages>,
+}
+
+/// A graduated rule's stages for one variant, in whole tokens of its
+/// (single) limit of `requests`, as the filter's `limits/` counts them: a
+/// share in use is whole tokens used (partly refilled ones count as used)
+/// over `requests`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stages {
+    /// The bucket holds `reject_at` of the limit, rounded down (at least
+    /// `requests`).
+    pub burst: u64,
+    /// Warn from this many tokens in use (`warn_at`).
+    pub warn_from: Option<u64>,
+    /// Delay from this many tokens in use (past `delay_at`).
+    pub delay_from: Option<u64>,
+    /// How long a delayed request is held.
+    pub delay_ms: u64,
+    /// The demand bucket's size, `block_at` of the limit rounded up: a
+    /// client whose demand (denied requests included) fills it is blocked.
+    /// 0: no block stage.
+    pub demand: u64,
+    /// How long a block lasts.
+    pub block_for_ms: u64,
+    /// The most a block is lengthened by `response.retry_jitter`.
+    pub jitter_ms: u64,
+}
+
+impl Stages {
+    /// The stages of `g` over a limit of `requests`, with `jitter` the
+    /// policy's `response.retry_jitter`.
+    pub fn of(g: &plugin::Graduated, requests: u64, jitter: f64) -> Stages {
+        let c = requests as f64;
+        // As the filter's stages: warn at share + 1e-9 >= warn_at, delay at
+        // share > delay_at + 1e-9, over whole tokens.
+        let warn_from = g.warn_at.map(|w| (c * (w - 1e-9)).ceil().max(0.0) as u64);
+        let delay_from = g.delay_at.map(|d| (c * (d + 1e-9)).floor() as u64 + 1);
+        let block_for_ms = g.block_for.map_or(0, |s| s.0.saturating_mul(1000));
+        Stages {
+            burst: ((c * g.reject_at).floor() as u64).max(requests),
+            warn_from,
+            delay_from,
+            delay_ms: g.delay_ms.unwrap_or(0),
+            demand: match g.block_at {
+                Some(b) if block_for_ms > 0 => (c * b).ceil() as u64,
+                _ => 0,
+            },
+            block_for_ms,
+            jitter_ms: (block_for_ms as f64 * jitter.clamp(0.0, 0.5)) as u64,
+        }
+    }
 }
 
 /// A quota with its policy amount and period.
@@ -339,6 +411,8 @@ impl Domain {
                     settle_max: rule_settle_max(r, max_cost, costs_settle),
                     key: r.key.clone(),
                     in_flight: r.is_concurrent(),
+                    shadow: r.mode == plugin::Mode::Shadow,
+                    graduated: r.graduated.clone(),
                 };
                 (r.name.clone(), policy)
             })
@@ -382,10 +456,23 @@ impl Domain {
                 fraction: l.fraction,
                 ttl_ms: l.ttl_ms.max(1),
             });
+        let soft = c
+            .identity
+            .clients
+            .iter()
+            .filter(|(_, spec)| spec.soft)
+            .map(|(id, _)| {
+                let mut part = String::new();
+                encode_part(&mut part, None, KeyPart::<String>::Client.tag(), id.as_bytes());
+                part
+            })
+            .collect();
         Ok(Domain {
             rules,
             quotas,
             lease,
+            soft,
+            retry_jitter: c.response.retry_jitter,
         })
     }
 
@@ -617,6 +704,9 @@ impl Policy {
                 cost,
                 limits: r.limits.clone(),
                 debt: r.debt(),
+                // The rate limit service answers descriptors by its own rules.
+                watch: Watch::Enforce,
+                stages: None,
             },
             max_cost: r.max_cost,
         })
@@ -643,6 +733,14 @@ impl Policy {
                 "rule: rule `{}` is a {}; leases need token_bucket",
                 req.rule,
                 rule.algorithm.name()
+            ));
+        }
+        // A batch spent in a proxy would skip the stages, the block and the
+        // shadow's "never denies": such a rule is checked per request.
+        if rule.shadow || rule.graduated.is_some() {
+            return Err(format!(
+                "rule: rule `{}` is a shadow or graduated rule: it is checked per request, never leased",
+                req.rule
             ));
         }
         check_key(At::top("key"), &req.rule, &req.key)?;
@@ -683,12 +781,26 @@ fn resolve_bucket(
             bucket.cost, rule.max_cost, bucket.rule
         ));
     }
+    let watch = if rule.shadow {
+        Watch::Shadow
+    } else if client_part(&rule.key, &bucket.rule, &bucket.key).is_some_and(|c| d.soft.contains(c))
+    {
+        Watch::Soft
+    } else {
+        Watch::Enforce
+    };
+    let stages = rule.graduated.as_ref().and_then(|g| {
+        let first = limits.first().filter(|l| l.algorithm == Algorithm::TokenBucket)?;
+        Some(Stages::of(g, first.requests, d.retry_jitter))
+    });
     Ok(ResolvedBucket {
         key: bucket.key.clone(),
         tag: tag_of(&bucket.rule, &bucket.key).to_string(),
         cost: bucket.cost,
         limits: limits.to_vec(),
         debt: rule.debt(),
+        watch,
+        stages,
     })
 }
 
@@ -885,19 +997,21 @@ pub fn tag_of<'k>(name: &str, key: &'k str) -> &'k str {
 /// `id`'s: as many parts as `parts`, and at the `client` part `c=<id>`,
 /// encoded as the filter encodes it. A hashed key shows no part: false.
 fn client_part_is(parts: &[KeyPart], name: &str, key: &str, id: &str) -> bool {
-    let Some((i, client)) = parts
-        .iter()
-        .enumerate()
-        .find(|(_, p)| **p == KeyPart::Client)
-    else {
-        return false;
-    };
-    let Some(written) = key.get(name.len()..).and_then(|r| r.strip_prefix('/')) else {
-        return false;
-    };
     let mut want = String::new();
-    encode_part(&mut want, None, client.tag(), id.as_bytes());
-    written.split('/').count() == parts.len() && written.split('/').nth(i) == Some(want.as_str())
+    encode_part(&mut want, None, KeyPart::<String>::Client.tag(), id.as_bytes());
+    client_part(parts, name, key) == Some(want.as_str())
+}
+
+/// The `client` part of `key` (of rule or quota `name`, keyed on `parts`),
+/// encoded as the filter writes it (`c=<id>`): `None` when `parts` has no
+/// `client`, or the key is hashed or has another number of parts.
+fn client_part<'k>(parts: &[KeyPart], name: &str, key: &'k str) -> Option<&'k str> {
+    let i = parts.iter().position(|p| *p == KeyPart::Client)?;
+    let written = key.get(name.len()..)?.strip_prefix('/')?;
+    if written.split('/').count() != parts.len() {
+        return None;
+    }
+    written.split('/').nth(i)
 }
 
 #[cfg(test)]

@@ -170,6 +170,7 @@ async fn run_differential(algorithms: &[Algorithm], seed: u64, cases: u64) -> Ta
                 cost,
                 limits: specs.clone(),
                 debt: 0,
+                ..Default::default()
             }],
             quotas: vec![],
             reservation: None,
@@ -359,6 +360,7 @@ async fn run_refunds_and_leases(
                 cost,
                 limits: specs.clone(),
                 debt: 0,
+                ..Default::default()
             }],
             quotas: vec![],
             reservation: None,

@@ -375,3 +375,195 @@ fn a_changed_policy_applies_to_the_next_request_and_a_broken_one_keeps_the_old()
     wait_metric(&gw, ok_sample, 2.0);
     assert_eq!(enforced(&gw), 10);
 }
+
+/// One domain of shadow, soft and graduated global rules, their stages and
+/// softness the gateway's alone; no jitter, so that a block's length is exact.
+fn parity_policy() -> String {
+    json!({"domain": "parity",
+        "global": {"cluster": "gw", "lease": {"fraction": 0.5, "ttl_ms": 60_000}},
+        "response": {"retry_jitter": 0},
+        "identity": {"clients": {"softy": {"soft": true}}},
+        "rules": [
+            {"name": "watch", "scope": "global", "mode": "shadow", "key": ["client"],
+             "limits": [{"requests": 3, "per": "1d"}]},
+            {"name": "strict", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 100, "per": "1d"}]},
+            {"name": "one", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 1, "per": "1d"}]},
+            {"name": "grad", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 10, "per": "1d"}],
+             "graduated": {"warn_at": 0.5, "delay_at": 0.8, "delay_ms": 100, "reject_at": 1.2,
+                           "block_at": 1.5, "block_for": "30s"}}]})
+    .to_string()
+}
+
+fn parity_gateway(redis: &Redis) -> Gateway {
+    ok(
+        Gateway::start(GatewayOptions::new(redis.url()).policy(parity_policy())),
+        "starting the gateway",
+    )
+}
+
+/// A check of `rules` for `client` in the parity domain.
+fn parity_check(client: &str, rules: &[&str]) -> Value {
+    let buckets: Vec<Value> = rules
+        .iter()
+        .map(|r| json!({"rule": r, "key": format!("{r}/c={client}"), "tag": format!("c={client}"),
+                        "variant": "default", "cost": 1}))
+        .collect();
+    json!({"version": 2, "domain": "parity", "buckets": buckets})
+}
+
+/// The Redis key of `rule`'s one limit (`requests` a day) for `client`.
+fn day_key(rule: &str, client: &str, requests: u64) -> String {
+    format!("rl:{{parity|c={client}}}|{rule}/c={client}|0|token_bucket|{requests}|86400000")
+}
+
+/// Whole tokens in use in a token bucket of `requests` a day, read from its
+/// state in Redis at Redis's time (a token refills in 86400 / requests s:
+/// none does while a test runs).
+fn tokens_used(redis: &Redis, key: &str, requests: u64) -> u64 {
+    let state = ok(redis.cli(&["GET", key]), "GET");
+    let Some((tat, rem)) = state.split_once(':') else {
+        return 0;
+    };
+    let (tat, rem): (u64, u64) = (tat.parse().unwrap(), rem.parse().unwrap());
+    let time = ok(redis.cli(&["TIME"]), "TIME");
+    let mut t = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+    let now_ms = t.next().unwrap() * 1000 + t.next().unwrap() / 1000;
+    let units = (tat.saturating_sub(now_ms) * requests + rem) as f64;
+    (units / 86_400_000.0).ceil() as u64
+}
+
+#[test]
+fn global_shadow_counts_exactly_in_redis_and_never_denies() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = parity_gateway(&redis);
+    // Five checks of a shadow rule of 3 beside an enforced one: all allowed,
+    // the shadow's 4th and 5th say they would have denied.
+    for i in 1..=5 {
+        let (status, a) = post(&gw, "/v1/check", &parity_check("a", &["watch", "strict"]));
+        assert_eq!((status, &a["allowed"]), (200, &json!(true)), "check {i}: {a}");
+        assert_eq!(a["buckets"][0]["watch"], "shadow", "{a}");
+        assert_eq!(a["buckets"][0]["limits"][0]["allowed"], i <= 3, "check {i}: {a}");
+        assert_eq!(a["buckets"][1].get("watch"), None, "an enforced rule: {a}");
+    }
+    // Charged while it would pass: 3, as if enforced; the enforced rule 5.
+    assert_eq!(tokens_used(&redis, &day_key("watch", "a", 3), 3), 3);
+    assert_eq!(tokens_used(&redis, &day_key("strict", "a", 100), 100), 5);
+    // An enforced denial charges nothing, the shadow rule's bucket included.
+    let (_, first) = post(&gw, "/v1/check", &parity_check("b", &["watch", "one"]));
+    assert_eq!(first["allowed"], true, "{first}");
+    let (_, second) = post(&gw, "/v1/check", &parity_check("b", &["watch", "one"]));
+    assert_eq!(second["allowed"], false, "{second}");
+    assert_eq!(tokens_used(&redis, &day_key("watch", "b", 3), 3), 1);
+    // A shadow denial is never cached as a denial: b's next shadow-only
+    // check is answered by Redis, allowed, and charged.
+    for _ in 0..3 {
+        let (_, a) = post(&gw, "/v1/check", &parity_check("b", &["watch"]));
+        assert_eq!(a["allowed"], true, "{a}");
+    }
+    assert_eq!(tokens_used(&redis, &day_key("watch", "b", 3), 3), 3);
+}
+
+#[test]
+fn global_graduated_stages_come_at_their_share_and_the_block_lives_in_redis() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = parity_gateway(&redis);
+    // 10 a day: warn from 5 in use, delay from 9, reject past 12, block when
+    // the demand (every request, denied ones too) reaches 15.
+    for k in 1..=14u64 {
+        let (status, a) = post(&gw, "/v1/check", &parity_check("g", &["grad"]));
+        assert_eq!(status, 200, "{a}");
+        let stage = &a["buckets"][0]["stage"];
+        let limit = &a["buckets"][0]["limits"][0];
+        assert_eq!(a["allowed"], k <= 12, "check {k}: {a}");
+        assert_eq!(stage["used"], k.min(12), "check {k}: {a}");
+        assert_eq!(stage.get("blocked"), None, "check {k}: {a}");
+        if k <= 12 {
+            assert_eq!(stage.get("warn").is_some(), k >= 5, "check {k}: {a}");
+            assert_eq!(stage["delay_ms"], if k >= 9 { 100 } else { 0 }, "check {k}: {a}");
+            // Remaining counts up to the limit only: 0 in the delay zone.
+            assert_eq!(limit["remaining"], 10u64.saturating_sub(k), "check {k}: {a}");
+        }
+    }
+    let key = day_key("grad", "g", 10);
+    let block = format!("{key}|block");
+    assert_eq!(ok(redis.cli(&["EXISTS", &block]), "EXISTS"), "0");
+    // The 15th request fills the demand: blocked for block_for.
+    for k in 15..=16 {
+        let (_, a) = post(&gw, "/v1/check", &parity_check("g", &["grad"]));
+        assert_eq!(a["allowed"], false, "check {k}: {a}");
+        assert_eq!(a["buckets"][0]["stage"]["blocked"], true, "check {k}: {a}");
+        let retry = a["buckets"][0]["limits"][0]["retry_after_ms"].as_u64().unwrap();
+        assert!((25_000..=30_000).contains(&retry), "check {k}: {retry}");
+    }
+    // The block is a key of its own, living as long as the block, counted in
+    // the domain's key budget; the demand starts over.
+    let pttl: u64 = ok(redis.cli(&["PTTL", &block]), "PTTL").parse().unwrap();
+    assert!((25_000..=30_000).contains(&pttl), "{pttl}");
+    assert_eq!(ok(redis.cli(&["EXISTS", &format!("{key}|demand")]), "EXISTS"), "0");
+    let ledger = ok(redis.cli(&["ZSCORE", "rl:{parity|live}", &block]), "ZSCORE");
+    assert!(!ledger.trim().is_empty(), "the block is not in the key ledger");
+    // A blocked client's requests are not charged: 12 stay in use.
+    assert_eq!(tokens_used(&redis, &key, 10), 12);
+}
+
+#[test]
+fn a_caller_cannot_choose_shadow_softness_or_stages() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = parity_gateway(&redis);
+    // No field of a request says how a bucket is held.
+    let mut watched = parity_check("m", &["one"]);
+    watched["buckets"][0]["watch"] = json!("shadow");
+    let mut staged = parity_check("m", &["grad"]);
+    staged["buckets"][0]["stage"] = json!({"used": 0, "delay_ms": 0});
+    let mut soft = parity_check("m", &["one"]);
+    soft["soft"] = json!(true);
+    for (body, field) in [(&watched, "watch"), (&staged, "stage"), (&soft, "soft")] {
+        let before = dump(&redis);
+        let (status, a) = post(&gw, "/v1/check", body);
+        assert_eq!(status, 400, "{a}");
+        let error = a["error"].as_str().unwrap();
+        assert!(error.contains(field), "{error}");
+        assert_eq!(dump(&redis), before, "a refused request wrote to Redis");
+    }
+    // Softness is the policy's, read from the key's client: softy's second
+    // request passes (counted, would have denied); mallory's is denied.
+    for i in 1..=3 {
+        let (_, a) = post(&gw, "/v1/check", &parity_check("softy", &["one"]));
+        assert_eq!(a["allowed"], true, "{a}");
+        assert_eq!(a["buckets"][0]["watch"], "soft", "{a}");
+        assert_eq!(a["buckets"][0]["limits"][0]["allowed"], i == 1, "{a}");
+    }
+    assert_eq!(tokens_used(&redis, &day_key("one", "softy", 1), 1), 1);
+    let (_, a) = post(&gw, "/v1/check", &parity_check("mallory", &["one"]));
+    assert_eq!(a["allowed"], true, "{a}");
+    let (_, a) = post(&gw, "/v1/check", &parity_check("mallory", &["one"]));
+    assert_eq!(a["allowed"], false, "{a}");
+    // Naming softy's variant on mallory's key is no way in.
+    let mut borrowed = parity_check("mallory", &["one"]);
+    borrowed["buckets"][0]["variant"] = json!("client:softy");
+    refused(
+        &gw,
+        &redis,
+        "/v1/check",
+        &borrowed,
+        "buckets[0].variant: not a variant this key may use",
+    );
+    // A batch spent in a proxy would skip the stages and the shadow's
+    // never-deny: such rules are never leased.
+    for rule in ["grad", "watch"] {
+        let lease = json!({"version": 2, "domain": "parity", "rule": rule,
+            "key": format!("{rule}/c=m"), "tag": "c=m", "variant": "default", "want": 1});
+        refused(
+            &gw,
+            &redis,
+            "/v1/lease",
+            &lease,
+            &format!(
+                "rule: rule `{rule}` is a shadow or graduated rule: it is checked per request, never leased"
+            ),
+        );
+    }
+}

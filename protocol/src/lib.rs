@@ -308,7 +308,65 @@ pub struct QuotaResult<N = u64> {
 pub struct BucketResult<N = u64> {
     /// One per limit the gateway enforced.
     pub limits: Vec<LimitResult<N>>,
+    /// How the gateway's policy holds the bucket. Absent: enforced (what a
+    /// gateway that predates the field means too). A watched bucket's
+    /// limits say what they would have done; they never make the check
+    /// denied, and the bucket is charged only when the check is allowed
+    /// and every watched bucket has room.
+    #[serde(default, skip_serializing_if = "Watch::is_enforced")]
+    pub watch: Watch,
+    /// The graduated stage the bucket reached, for a rule with
+    /// `graduated` stages in the gateway's policy; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<Stage<N>>,
 }
+
+/// Whether a bucket's denial denies the check, as the gateway's policy
+/// decides it: the caller never names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Watch {
+    /// The rule enforces.
+    #[default]
+    Enforce,
+    /// The rule is `mode: shadow`: counted, never denying.
+    Shadow,
+    /// The bucket's key is a soft client's (`identity.clients.<id>.soft`):
+    /// counted, never denying.
+    Soft,
+}
+
+impl Watch {
+    /// The bucket denies when its limits do.
+    pub fn is_enforced(&self) -> bool {
+        *self == Watch::Enforce
+    }
+}
+
+/// A graduated rule's stage for one check, decided by the gateway from its
+/// policy's shares of the rule's (single) limit.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Stage<N = u64> {
+    /// Whole tokens of the limit in use (after the request when it was
+    /// allowed, before it otherwise), at most [`MAX_SHARE`] × `requests`;
+    /// the share in use is `used / requests`.
+    pub used: N,
+    /// The share in use reached `warn_at`: the response carries the warning.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub warn: bool,
+    /// Ms the request is held (the share in use is past `delay_at`); 0: no
+    /// delay. At most [`MAX_DELAY_MS`].
+    #[serde(default)]
+    pub delay_ms: N,
+    /// The client is blocked (`block_at`): the limit's `retry_after_ms` is
+    /// the block's rest.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub blocked: bool,
+}
+
+/// The longest delay a graduated stage holds a request (`delay_ms`).
+pub const MAX_DELAY_MS: u64 = 60_000;
+pub use ratelimit_config::MAX_SHARE;
 
 /// `POST /v1/check` 200 answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -20,6 +20,12 @@
 //! A quota key never equals a limit key: its fourth part is a period name,
 //! where a limit key has an algorithm name.
 //!
+//! A graduated limit has two more keys beside its own ([`Graduated`]):
+//! `<limit key>|demand`, the client's demand (a token bucket's state), and
+//! `<limit key>|block`, the end of its block (ms), expiring with it. Same
+//! hash tag, so the same slot; eight `|` parts, where a limit key has seven.
+//! Both are counted in the domain's key budget.
+//!
 //! One lease ledger per caller and bucket ([`ledger_key`]): the bucket's
 //! first limit key, then `|held|<caller>`: what the caller was granted and has
 //! not given back, which caps what it may give back. Same hash tag, so the
@@ -47,6 +53,21 @@ pub struct LimitKey {
     pub cost: u64,
     /// Tokens of debt a settlement may leave (its bucket's).
     pub debt: u64,
+    /// The bucket is watched: its denial does not deny the check.
+    pub watched: bool,
+    /// The keys and stages of a graduated limit (its rule's one limit).
+    pub graduated: Option<Box<Graduated>>,
+}
+
+/// A graduated limit's keys beside its own, and its stages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Graduated {
+    /// The client's demand: `<limit key>|demand`.
+    pub demand: String,
+    /// The end of the client's block: `<limit key>|block`.
+    pub block: String,
+    /// The policy's stages for the limit.
+    pub stages: crate::policy::Stages,
 }
 
 /// One quota of the request, with the base of its Redis key.
@@ -157,13 +178,24 @@ pub fn limit_keys(prefix: &str, req: &Resolved) -> Vec<LimitKey> {
     let mut out = Vec::new();
     for (b, bucket) in req.buckets.iter().enumerate() {
         for (l, spec) in bucket.limits.iter().enumerate() {
+            let key = redis_key(prefix, &req.domain, &bucket.tag, &bucket.key, l, spec);
+            // The stages are shares of the rule's one limit.
+            let graduated = bucket.stages.filter(|_| l == 0).map(|stages| {
+                Box::new(Graduated {
+                    demand: format!("{key}|demand"),
+                    block: format!("{key}|block"),
+                    stages,
+                })
+            });
             out.push(LimitKey {
                 bucket: b,
                 limit: l,
-                key: redis_key(prefix, &req.domain, &bucket.tag, &bucket.key, l, spec),
+                key,
                 spec: *spec,
                 cost: bucket.cost,
                 debt: bucket.debt,
+                watched: !bucket.watch.is_enforced(),
+                graduated,
             });
         }
     }
@@ -356,6 +388,7 @@ mod tests {
                 cost: 1,
                 limits,
                 debt: 0,
+                ..Default::default()
             }],
             quotas: vec![],
             reservation: None,

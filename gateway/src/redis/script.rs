@@ -105,13 +105,17 @@ pub enum Mode {
 ///
 /// `record` is the reservation record to write when the charge passes, and
 /// its life in ms ([`crate::redis::keys::record_key`]).
+///
+/// `spread` (in `[0, 1)`) places a new block's end within the policy's
+/// `retry_jitter` of its `block_for`, so that blocked clients come back
+/// apart.
 pub fn check_args(
     group: &Group,
     mode: Mode,
     clock: &dyn Clock,
-    ledger: &str,
-    budget: u64,
+    (ledger, budget): (&str, u64),
     record: Option<(&str, u64)>,
+    spread: f64,
 ) -> (Vec<String>, Vec<String>) {
     let mut args = vec![
         match mode {
@@ -126,9 +130,11 @@ pub fn check_args(
         args.push(q.limit.to_string());
         args.push(q.amount.to_string());
     }
+    let mut keys = keys(&group.limits, &group.quotas);
+    let special = push_special(&mut args, &mut keys, &group.limits, spread);
+    args.push(special.to_string());
     args.push(record.map_or(0, |(_, ms)| ms.max(1)).to_string());
     args.push(budget.to_string());
-    let mut keys = keys(&group.limits, &group.quotas);
     if let Some((key, _)) = record {
         keys.push(key.to_string());
     }
@@ -220,8 +226,58 @@ fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
         args.push(l.spec.requests.to_string());
         args.push(l.spec.window_ms.to_string());
         args.push(l.cost.to_string());
-        args.push(ceiling(&l.spec, l.debt).to_string());
+        let burst = l.graduated.as_ref().map_or(0, |g| g.stages.burst);
+        args.push(ceiling(&l.spec, l.debt).max(full_ms(&l.spec, burst)).to_string());
     }
+}
+
+/// Ms a token bucket of `burst` tokens (at the limit's rate) takes to fill:
+/// a graduated bucket holds more than the limit, and reads as far ahead.
+fn full_ms(spec: &crate::protocol::Limit, burst: u64) -> u64 {
+    let (w, c) = (u128::from(spec.window_ms), u128::from(spec.requests.max(1)));
+    u64::try_from((w * u128::from(burst)).div_ceil(c)).unwrap_or(u64::MAX)
+}
+
+/// `check.lua`'s special limits (watched or graduated): six arguments
+/// each, and a graduated one's demand and block keys. Their number.
+fn push_special(
+    args: &mut Vec<String>,
+    keys: &mut Vec<String>,
+    limits: &[LimitKey],
+    spread: f64,
+) -> usize {
+    let mut n = 0;
+    for (i, l) in limits.iter().enumerate() {
+        if !l.watched && l.graduated.is_none() {
+            continue;
+        }
+        n += 1;
+        args.push((i + 1).to_string());
+        args.push(if l.watched { "1" } else { "0" }.to_string());
+        match &l.graduated {
+            Some(g) => {
+                let s = &g.stages;
+                let jitter = (s.jitter_ms as f64 * spread.clamp(0.0, 1.0)) as u64;
+                args.push(s.burst.to_string());
+                args.push(s.demand.to_string());
+                args.push(s.block_for_ms.saturating_add(jitter).max(1).to_string());
+                args.push(s.block_for_ms.saturating_add(s.jitter_ms).max(1).to_string());
+                keys.push(g.demand.clone());
+                keys.push(g.block.clone());
+            }
+            None => args.extend(["0", "0", "0", "0"].map(str::to_string)),
+        }
+    }
+    n
+}
+
+/// How many of `limits` are special to `check.lua` (watched or graduated):
+/// its reply has a stage for each.
+pub fn special_count(limits: &[LimitKey]) -> usize {
+    limits
+        .iter()
+        .filter(|l| l.watched || l.graduated.is_some())
+        .count()
 }
 
 /// How far ahead of now (ms) a token bucket's TAT may stand: its window,
@@ -247,6 +303,15 @@ pub struct LimitVerdict {
     pub retry_after_ms: u64,
 }
 
+/// What `check.lua` says of a special limit (watched or graduated).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StageVerdict {
+    /// Whole tokens in use (after the request when it passed).
+    pub used: u64,
+    /// The client is blocked.
+    pub blocked: bool,
+}
+
 /// One quota's verdict from `check.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaVerdict {
@@ -269,17 +334,22 @@ pub struct CheckReply {
     pub limits: Vec<LimitVerdict>,
     /// One per quota, in order.
     pub quotas: Vec<QuotaVerdict>,
+    /// One per special limit of the group ([`special_count`]), in order.
+    pub stages: Vec<StageVerdict>,
 }
 
-/// Decodes `{all, now, (allowed, remaining, reset, retry)*L, (allowed, remaining, reset)*Q}`.
+/// Decodes `{all, now, (allowed, remaining, reset, retry)*L, (allowed,
+/// remaining, reset)*Q, (used, blocked)*S}`.
 pub fn parse_check_reply(
     reply: &[i64],
     limits: usize,
     quotas: usize,
+    special: usize,
 ) -> Result<CheckReply, String> {
-    if reply.len() != 2 + 4 * limits + 3 * quotas {
+    if reply.len() != 2 + 4 * limits + 3 * quotas + 2 * special {
         return Err(format!(
-            "check script answered {} integers for {limits} limits and {quotas} quotas",
+            "check script answered {} integers for {limits} limits, {quotas} quotas and \
+             {special} special limits",
             reply.len()
         ));
     }
@@ -289,7 +359,10 @@ pub fn parse_check_reply(
         [a, n] => (*a, *n),
         _ => return Err("short reply".to_string()),
     };
-    let Some((limit_part, quota_part)) = rest.split_at_checked(4 * limits) else {
+    let Some((limit_part, rest)) = rest.split_at_checked(4 * limits) else {
+        return Err("short reply".to_string());
+    };
+    let Some((quota_part, stage_part)) = rest.split_at_checked(3 * quotas) else {
         return Err("short reply".to_string());
     };
     let mut out = CheckReply {
@@ -297,7 +370,16 @@ pub fn parse_check_reply(
         now_ms: non_negative(now)?,
         limits: Vec::with_capacity(limits),
         quotas: Vec::with_capacity(quotas),
+        stages: Vec::with_capacity(special),
     };
+    for chunk in stage_part.chunks_exact(2) {
+        if let [used, blocked] = chunk {
+            out.stages.push(StageVerdict {
+                used: non_negative(*used)?,
+                blocked: *blocked == 1,
+            });
+        }
+    }
     for chunk in limit_part.chunks_exact(4) {
         if let [a, rem, reset, retry] = chunk {
             out.limits.push(LimitVerdict {

@@ -535,6 +535,7 @@ impl Rls {
                     in_flight: false,
                 }],
                 debt: 0,
+                ..ResolvedBucket::default()
             }],
             quotas: vec![],
             reservation: None,

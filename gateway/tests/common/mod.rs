@@ -511,6 +511,7 @@ pub fn direct_check(
                     cost,
                     limits: limits_of(limits),
                     debt: 0,
+                    ..Default::default()
                 },
             )
             .collect(),
