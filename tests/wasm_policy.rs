@@ -945,6 +945,108 @@ fn a_global_denial_is_a_429_and_refunds_the_local_charge() {
     assert_eq!(h.metric("ratelimit_wasm_global_calls"), 6);
 }
 
+/// A global rule `api` of 10 a minute with `extra` fields (its mode, its
+/// stages), on a gateway.
+fn global_rule_config(extra: Value) -> String {
+    let mut rule = json!({ "name": "api", "scope": "global", "key": ["client"],
+                           "limits": [ { "requests": 10, "per": "1m" } ] });
+    for (k, v) in extra.as_object().unwrap() {
+        rule[k] = v.clone();
+    }
+    cfg(json!({
+        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed" },
+        "rules": [rule]
+    }))
+}
+
+/// A gateway answer for `api`'s one bucket (10 a minute): its limit's verdict,
+/// and `apart`'s fields (`watch`, `stage`) on the bucket.
+fn gw_apart(allowed: bool, remaining: u64, retry_after_ms: u64, apart: Value) -> CallResponse {
+    let mut bucket = json!({ "limits": [
+        { "requests": 10, "window_ms": 60_000, "algorithm": "token_bucket", "allowed": allowed,
+          "remaining": remaining, "reset_ms": 60_000, "retry_after_ms": retry_after_ms } ] });
+    for (k, v) in apart.as_object().unwrap() {
+        bucket[k] = v.clone();
+    }
+    let watched = bucket.get("watch").is_some();
+    CallResponse::new(200)
+        .header("content-type", "application/json")
+        .body(json!({ "version": 2, "allowed": allowed || watched, "buckets": [bucket] }).to_string())
+}
+
+fn api_metric(what: &str) -> String {
+    format!("ratelimit_domain=.=policy;.;ratelimit_rule=.=api;.;ratelimit_wasm_rule_{what}")
+}
+
+#[test]
+fn a_gateway_watched_denial_passes_is_counted_and_never_cached() {
+    let h = gateway_harness(2, &global_rule_config(json!({ "mode": "shadow" })));
+    // The gateway's shadow rule would have denied: the request passes, counted.
+    for (i, watch) in ["shadow", "soft"].into_iter().enumerate() {
+        let (id, call) = paused_for_callout(&h, i, client("alice"));
+        let answer = gw_apart(false, 0, 15_000, json!({ "watch": watch }));
+        h.respond_http_call(call.worker, call.token, answer);
+        let o = h.outcome(id);
+        assert_allowed(&o);
+        assert_shows(&o, "api", 10, 60, 0);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 2);
+    assert_eq!(h.metric(&api_metric("shadow_denied")), 2);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 0);
+    // Never remembered as a denial: the next request asks the gateway again,
+    // which enforces the rule after all (its policy, not this filter's mode).
+    let (id, call) = paused_for_callout(&h, 0, client("alice"));
+    h.respond_http_call(call.worker, call.token, gw_apart(false, 0, 15_000, json!({})));
+    assert_problem(&h.outcome(id), 15, &["api"]);
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 0);
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 1);
+}
+
+#[test]
+fn a_gateway_stage_warns_delays_and_blocks_as_the_gateway_says() {
+    let stages = json!({ "graduated": { "warn_at": 0.5, "delay_at": 0.8, "delay_ms": 100,
+                                         "reject_at": 1.2, "block_at": 1.5, "block_for": "30s" } });
+    let h = gateway_harness(2, &global_rule_config(stages));
+    // Warned: 6 of 10 in use.
+    let (id, call) = paused_for_callout(&h, 0, client("gus"));
+    let stage = json!({ "stage": { "used": 6, "warn": true, "delay_ms": 0 } });
+    h.respond_http_call(call.worker, call.token, gw_apart(true, 4, 0, stage));
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_eq!(o.header_values("x-ratelimit-warning"), vec!["\"api\";used=60"], "{o:?}");
+    // Delayed, as long as the gateway says (a lie past a minute is clamped).
+    let (id, call) = paused_for_callout(&h, 1, client("gus"));
+    let stage = json!({ "stage": { "used": 11, "warn": true, "delay_ms": 100 } });
+    h.respond_http_call(call.worker, call.token, gw_apart(true, 0, 0, stage));
+    let (late, late_call) = paused_for_callout(&h, 0, client("gus"));
+    let stage = json!({ "stage": { "used": 11, "warn": true, "delay_ms": 1e12 } });
+    h.respond_http_call(late_call.worker, late_call.token, gw_apart(true, 0, 0, stage));
+    h.advance_ms(99);
+    assert!(h.outcome(id).paused && !h.outcome(id).completed, "{:?}", h.outcome(id));
+    h.advance_ms(1);
+    let o = h.outcome(id);
+    assert_allowed(&o);
+    assert_eq!(o.header_values("x-ratelimit-warning"), vec!["\"api\";used=110"], "{o:?}");
+    assert_eq!(h.metric("ratelimit_wasm_gateway_answer_clamped"), 1);
+    h.advance_ms(59_899);
+    assert!(!h.outcome(late).completed, "{:?}", h.outcome(late));
+    h.advance_ms(1);
+    assert_allowed(&h.outcome(late));
+    // Blocked: 429 until the block's end, and the block is the gateway's to
+    // keep: the next request asks it again.
+    for w in 0..2 {
+        let (id, call) = paused_for_callout(&h, w, client("gus"));
+        let blocked = json!({ "stage": { "used": 0, "blocked": true, "delay_ms": 0 } });
+        h.respond_http_call(call.worker, call.token, gw_apart(false, 0, 30_000, blocked));
+        assert_problem(&h.outcome(id), 30, &["api"]);
+    }
+    assert_eq!(h.metric("ratelimit_wasm_warned"), 3);
+    assert_eq!(h.metric("ratelimit_wasm_delayed"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_blocked"), 2);
+    assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 0);
+}
+
 #[test]
 fn failure_mode_open_allows_every_failure_and_counts_it() {
     let h = gateway_harness(2, &global_config("open"));

@@ -40,11 +40,33 @@ pub fn finish(
     if let Ok(a) = &answer {
         // The waits count from the callout: never longer than the gateway's.
         let sent = pending.held.at_ns;
-        if deny_cache::remember(plan, store, &pending.eval.global, &a.reports, sent).is_err() {
+        let remembered = match a.apart.uncached.is_empty() {
+            true => deny_cache::remember(plan, store, &pending.eval.global, &a.reports, sent),
+            false => remember_enforced(plan, store, &pending.eval.global, a, sent),
+        };
+        if remembered.is_err() {
             pending.counts.add(Metric::Errors, 1);
         }
     }
     finish_with(plan, pending, answer, latency_ns, store, now_ns)
+}
+
+/// Remembers the denials of the buckets the gateway enforces plainly: a
+/// shadow or soft bucket's denial denies nothing, and a graduated bucket
+/// counts every request's demand, so neither is answered from the cache.
+/// Out of line: most answers hold neither.
+#[inline(never)]
+fn remember_enforced(
+    plan: &Plan,
+    store: &impl SharedStore,
+    global: &[GlobalBucket],
+    a: &Answer,
+    sent_ns: u64,
+) -> Result<(), LimitError> {
+    let plain = |rule: usize| !a.apart.uncached.contains(&rule);
+    let global: Vec<GlobalBucket> = global.iter().filter(|g| plain(g.rule)).cloned().collect();
+    let reports: Vec<Report> = a.reports.iter().filter(|r| plain(r.rule)).copied().collect();
+    deny_cache::remember(plan, store, &global, &reports, sent_ns)
 }
 
 /// Stores a lease answer in the slot, spending `cost` of it at once, and reads
@@ -108,6 +130,7 @@ pub(super) fn lease_answer(
         quotas: Vec::new(),
         clamped: a.clamped,
         mismatch: a.mismatch,
+        apart: Default::default(),
     })
 }
 
@@ -178,20 +201,37 @@ impl<S: SharedStore> Ctx<'_, S> {
         self.counts
             .add(Metric::PolicyMismatch, u64::from(a.mismatch));
         let mut all = local_reports;
-        all.extend_from_slice(&a.reports);
-        let rate_denied = a.reports.iter().any(|r| !r.check.allowed);
+        let apart = &a.apart;
+        let watched = |r: &Report| apart.watches(r.rule);
+        let rate_denied = a.reports.iter().any(|r| !r.check.allowed && !watched(r));
         let quota_denied = a.quotas.iter().any(|q| !q.allowed);
+        if !apart.watched.is_empty() {
+            // What the gateway's shadow rules and soft clients would have denied.
+            let would: Vec<Report> = a
+                .reports
+                .iter()
+                .filter(|r| !r.check.allowed && watched(r))
+                .copied()
+                .collect();
+            if !would.is_empty() && !(eval.soft && (rate_denied || quota_denied)) {
+                self.note_shadow(&would);
+            }
+        }
         if eval.soft && (rate_denied || quota_denied) {
+            all.extend_from_slice(&a.reports);
             self.note_shadow(&a.reports);
-            self.pass(all)
-        } else if rate_denied {
+            self.pass_staged(all, apart)
+        } else if rate_denied || quota_denied {
+            // A watched limit's denial is no reason: it stays out of the 429.
+            all.extend(a.reports.iter().filter(|r| !watched(r)).copied());
             self.refund(held);
-            self.too_many(&all)
-        } else if quota_denied {
-            self.refund(held);
-            self.quota_exhausted(&a.quotas, &all)
+            match rate_denied {
+                true => self.too_many(&all),
+                false => self.quota_exhausted(&a.quotas, &all),
+            }
         } else {
-            self.pass(all)
+            all.extend_from_slice(&a.reports);
+            self.pass_staged(all, apart)
         }
     }
 
@@ -224,12 +264,14 @@ impl<S: SharedStore> Ctx<'_, S> {
             }
             FailureMode::Local => {
                 self.counts.add(Metric::FallbackLocal, 1);
-                match self.charge(&eval.fallback) {
+                let (watched, enforced) = super::local::stand_ins(self.plan, &eval.fallback);
+                match self.charge(&enforced) {
                     Ok(r) => {
                         let mut all = local_reports;
                         // The stand-ins stay out of `held`: charged now, not
                         // when `held` was, a refund would miss their window.
                         all.extend(r.into_iter().flatten());
+                        self.watch(&watched, &mut all);
                         self.pass(all)
                     }
                     Err(v) => {

@@ -90,7 +90,10 @@ fn first_step(
         charged.extend_from_slice(&eval.shadow);
     }
     if watch_fallback {
-        ctx.watch(&eval.fallback, &mut reports);
+        // A soft client's stand-ins all watch; else only shadow rules'.
+        let (watched, _) = stand_ins(plan, &eval.fallback);
+        let watched = if eval.soft { &eval.fallback } else { &watched };
+        ctx.watch(watched, &mut reports);
     }
     let mut held = Held {
         buckets: charged,
@@ -128,6 +131,14 @@ fn first_step(
             Step::Done(outcome)
         }
     }
+}
+
+/// The local stand-ins of a request's global rules, split into those of
+/// shadow rules (watched: counted, never denying) and the others.
+pub(super) fn stand_ins(plan: &Plan, fallback: &[Bucket]) -> (Vec<Bucket>, Vec<Bucket>) {
+    fallback
+        .iter()
+        .partition(|b| plan.rules.get(b.rule).is_some_and(|r| r.shadow))
 }
 
 /// No rule, quota or shadow rule applies to the request.
@@ -263,10 +274,12 @@ impl<S: SharedStore> Ctx<'_, S> {
             }
             FailureMode::Local => {
                 self.counts.add(Metric::FallbackLocal, 1);
-                if !eval.soft {
-                    charge.extend_from_slice(&eval.fallback);
+                if eval.soft {
+                    return Ok(true);
                 }
-                Ok(eval.soft)
+                let (watched, enforced) = stand_ins(self.plan, &eval.fallback);
+                charge.extend_from_slice(&enforced);
+                Ok(!watched.is_empty())
             }
         }
     }

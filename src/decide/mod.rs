@@ -38,7 +38,7 @@ pub use stream::{Callout, Next, Stream};
 pub use tally::{Counter, Refusal, Tally};
 
 use crate::config::{FailureMode, OnError};
-use crate::global::callout::{self, Answer, AnswerError, QuotaReport};
+use crate::global::callout::{self, Answer, AnswerError, Apart, QuotaReport};
 use crate::global::circuit::{self, CallResult, Gate, Transition};
 use crate::global::deny_cache;
 use crate::global::lease::{self, Claim, Lease, Take};
@@ -47,7 +47,7 @@ use crate::limits::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::limits::store::SharedStore;
 use crate::metrics::Metric;
 use crate::policy::key::BadInput;
-use crate::policy::plan::{Evaluation, GlobalPlan, Plan};
+use crate::policy::plan::{Evaluation, GlobalBucket, GlobalPlan, Plan};
 use crate::policy::request::RequestInfo;
 use crate::respond::headers;
 use crate::respond::problem;
@@ -448,16 +448,26 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     /// Lets the request through with the headers of the tightest limit, after
     /// the longest delay and with the warning of a graduated rule, if any.
+    #[inline(always)]
     fn pass(&mut self, reports: Vec<Report>) -> Verdict {
-        let mut delay_ms = 0;
-        let mut warn: Option<(&str, f64)> = None;
+        self.pass_staged(reports, &Apart::default())
+    }
+
+    /// [`Ctx::pass`] with the stages the gateway decided for its graduated
+    /// rules (`apart`): a gateway's report is staged by the gateway alone.
+    fn pass_staged(&mut self, reports: Vec<Report>, apart: &Apart) -> Verdict {
+        let mut delay_ms = apart.delay_ms;
+        let mut warn: Option<(&str, f64)> = apart.warn.and_then(|(rule, share)| {
+            let rule = self.plan.rules.get(rule)?;
+            Some((rule.name.as_str(), share))
+        });
         // Without graduated rules there is nothing to look for (c1: 40 instructions).
         let graduated = if self.plan.any_graduated {
             &reports[..]
         } else {
             &[]
         };
-        for r in graduated {
+        for r in graduated.iter().filter(|r| r.enforced.is_none()) {
             let Some(rule) = self.plan.rules.get(r.rule) else {
                 continue;
             };

@@ -8,7 +8,7 @@ use crate::limits::limiter::{Enforced, Report, Seen};
 use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use ratelimit_protocol::{
     Algorithm, BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef,
-    MAX_LIMITS, MAX_QUOTA_LIMIT,
+    Stage, MAX_DELAY_MS, MAX_LIMITS, MAX_QUOTA_LIMIT, MAX_SHARE,
 };
 
 /// Protocol version spoken by this filter.
@@ -118,6 +118,66 @@ pub struct Answer {
     /// The gateway enforced other limits (or quota amounts, periods) than
     /// this filter's configuration: its own apply, and are shown.
     pub mismatch: bool,
+    /// What the gateway's policy holds apart, as it said; empty for most
+    /// answers.
+    pub apart: Apart,
+}
+
+/// The buckets of an answer that the gateway's policy holds apart from
+/// plain enforcement, and the graduated stage they reached.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Apart {
+    /// Rules (plan indexes) whose buckets the gateway watches (a shadow
+    /// rule, a soft client): their denials deny nothing.
+    pub watched: Vec<usize>,
+    /// Rules whose buckets are watched or graduated: never remembered by the
+    /// deny cache (a graduated bucket counts every request's demand).
+    pub uncached: Vec<usize>,
+    /// The longest delay a graduated stage asks, in ms.
+    pub delay_ms: u64,
+    /// The rule and share in use of the highest warning a stage asks.
+    pub warn: Option<(usize, f64)>,
+}
+
+impl Apart {
+    /// Whether `rule`'s denials deny nothing.
+    pub fn watches(&self, rule: usize) -> bool {
+        self.watched.contains(&rule)
+    }
+
+    /// Notes a bucket of `rule` the gateway holds as `watched` or with
+    /// `stage` (figures as the answer gave them; the first limit of
+    /// `requests` is the stage's); returns whether its first report is a
+    /// block, and the share in use.
+    fn note(
+        &mut self,
+        rule: usize,
+        watched: bool,
+        stage: Option<&Stage<f64>>,
+        requests: u64,
+        clamped: &mut u64,
+    ) -> (bool, f64) {
+        if watched {
+            self.watched.push(rule);
+        }
+        if !watched && stage.is_none() {
+            return (false, 0.0);
+        }
+        self.uncached.push(rule);
+        let Some(stage) = stage else {
+            return (false, 0.0);
+        };
+        let most = (requests as f64 * MAX_SHARE) as u64;
+        let used = clamp(stage.used, most, clamped);
+        let share = used as f64 / requests.max(1) as f64;
+        self.delay_ms = self
+            .delay_ms
+            .max(clamp(stage.delay_ms, MAX_DELAY_MS, clamped));
+        if stage.warn && self.warn.is_none_or(|(_, u)| share > u) {
+            self.warn = Some((rule, share));
+        }
+        (stage.blocked, share)
+    }
 }
 
 /// Longest calendar period (a 31-day month), for clamping quota resets.
@@ -222,6 +282,7 @@ pub fn parse_answer(
     let mut clamped = 0;
     let mut mismatch = false;
     let mut all_allowed = true;
+    let mut apart = Apart::default();
     for (asked, got) in global.iter().zip(&answer.buckets) {
         let rule = plan
             .rules
@@ -235,6 +296,8 @@ pub fn parse_answer(
             )));
         }
         mismatch |= got.limits.len() != rule.limits(asked.variant).len();
+        let watched = !got.watch.is_enforced();
+        let first = reports.len();
         for (i, l) in got.limits.iter().enumerate() {
             let e = enforced(l.requests, l.window_ms)?;
             mismatch |= !agrees(rule, asked.variant, i, e, (l.algorithm, l.in_flight));
@@ -244,7 +307,7 @@ pub fn parse_answer(
             if !l.allowed && retry_ms == 0 {
                 retry_ms = 1;
             }
-            all_allowed &= l.allowed;
+            all_allowed &= l.allowed || watched;
             reports.push(Report {
                 rule: asked.rule,
                 variant: asked.variant,
@@ -260,6 +323,15 @@ pub fn parse_answer(
                     retry_after_ns: if l.allowed { 0 } else { retry_ms * MS },
                 },
             });
+        }
+        if watched || got.stage.is_some() {
+            let requests = reports.get(first).and_then(|r| r.enforced).map_or(0, |e| e.requests);
+            let (blocked, share) =
+                apart.note(asked.rule, watched, got.stage.as_ref(), requests, &mut clamped);
+            if let Some(r) = reports.get_mut(first) {
+                r.blocked = blocked && !r.check.allowed;
+                r.used_share = share;
+            }
         }
     }
     if answer.quotas.len() != quotas.len() {
@@ -293,6 +365,7 @@ pub fn parse_answer(
         quotas: quota_reports,
         clamped,
         mismatch,
+        apart,
     })
 }
 

@@ -271,7 +271,13 @@ impl Slot {
 pub fn locate(plan: &Plan, g: &GlobalBucket) -> Option<Lease> {
     let lp = plan.global.as_ref()?.lease.as_ref()?;
     let rule = plan.rules.get(g.rule)?;
-    if rule.algorithm != Algorithm::TokenBucket || rule.in_flight {
+    // A shadow or graduated rule is checked per request: a batch would
+    // skip its stages, its block and its never-deny.
+    if rule.algorithm != Algorithm::TokenBucket
+        || rule.in_flight
+        || rule.shadow
+        || rule.graduated.is_some()
+    {
         return None;
     }
     let limits = rule.limits(g.variant);
