@@ -1513,3 +1513,115 @@ fn the_issues_scenario_costs_the_gateway_a_few_calls_not_one_per_request() {
     );
     assert_eq!(admitted, LIMIT);
 }
+
+/// Redis, a gateway and two Envoys on one plugin configuration with the
+/// global rule `rule` (its fields as given) keyed on the client, no jitter.
+fn two_proxies_with_rule(domain: &str, rule: Value) -> (Vec<Envoy>, Gateway, Redis) {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let config = json!({
+        "domain": domain,
+        "identity": { "client_id_header": "x-client-id", "trusted_proxy_hops": 0 },
+        "global": { "cluster": "ratelimit_gateway", "timeout_ms": 200, "failure_mode": "closed" },
+        "rules": [rule],
+        "response": { "headers": "both", "problem_type": PROBLEM_TYPE, "retry_jitter": 0 }
+    })
+    .to_string();
+    let gateway = start_gateway(&redis, config.clone());
+    let envoys = two_envoys(config, &gateway);
+    (envoys, gateway, redis)
+}
+
+/// Whole tokens in use in the token bucket at `key` (`requests` per hour),
+/// from its state in Redis at Redis's time.
+fn tokens_in_use(redis: &Redis, key: &str, requests: u64) -> u64 {
+    let state = ok(redis.cli(&["GET", key]), "GET");
+    let (tat, rem) = state.trim().split_once(':').unwrap_or(("0", "0"));
+    let (tat, rem): (u64, u64) = (tat.parse().unwrap(), rem.parse().unwrap());
+    let time = ok(redis.cli(&["TIME"]), "TIME");
+    let mut t = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+    let now_ms = t.next().unwrap() * 1000 + t.next().unwrap() / 1000;
+    let units = (tat.saturating_sub(now_ms) * requests + rem) as f64;
+    (units / 3_600_000.0).ceil() as u64
+}
+
+/// A counter summed over both Envoys.
+fn summed(envoys: &[Envoy], name: &str) -> u64 {
+    envoys
+        .iter()
+        .map(|e| {
+            let page = ok(e.stats_prometheus(), "reading /stats/prometheus");
+            testkit::prometheus_value(&page, name).unwrap_or(0.0) as u64
+        })
+        .sum()
+}
+
+/// A global shadow rule of 5 an hour across two proxies: 12 requests all
+/// pass, the gateway charged exactly the 5 that fitted (as if enforced),
+/// and the proxies counted the 7 it would have denied.
+#[test]
+fn global_shadow_counts_exactly_in_redis_and_never_answers_429() {
+    let rule = json!({ "name": "watch", "scope": "global", "mode": "shadow", "key": ["client"],
+                       "limits": [{ "requests": 5, "per": "1h" }] });
+    let (envoys, _gateway, redis) = two_proxies_with_rule("gshadow", rule);
+    let clients: Vec<Client> = envoys
+        .iter()
+        .map(|e| Client::new(e.url(""), ConnectionMode::NewPerRequest))
+        .collect();
+    let req = Request::get("/").header("x-client-id", "sam");
+    for i in 0..12usize {
+        let r = ok(clients[i % 2].send(&req), "a request");
+        assert_eq!(r.status, 200, "request {}: {r:#?}", i + 1);
+        assert_eq!(r.int_header("x-ratelimit-limit"), 5, "request {}", i + 1);
+    }
+    let key = "rl:{gshadow|c=sam}|watch/c=sam|0|token_bucket|5|3600000";
+    assert_eq!(tokens_in_use(&redis, key, 5), 5);
+    assert_eq!(summed(&envoys, "ratelimit_wasm_shadow_denied"), 7);
+    assert_eq!(summed(&envoys, "ratelimit_wasm_requests_denied"), 0);
+    assert_eq!(summed(&envoys, "ratelimit_wasm_deny_cache_hits"), 0);
+    let series = "ratelimit_wasm_rule_shadow_denied{ratelimit_domain=\"gshadow\",ratelimit_rule=\"watch\"}";
+    assert_eq!(summed(&envoys, series), 7);
+}
+
+/// A global graduated rule of 10 an hour, warning from half of it,
+/// blocking for a minute when the demand reaches 150%, across two proxies
+/// taking turns: the warning comes at the 5th request whichever proxy
+/// serves it, and the block the 15th request sets through one proxy is
+/// honoured by the other.
+#[test]
+fn global_graduated_warns_at_its_share_and_a_block_holds_on_both_proxies() {
+    let rule = json!({ "name": "grad", "scope": "global", "key": ["client"],
+                       "limits": [{ "requests": 10, "per": "1h" }],
+                       "graduated": { "warn_at": 0.5, "block_at": 1.5, "block_for": "1m" } });
+    let (envoys, _gateway, redis) = two_proxies_with_rule("ggrad", rule);
+    let clients: Vec<Client> = envoys
+        .iter()
+        .map(|e| Client::new(e.url(""), ConnectionMode::NewPerRequest))
+        .collect();
+    let req = Request::get("/").header("x-client-id", "gus");
+    for k in 1..=14u64 {
+        let r = ok(clients[(k % 2) as usize].send(&req), "a request");
+        if k <= 10 {
+            assert_eq!(r.status, 200, "request {k}: {r:#?}");
+            let warning = (k >= 5).then(|| format!("\"grad\";used={}", k * 10));
+            assert_eq!(r.header("x-ratelimit-warning").map(str::to_string), warning, "request {k}");
+        } else {
+            // Past the limit: a token comes back every 360 s.
+            assert_429(&r, "grad", 10, 360);
+            assert!(r.int_header("retry-after") > 60, "request {k}: {r:#?}");
+        }
+    }
+    // The 15th request, through proxy B, fills the demand: blocked a minute.
+    let r = ok(clients[1].send(&req), "the 15th request");
+    assert_429(&r, "grad", 10, 60);
+    let block = "rl:{ggrad|c=gus}|grad/c=gus|0|token_bucket|10|3600000|block";
+    let pttl: u64 = ok(redis.cli(&["PTTL", block]), "PTTL").trim().parse().unwrap();
+    assert!((50_000..=60_000).contains(&pttl), "{pttl}");
+    // Proxy A honours it.
+    let r = ok(clients[0].send(&req), "the 16th request");
+    assert_429(&r, "grad", 10, 60);
+    assert!(r.int_header("retry-after") <= 60, "{r:#?}");
+    assert_eq!(summed(&envoys, "ratelimit_wasm_warned"), 6);
+    assert_eq!(summed(&envoys, "ratelimit_wasm_blocked"), 2);
+    assert_eq!(summed(&envoys, "ratelimit_wasm_requests_denied"), 6);
+    assert_eq!(summed(&envoys, "ratelimit_wasm_deny_cache_hits"), 0);
+}
