@@ -1578,7 +1578,8 @@ fn global_shadow_counts_exactly_in_redis_and_never_answers_429() {
     assert_eq!(summed(&envoys, "ratelimit_wasm_shadow_denied"), 7);
     assert_eq!(summed(&envoys, "ratelimit_wasm_requests_denied"), 0);
     assert_eq!(summed(&envoys, "ratelimit_wasm_deny_cache_hits"), 0);
-    let series = "ratelimit_wasm_rule_shadow_denied{ratelimit_domain=\"gshadow\",ratelimit_rule=\"watch\"}";
+    let series =
+        "ratelimit_wasm_rule_shadow_denied{ratelimit_domain=\"gshadow\",ratelimit_rule=\"watch\"}";
     assert_eq!(summed(&envoys, series), 7);
 }
 
@@ -1603,7 +1604,11 @@ fn global_graduated_warns_at_its_share_and_a_block_holds_on_both_proxies() {
         if k <= 10 {
             assert_eq!(r.status, 200, "request {k}: {r:#?}");
             let warning = (k >= 5).then(|| format!("\"grad\";used={}", k * 10));
-            assert_eq!(r.header("x-ratelimit-warning").map(str::to_string), warning, "request {k}");
+            assert_eq!(
+                r.header("x-ratelimit-warning").map(str::to_string),
+                warning,
+                "request {k}"
+            );
         } else {
             // Past the limit: a token comes back every 360 s.
             assert_429(&r, "grad", 10, 360);
@@ -1614,7 +1619,10 @@ fn global_graduated_warns_at_its_share_and_a_block_holds_on_both_proxies() {
     let r = ok(clients[1].send(&req), "the 15th request");
     assert_429(&r, "grad", 10, 60);
     let block = "rl:{ggrad|c=gus}|grad/c=gus|0|token_bucket|10|3600000|block";
-    let pttl: u64 = ok(redis.cli(&["PTTL", block]), "PTTL").trim().parse().unwrap();
+    let pttl: u64 = ok(redis.cli(&["PTTL", block]), "PTTL")
+        .trim()
+        .parse()
+        .unwrap();
     assert!((50_000..=60_000).contains(&pttl), "{pttl}");
     // Proxy A honours it.
     let r = ok(clients[0].send(&req), "the 16th request");

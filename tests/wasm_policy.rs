@@ -971,7 +971,9 @@ fn gw_apart(allowed: bool, remaining: u64, retry_after_ms: u64, apart: Value) ->
     let watched = bucket.get("watch").is_some();
     CallResponse::new(200)
         .header("content-type", "application/json")
-        .body(json!({ "version": 2, "allowed": allowed || watched, "buckets": [bucket] }).to_string())
+        .body(
+            json!({ "version": 2, "allowed": allowed || watched, "buckets": [bucket] }).to_string(),
+        )
 }
 
 fn api_metric(what: &str) -> String {
@@ -996,7 +998,11 @@ fn a_gateway_watched_denial_passes_is_counted_and_never_cached() {
     // Never remembered as a denial: the next request asks the gateway again,
     // which enforces the rule after all (its policy, not this filter's mode).
     let (id, call) = paused_for_callout(&h, 0, client("alice"));
-    h.respond_http_call(call.worker, call.token, gw_apart(false, 0, 15_000, json!({})));
+    h.respond_http_call(
+        call.worker,
+        call.token,
+        gw_apart(false, 0, 15_000, json!({})),
+    );
     assert_problem(&h.outcome(id), 15, &["api"]);
     assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 0);
     assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 2);
@@ -1014,20 +1020,36 @@ fn a_gateway_stage_warns_delays_and_blocks_as_the_gateway_says() {
     h.respond_http_call(call.worker, call.token, gw_apart(true, 4, 0, stage));
     let o = h.outcome(id);
     assert_allowed(&o);
-    assert_eq!(o.header_values("x-ratelimit-warning"), vec!["\"api\";used=60"], "{o:?}");
+    assert_eq!(
+        o.header_values("x-ratelimit-warning"),
+        vec!["\"api\";used=60"],
+        "{o:?}"
+    );
     // Delayed, as long as the gateway says (a lie past a minute is clamped).
     let (id, call) = paused_for_callout(&h, 1, client("gus"));
     let stage = json!({ "stage": { "used": 11, "warn": true, "delay_ms": 100 } });
     h.respond_http_call(call.worker, call.token, gw_apart(true, 0, 0, stage));
     let (late, late_call) = paused_for_callout(&h, 0, client("gus"));
     let stage = json!({ "stage": { "used": 11, "warn": true, "delay_ms": 1e12 } });
-    h.respond_http_call(late_call.worker, late_call.token, gw_apart(true, 0, 0, stage));
+    h.respond_http_call(
+        late_call.worker,
+        late_call.token,
+        gw_apart(true, 0, 0, stage),
+    );
     h.advance_ms(99);
-    assert!(h.outcome(id).paused && !h.outcome(id).completed, "{:?}", h.outcome(id));
+    assert!(
+        h.outcome(id).paused && !h.outcome(id).completed,
+        "{:?}",
+        h.outcome(id)
+    );
     h.advance_ms(1);
     let o = h.outcome(id);
     assert_allowed(&o);
-    assert_eq!(o.header_values("x-ratelimit-warning"), vec!["\"api\";used=110"], "{o:?}");
+    assert_eq!(
+        o.header_values("x-ratelimit-warning"),
+        vec!["\"api\";used=110"],
+        "{o:?}"
+    );
     assert_eq!(h.metric("ratelimit_wasm_gateway_answer_clamped"), 1);
     h.advance_ms(59_899);
     assert!(!h.outcome(late).completed, "{:?}", h.outcome(late));

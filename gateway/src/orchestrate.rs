@@ -214,7 +214,10 @@ impl Limiter {
         (0..req.buckets.len())
             .map(|b| {
                 let mut of_b = limits.iter().filter(|l| l.bucket == b).peekable();
-                if of_b.peek().is_some_and(|l| l.watched || l.graduated.is_some()) {
+                if of_b
+                    .peek()
+                    .is_some_and(|l| l.watched || l.graduated.is_some())
+                {
                     return Vec::new();
                 }
                 of_b.map(|l| l.key.clone()).collect()
@@ -471,7 +474,12 @@ impl Limiter {
                 group
             } else {
                 only_charged = Group {
-                    limits: group.limits.iter().filter(|l| !l.watched).cloned().collect(),
+                    limits: group
+                        .limits
+                        .iter()
+                        .filter(|l| !l.watched)
+                        .cloned()
+                        .collect(),
                     quotas: group.quotas.clone(),
                 };
                 &only_charged

@@ -463,7 +463,12 @@ impl Domain {
             .filter(|(_, spec)| spec.soft)
             .map(|(id, _)| {
                 let mut part = String::new();
-                encode_part(&mut part, None, KeyPart::<String>::Client.tag(), id.as_bytes());
+                encode_part(
+                    &mut part,
+                    None,
+                    KeyPart::<String>::Client.tag(),
+                    id.as_bytes(),
+                );
                 part
             })
             .collect();
@@ -790,7 +795,9 @@ fn resolve_bucket(
         Watch::Enforce
     };
     let stages = rule.graduated.as_ref().and_then(|g| {
-        let first = limits.first().filter(|l| l.algorithm == Algorithm::TokenBucket)?;
+        let first = limits
+            .first()
+            .filter(|l| l.algorithm == Algorithm::TokenBucket)?;
         Some(Stages::of(g, first.requests, d.retry_jitter))
     });
     Ok(ResolvedBucket {
@@ -998,7 +1005,12 @@ pub fn tag_of<'k>(name: &str, key: &'k str) -> &'k str {
 /// encoded as the filter encodes it. A hashed key shows no part: false.
 fn client_part_is(parts: &[KeyPart], name: &str, key: &str, id: &str) -> bool {
     let mut want = String::new();
-    encode_part(&mut want, None, KeyPart::<String>::Client.tag(), id.as_bytes());
+    encode_part(
+        &mut want,
+        None,
+        KeyPart::<String>::Client.tag(),
+        id.as_bytes(),
+    );
     client_part(parts, name, key) == Some(want.as_str())
 }
 

@@ -408,8 +408,10 @@ fn parity_gateway(redis: &Redis) -> Gateway {
 fn parity_check(client: &str, rules: &[&str]) -> Value {
     let buckets: Vec<Value> = rules
         .iter()
-        .map(|r| json!({"rule": r, "key": format!("{r}/c={client}"), "tag": format!("c={client}"),
-                        "variant": "default", "cost": 1}))
+        .map(|r| {
+            json!({"rule": r, "key": format!("{r}/c={client}"), "tag": format!("c={client}"),
+                        "variant": "default", "cost": 1})
+        })
         .collect();
     json!({"version": 2, "domain": "parity", "buckets": buckets})
 }
@@ -443,9 +445,17 @@ fn global_shadow_counts_exactly_in_redis_and_never_denies() {
     // the shadow's 4th and 5th say they would have denied.
     for i in 1..=5 {
         let (status, a) = post(&gw, "/v1/check", &parity_check("a", &["watch", "strict"]));
-        assert_eq!((status, &a["allowed"]), (200, &json!(true)), "check {i}: {a}");
+        assert_eq!(
+            (status, &a["allowed"]),
+            (200, &json!(true)),
+            "check {i}: {a}"
+        );
         assert_eq!(a["buckets"][0]["watch"], "shadow", "{a}");
-        assert_eq!(a["buckets"][0]["limits"][0]["allowed"], i <= 3, "check {i}: {a}");
+        assert_eq!(
+            a["buckets"][0]["limits"][0]["allowed"],
+            i <= 3,
+            "check {i}: {a}"
+        );
         assert_eq!(a["buckets"][1].get("watch"), None, "an enforced rule: {a}");
     }
     // Charged while it would pass: 3, as if enforced; the enforced rule 5.
@@ -482,9 +492,17 @@ fn global_graduated_stages_come_at_their_share_and_the_block_lives_in_redis() {
         assert_eq!(stage.get("blocked"), None, "check {k}: {a}");
         if k <= 12 {
             assert_eq!(stage.get("warn").is_some(), k >= 5, "check {k}: {a}");
-            assert_eq!(stage["delay_ms"], if k >= 9 { 100 } else { 0 }, "check {k}: {a}");
+            assert_eq!(
+                stage["delay_ms"],
+                if k >= 9 { 100 } else { 0 },
+                "check {k}: {a}"
+            );
             // Remaining counts up to the limit only: 0 in the delay zone.
-            assert_eq!(limit["remaining"], 10u64.saturating_sub(k), "check {k}: {a}");
+            assert_eq!(
+                limit["remaining"],
+                10u64.saturating_sub(k),
+                "check {k}: {a}"
+            );
         }
     }
     let key = day_key("grad", "g", 10);
@@ -495,16 +513,24 @@ fn global_graduated_stages_come_at_their_share_and_the_block_lives_in_redis() {
         let (_, a) = post(&gw, "/v1/check", &parity_check("g", &["grad"]));
         assert_eq!(a["allowed"], false, "check {k}: {a}");
         assert_eq!(a["buckets"][0]["stage"]["blocked"], true, "check {k}: {a}");
-        let retry = a["buckets"][0]["limits"][0]["retry_after_ms"].as_u64().unwrap();
+        let retry = a["buckets"][0]["limits"][0]["retry_after_ms"]
+            .as_u64()
+            .unwrap();
         assert!((25_000..=30_000).contains(&retry), "check {k}: {retry}");
     }
     // The block is a key of its own, living as long as the block, counted in
     // the domain's key budget; the demand starts over.
     let pttl: u64 = ok(redis.cli(&["PTTL", &block]), "PTTL").parse().unwrap();
     assert!((25_000..=30_000).contains(&pttl), "{pttl}");
-    assert_eq!(ok(redis.cli(&["EXISTS", &format!("{key}|demand")]), "EXISTS"), "0");
+    assert_eq!(
+        ok(redis.cli(&["EXISTS", &format!("{key}|demand")]), "EXISTS"),
+        "0"
+    );
     let ledger = ok(redis.cli(&["ZSCORE", "rl:{parity|live}", &block]), "ZSCORE");
-    assert!(!ledger.trim().is_empty(), "the block is not in the key ledger");
+    assert!(
+        !ledger.trim().is_empty(),
+        "the block is not in the key ledger"
+    );
     // A blocked client's requests are not charged: 12 stay in use.
     assert_eq!(tokens_used(&redis, &key, 10), 12);
 }

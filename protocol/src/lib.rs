@@ -24,6 +24,12 @@
 //! deletes the record: a settlement replayed, or of an id never reserved,
 //! finds no record and changes nothing.
 //!
+//! How a bucket is held is the policy's alone, never the request's: an
+//! answer's bucket may say it is watched ([`Watch`]: a shadow rule, a soft
+//! client; its denial denies nothing) and the graduated [`Stage`] it
+//! reached. Both fields are optional and absent for a plain bucket, so
+//! version 2 still reads an older gateway's answers.
+//!
 //! The answers are generic over their figures: the gateway writes `u64`; the
 //! filter reads `f64`, so that a negative or huge figure is clamped and
 //! counted instead of failing the whole answer.

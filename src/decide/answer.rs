@@ -65,7 +65,12 @@ fn remember_enforced(
 ) -> Result<(), LimitError> {
     let plain = |rule: usize| !a.apart.uncached.contains(&rule);
     let global: Vec<GlobalBucket> = global.iter().filter(|g| plain(g.rule)).cloned().collect();
-    let reports: Vec<Report> = a.reports.iter().filter(|r| plain(r.rule)).copied().collect();
+    let reports: Vec<Report> = a
+        .reports
+        .iter()
+        .filter(|r| plain(r.rule))
+        .copied()
+        .collect();
     deny_cache::remember(plan, store, &global, &reports, sent_ns)
 }
 

@@ -325,9 +325,17 @@ pub fn parse_answer(
             });
         }
         if watched || got.stage.is_some() {
-            let requests = reports.get(first).and_then(|r| r.enforced).map_or(0, |e| e.requests);
-            let (blocked, share) =
-                apart.note(asked.rule, watched, got.stage.as_ref(), requests, &mut clamped);
+            let requests = reports
+                .get(first)
+                .and_then(|r| r.enforced)
+                .map_or(0, |e| e.requests);
+            let (blocked, share) = apart.note(
+                asked.rule,
+                watched,
+                got.stage.as_ref(),
+                requests,
+                &mut clamped,
+            );
             if let Some(r) = reports.get_mut(first) {
                 r.blocked = blocked && !r.check.allowed;
                 r.used_share = share;

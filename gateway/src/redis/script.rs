@@ -227,7 +227,11 @@ fn push_limits(args: &mut Vec<String>, limits: &[LimitKey]) {
         args.push(l.spec.window_ms.to_string());
         args.push(l.cost.to_string());
         let burst = l.graduated.as_ref().map_or(0, |g| g.stages.burst);
-        args.push(ceiling(&l.spec, l.debt).max(full_ms(&l.spec, burst)).to_string());
+        args.push(
+            ceiling(&l.spec, l.debt)
+                .max(full_ms(&l.spec, burst))
+                .to_string(),
+        );
     }
 }
 
@@ -261,7 +265,12 @@ fn push_special(
                 args.push(s.burst.to_string());
                 args.push(s.demand.to_string());
                 args.push(s.block_for_ms.saturating_add(jitter).max(1).to_string());
-                args.push(s.block_for_ms.saturating_add(s.jitter_ms).max(1).to_string());
+                args.push(
+                    s.block_for_ms
+                        .saturating_add(s.jitter_ms)
+                        .max(1)
+                        .to_string(),
+                );
                 keys.push(g.demand.clone());
                 keys.push(g.block.clone());
             }
