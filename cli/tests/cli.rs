@@ -326,6 +326,35 @@ fn validate_refuses_what_the_gateway_or_envoy_would_never_run() {
     );
 }
 
+/// Shadow and graduated global rules run (the gateway enforces them), so
+/// they validate; a graduated global rule whose bucket or demand would pass
+/// 2^53 ms in the gateway's scripts does not.
+#[test]
+fn validate_accepts_shadow_and_graduated_global_rules_within_the_scripts_bounds() {
+    let rule = |requests: u64, graduated: &str| {
+        format!(
+            r#"{{"domain":"d","global":{{"cluster":"gw"}},"identity":{{"clients":{{"t":{{"soft":true}}}}}},
+                "rules":[{{"name":"s","scope":"global","mode":"shadow","key":["client"],
+                           "limits":[{{"requests":5,"per":"1m"}}]}},
+                         {{"name":"g","scope":"global","key":["client"],
+                           "limits":[{{"requests":{requests},"per":"1d"}}],"graduated":{graduated}}}]}}"#
+        )
+    };
+    let stages = r#"{"warn_at":0.8,"delay_at":1.0,"delay_ms":100,"reject_at":1.2,"block_at":2.0,"block_for":"5m"}"#;
+    let r = run(&["validate", &file("parity.json", &rule(100, stages))]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let r = run(&["validate", &file("huge.json", &rule(100_000_000, stages))]);
+    assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains(
+            "huge.json: rules[1].limits[0].per: requests × per × the largest graduated share \
+             (reject_at, block_at) must stay under 2^53 milliseconds for a global rule"
+        ),
+        "{}",
+        r.stderr
+    );
+}
+
 /// `envoy/envoy.yaml` rendered by testkit as every test renders it, with the
 /// four edge settings the test removes taken out, written to `name`.
 fn rendered_envoy(name: &str, remove: &[&str]) -> String {
