@@ -90,10 +90,7 @@ fn first_step(
         charged.extend_from_slice(&eval.shadow);
     }
     if watch_fallback {
-        // A soft client's stand-ins all watch; else only shadow rules'.
-        let (watched, _) = stand_ins(plan, &eval.fallback);
-        let watched = if eval.soft { &eval.fallback } else { &watched };
-        ctx.watch(watched, &mut reports);
+        ctx.watch_stand_ins(&eval, &mut reports);
     }
     let mut held = Held {
         buckets: charged,
@@ -133,8 +130,20 @@ fn first_step(
     }
 }
 
+impl<S: SharedStore> Ctx<'_, S> {
+    /// Charges the stand-ins that only watch: a soft client's all, else
+    /// those of shadow rules. Out of line: the circuit is rarely open.
+    #[inline(never)]
+    fn watch_stand_ins(&mut self, eval: &Evaluation, reports: &mut Vec<Report>) {
+        let (watched, _) = stand_ins(self.plan, &eval.fallback);
+        let watched = if eval.soft { &eval.fallback } else { &watched };
+        self.watch(watched, reports);
+    }
+}
+
 /// The local stand-ins of a request's global rules, split into those of
 /// shadow rules (watched: counted, never denying) and the others.
+#[inline(never)]
 pub(super) fn stand_ins(plan: &Plan, fallback: &[Bucket]) -> (Vec<Bucket>, Vec<Bucket>) {
     fallback
         .iter()

@@ -268,7 +268,7 @@ impl<'a, S> Ctx<'a, S> {
     }
 }
 
-impl<S: SharedStore> Ctx<'_, S> {
+impl<'a, S: SharedStore> Ctx<'a, S> {
     /// Charges `buckets`: `Ok(Some(reports))` when allowed and charged,
     /// `Ok(None)` when shared data failed and `on_error: allow` lets the
     /// request through uncharged, `Err(verdict)` when it must be refused.
@@ -448,30 +448,48 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     /// Lets the request through with the headers of the tightest limit, after
     /// the longest delay and with the warning of a graduated rule, if any.
-    #[inline(always)]
     fn pass(&mut self, reports: Vec<Report>) -> Verdict {
-        self.pass_staged(reports, &Apart::default())
+        let (delay_ms, warn) = self.local_stages(&reports);
+        self.passing(reports, delay_ms, warn)
     }
 
     /// [`Ctx::pass`] with the stages the gateway decided for its graduated
     /// rules (`apart`): a gateway's report is staged by the gateway alone.
     fn pass_staged(&mut self, reports: Vec<Report>, apart: &Apart) -> Verdict {
-        let mut delay_ms = apart.delay_ms;
-        let mut warn: Option<(&str, f64)> = apart.warn.and_then(|(rule, share)| {
+        let (local_delay, mut warn) = self.local_stages(&reports);
+        let theirs = apart.warn.and_then(|(rule, share)| {
             let rule = self.plan.rules.get(rule)?;
             Some((rule.name.as_str(), share))
         });
+        if let Some((name, share)) = theirs {
+            if warn.is_none_or(|(_, u)| share > u) {
+                warn = Some((name, share));
+            }
+        }
+        self.passing(reports, local_delay.max(apart.delay_ms), warn)
+    }
+
+    /// The delay and the warning (rule, share in use) the reports of this
+    /// filter's own graduated rules call for.
+    #[inline(always)]
+    fn local_stages(&self, reports: &[Report]) -> (u64, Option<(&'a str, f64)>) {
+        let mut delay_ms = 0;
+        let mut warn: Option<(&str, f64)> = None;
         // Without graduated rules there is nothing to look for (c1: 40 instructions).
         let graduated = if self.plan.any_graduated {
-            &reports[..]
+            reports
         } else {
             &[]
         };
-        for r in graduated.iter().filter(|r| r.enforced.is_none()) {
-            let Some(rule) = self.plan.rules.get(r.rule) else {
+        let plan: &'a Plan = self.plan;
+        for r in graduated {
+            let Some(rule) = plan.rules.get(r.rule) else {
                 continue;
             };
-            let Some(g) = &rule.graduated else { continue };
+            // A gateway's report is staged by the gateway (`pass_staged`).
+            let Some(g) = rule.graduated.as_ref().filter(|_| r.enforced.is_none()) else {
+                continue;
+            };
             if g.delay_at.is_some_and(|d| r.used_share > d + 1e-9) {
                 delay_ms = delay_ms.max(g.delay_ms);
             }
@@ -481,6 +499,17 @@ impl<S: SharedStore> Ctx<'_, S> {
                 warn = Some((&rule.name, r.used_share));
             }
         }
+        (delay_ms, warn)
+    }
+
+    /// The passing verdict: held `delay_ms` when above 0, with the warning.
+    #[inline(always)]
+    fn passing(
+        &mut self,
+        reports: Vec<Report>,
+        delay_ms: u64,
+        warn: Option<(&str, f64)>,
+    ) -> Verdict {
         let mut lines = Passing::of(reports);
         if let Some((name, share)) = warn {
             self.counts.add(Metric::Warned, 1);
