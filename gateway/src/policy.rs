@@ -1078,6 +1078,39 @@ mod tests {
         json!({"quota": name, "key": format!("{name}/c={who}"), "tag": "c=alice", "variant": variant, "amount": amount})
     }
 
+    /// The stages in whole tokens, as the filter's own graduated rules reach
+    /// them: warn at 8 of 10 (80%), delay past 100% (the 11th), reject past
+    /// 120% (a bucket of 12), block when the demand reaches 200% (20).
+    #[test]
+    fn stages_are_the_filters_shares_in_whole_tokens() {
+        let g: plugin::Graduated = serde_json::from_value(serde_json::json!({
+            "warn_at": 0.8, "delay_at": 1.0, "delay_ms": 100, "reject_at": 1.2,
+            "block_at": 2.0, "block_for": "5m"}))
+        .unwrap();
+        let s = Stages::of(&g, 10, 0.1);
+        assert_eq!(
+            s,
+            Stages {
+                burst: 12,
+                warn_from: Some(8),
+                delay_from: Some(11),
+                delay_ms: 100,
+                demand: 20,
+                block_for_ms: 300_000,
+                jitter_ms: 30_000,
+            }
+        );
+        // A share that is not a whole number of tokens: 85% of 10 warns from
+        // the 9th, a delay past 33% of 3 from the 1st (a third is past it); no
+        // block without both block fields.
+        let g: plugin::Graduated = serde_json::from_value(serde_json::json!({
+            "warn_at": 0.85, "delay_at": 0.33, "delay_ms": 5}))
+        .unwrap();
+        assert_eq!(Stages::of(&g, 10, 0.0).warn_from, Some(9));
+        assert_eq!(Stages::of(&g, 3, 0.0).delay_from, Some(1));
+        assert_eq!(Stages::of(&g, 3, 0.0).demand, 0);
+    }
+
     #[test]
     fn limits_and_amounts_come_from_the_policy() {
         let r = check(json!({"version": 2, "domain": "api",

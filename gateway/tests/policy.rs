@@ -11,6 +11,11 @@
 //! * huge requests: more buckets than the domain has global rules is a 400;
 //! * a version-1 body is told its version;
 //! * a domain the policy does not have is a 404 on every route;
+//! * shadow, softness and graduated stages: no field of a check names them
+//!   (400), a soft client is known only by its own key, and such rules are
+//!   never leased; a global shadow rule is charged exactly as if enforced
+//!   while it would pass and never denies; a graduated rule's stages come
+//!   at their share, its block a Redis key of its own with its expiry;
 //!
 //! each refused request with a Redis key dump identical before and after.
 //! And the policy reloads: a changed limit applies to the next request, a
