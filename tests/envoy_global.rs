@@ -1515,8 +1515,9 @@ fn the_issues_scenario_costs_the_gateway_a_few_calls_not_one_per_request() {
 }
 
 /// Redis, a gateway and two Envoys on one plugin configuration with the
-/// global rule `rule` (its fields as given) keyed on the client, no jitter.
-fn two_proxies_with_rule(domain: &str, rule: Value) -> (Vec<Envoy>, Gateway, Redis) {
+/// global rule `rule` (its fields as given) keyed on the client, no jitter;
+/// a client of each Envoy, a new connection per request.
+fn two_proxies_with_rule(domain: &str, rule: Value) -> (Vec<Envoy>, Vec<Client>, Gateway, Redis) {
     let redis = ok(Redis::start(), "starting redis-server");
     let config = json!({
         "domain": domain,
@@ -1528,20 +1529,19 @@ fn two_proxies_with_rule(domain: &str, rule: Value) -> (Vec<Envoy>, Gateway, Red
     .to_string();
     let gateway = start_gateway(&redis, config.clone());
     let envoys = two_envoys(config, &gateway);
-    (envoys, gateway, redis)
+    let clients = envoys
+        .iter()
+        .map(|e| Client::new(e.url(""), ConnectionMode::NewPerRequest))
+        .collect();
+    (envoys, clients, gateway, redis)
 }
 
-/// Whole tokens in use in the token bucket at `key` (`requests` per hour),
-/// from its state in Redis at Redis's time.
+/// Whole tokens in use in the token bucket at `key` (`requests` per hour).
 fn tokens_in_use(redis: &Redis, key: &str, requests: u64) -> u64 {
-    let state = ok(redis.cli(&["GET", key]), "GET");
-    let (tat, rem) = state.trim().split_once(':').unwrap_or(("0", "0"));
-    let (tat, rem): (u64, u64) = (tat.parse().unwrap(), rem.parse().unwrap());
-    let time = ok(redis.cli(&["TIME"]), "TIME");
-    let mut t = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
-    let now_ms = t.next().unwrap() * 1000 + t.next().unwrap() / 1000;
-    let units = (tat.saturating_sub(now_ms) * requests + rem) as f64;
-    (units / 3_600_000.0).ceil() as u64
+    ok(
+        redis.tokens_in_use(key, requests, 3_600_000),
+        "reading a bucket",
+    )
 }
 
 /// A counter summed over both Envoys.
@@ -1562,11 +1562,7 @@ fn summed(envoys: &[Envoy], name: &str) -> u64 {
 fn global_shadow_counts_exactly_in_redis_and_never_answers_429() {
     let rule = json!({ "name": "watch", "scope": "global", "mode": "shadow", "key": ["client"],
                        "limits": [{ "requests": 5, "per": "1h" }] });
-    let (envoys, _gateway, redis) = two_proxies_with_rule("gshadow", rule);
-    let clients: Vec<Client> = envoys
-        .iter()
-        .map(|e| Client::new(e.url(""), ConnectionMode::NewPerRequest))
-        .collect();
+    let (envoys, clients, _gateway, redis) = two_proxies_with_rule("gshadow", rule);
     let req = Request::get("/").header("x-client-id", "sam");
     for i in 0..12usize {
         let r = ok(clients[i % 2].send(&req), "a request");
@@ -1593,11 +1589,7 @@ fn global_graduated_warns_at_its_share_and_a_block_holds_on_both_proxies() {
     let rule = json!({ "name": "grad", "scope": "global", "key": ["client"],
                        "limits": [{ "requests": 10, "per": "1h" }],
                        "graduated": { "warn_at": 0.5, "block_at": 1.5, "block_for": "1m" } });
-    let (envoys, _gateway, redis) = two_proxies_with_rule("ggrad", rule);
-    let clients: Vec<Client> = envoys
-        .iter()
-        .map(|e| Client::new(e.url(""), ConnectionMode::NewPerRequest))
-        .collect();
+    let (envoys, clients, _gateway, redis) = two_proxies_with_rule("ggrad", rule);
     let req = Request::get("/").header("x-client-id", "gus");
     for k in 1..=14u64 {
         let r = ok(clients[(k % 2) as usize].send(&req), "a request");

@@ -461,16 +461,7 @@ impl Domain {
             .clients
             .iter()
             .filter(|(_, spec)| spec.soft)
-            .map(|(id, _)| {
-                let mut part = String::new();
-                encode_part(
-                    &mut part,
-                    None,
-                    KeyPart::<String>::Client.tag(),
-                    id.as_bytes(),
-                );
-                part
-            })
+            .map(|(id, _)| client_key_part(id))
             .collect();
         Ok(Domain {
             rules,
@@ -1004,14 +995,19 @@ pub fn tag_of<'k>(name: &str, key: &'k str) -> &'k str {
 /// `id`'s: as many parts as `parts`, and at the `client` part `c=<id>`,
 /// encoded as the filter encodes it. A hashed key shows no part: false.
 fn client_part_is(parts: &[KeyPart], name: &str, key: &str, id: &str) -> bool {
-    let mut want = String::new();
+    client_part(parts, name, key) == Some(client_key_part(id).as_str())
+}
+
+/// Client `id` as a key's `client` part, encoded as the filter writes it (`c=<id>`).
+fn client_key_part(id: &str) -> String {
+    let mut part = String::new();
     encode_part(
-        &mut want,
+        &mut part,
         None,
         KeyPart::<String>::Client.tag(),
         id.as_bytes(),
     );
-    client_part(parts, name, key) == Some(want.as_str())
+    part
 }
 
 /// The `client` part of `key` (of rule or quota `name`, keyed on `parts`),

@@ -426,20 +426,13 @@ fn day_key(rule: &str, client: &str, requests: u64) -> String {
     format!("rl:{{parity|c={client}}}|{rule}/c={client}|0|token_bucket|{requests}|86400000")
 }
 
-/// Whole tokens in use in a token bucket of `requests` a day, read from its
-/// state in Redis at Redis's time (a token refills in 86400 / requests s:
-/// none does while a test runs).
+/// Whole tokens in use in a token bucket of `requests` a day (a token
+/// refills in 86400 / requests s: none does while a test runs).
 fn tokens_used(redis: &Redis, key: &str, requests: u64) -> u64 {
-    let state = ok(redis.cli(&["GET", key]), "GET");
-    let Some((tat, rem)) = state.split_once(':') else {
-        return 0;
-    };
-    let (tat, rem): (u64, u64) = (tat.parse().unwrap(), rem.parse().unwrap());
-    let time = ok(redis.cli(&["TIME"]), "TIME");
-    let mut t = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
-    let now_ms = t.next().unwrap() * 1000 + t.next().unwrap() / 1000;
-    let units = (tat.saturating_sub(now_ms) * requests + rem) as f64;
-    (units / 86_400_000.0).ceil() as u64
+    ok(
+        redis.tokens_in_use(key, requests, 86_400_000),
+        "reading a bucket",
+    )
 }
 
 #[test]

@@ -907,9 +907,13 @@ mod tests {
                     reset_ms: 2000,
                     retry_after_ms: 0,
                 }],
+                watch: Watch::Enforce,
+                stage: None,
             }],
             quotas: vec![],
         };
+        // A plain bucket says nothing of watching or stages: what a filter
+        // of before these fields reads.
         let text = serde_json::to_string(&answer).unwrap();
         assert_eq!(
             text,
@@ -918,5 +922,24 @@ mod tests {
         let read: CheckResponse<f64> =
             serde_json::from_str(&text.replace("\"remaining\":29", "\"remaining\":-3")).unwrap();
         assert_eq!(read.buckets[0].limits[0].remaining, -3.0);
+        // A watched, graduated bucket names both; false flags stay out.
+        let mut held = answer.clone();
+        held.buckets[0].watch = Watch::Shadow;
+        held.buckets[0].stage = Some(Stage {
+            used: 3,
+            warn: true,
+            delay_ms: 0,
+            blocked: false,
+        });
+        let text = serde_json::to_string(&held.buckets[0]).unwrap();
+        assert!(
+            text.ends_with(r#""watch":"shadow","stage":{"used":3,"warn":true,"delay_ms":0}}"#),
+            "{text}"
+        );
+        let read: BucketResult<f64> = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (read.watch, read.stage.map(|s| s.used)),
+            (Watch::Shadow, Some(3.0))
+        );
     }
 }

@@ -224,6 +224,27 @@ impl Redis {
         cli(self.port, false, args)
     }
 
+    /// Whole tokens in use in the gateway's token bucket at `key` (a limit of
+    /// `requests` per `window_ms`), from its state (`"<TAT ms>:<TAT
+    /// remainder in 1/requests ms>"`) at the server's `TIME`; a partly
+    /// refilled token counts as used, as the filter counts a share in use.
+    /// 0 for a key that does not exist.
+    pub fn tokens_in_use(&self, key: &str, requests: u64, window_ms: u64) -> Result<u64> {
+        let state = self.cli(&["GET", key])?;
+        let Some((tat, rem)) = state.trim().split_once(':') else {
+            return Ok(0);
+        };
+        let (tat, rem): (u64, u64) = (tat.parse()?, rem.parse()?);
+        let time = self.cli(&["TIME"])?;
+        let mut parts = time.lines().map(|l| l.trim().parse::<u64>());
+        let (Some(secs), Some(micros)) = (parts.next(), parts.next()) else {
+            bail!("TIME answered {time:?}");
+        };
+        let now_ms = secs? * 1000 + micros? / 1000;
+        let units = u128::from(tat.saturating_sub(now_ms)) * u128::from(requests) + u128::from(rem);
+        Ok(u64::try_from(units.div_ceil(u128::from(window_ms.max(1))))?)
+    }
+
     /// Every key with its type, value and absolute expiry (`PEXPIRETIME`,
     /// which unlike `PTTL` does not change while time passes), one line per
     /// key, sorted: two dumps are equal exactly when nothing was written in

@@ -59,6 +59,8 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
             spec,
             cost: 1,
             debt: 0,
+            watched: false,
+            graduated: None,
         }],
         quotas: vec![],
     };
@@ -67,9 +69,9 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
         &group,
         Mode::Charge,
         &RedisTime,
-        &ledger,
-        DEFAULT_KEY_BUDGET,
+        (&ledger, DEFAULT_KEY_BUDGET),
         None,
+        0.0,
     );
     let mut line = vec![
         "EVALSHA".to_string(),
