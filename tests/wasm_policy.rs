@@ -1069,6 +1069,28 @@ fn a_gateway_stage_warns_delays_and_blocks_as_the_gateway_says() {
     assert_eq!(h.metric("ratelimit_wasm_deny_cache_hits"), 0);
 }
 
+/// A shadow rule's local stand-in watches too: with the gateway failing
+/// under `failure_mode: local`, a share of 2 (4 a minute over 2 instances)
+/// lets every request through and counts the ones past it.
+#[test]
+fn a_shadow_rules_local_stand_in_never_denies() {
+    let config = cfg(json!({
+        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "local", "instances": 2,
+                    "circuit": { "failures": 100, "cooldown_ms": 2000 } },
+        "rules": [{ "name": "api", "scope": "global", "mode": "shadow", "key": ["client"],
+                    "limits": [ { "requests": 4, "per": "1m" } ] }]
+    }));
+    let h = gateway_harness(2, &config);
+    for i in 0..5 {
+        let (id, call) = paused_for_callout(&h, i % 2, client("sol"));
+        fail(&h, &call, Failure::Status503);
+        assert_allowed(&h.outcome(id));
+    }
+    assert_eq!(h.metric("ratelimit_wasm_failure_mode_local"), 5);
+    assert_eq!(h.metric("ratelimit_wasm_shadow_denied"), 3);
+    assert_eq!(h.metric("ratelimit_wasm_requests_denied"), 0);
+}
+
 #[test]
 fn failure_mode_open_allows_every_failure_and_counts_it() {
     let h = gateway_harness(2, &global_config("open"));
