@@ -894,3 +894,179 @@ fn streams_spent_from_a_lease_settle_their_responses_against_its_slot() {
     assert_eq!(o.counts.get(Metric::LeaseServed), 1);
     assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
 }
+
+/// The access log's line for `o` (`-` when the filter sets none).
+fn logged(p: &Plan, o: &Outcome) -> String {
+    why::why(p, o).map_or_else(|| "-".to_string(), |w| w.line())
+}
+
+/// Local rules: the rule whose limit is closest is named with what it has
+/// left after an admission and before a refusal; a shadow rule's refusal
+/// and a graduated delay name their rule; nothing is said of a request no
+/// rule applies to.
+#[test]
+fn the_access_log_names_the_deciding_local_rule() {
+    let p = plan(FIVE);
+    let s = MemoryStore::default();
+    let mut lines = Vec::new();
+    for path in ["/search", "/search", "/", "/search"] {
+        let o = done(start(&p, &req(&p, path, Some("a")), &s, T0, NEUTRAL));
+        lines.push(logged(&p, &o));
+    }
+    assert_eq!(
+        lines,
+        [
+            "outcome=allowed rule=per-client remaining=3 cost=2 source=local",
+            "outcome=allowed rule=per-client remaining=1 cost=2 source=local",
+            "outcome=allowed rule=per-client remaining=0 cost=1 source=local",
+            "outcome=denied rule=per-client remaining=0 cost=2 source=local",
+        ]
+    );
+    let p = plan(
+        r#"{"domain":"d","rules":[{"name":"a","match":{"path_prefix":"/a"},"key":["client"],
+            "limits":[{"requests":5,"per":"1h"}]}]}"#,
+    );
+    let o = done(start(&p, &req(&p, "/b", Some("a")), &s, T0, NEUTRAL));
+    assert_eq!(logged(&p, &o), "-");
+
+    let p = plan(
+        r#"{"domain":"d","rules":[
+            {"name":"watch","mode":"shadow","key":["client"],"limits":[{"requests":1,"per":"1h"}]},
+            {"name":"api","key":["client"],"limits":[{"requests":5,"per":"1h"}]}]}"#,
+    );
+    let s = MemoryStore::default();
+    let lines: Vec<String> = (0..2)
+        .map(|_| logged(&p, &done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL))))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "outcome=allowed rule=watch remaining=0 cost=1 source=local",
+            "outcome=shadow_denied rule=watch remaining=0 cost=1 source=local",
+        ]
+    );
+
+    let p = plan(GRADUATED);
+    let s = MemoryStore::default();
+    let lines: Vec<String> = (0..13)
+        .map(|_| logged(&p, &done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL))))
+        .collect();
+    assert_eq!(
+        lines[9..],
+        [
+            "outcome=allowed rule=api remaining=0 cost=1 source=local",
+            "outcome=delayed rule=api remaining=0 cost=1 source=local",
+            "outcome=delayed rule=api remaining=0 cost=1 source=local",
+            "outcome=denied rule=api remaining=0 cost=1 source=local",
+        ]
+    );
+}
+
+/// Global rules: the gateway's answer, each failure mode, a spent quota,
+/// the deny cache, a lease; a local rule's refusal is the proxy's own.
+#[test]
+fn the_access_log_says_what_answered_a_global_rule() {
+    let p = global_plan("open");
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &gw(true, 2), SEC / 1000, &s, T0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=allowed rule=shared remaining=2 cost=1 source=gateway"
+    );
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=shared remaining=0 cost=1 source=gateway"
+    );
+    // The gateway's denial is cached: the next request is refused here.
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert_eq!(o.counts.get(Metric::DenyCacheHits), 1, "{o:?}");
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=shared remaining=0 cost=1 source=deny_cache"
+    );
+
+    for (mode, want) in [
+        (
+            "open",
+            "outcome=allowed rule=local remaining=4 cost=1 source=failure_open",
+        ),
+        (
+            "closed",
+            "outcome=unavailable rule=- remaining=- cost=- source=failure_closed",
+        ),
+        (
+            "local",
+            "outcome=allowed rule=shared remaining=1 cost=1 source=failure_local",
+        ),
+    ] {
+        let p = global_plan(mode);
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("b")), &s, T0, NEUTRAL));
+        let o = finish(&p, pending, None, b"", SEC / 1000, &s, T0);
+        assert_eq!(logged(&p, &o), want, "failure_mode {mode}");
+    }
+
+    // A local refusal before the gateway is asked, the circuit open or not.
+    let p = global_plan("open");
+    let s = MemoryStore::default();
+    for _ in 0..5 {
+        let pending = call(start(&p, &req(&p, "/", Some("c")), &s, T0, NEUTRAL));
+        finish(&p, pending, Some(b"200"), &gw(true, 3), SEC / 1000, &s, T0);
+    }
+    let o = done(start(&p, &req(&p, "/", Some("c")), &s, T0, NEUTRAL));
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=local remaining=0 cost=1 source=local"
+    );
+
+    let p = plan(QUOTA);
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &quota_answer(false), SEC / 1000, &s, T0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=quota_exhausted rule=monthly remaining=0 cost=1 source=gateway"
+    );
+}
+
+/// A request a lease served says so; one a local rule then refused is the
+/// proxy's own refusal.
+#[test]
+fn the_access_log_says_a_lease_answered() {
+    let p = plan(
+        r#"{"domain":"d","global":{"cluster":"gw","failure_mode":"closed","lease":{"fraction":0.04}},
+           "rules":[{"name":"local","key":["client"],"limits":[{"requests":3,"per":"1h"}]},
+                    {"name":"shared","scope":"global","key":["client"],"limits":[{"requests":100,"per":"1m"}]}]}"#,
+    );
+    let s = MemoryStore::default();
+    let r = req(&p, "/", Some("ann"));
+    let pending = call(start(&p, &r, &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &lease_answer_body(4, 0), 0, &s, T0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=allowed rule=local remaining=2 cost=1 source=gateway"
+    );
+    let lines: Vec<String> = (0..3)
+        .map(|_| logged(&p, &done(start(&p, &r, &s, T0, NEUTRAL))))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "outcome=allowed rule=local remaining=1 cost=1 source=lease",
+            "outcome=allowed rule=local remaining=0 cost=1 source=lease",
+            "outcome=denied rule=local remaining=0 cost=1 source=local",
+        ]
+    );
+    // An empty pool refuses here, from the lease.
+    let other = req(&p, "/", Some("bob"));
+    let pending = call(start(&p, &other, &s, T0, NEUTRAL));
+    finish(&p, pending, Some(b"200"), &lease_answer_body(0, 7000), 0, &s, T0);
+    let o = done(start(&p, &other, &s, T0 + SEC, NEUTRAL));
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=shared remaining=0 cost=1 source=lease"
+    );
+}
