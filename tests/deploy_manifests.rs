@@ -1604,13 +1604,14 @@ fn exprs(v: &Value, out: &mut Vec<String>) {
     }
 }
 
-/// The labels Envoy's `stats_tags` (in `envoy/envoy.yaml`) take out of the
-/// per-rule counters' names: `ratelimit_domain`, `ratelimit_rule`, ….
+/// The labels Envoy's `stats_tags` (in `envoy/envoy.yaml`, read rendered
+/// as the compose config) take out of the per-rule counters' names:
+/// `ratelimit_domain`, `ratelimit_rule`, ….
 fn stats_tag_names() -> BTreeSet<String> {
-    let envoy: Yaml = serde_norway::from_str(&read("envoy/envoy.yaml")).expect("envoy.yaml");
+    let envoy: Yaml = serde_norway::from_str(&read(COMPOSE_ENVOY)).expect(COMPOSE_ENVOY);
     let tags: BTreeSet<String> = envoy["stats_config"]["stats_tags"]
         .as_sequence()
-        .expect("envoy/envoy.yaml has stats_config.stats_tags")
+        .expect("the Envoy config has stats_config.stats_tags")
         .iter()
         .filter_map(|t| t["tag_name"].as_str().map(str::to_string))
         .collect();
