@@ -154,7 +154,10 @@ fn every_outcome_has_its_line_in_the_access_log() {
             "outcome=allowed rule=- remaining=- cost=- source=failure_open",
         ),
     ];
-    let got: Vec<(&str, String)> = want.iter().map(|(p, _)| (*p, decision(&envoy, p))).collect();
+    let got: Vec<(&str, String)> = want
+        .iter()
+        .map(|(p, _)| (*p, decision(&envoy, p)))
+        .collect();
     let want: Vec<(&str, String)> = want.iter().map(|(p, w)| (*p, w.to_string())).collect();
     assert_eq!(got, want, "access log:\n{}", envoy.access_log());
 }

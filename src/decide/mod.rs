@@ -422,7 +422,10 @@ impl<S: SharedStore> Ctx<'_, S> {
         self.counts.add(Metric::QuotaExhausted, 1);
         for q in quotas.iter().filter(|q| !q.allowed) {
             let n = u32::try_from(q.quota).unwrap_or(u32::MAX);
-            let cost = asked.iter().find(|b| b.quota == q.quota).map_or(0, |b| b.amount);
+            let cost = asked
+                .iter()
+                .find(|b| b.quota == q.quota)
+                .map_or(0, |b| b.amount);
             let left = Left {
                 remaining: q.remaining,
                 cost,

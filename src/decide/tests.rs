@@ -936,7 +936,12 @@ fn the_access_log_names_the_deciding_local_rule() {
     );
     let s = MemoryStore::default();
     let lines: Vec<String> = (0..2)
-        .map(|_| logged(&p, &done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL))))
+        .map(|_| {
+            logged(
+                &p,
+                &done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL)),
+            )
+        })
         .collect();
     assert_eq!(
         lines,
@@ -949,7 +954,12 @@ fn the_access_log_names_the_deciding_local_rule() {
     let p = plan(GRADUATED);
     let s = MemoryStore::default();
     let lines: Vec<String> = (0..13)
-        .map(|_| logged(&p, &done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL))))
+        .map(|_| {
+            logged(
+                &p,
+                &done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL)),
+            )
+        })
         .collect();
     assert_eq!(
         lines[9..],
@@ -1025,7 +1035,15 @@ fn the_access_log_says_what_answered_a_global_rule() {
     let p = plan(QUOTA);
     let s = MemoryStore::default();
     let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-    let o = finish(&p, pending, Some(b"200"), &quota_answer(false), SEC / 1000, &s, T0);
+    let o = finish(
+        &p,
+        pending,
+        Some(b"200"),
+        &quota_answer(false),
+        SEC / 1000,
+        &s,
+        T0,
+    );
     assert_eq!(
         logged(&p, &o),
         "outcome=quota_exhausted rule=monthly remaining=0 cost=1 source=gateway"
@@ -1044,7 +1062,15 @@ fn the_access_log_says_a_lease_answered() {
     let s = MemoryStore::default();
     let r = req(&p, "/", Some("ann"));
     let pending = call(start(&p, &r, &s, T0, NEUTRAL));
-    let o = finish(&p, pending, Some(b"200"), &lease_answer_body(4, 0), 0, &s, T0);
+    let o = finish(
+        &p,
+        pending,
+        Some(b"200"),
+        &lease_answer_body(4, 0),
+        0,
+        &s,
+        T0,
+    );
     assert_eq!(
         logged(&p, &o),
         "outcome=allowed rule=local remaining=2 cost=1 source=gateway"
@@ -1063,7 +1089,15 @@ fn the_access_log_says_a_lease_answered() {
     // An empty pool refuses here, from the lease.
     let other = req(&p, "/", Some("bob"));
     let pending = call(start(&p, &other, &s, T0, NEUTRAL));
-    finish(&p, pending, Some(b"200"), &lease_answer_body(0, 7000), 0, &s, T0);
+    finish(
+        &p,
+        pending,
+        Some(b"200"),
+        &lease_answer_body(0, 7000),
+        0,
+        &s,
+        T0,
+    );
     let o = done(start(&p, &other, &s, T0 + SEC, NEUTRAL));
     assert_eq!(
         logged(&p, &o),

@@ -136,13 +136,21 @@ pub fn why<'p>(plan: &'p Plan, o: &Outcome) -> Option<Why<'p>> {
         Verdict::Reject { .. } => refused(plan, o, Said::Denied),
         Verdict::Delay { headers: h, .. } => {
             let r = delaying(plan, &h.reports);
-            (Said::Delayed, r.and_then(|r| name(plan, r.rule)), r.map(left_of))
+            (
+                Said::Delayed,
+                r.and_then(|r| name(plan, r.rule)),
+                r.map(left_of),
+            )
         }
         Verdict::Pass(h) => match refused(plan, o, Said::ShadowDenied) {
             (said, Some(rule), left) => (said, Some(rule), left),
             _ => {
                 let r = headers::closest_report(&h.reports);
-                (Said::Allowed, r.and_then(|r| name(plan, r.rule)), r.map(left_of))
+                (
+                    Said::Allowed,
+                    r.and_then(|r| name(plan, r.rule)),
+                    r.map(left_of),
+                )
             }
         },
     };
@@ -157,11 +165,14 @@ pub fn why<'p>(plan: &'p Plan, o: &Outcome) -> Option<Why<'p>> {
 
 /// The first refusal of the kind `said` names: its rule's (or quota's)
 /// name and what it had left.
-fn refused<'p>(plan: &'p Plan, o: &Outcome, said: Said) -> (Said, Option<&'p str>, Option<(u64, u64)>) {
+fn refused<'p>(
+    plan: &'p Plan,
+    o: &Outcome,
+    said: Said,
+) -> (Said, Option<&'p str>, Option<(u64, u64)>) {
     let found = o.refusals.iter().find_map(|r| match (*r, said) {
-        (Refusal::Denied(n, l), Said::Denied) | (Refusal::ShadowDenied(n, l), Said::ShadowDenied) => {
-            Some((name(plan, n as usize), l))
-        }
+        (Refusal::Denied(n, l), Said::Denied)
+        | (Refusal::ShadowDenied(n, l), Said::ShadowDenied) => Some((name(plan, n as usize), l)),
         (Refusal::Spent(n, l), Said::QuotaExhausted) => {
             Some((plan.quotas.get(n as usize).map(|q| q.name.as_str()), l))
         }
@@ -200,11 +211,13 @@ fn delaying<'r>(plan: &Plan, reports: &'r [Report]) -> Option<&'r Report> {
 fn source(plan: &Plan, o: &Outcome, outcome: Said) -> Source {
     let c = &o.counts;
     let local_refusal = matches!(outcome, Said::Denied | Said::ShadowDenied)
-        && o.refusals.iter().find_map(|r| match *r {
-            Refusal::Denied(n, _) | Refusal::ShadowDenied(n, _) => plan.rules.get(n as usize),
-            Refusal::Spent(..) => None,
-        })
-        .is_some_and(|r| r.scope == crate::config::Scope::Local && !r.stand_in);
+        && o.refusals
+            .iter()
+            .find_map(|r| match *r {
+                Refusal::Denied(n, _) | Refusal::ShadowDenied(n, _) => plan.rules.get(n as usize),
+                Refusal::Spent(..) => None,
+            })
+            .is_some_and(|r| r.scope == crate::config::Scope::Local && !r.stand_in);
     if c.get(Metric::DenyCacheHits) > 0 {
         Source::DenyCache
     } else if local_refusal {
@@ -294,8 +307,16 @@ mod tests {
     #[test]
     fn the_longest_line_fits() {
         let longest = |words: &[&str]| words.iter().map(|w| w.len()).max().unwrap_or(0);
-        let outcome = Said::ALL.iter().max_by_key(|s| s.name().len()).copied().unwrap();
-        let source = Source::ALL.iter().max_by_key(|s| s.name().len()).copied().unwrap();
+        let outcome = Said::ALL
+            .iter()
+            .max_by_key(|s| s.name().len())
+            .copied()
+            .unwrap();
+        let source = Source::ALL
+            .iter()
+            .max_by_key(|s| s.name().len())
+            .copied()
+            .unwrap();
         let rule = "r".repeat(64);
         let w = Why {
             outcome,
@@ -305,7 +326,10 @@ mod tests {
             source,
         };
         let line = w.line();
-        assert!(line.ends_with(&format!(" source={}", source.name())), "{line}");
+        assert!(
+            line.ends_with(&format!(" source={}", source.name())),
+            "{line}"
+        );
         assert_eq!(
             line.len(),
             "outcome= rule= remaining= cost= source=".len()
@@ -327,7 +351,10 @@ mod tests {
             .chain(Source::ALL.iter().map(|s| s.name()))
             .collect();
         for w in &words {
-            assert!(w.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{w}");
+            assert!(
+                w.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{w}"
+            );
         }
         let mut sorted = words.clone();
         sorted.sort();

@@ -99,9 +99,8 @@ pub(super) fn send_local_response(status: u32, map: &[u8], body: &[u8]) -> Resul
 /// refused it. A one-segment path is the name's bytes alone.
 pub(super) fn set_property(name: &str, value: &[u8]) -> Result<(), u32> {
     // SAFETY: every pointer comes with the length of a live buffer.
-    let rc = unsafe {
-        raw::proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len())
-    };
+    let rc =
+        unsafe { raw::proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) };
     if rc == 0 {
         Ok(())
     } else {

@@ -24,8 +24,8 @@ use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use calls::{
     call_response, dispatch, drop_content_length, monotonic_ns, now_ns, property, random_seed,
     replace_request_body, request_body, reset_request, response_body, resume_or_reset,
-    seeded_jitter, send_local_response, set_property, use_epoch_offset, wall_ns, HostResponse, HostStore,
-    Metrics,
+    seeded_jitter, send_local_response, set_property, use_epoch_offset, wall_ns, HostResponse,
+    HostStore, Metrics,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
