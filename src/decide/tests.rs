@@ -469,6 +469,8 @@ fn unlimited_clients_pass_untouched() {
         let o = done(start(&p, &req(&p, "/", Some("ops")), &s, T0, NEUTRAL));
         assert_eq!(o.verdict, Verdict::Pass(Passing::default()));
         assert_eq!(o.counts.get(Metric::Unlimited), 1);
+        // Nothing for the access log either.
+        assert_eq!(logged(&p, &o), "-");
     }
 }
 
