@@ -232,7 +232,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             self.refund(held);
             match rate_denied {
                 true => self.too_many(&all),
-                false => self.quota_exhausted(&a.quotas, &all),
+                false => self.quota_exhausted(&a.quotas, &eval.quotas, &all),
             }
         } else {
             all.extend_from_slice(&a.reports);
