@@ -320,7 +320,7 @@ fn validate_refuses_what_the_gateway_or_envoy_would_never_run() {
     let r = run(&["validate", &file("host.json", host)]);
     assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
     assert!(
-        r.stderr.contains(r#"host.json: rules[0].key[0]: "Host" never reaches the filter: Envoy keeps the host as :authority"#),
+        r.stderr.contains(r#"host.json: rules[0].key[0]: "Host" never reaches the filter as a header: Envoy keeps the host as :authority"#),
         "{}",
         r.stderr
     );

@@ -446,8 +446,8 @@ fn the_gateway_token_is_a_b64token_from_the_config_or_the_environment() {
 
 #[test]
 fn the_host_header_is_refused_where_a_header_name_is_read() {
-    let why = "never reaches the filter: Envoy keeps the host as :authority, which rules \
-               cannot read; give each virtual host its own plugin configuration instead";
+    let why = "never reaches the filter as a header: Envoy keeps the host as :authority; match \
+               on it with match.host or match.host_regex, and key on it with the key part host";
     for name in ["host", "Host", "HOST"] {
         let mut k = base();
         k["rules"][0]["key"] = json!([format!("header:{name}")]);

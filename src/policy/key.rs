@@ -1,14 +1,19 @@
 //! Bucket keys: the client's identity and the parts a rule keys on.
 
-use crate::policy::request::{HeaderId, RequestInfo};
+use crate::policy::fields;
+use crate::policy::request::{HeaderId, PropertyId, RequestInfo};
+use ratelimit_config::condition::host_of;
+use std::borrow::Cow;
 use std::net::IpAddr;
 
 /// Longest key-part value before it is counted as bad input. It is still used
 /// whole (hashed), so distinct long values never share a bucket.
 pub const MAX_KEY_PART_BYTES: usize = 1024;
 
-/// One part of a rule's key, its header compiled to the request's header id.
-pub type KeyPart = ratelimit_config::KeyPart<HeaderId>;
+/// One part of a rule's key, its name compiled: a header's id, a query
+/// parameter's or cookie's index in [`KeySources::names`], a metadata
+/// path's property id.
+pub type KeyPart = ratelimit_config::KeyPart<usize>;
 
 pub use ratelimit_config::key::{
     bounded, encode_part, MAX_GLOBAL_KEY_BYTES, MAX_GLOBAL_PART_BYTES,
@@ -21,6 +26,54 @@ pub struct IpSource {
     pub xff: HeaderId,
     /// How many trusted proxies append to `X-Forwarded-For`.
     pub hops: u32,
+}
+
+/// Where key parts find what they read, compiled with the plan. An id that
+/// no part reads is out of range, so a lookup by it finds nothing.
+#[derive(Debug, Clone)]
+pub struct KeySources {
+    /// Where the client IP comes from.
+    pub ip: IpSource,
+    /// The `:authority` header (`host`).
+    pub authority: HeaderId,
+    /// The `cookie` header (`cookie:`).
+    pub cookie: HeaderId,
+    /// The route name property (`route`).
+    pub route: PropertyId,
+    /// The names of `query:` and `cookie:` parts, by index.
+    pub names: Vec<Vec<u8>>,
+}
+
+impl KeySources {
+    /// Sources for keys that read nothing but the fixed headers and the IP.
+    pub fn ip_only(ip: IpSource) -> KeySources {
+        KeySources {
+            ip,
+            authority: usize::MAX,
+            cookie: usize::MAX,
+            route: usize::MAX,
+            names: Vec::new(),
+        }
+    }
+}
+
+/// The network of `ip`: its address masked to `v4` or `v6` bits (an
+/// IPv4-mapped IPv6 address counts as IPv4), written `<address>/<len>`.
+pub fn ip_network(ip: IpAddr, v4: u8, v6: u8) -> String {
+    match ip.to_canonical() {
+        IpAddr::V4(a) => {
+            let len = u32::from(v4.min(32));
+            let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
+            let net = std::net::Ipv4Addr::from(u32::from(a) & mask);
+            format!("{net}/{len}")
+        }
+        IpAddr::V6(a) => {
+            let len = u32::from(v6.min(128));
+            let mask = u128::MAX.checked_shl(128 - len).unwrap_or(0);
+            let net = std::net::Ipv6Addr::from(u128::from(a) & mask);
+            format!("{net}/{len}")
+        }
+    }
 }
 
 /// Why a request's identity was not what the configuration expects.
@@ -75,35 +128,47 @@ pub fn client_ip(req: &RequestInfo, src: IpSource, bad: &mut Vec<BadInput>) -> O
 
 /// Feeds one rule's key for `req` into `sink` as (tag, value) per part; the
 /// tag says which kind of part it is ([`ratelimit_config::KeyPart::tag`]). `client` is the resolved client id; without one the IP
-/// stands in. Returns false when a `header:` part is absent: like
-/// Envoy's `request_headers` descriptor, the rule then does not apply.
+/// stands in. Returns false when a named part (`header:`, `query:`,
+/// `cookie:`, `metadata:`), the host or the route is absent: like Envoy's
+/// `request_headers` descriptor, the rule then does not apply.
 pub fn write_key(
     parts: &[KeyPart],
     req: &RequestInfo,
     client: Option<&[u8]>,
-    ip_src: IpSource,
+    src: &KeySources,
     bad: &mut Vec<BadInput>,
     sink: &mut impl FnMut(u8, &[u8]),
 ) -> bool {
     let mut ip_cache: Option<Option<IpAddr>> = None;
-    let mut ip_text = |bad: &mut Vec<BadInput>| -> Vec<u8> {
-        let ip = *ip_cache.get_or_insert_with(|| client_ip(req, ip_src, bad));
-        ip.map(|ip| ip.to_string().into_bytes()).unwrap_or_default()
+    let mut ip_of = |bad: &mut Vec<BadInput>| -> Option<IpAddr> {
+        *ip_cache.get_or_insert_with(|| client_ip(req, src.ip, bad))
     };
     for part in parts {
         // A client without an id is keyed (and tagged) as its IP.
-        let (tag, value): (u8, std::borrow::Cow<[u8]>) = match part {
+        let (tag, value): (u8, Cow<[u8]>) = match part {
             KeyPart::Client => match client.filter(|v| !v.is_empty()) {
                 Some(id) => (part.tag(), id.into()),
-                None => (KeyPart::Ip.tag(), ip_text(bad).into()),
+                None => (KeyPart::Ip.tag(), ip_text(ip_of(bad)).into()),
             },
-            KeyPart::Ip => (part.tag(), ip_text(bad).into()),
+            KeyPart::Ip => (part.tag(), ip_text(ip_of(bad)).into()),
             KeyPart::Method => (part.tag(), req.method().into()),
             KeyPart::Path => (part.tag(), req.path().into()),
             KeyPart::Header(id) => match req.header(*id) {
                 Some(v) => (part.tag(), v.into()),
                 None => return false,
             },
+            KeyPart::Host | KeyPart::Route | KeyPart::IpPrefix { .. } => {
+                match other_part(part, req, src, &mut ip_of, bad) {
+                    Some(v) => (part.tag(), v),
+                    None => return false,
+                }
+            }
+            KeyPart::Query(_) | KeyPart::Cookie(_) | KeyPart::Metadata(_) => {
+                match named_part(part, req, src) {
+                    Some(v) => (part.tag(), v),
+                    None => return false,
+                }
+            }
         };
         if value.len() > MAX_KEY_PART_BYTES {
             bad.push(BadInput::Oversized);
@@ -111,6 +176,67 @@ pub fn write_key(
         sink(tag, &value);
     }
     true
+}
+
+/// The IP's text, or empty without one (counted as [`BadInput::NoPeerAddress`]).
+fn ip_text(ip: Option<IpAddr>) -> Vec<u8> {
+    ip.map(|ip| ip.to_string().into_bytes()).unwrap_or_default()
+}
+
+/// The value of a `host`, `route` or `ip/<len>` part; `None` when absent.
+// Kept out of write_key: the rules that key on none of these pay nothing for them.
+#[inline(never)]
+fn other_part<'r>(
+    part: &KeyPart,
+    req: &'r RequestInfo,
+    src: &KeySources,
+    ip_of: &mut impl FnMut(&mut Vec<BadInput>) -> Option<IpAddr>,
+    bad: &mut Vec<BadInput>,
+) -> Option<Cow<'r, [u8]>> {
+    match part {
+        KeyPart::Host => {
+            let host = host_of(req.header(src.authority)?);
+            Some(match host.iter().any(u8::is_ascii_uppercase) {
+                true => host.to_ascii_lowercase().into(),
+                false => host.into(),
+            })
+        }
+        KeyPart::Route => req.property(src.route).map(Cow::from),
+        KeyPart::IpPrefix { v4, v6 } => Some(
+            ip_of(bad)
+                .map(|ip| ip_network(ip, *v4, *v6).into_bytes())
+                .unwrap_or_default()
+                .into(),
+        ),
+        _ => None,
+    }
+}
+
+/// The value of a `query:`, `cookie:` or `metadata:` part, decoded;
+/// `None` when absent.
+#[inline(never)]
+fn named_part<'r>(part: &KeyPart, req: &'r RequestInfo, src: &KeySources) -> Option<Cow<'r, [u8]>> {
+    let name = |i: &usize| src.names.get(*i).map(Vec::as_slice);
+    match part {
+        KeyPart::Query(i) => {
+            let query = fields::query_of(req.header(super::request::PATH)?);
+            Some(
+                fields::query_param(query, name(i)?)?
+                    .collect::<Vec<u8>>()
+                    .into(),
+            )
+        }
+        KeyPart::Cookie(i) => {
+            let header = req.header(src.cookie)?;
+            Some(
+                fields::cookie(header, name(i)?)?
+                    .collect::<Vec<u8>>()
+                    .into(),
+            )
+        }
+        KeyPart::Metadata(id) => req.property(*id).map(Cow::from),
+        _ => None,
+    }
 }
 
 /// Feeds one part to a bucket hash as whole 64-bit words. The head word
@@ -180,8 +306,8 @@ mod tests {
     fn key(parts: &[KeyPart], r: &RequestInfo, hops: u32) -> (Option<Vec<u8>>, Vec<BadInput>) {
         let mut out = Vec::new();
         let mut bad = Vec::new();
-        let src = IpSource { xff: XFF, hops };
-        let ok = write_key(parts, r, r.header(CLIENT), src, &mut bad, &mut |t, v| {
+        let src = KeySources::ip_only(IpSource { xff: XFF, hops });
+        let ok = write_key(parts, r, r.header(CLIENT), &src, &mut bad, &mut |t, v| {
             out.push(t);
             out.extend_from_slice(&(v.len() as u64).to_le_bytes());
             out.extend_from_slice(v);
