@@ -215,15 +215,20 @@ impl KeyPart {
         if let Some(part) = Self::WORDS.into_iter().find(|p| p.word() == Some(s)) {
             return Ok(part);
         }
-        let words: Vec<&str> = Self::WORDS.iter().filter_map(|p| p.word()).collect();
-        let named: Vec<String> = NameKind::ALL
+        let mut forms: Vec<String> = Self::WORDS
             .iter()
-            .map(|k| format!("{}<name>", k.prefix()))
+            .filter_map(|p| p.word())
+            .map(String::from)
             .collect();
+        forms.push(format!("{IP_PREFIX}<len>"));
+        forms.extend(NameKind::ALL.iter().map(|k| match k {
+            NameKind::Metadata => format!("{}<filter>/<key>", k.prefix()),
+            _ => format!("{}<name>", k.prefix()),
+        }));
+        let last = forms.pop().unwrap_or_default();
         Err(format!(
-            "{s:?} is not a key part ({}, {IP_PREFIX}<len> or {})",
-            words.join(", "),
-            named.join(", ")
+            "{s:?} is not a key part ({} or {last})",
+            forms.join(", ")
         ))
     }
 }
@@ -339,7 +344,7 @@ mod tests {
         );
         assert_eq!(
             KeyPart::parse("cookie").unwrap_err(),
-            r#""cookie" is not a key part (client, ip, method, path, host, route, ip/<len> or header:<name>, query:<name>, cookie:<name>, metadata:<name>)"#
+            r#""cookie" is not a key part (client, ip, method, path, host, route, ip/<len>, header:<name>, query:<name>, cookie:<name> or metadata:<filter>/<key>)"#
         );
         assert_eq!(
             KeyPart::parse("header:a b").unwrap_err(),

@@ -497,6 +497,69 @@ mod tests {
     }
 
     #[test]
+    fn networks_mask_each_family_to_its_length() {
+        let net = |ip: &str, v4, v6| ip_network(ip.parse().unwrap(), v4, v6);
+        assert_eq!(net("10.1.2.3", 24, 64), "10.1.2.0/24");
+        assert_eq!(net("10.1.2.3", 0, 64), "0.0.0.0/0");
+        assert_eq!(net("10.1.2.3", 32, 64), "10.1.2.3/32");
+        assert_eq!(net("::ffff:10.1.2.3", 24, 64), "10.1.2.0/24");
+        assert_eq!(net("2001:db8:1:2:3:4:5:6", 24, 64), "2001:db8:1:2::/64");
+        assert_eq!(net("2001:db8::1", 24, 0), "::/0");
+        assert_eq!(net("2001:db8::1", 24, 128), "2001:db8::1/128");
+    }
+
+    #[test]
+    fn host_query_cookie_and_prefix_parts_are_normalized_or_skip_the_rule() {
+        let names = [":method", ":path", ":authority", "cookie"].map(String::from);
+        let src = KeySources {
+            ip: IpSource { xff: 9, hops: 0 },
+            authority: 2,
+            cookie: 3,
+            route: 0,
+            names: vec![b"api_key".to_vec(), b"session".to_vec()],
+        };
+        let key = |parts: &[KeyPart], headers: &[(&str, &[u8])], peer: &str| {
+            let r = RequestInfo::with_headers(&names, headers).with_source(peer.as_bytes());
+            let mut out = Vec::new();
+            let ok = write_key(parts, &r, None, &src, &mut Vec::new(), &mut |t, v| {
+                out.push((t, v.to_vec()))
+            });
+            ok.then_some(out)
+        };
+        let host = [KeyPart::Host];
+        assert_eq!(
+            key(&host, &[(":authority", b"API.example.com:443")], "1.1.1.1:1"),
+            Some(vec![(b'a', b"api.example.com".to_vec())])
+        );
+        assert_eq!(
+            key(&host, &[(":authority", b"api.example.com")], "1.1.1.1:1"),
+            key(&host, &[(":authority", b"API.example.com:443")], "1.1.1.1:1")
+        );
+        assert_eq!(key(&host, &[], "1.1.1.1:1"), None);
+        let query = [KeyPart::Query(0)];
+        assert_eq!(
+            key(&query, &[(":path", b"/a?x=1&api_key=a%62c")], "1.1.1.1:1"),
+            Some(vec![(b'q', b"abc".to_vec())])
+        );
+        assert_eq!(key(&query, &[(":path", b"/a?x=1")], "1.1.1.1:1"), None);
+        let cookie = [KeyPart::Cookie(1)];
+        assert_eq!(
+            key(&cookie, &[("cookie", b"a=1; session=s%2B1")], "1.1.1.1:1"),
+            Some(vec![(b'k', b"s+1".to_vec())])
+        );
+        assert_eq!(key(&cookie, &[("cookie", b"a=1")], "1.1.1.1:1"), None);
+        let route = [KeyPart::Route];
+        assert_eq!(key(&route, &[], "1.1.1.1:1"), None);
+        let net = [KeyPart::IpPrefix { v4: 24, v6: 64 }];
+        assert_eq!(key(&net, &[], "10.0.0.7:5"), key(&net, &[], "10.0.0.200:9"));
+        assert_ne!(key(&net, &[], "10.0.0.7:5"), key(&net, &[], "10.0.1.7:5"));
+        assert_eq!(
+            key(&net, &[], "[2001:db8::1]:5"),
+            Some(vec![(b'n', b"2001:db8::/64".to_vec())])
+        );
+    }
+
+    #[test]
     fn parts_are_unambiguous() {
         let a = key(
             &[KeyPart::Method, KeyPart::Path],
