@@ -205,7 +205,12 @@ fn admitted(envoy: &Envoy, requests: &[(String, String, Vec<(&str, String)>)]) -
 }
 
 /// `n` requests of `path` with `Host: host` and `headers`.
-fn times(n: usize, host: &str, path: &str, headers: &[(&'static str, &str)]) -> Vec<(String, String, Vec<(&'static str, String)>)> {
+fn times(
+    n: usize,
+    host: &str,
+    path: &str,
+    headers: &[(&'static str, &str)],
+) -> Vec<(String, String, Vec<(&'static str, String)>)> {
     let headers: Vec<(&str, String)> = headers.iter().map(|(k, v)| (*k, v.to_string())).collect();
     (0..n)
         .map(|_| (host.to_string(), path.to_string(), headers.clone()))
@@ -221,7 +226,10 @@ fn hosts_have_their_own_limits_and_one_key_whatever_the_case_and_port() {
     assert_eq!(admitted(&envoy, &api), 3);
     // Two hosts under *.web.example: a bucket of 5 each.
     assert_eq!(admitted(&envoy, &times(7, "a.web.example", "/h/a", &[])), 5);
-    assert_eq!(admitted(&envoy, &times(7, "B.web.example:8080", "/h/a", &[])), 5);
+    assert_eq!(
+        admitted(&envoy, &times(7, "B.web.example:8080", "/h/a", &[])),
+        5
+    );
     // Neither: no rule.
     assert_eq!(admitted(&envoy, &times(8, "web.example", "/h/a", &[])), 8);
 }
@@ -233,7 +241,10 @@ fn the_route_name_and_route_metadata_pick_the_rule() {
     assert_eq!(admitted(&envoy, &times(5, "x", "/r/premium/a", &[])), 2);
     // The route named r_default, keyed on its name: 4, its health path excepted.
     assert_eq!(admitted(&envoy, &times(6, "x", "/r/default/a", &[])), 4);
-    assert_eq!(admitted(&envoy, &times(6, "x", "/r/default/health", &[])), 6);
+    assert_eq!(
+        admitted(&envoy, &times(6, "x", "/r/default/health", &[])),
+        6
+    );
     // The unnamed route: neither rule.
     assert_eq!(admitted(&envoy, &times(6, "x", "/other", &[])), 6);
 }
@@ -245,15 +256,29 @@ fn query_and_cookie_keys_decode_each_spelling_to_one_key() {
     q.extend(times(2, "x", "/q/a?x=1&api_key=a%62c", &[]));
     q.extend(times(2, "x", "/q/a?api%5Fkey=%61bc&api_key=zzz", &[]));
     assert_eq!(admitted(&envoy, &q), 3, "abc, a%62c and %61bc are one key");
-    assert_eq!(admitted(&envoy, &times(4, "x", "/q/a?api_key=other", &[])), 3);
+    assert_eq!(
+        admitted(&envoy, &times(4, "x", "/q/a?api_key=other", &[])),
+        3
+    );
     // Without the parameter the rule does not apply.
     assert_eq!(admitted(&envoy, &times(5, "x", "/q/a?apikey=abc", &[])), 5);
 
     let mut c = times(2, "x", "/c/a", &[("cookie", "session=s1; theme=dark")]);
-    c.extend(times(2, "x", "/c/a", &[("cookie", "theme=light; session=\"s%31\"")]));
+    c.extend(times(
+        2,
+        "x",
+        "/c/a",
+        &[("cookie", "theme=light; session=\"s%31\"")],
+    ));
     assert_eq!(admitted(&envoy, &c), 2, "s1 and \"s%31\" are one session");
-    assert_eq!(admitted(&envoy, &times(3, "x", "/c/a", &[("cookie", "session=s2")])), 2);
-    assert_eq!(admitted(&envoy, &times(4, "x", "/c/a", &[("cookie", "sessions=s1")])), 4);
+    assert_eq!(
+        admitted(&envoy, &times(3, "x", "/c/a", &[("cookie", "session=s2")])),
+        2
+    );
+    assert_eq!(
+        admitted(&envoy, &times(4, "x", "/c/a", &[("cookie", "sessions=s1")])),
+        4
+    );
 }
 
 #[test]
@@ -261,16 +286,32 @@ fn clients_of_one_network_share_one_bucket() {
     let envoy = start(local_config());
     // 256 addresses of 10.9.8.0/24, then one of the next /24.
     let v4: Vec<_> = (0..256)
-        .map(|i| ("x".to_string(), "/n4/a".to_string(), vec![("x-forwarded-for", format!("10.9.8.{i}"))]))
+        .map(|i| {
+            (
+                "x".to_string(),
+                "/n4/a".to_string(),
+                vec![("x-forwarded-for", format!("10.9.8.{i}"))],
+            )
+        })
         .collect();
     assert_eq!(admitted(&envoy, &v4), 10);
-    assert_eq!(admitted(&envoy, &times(3, "x", "/n4/a", &[("x-forwarded-for", "10.9.9.1")])), 3);
+    assert_eq!(
+        admitted(
+            &envoy,
+            &times(3, "x", "/n4/a", &[("x-forwarded-for", "10.9.9.1")])
+        ),
+        3
+    );
     // 256 addresses of 2001:db8:1:2::/64, each behind a forged entry the
     // client wrote, then one address of the next /64.
     let v6: Vec<_> = (0..256)
         .map(|i| {
             let xff = format!("2001:db8:ffff::{i:x}, 2001:db8:1:2:{i:x}:{i:x}:{i:x}:1");
-            ("x".to_string(), "/n6/a".to_string(), vec![("x-forwarded-for", xff)])
+            (
+                "x".to_string(),
+                "/n6/a".to_string(),
+                vec![("x-forwarded-for", xff)],
+            )
         })
         .collect();
     assert_eq!(admitted(&envoy, &v6), 10);
@@ -307,16 +348,34 @@ fn a_verified_claim_keys_and_matches() {
     acme.extend(times(3, "x", "/j/a", &[("authorization", &bob)]));
     assert_eq!(admitted(&envoy, &acme), 3, "one org, one bucket");
     let globex = bearer(json!({ "sub": "carol", "org": "globex" }));
-    assert_eq!(admitted(&envoy, &times(4, "x", "/j/a", &[("authorization", &globex)])), 3);
+    assert_eq!(
+        admitted(
+            &envoy,
+            &times(4, "x", "/j/a", &[("authorization", &globex)])
+        ),
+        3
+    );
     // No token: no claim, the rule does not apply.
     assert_eq!(admitted(&envoy, &times(5, "x", "/j/a", &[])), 5);
     // A forged claim header is not the verified claim.
-    assert_eq!(admitted(&envoy, &times(4, "x", "/j/a", &[("org", "acme")])), 4);
+    assert_eq!(
+        admitted(&envoy, &times(4, "x", "/j/a", &[("org", "acme")])),
+        4
+    );
 
     let trial = bearer(json!({ "sub": "dan", "plan": "trial" }));
     let paid = bearer(json!({ "sub": "erin", "plan": "paid" }));
-    assert_eq!(admitted(&envoy, &times(3, "x", "/jt/a", &[("authorization", &trial)])), 1);
-    assert_eq!(admitted(&envoy, &times(3, "x", "/jt/a", &[("authorization", &paid)])), 3);
+    assert_eq!(
+        admitted(
+            &envoy,
+            &times(3, "x", "/jt/a", &[("authorization", &trial)])
+        ),
+        1
+    );
+    assert_eq!(
+        admitted(&envoy, &times(3, "x", "/jt/a", &[("authorization", &paid)])),
+        3
+    );
 }
 
 #[test]
@@ -333,7 +392,12 @@ fn a_path_regex_matches_only_what_it_says() {
     assert_eq!(admitted(&envoy, &crafted), 2);
     // The pattern matches the whole path: /v1/users/42 counts, near misses do not.
     assert_eq!(admitted(&envoy, &times(3, "x", "/v1/users/42?x=1", &[])), 1);
-    for miss in ["/v1/users/42/x", "/a/v1/users/42", "/v1/users/4x2", "/v/users/42"] {
+    for miss in [
+        "/v1/users/42/x",
+        "/a/v1/users/42",
+        "/v1/users/4x2",
+        "/v/users/42",
+    ] {
         assert_eq!(admitted(&envoy, &times(2, "x", miss, &[])), 2, "{miss}");
     }
 }
@@ -350,10 +414,15 @@ fn hostile_queries_cookies_and_patterns_are_decided() {
     assert!(query.len() > 64 * 1024);
     assert_eq!(admitted(&envoy, &times(3, "x", &query, &[])), 2);
     // 1,000 cookies in a 60 KiB header, the session last.
-    let mut cookies: String = (0..1000).map(|i| format!("c{i}={}; ", "v".repeat(58))).collect();
+    let mut cookies: String = (0..1000)
+        .map(|i| format!("c{i}={}; ", "v".repeat(58)))
+        .collect();
     cookies.push_str("session=s1");
     assert!(cookies.len() >= 60 * 1024, "{}", cookies.len());
-    assert_eq!(admitted(&envoy, &times(3, "x", "/hc/a", &[("cookie", &cookies)])), 2);
+    assert_eq!(
+        admitted(&envoy, &times(3, "x", "/hc/a", &[("cookie", &cookies)])),
+        2
+    );
     // (a+)+ against 30,000 a's and a "!": 2^30000 steps for a backtracking
     // engine; not a match here, so never limited.
     let evil = format!("/hr/{}!", "a".repeat(30_000));
@@ -384,7 +453,10 @@ fn a_global_host_and_query_rule_is_exact_across_two_proxies() {
     );
     let mut opts = EnvoyOptions::new(config).gateway_port(gateway.port());
     opts.template = Some(template());
-    let envoys = ok(Envoy::start_all(&[opts.clone(), opts]), "starting two Envoys");
+    let envoys = ok(
+        Envoy::start_all(&[opts.clone(), opts]),
+        "starting two Envoys",
+    );
     let spellings = [
         ("API.example.com:443", "/g?api_key=abc"),
         ("api.example.com", "/g?api_key=a%62c"),
@@ -402,7 +474,14 @@ fn a_global_host_and_query_rule_is_exact_across_two_proxies() {
     assert_eq!(admitted, LIMIT);
     // Another host with the same key is another bucket.
     let other = (0..5)
-        .filter(|i| status(envoys[i % 2].ports().listen, "web.example.com", "/g?api_key=abc", &[]) == 200)
+        .filter(|i| {
+            status(
+                envoys[i % 2].ports().listen,
+                "web.example.com",
+                "/g?api_key=abc",
+                &[],
+            ) == 200
+        })
         .count();
     assert_eq!(other, 5);
     let keys = ok(redis.dump(), "dumping Redis");

@@ -815,20 +815,62 @@ fn a_reserve_read_from_the_body_keeps_its_default_and_names_its_path_in_costs() 
 #[test]
 fn bad_conditions_are_refused_with_their_path() {
     let cases = [
-        (json!({"path_regex": "(a"}), "rules[0].match.path_regex: \"(a\" is not a regular expression"),
-        (json!({"host_regex": "a{2,1}"}), "rules[0].match.host_regex: \"a{2,1}\" is not a regular expression"),
-        (json!({"path_regex": "a".repeat(1025)}), "rules[0].match.path_regex: must be at most 1024 bytes"),
-        (json!({"host": "api.example.com:443"}), "rules[0].match.host: \"api.example.com:443\" is not a host name"),
-        (json!({"route": ""}), "rules[0].match.route: \"\" is not a route name"),
-        (json!({"route_metadata": {"plan": "p"}}), "rules[0].match.route_metadata: \"plan\" is not a metadata path"),
-        (json!({"metadata": {"a//b": "p"}}), "rules[0].match.metadata: \"a//b\" is not a metadata path"),
-        (json!({"query": {"": true}}), "rules[0].match.query: \"\" is not a query parameter name"),
-        (json!({"cookie": {"s": false}}), "rules[0].match.cookie.s: invalid value: boolean `false`, expected a string or true"),
-        (json!({"cookie": {"s": 1}}), "rules[0].match.cookie.s: invalid type: integer `1`, expected a string or true"),
-        (json!({"any": []}), "rules[0].match.any: must hold 1 to 16 matches"),
-        (json!({"not": {"path_regex": "("}}), "rules[0].match.not.path_regex: \"(\" is not a regular expression"),
-        (json!({"any": [{"host": "a"}, {"path_prefix": "x"}]}), "rules[0].match.any[1].path_prefix: \"x\" must start with /"),
-        (json!({"not": {"not": {"not": {"not": {"not": {"route": "r"}}}}}}), "rules[0].match.not.not.not.not: not and any nest at most 4 deep"),
+        (
+            json!({"path_regex": "(a"}),
+            "rules[0].match.path_regex: \"(a\" is not a regular expression",
+        ),
+        (
+            json!({"host_regex": "a{2,1}"}),
+            "rules[0].match.host_regex: \"a{2,1}\" is not a regular expression",
+        ),
+        (
+            json!({"path_regex": "a".repeat(1025)}),
+            "rules[0].match.path_regex: must be at most 1024 bytes",
+        ),
+        (
+            json!({"host": "api.example.com:443"}),
+            "rules[0].match.host: \"api.example.com:443\" is not a host name",
+        ),
+        (
+            json!({"route": ""}),
+            "rules[0].match.route: \"\" is not a route name",
+        ),
+        (
+            json!({"route_metadata": {"plan": "p"}}),
+            "rules[0].match.route_metadata: \"plan\" is not a metadata path",
+        ),
+        (
+            json!({"metadata": {"a//b": "p"}}),
+            "rules[0].match.metadata: \"a//b\" is not a metadata path",
+        ),
+        (
+            json!({"query": {"": true}}),
+            "rules[0].match.query: \"\" is not a query parameter name",
+        ),
+        (
+            json!({"cookie": {"s": false}}),
+            "rules[0].match.cookie.s: invalid value: boolean `false`, expected a string or true",
+        ),
+        (
+            json!({"cookie": {"s": 1}}),
+            "rules[0].match.cookie.s: invalid type: integer `1`, expected a string or true",
+        ),
+        (
+            json!({"any": []}),
+            "rules[0].match.any: must hold 1 to 16 matches",
+        ),
+        (
+            json!({"not": {"path_regex": "("}}),
+            "rules[0].match.not.path_regex: \"(\" is not a regular expression",
+        ),
+        (
+            json!({"any": [{"host": "a"}, {"path_prefix": "x"}]}),
+            "rules[0].match.any[1].path_prefix: \"x\" must start with /",
+        ),
+        (
+            json!({"not": {"not": {"not": {"not": {"not": {"route": "r"}}}}}}),
+            "rules[0].match.not.not.not.not: not and any nest at most 4 deep",
+        ),
     ];
     for (m, want) in cases {
         let mut v = base();
@@ -842,8 +884,14 @@ fn bad_conditions_are_refused_with_their_path() {
         "metadata": {"envoy.filters.http.jwt_authn/payload/org": "acme"},
         "query": {"api_key": true, "v": "2"}, "cookie": {"session": true},
         "not": {"path_prefix": "/health"}, "any": [{"route": "a"}, {"route": "b"}]});
-    ok["rules"][0]["key"] = json!(["host", "route", "ip/24/64", "query:api_key",
-        "cookie:session", "metadata:envoy.filters.http.jwt_authn/payload/org"]);
+    ok["rules"][0]["key"] = json!([
+        "host",
+        "route",
+        "ip/24/64",
+        "query:api_key",
+        "cookie:session",
+        "metadata:envoy.filters.http.jwt_authn/payload/org"
+    ]);
     assert!(parse(ok.to_string().as_bytes()).is_ok());
 }
 

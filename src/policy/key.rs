@@ -139,36 +139,35 @@ pub fn write_key(
     bad: &mut Vec<BadInput>,
     sink: &mut impl FnMut(u8, &[u8]),
 ) -> bool {
+    let ip_src = src.ip;
     let mut ip_cache: Option<Option<IpAddr>> = None;
-    let mut ip_of = |bad: &mut Vec<BadInput>| -> Option<IpAddr> {
-        *ip_cache.get_or_insert_with(|| client_ip(req, src.ip, bad))
+    let mut ip_text = |bad: &mut Vec<BadInput>| -> Vec<u8> {
+        let ip = *ip_cache.get_or_insert_with(|| client_ip(req, ip_src, bad));
+        ip.map(|ip| ip.to_string().into_bytes()).unwrap_or_default()
     };
     for part in parts {
         // A client without an id is keyed (and tagged) as its IP.
         let (tag, value): (u8, Cow<[u8]>) = match part {
             KeyPart::Client => match client.filter(|v| !v.is_empty()) {
                 Some(id) => (part.tag(), id.into()),
-                None => (KeyPart::Ip.tag(), ip_text(ip_of(bad)).into()),
+                None => (KeyPart::Ip.tag(), ip_text(bad).into()),
             },
-            KeyPart::Ip => (part.tag(), ip_text(ip_of(bad)).into()),
+            KeyPart::Ip => (part.tag(), ip_text(bad).into()),
             KeyPart::Method => (part.tag(), req.method().into()),
             KeyPart::Path => (part.tag(), req.path().into()),
             KeyPart::Header(id) => match req.header(*id) {
                 Some(v) => (part.tag(), v.into()),
                 None => return false,
             },
-            KeyPart::Host | KeyPart::Route | KeyPart::IpPrefix { .. } => {
-                match other_part(part, req, src, &mut ip_of, bad) {
-                    Some(v) => (part.tag(), v),
-                    None => return false,
-                }
-            }
-            KeyPart::Query(_) | KeyPart::Cookie(_) | KeyPart::Metadata(_) => {
-                match named_part(part, req, src) {
-                    Some(v) => (part.tag(), v),
-                    None => return false,
-                }
-            }
+            KeyPart::Host
+            | KeyPart::Route
+            | KeyPart::IpPrefix { .. }
+            | KeyPart::Query(_)
+            | KeyPart::Cookie(_)
+            | KeyPart::Metadata(_) => match other_part(part, req, src, bad) {
+                Some(v) => (part.tag(), v),
+                None => return false,
+            },
         };
         if value.len() > MAX_KEY_PART_BYTES {
             bad.push(BadInput::Oversized);
@@ -178,21 +177,17 @@ pub fn write_key(
     true
 }
 
-/// The IP's text, or empty without one (counted as [`BadInput::NoPeerAddress`]).
-fn ip_text(ip: Option<IpAddr>) -> Vec<u8> {
-    ip.map(|ip| ip.to_string().into_bytes()).unwrap_or_default()
-}
-
-/// The value of a `host`, `route` or `ip/<len>` part; `None` when absent.
+/// The value of a `host`, `route`, `ip/<len>`, `query:`, `cookie:` or
+/// `metadata:` part, normalized or decoded; `None` when absent.
 // Kept out of write_key: the rules that key on none of these pay nothing for them.
 #[inline(never)]
 fn other_part<'r>(
     part: &KeyPart,
     req: &'r RequestInfo,
     src: &KeySources,
-    ip_of: &mut impl FnMut(&mut Vec<BadInput>) -> Option<IpAddr>,
     bad: &mut Vec<BadInput>,
 ) -> Option<Cow<'r, [u8]>> {
+    let name = |i: &usize| src.names.get(*i).map(Vec::as_slice);
     match part {
         KeyPart::Host => {
             let host = host_of(req.header(src.authority)?);
@@ -202,22 +197,14 @@ fn other_part<'r>(
             })
         }
         KeyPart::Route => req.property(src.route).map(Cow::from),
+        // Read again rather than shared with an `ip` part of the same key,
+        // which no sensible key has.
         KeyPart::IpPrefix { v4, v6 } => Some(
-            ip_of(bad)
+            client_ip(req, src.ip, bad)
                 .map(|ip| ip_network(ip, *v4, *v6).into_bytes())
                 .unwrap_or_default()
                 .into(),
         ),
-        _ => None,
-    }
-}
-
-/// The value of a `query:`, `cookie:` or `metadata:` part, decoded;
-/// `None` when absent.
-#[inline(never)]
-fn named_part<'r>(part: &KeyPart, req: &'r RequestInfo, src: &KeySources) -> Option<Cow<'r, [u8]>> {
-    let name = |i: &usize| src.names.get(*i).map(Vec::as_slice);
-    match part {
         KeyPart::Query(i) => {
             let query = fields::query_of(req.header(super::request::PATH)?);
             Some(
@@ -235,7 +222,9 @@ fn named_part<'r>(part: &KeyPart, req: &'r RequestInfo, src: &KeySources) -> Opt
             )
         }
         KeyPart::Metadata(id) => req.property(*id).map(Cow::from),
-        _ => None,
+        KeyPart::Client | KeyPart::Ip | KeyPart::Method | KeyPart::Path | KeyPart::Header(_) => {
+            None
+        }
     }
 }
 
@@ -528,12 +517,20 @@ mod tests {
         };
         let host = [KeyPart::Host];
         assert_eq!(
-            key(&host, &[(":authority", b"API.example.com:443")], "1.1.1.1:1"),
+            key(
+                &host,
+                &[(":authority", b"API.example.com:443")],
+                "1.1.1.1:1"
+            ),
             Some(vec![(b'a', b"api.example.com".to_vec())])
         );
         assert_eq!(
             key(&host, &[(":authority", b"api.example.com")], "1.1.1.1:1"),
-            key(&host, &[(":authority", b"API.example.com:443")], "1.1.1.1:1")
+            key(
+                &host,
+                &[(":authority", b"API.example.com:443")],
+                "1.1.1.1:1"
+            )
         );
         assert_eq!(key(&host, &[], "1.1.1.1:1"), None);
         let query = [KeyPart::Query(0)];
