@@ -183,9 +183,11 @@ fn status(port: u16, host: &str, path: &str, headers: &[(&str, &str)]) -> u16 {
         .unwrap_or_else(|| panic!("no status line in {answer:?}"))
 }
 
-/// How many of the requests `(host, path, headers)` were admitted (200);
-/// every other answer must be a 429.
-fn admitted(envoy: &Envoy, requests: &[(String, String, Vec<(&str, String)>)]) -> usize {
+/// One GET: its `Host`, its path and its other headers.
+type Get = (String, String, Vec<(&'static str, String)>);
+
+/// How many of the requests were admitted (200); every other answer must be a 429.
+fn admitted(envoy: &Envoy, requests: &[Get]) -> usize {
     let port = envoy.ports().listen;
     requests
         .iter()
@@ -210,7 +212,7 @@ fn times(
     host: &str,
     path: &str,
     headers: &[(&'static str, &str)],
-) -> Vec<(String, String, Vec<(&'static str, String)>)> {
+) -> Vec<Get> {
     let headers: Vec<(&str, String)> = headers.iter().map(|(k, v)| (*k, v.to_string())).collect();
     (0..n)
         .map(|_| (host.to_string(), path.to_string(), headers.clone()))

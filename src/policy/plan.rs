@@ -909,8 +909,7 @@ impl Plan {
             .chain(quotas.iter().map(|q| &q.key));
         let sources = h.key_sources(identity.ip_source, key_parts);
         let (header_needed, source) = reads(
-            h.headers.len(),
-            &sources,
+            (h.headers.len(), &sources),
             &identity,
             id.client_id_metadata.is_none(),
             id.tier_metadata.is_none(),
@@ -1055,8 +1054,7 @@ impl LeasePlan {
 // function's size (BENCHMARKS.md, "Where the memory goes").
 #[inline(never)]
 fn reads(
-    headers: usize,
-    sources: &KeySources,
+    (headers, sources): (usize, &KeySources),
     identity: &IdentityPlan,
     client_from_header: bool,
     tier_from_header: bool,
