@@ -207,12 +207,7 @@ fn admitted(envoy: &Envoy, requests: &[Get]) -> usize {
 }
 
 /// `n` requests of `path` with `Host: host` and `headers`.
-fn times(
-    n: usize,
-    host: &str,
-    path: &str,
-    headers: &[(&'static str, &str)],
-) -> Vec<Get> {
+fn times(n: usize, host: &str, path: &str, headers: &[(&'static str, &str)]) -> Vec<Get> {
     let headers: Vec<(&str, String)> = headers.iter().map(|(k, v)| (*k, v.to_string())).collect();
     (0..n)
         .map(|_| (host.to_string(), path.to_string(), headers.clone()))

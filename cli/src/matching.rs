@@ -104,33 +104,23 @@ fn key(parts: &[KeyPart], props: &mut BTreeSet<String>) -> String {
 pub fn describe(c: &Config) -> String {
     let mut props = BTreeSet::new();
     let mut lines = Vec::new();
-    for r in &c.rules {
-        if r.matches.is_none() && r.key.is_empty() {
+    let rules = c
+        .rules
+        .iter()
+        .map(|r| ("rule", &r.name, &r.matches, &r.key));
+    let quotas = c
+        .quotas
+        .iter()
+        .map(|q| ("quota", &q.name, &q.matches, &q.key));
+    for (kind, name, matches, parts) in rules.chain(quotas) {
+        if matches.is_none() && parts.is_empty() {
             continue;
         }
-        let when = r
-            .matches
+        let when = matches
             .as_ref()
             .map_or("every request".into(), |m| conditions(m, &mut props));
-        lines.push(format!(
-            "  rule {}: {when}; key: {}",
-            r.name,
-            key(&r.key, &mut props)
-        ));
-    }
-    for q in &c.quotas {
-        if q.matches.is_none() && q.key.is_empty() {
-            continue;
-        }
-        let when = q
-            .matches
-            .as_ref()
-            .map_or("every request".into(), |m| conditions(m, &mut props));
-        lines.push(format!(
-            "  quota {}: {when}; key: {}",
-            q.name,
-            key(&q.key, &mut props)
-        ));
+        let key = key(parts, &mut props);
+        lines.push(format!("  {kind} {name}: {when}; key: {key}"));
     }
     for (i, cost) in c.costs.iter().enumerate() {
         lines.push(format!(

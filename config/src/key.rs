@@ -313,24 +313,27 @@ pub fn bounded(key: String, name: &str) -> String {
 mod tests {
     use super::*;
 
+    /// One part of every kind, in the configuration's form.
+    const SAMPLES: [&str; 14] = [
+        "client",
+        "ip",
+        "method",
+        "path",
+        "host",
+        "route",
+        "ip/24",
+        "ip/64",
+        "ip/24/64",
+        "ip/0",
+        "header:x-tenant",
+        "query:api_key",
+        "cookie:session",
+        "metadata:envoy.filters.http.jwt_authn/payload/org",
+    ];
+
     #[test]
     fn key_parts_read_back_as_written() {
-        for s in [
-            "client",
-            "ip",
-            "method",
-            "path",
-            "host",
-            "route",
-            "ip/24",
-            "ip/64",
-            "ip/24/64",
-            "ip/0",
-            "header:x-tenant",
-            "query:api_key",
-            "cookie:session",
-            "metadata:envoy.filters.http.jwt_authn/payload/org",
-        ] {
+        for s in SAMPLES {
             assert_eq!(KeyPart::parse(s).unwrap().to_string(), s);
         }
         assert_eq!(KeyPart::parse("header:x-tenant").unwrap().tag(), b'h');
@@ -365,20 +368,12 @@ mod tests {
 
     #[test]
     fn every_kind_has_its_own_tag() {
-        let parts = [
-            "client",
-            "ip",
-            "method",
-            "path",
-            "host",
-            "route",
-            "ip/24",
-            "header:a",
-            "query:a",
-            "cookie:a",
-            "metadata:a/b",
-        ]
-        .map(|s| KeyPart::parse(s).unwrap().tag());
+        // ip/24, ip/64, ip/24/64 and ip/0 are one kind.
+        let parts: Vec<u8> = SAMPLES
+            .iter()
+            .filter(|s| !["ip/64", "ip/24/64", "ip/0"].contains(s))
+            .map(|s| KeyPart::parse(s).unwrap().tag())
+            .collect();
         let mut unique = parts.to_vec();
         unique.sort_unstable();
         unique.dedup();
