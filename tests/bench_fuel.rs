@@ -964,10 +964,11 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
 }
 
 /// The configuration and client the profiling tools measure:
-/// `PROFILE_CONFIG` (`c4`, else c1) and `PROFILE_CLIENT` (`c50`).
+/// `PROFILE_CONFIG` (`c4`, `cc`, else c1) and `PROFILE_CLIENT` (`c50`).
 fn profiled() -> (&'static str, String) {
     let config = match std::env::var("PROFILE_CONFIG").as_deref() {
         Ok("c4") => C4,
+        Ok("cc") => CC,
         _ => C1,
     };
     let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
@@ -1000,7 +1001,7 @@ fn profiled_vm(config: &str, client: &str) -> FuelVm {
 /// ```
 ///
 /// Functions on top of the stack are also listed with their caller.
-/// `PROFILE_CONFIG=c4` profiles c4, `PROFILE_CLIENT=over` a denial,
+/// `PROFILE_CONFIG=c4` profiles c4 (`cc` the concurrency variant), `PROFILE_CLIENT=over` a denial,
 /// `PROFILE_SAMPLES` sets N (150); `PROFILE_OFFSETS=1` adds to the top
 /// frame its module offset (as `wasm-tools print --print-offsets` shows it).
 #[test]

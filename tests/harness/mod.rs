@@ -1644,6 +1644,16 @@ impl Harness {
             .collect()
     }
 
+    /// The one callout pending on any worker (`what` names it in the panic
+    /// when there is none or more than one).
+    pub fn the_pending_call(&self, what: &str) -> HttpCall {
+        let calls = self.pending_http_calls();
+        let [call] = calls.as_slice() else {
+            panic!("one {what} expected: {calls:?}");
+        };
+        call.clone()
+    }
+
     fn pending_call(&self, w: usize, token: u32) -> HttpCall {
         let h = self.host_ref(w);
         let call = h
