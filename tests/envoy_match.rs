@@ -96,7 +96,8 @@ fn ok<T>(r: anyhow::Result<T>, what: &str) -> T {
 }
 
 /// The shipped template with [`ROUTES`] and [`BIG_HEADERS`], written to a
-/// fresh file under the system's temporary directory.
+/// fresh directory under the system's temporary directory ([`start_all`]
+/// removes it).
 fn template() -> PathBuf {
     let text = std::fs::read_to_string(template_path()).expect("reading envoy/envoy.yaml");
     let mut out = text.replace(SHIPPED_ROUTES, ROUTES);
@@ -155,10 +156,26 @@ fn local_config() -> String {
     .to_string()
 }
 
+/// Starts the Envoys of `opts`, each from the template variant, which is
+/// removed once they have rendered it.
+fn start_all(opts: Vec<EnvoyOptions>) -> Vec<Envoy> {
+    let file = template();
+    let opts: Vec<EnvoyOptions> = opts
+        .into_iter()
+        .map(|mut o| {
+            o.template = Some(file.clone());
+            o
+        })
+        .collect();
+    let envoys = Envoy::start_all(&opts);
+    if let Some(dir) = file.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    ok(envoys, "starting Envoy")
+}
+
 fn start(config: String) -> Envoy {
-    let mut opts = EnvoyOptions::new(config);
-    opts.template = Some(template());
-    ok(Envoy::start(opts), "starting Envoy")
+    start_all(vec![EnvoyOptions::new(config)]).remove(0)
 }
 
 /// The status of a raw HTTP/1.1 GET of `path` with `Host: host` and
@@ -448,12 +465,8 @@ fn a_global_host_and_query_rule_is_exact_across_two_proxies() {
         ),
         "starting ratelimit-gateway",
     );
-    let mut opts = EnvoyOptions::new(config).gateway_port(gateway.port());
-    opts.template = Some(template());
-    let envoys = ok(
-        Envoy::start_all(&[opts.clone(), opts]),
-        "starting two Envoys",
-    );
+    let opts = EnvoyOptions::new(config).gateway_port(gateway.port());
+    let envoys = start_all(vec![opts.clone(), opts]);
     let spellings = [
         ("API.example.com:443", "/g?api_key=abc"),
         ("api.example.com", "/g?api_key=a%62c"),
