@@ -450,7 +450,7 @@ fn the_floor_module_makes_the_calls_c1_makes() {
     let mut c1 = FuelVm::new(&harness::default_wasm_path(), C1);
     let mut floor = FuelVm::new(&path, C1);
     // A new client's read finds nothing, so nothing is allocated for it.
-    for (client, calls) in [("c1", (9, 7)), ("c1", (9, 8)), ("c2", (9, 7))] {
+    for (client, calls) in [("c1", (10, 7)), ("c1", (10, 8)), ("c2", (10, 7))] {
         let c1_calls = calls_of_a_request(&mut c1, client);
         let floor_calls = calls_of_a_request(&mut floor, client);
         assert_eq!(c1_calls, floor_calls, "client {client}");

@@ -515,6 +515,8 @@ pub struct Outcome {
     pub on_done_result: Option<bool>,
     /// Protocol oddities noticed on this stream (e.g. Continue returned after a local response).
     pub notes: Vec<String>,
+    /// `proxy_set_property` calls on this stream: path and value, in order.
+    pub set_properties: Vec<(Vec<String>, Vec<u8>)>,
 }
 
 pub(crate) fn find_header(headers: &[(String, Vec<u8>)], name: &str) -> Option<String> {
@@ -1573,6 +1575,7 @@ impl Harness {
             resumes: s.resumes,
             on_done_result: s.on_done_result,
             notes: s.notes.clone(),
+            set_properties: s.set_properties.clone(),
         }
     }
 
