@@ -12,7 +12,8 @@
 //!   in host functions is not counted. The plugin configurations are the
 //!   bench's own (`tools/src/bin/bench/c1.json`, `c4.json`), so the numbers
 //!   belong to the same 1-rule and 4-rule variants `make bench` loads into
-//!   Envoy.
+//!   Envoy; `cm.json` (a rule matched on host, route and query, keyed on
+//!   `ip/24`) is measured here only.
 //! * **Instructions per response byte** that a `cost_from` rule scans: the
 //!   same VM answers each request with a chat completion (JSON) or a chat
 //!   stream (SSE) through `proxy_on_response_body`, in 16 KiB or 1 KiB
@@ -53,6 +54,9 @@ use wasmtime::{Engine, Instance, Module, Store};
 const C1: &str = include_str!("../tools/src/bin/bench/c1.json");
 const C4: &str = include_str!("../tools/src/bin/bench/c4.json");
 const CC: &str = include_str!("../tools/src/bin/bench/cc.json");
+/// One rule matched on a host pattern, a route name and a query parameter,
+/// keyed on the client's /24.
+const CM: &str = include_str!("../tools/src/bin/bench/cm.json");
 
 /// Requests measured per configuration (after [`WARMUP`] unmeasured ones).
 const MEASURED: u32 = 400;
@@ -389,9 +393,14 @@ fn client_request(client: &str) -> Request {
 /// Mean fuel over [`MEASURED`] requests of clients `c0`…`c999` (after
 /// [`WARMUP`]); every one must pass.
 fn mean_passing(vm: &mut FuelVm) -> (f64, f64) {
+    mean_passing_of(vm, |i| client_request(&format!("c{}", i % CLIENTS)))
+}
+
+/// [`mean_passing`] of the requests `request(i)`.
+fn mean_passing_of(vm: &mut FuelVm, request: impl Fn(u32) -> Request) -> (f64, f64) {
     let (mut decide, mut total) = (0u64, 0u64);
     for i in 0..WARMUP + MEASURED {
-        let f = vm.request(client_request(&format!("c{}", i % CLIENTS)));
+        let f = vm.request(request(i));
         assert!(f.passed, "request {i} was not let through");
         if i >= WARMUP {
             decide += f.request_headers;
@@ -513,6 +522,13 @@ fn instructions_per_decision_in_the_compiled_module() {
     let (c4_decide, c4_total) = mean_passing(&mut c4);
     let mut cc = FuelVm::new(&filter, CC);
     let (cc_decide, cc_total) = mean_passing(&mut cc);
+    // cm's request: a host under example.com, the route `api`, an api_key.
+    let mut cm = FuelVm::new(&filter, CM);
+    let (cm_decide, cm_total) = mean_passing_of(&mut cm, |i| {
+        Request::get(&format!("/v1/items?page=2&api_key=k{}", i % CLIENTS))
+            .set_header(":authority", "api.example.com:443")
+            .property(&["xds", "route_name"], "api")
+    });
 
     let noop = baseline_fuel(&noop_wasm_path(), "noop-filter");
     let host_calls = baseline_fuel(&hostcalls_wasm_path(), "hostcalls-filter");
@@ -524,6 +540,7 @@ fn instructions_per_decision_in_the_compiled_module() {
         "c1": { "decision": c1_decide, "request": c1_total, "denied_decision": denied_decide },
         "c4": { "decision": c4_decide, "request": c4_total },
         "cc": { "decision": cc_decide, "request": cc_total },
+        "cm": { "decision": cm_decide, "request": cm_total },
         "noop": noop,
         "hostcalls": host_calls,
         "c4_over_c1": c4_decide / c1_decide,
@@ -537,6 +554,8 @@ fn instructions_per_decision_in_the_compiled_module() {
         c4_total,
         cc_decide,
         cc_total,
+        cm_decide,
+        cm_total,
     ] {
         assert!(v > 0.0, "{figures}");
     }

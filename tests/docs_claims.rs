@@ -244,8 +244,14 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "rules": [
             { "name": "local",
               "match": { "path_prefix": "/a", "path_exact": "/a/b", "methods": ["GET"],
-                         "headers": { "x-k": "v" } },
-              "key": ["client", "ip", "method", "path", "header:x-k"],
+                         "headers": { "x-k": "v" }, "host": "*.example.com",
+                         "host_regex": "(api|www)[.]example[.]com", "path_regex": "/a/[0-9]+",
+                         "route": "api", "route_metadata": { "ratelimit/plan": "premium" },
+                         "metadata": { "envoy.filters.http.jwt_authn/payload/org": "acme" },
+                         "query": { "api_key": true, "v": "2" }, "cookie": { "session": true },
+                         "not": { "path_prefix": "/a/health" },
+                         "any": [{ "methods": ["GET"] }, { "query": { "debug": true } }] },
+              "key": ["client", "ip", "method", "path", "header:x-k", "host", "route", "ip/24/64"],
               "limits": [{ "requests": 10, "per": "1m" }],
               "tiers": { "pro": [{ "requests": 20, "per": "1m" }] },
               "algorithm": "token_bucket", "scope": "local", "mode": "enforce", "cost": 2,
@@ -305,11 +311,17 @@ const NAMED_KEYS: [(&str, &str); 2] = [("identity.clients", "<id>"), ("tiers", "
 
 /// Maps and lists documented as one field (their entries are described in
 /// the field's row, or are limits as in `rules[].limits`).
-const WHOLE: [&str; 6] = [
+const WHOLE: [&str; 12] = [
     "costs[].cost_from",
     "rules[].tiers",
     "quotas[].tiers",
     "match.headers",
+    "match.route_metadata",
+    "match.metadata",
+    "match.query",
+    "match.cookie",
+    "match.not",
+    "match.any",
     "identity.clients.<id>.limits",
     "identity.clients.<id>.quotas",
 ];

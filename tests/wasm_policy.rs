@@ -1912,3 +1912,70 @@ fn deny_cache_zero_asks_the_gateway_every_time_and_a_bad_size_is_refused() {
         h.log_text()
     );
 }
+
+/// Route name, route metadata and dynamic metadata, as Envoy's properties,
+/// matched and keyed on by the compiled filter: a route-keyed rule counts
+/// per route, a request without the route's name or the claim is not
+/// limited by the rules that read them.
+#[test]
+fn route_and_metadata_conditions_and_keys_read_their_properties() {
+    let config = cfg(json!({
+        "rules": [
+            { "name": "premium", "match": { "route_metadata": { "ratelimit/plan": "premium" } },
+              "key": ["route"], "limits": [{ "requests": 2, "per": "1h" }] },
+            { "name": "org", "match": { "path_prefix": "/org" },
+              "key": [format!("metadata:{JWT}/payload/org")], "limits": [{ "requests": 1, "per": "1h" }] }
+        ]
+    }));
+    let h = harness(2, &config);
+    let routed = |name: &str, plan: &str| {
+        Request::get("/")
+            .property(&["xds", "route_name"], name)
+            .property(
+                &[
+                    "xds",
+                    "route_metadata",
+                    "filter_metadata",
+                    "ratelimit",
+                    "plan",
+                ],
+                plan,
+            )
+    };
+    let statuses = |reqs: Vec<Request>| -> Vec<u32> {
+        reqs.into_iter()
+            .enumerate()
+            .map(|(i, r)| u32::from(h.send_rr(i, r).status))
+            .collect()
+    };
+    assert_eq!(
+        statuses(vec![
+            routed("a", "premium"),
+            routed("a", "premium"),
+            routed("a", "premium")
+        ]),
+        vec![200, 200, 429]
+    );
+    // Another route with the same plan: its own bucket; another plan: no rule.
+    assert_eq!(
+        statuses(vec![
+            routed("b", "premium"),
+            routed("c", "basic"),
+            routed("c", "basic")
+        ]),
+        vec![200, 200, 200]
+    );
+    let org = |o: &str| {
+        Request::get("/org").property(&["metadata", "filter_metadata", JWT, "payload", "org"], o)
+    };
+    assert_eq!(
+        statuses(vec![
+            org("acme"),
+            org("acme"),
+            org("globex"),
+            Request::get("/org"),
+            Request::get("/org")
+        ]),
+        vec![200, 429, 200, 200, 200]
+    );
+}

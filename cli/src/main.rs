@@ -3,7 +3,8 @@
 //! - `validate FILE...`: exit 1 with field paths on errors; fit for CI.
 //! - `explain FILE`: every rule × tier with its effective limits, burst, cost
 //!   and scope, and each limit's `RateLimit-Policy` item (a response shows
-//!   one: the limit closest to exhaustion); what `cost_from` reserves and how
+//!   one: the limit closest to exhaustion); which requests each rule, quota
+//!   and cost applies to and what it keys on; what `cost_from` reserves and how
 //!   it settles, and `charge_on`; with `--response-body`, what the filter
 //!   would settle for that sample response.
 //! - `budget FILE... --provider-limit N/1m --headroom 10%`: whether the
@@ -21,6 +22,7 @@ mod budget;
 mod charging;
 mod check_envoy;
 mod explain;
+mod matching;
 mod render;
 
 use clap::{Parser, Subcommand};
@@ -155,7 +157,12 @@ fn explain(
             })
         }
     };
-    print!("{}{}", explain::table(&c), charging::describe(&c));
+    print!(
+        "{}{}{}",
+        explain::table(&c),
+        matching::describe(&c),
+        charging::describe(&c)
+    );
     if let Some(s) = &sample {
         print!("{}", charging::settle(&c, s));
     }

@@ -320,7 +320,7 @@ fn validate_refuses_what_the_gateway_or_envoy_would_never_run() {
     let r = run(&["validate", &file("host.json", host)]);
     assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
     assert!(
-        r.stderr.contains(r#"host.json: rules[0].key[0]: "Host" never reaches the filter: Envoy keeps the host as :authority"#),
+        r.stderr.contains(r#"host.json: rules[0].key[0]: "Host" never reaches the filter as a header: Envoy keeps the host as :authority"#),
         "{}",
         r.stderr
     );
@@ -1312,4 +1312,66 @@ fn explain_shows_a_concurrency_limit_as_slots_not_a_rate() {
         "{}",
         r.stdout
     );
+}
+
+#[test]
+fn validate_and_explain_handle_every_condition_and_key_part() {
+    let good = file(
+        "match.json",
+        r#"{"domain":"d","rules":[{"name":"api","limits":[{"requests":5,"per":"1m"}],
+            "match":{"host":"*.example.com","path_regex":"/v[0-9]+/.*","route":"api",
+                     "route_metadata":{"ratelimit/plan":"premium"},
+                     "metadata":{"envoy.filters.http.jwt_authn/payload/org":"acme"},
+                     "query":{"debug":true},"cookie":{"session":"s"},
+                     "not":{"path_prefix":"/health"},"any":[{"host_regex":"a|b"},{"methods":["GET"]}]},
+            "key":["host","route","ip/24/64","query:api_key","cookie:session",
+                   "metadata:envoy.filters.http.jwt_authn/payload/org"]}]}"#,
+    );
+    let r = run(&["validate", &good]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let r = run(&["explain", &good]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for want in [
+        "rule api: host is *.example.com (any case, port stripped) and path matches \"/v[0-9]+/.*\" whole and route is \"api\"",
+        "not (path starts with /health) and any of (host matches \"a|b\" whole) or (method in GET)",
+        "key: host, route, ip/24/64, query:api_key, cookie:session, metadata:envoy.filters.http.jwt_authn/payload/org",
+        "properties read from Envoy per request (one host call each):",
+        "  metadata filter_metadata/envoy.filters.http.jwt_authn/payload/org",
+        "  xds.route_metadata filter_metadata/ratelimit/plan",
+        "  xds.route_name",
+    ] {
+        assert!(r.stdout.contains(want), "{want}\n{}", r.stdout);
+    }
+    for (name, rule, want) in [
+        (
+            "regex.json",
+            r#""match":{"path_regex":"(a"}"#,
+            "regex.json: rules[0].match.path_regex: \"(a\" is not a regular expression",
+        ),
+        (
+            "prefix.json",
+            r#""key":["ip/33/64"]"#,
+            "prefix.json: rules[0].key[0]: ip/\"33/64\" is not an IP prefix",
+        ),
+        (
+            "meta.json",
+            r#""key":["metadata:jwt"]"#,
+            "meta.json: rules[0].key[0]: \"jwt\" is not a metadata path",
+        ),
+        (
+            "nested.json",
+            r#""match":{"any":[{"not":{"host":"a:1"}}]}"#,
+            "nested.json: rules[0].match.any[0].not.host: \"a:1\" is not a host name",
+        ),
+    ] {
+        let f = file(
+            name,
+            &format!(
+                r#"{{"domain":"d","rules":[{{"name":"r","limits":[{{"requests":5,"per":"1m"}}],{rule}}}]}}"#
+            ),
+        );
+        let r = run(&["validate", &f]);
+        assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+        assert!(r.stderr.contains(want), "{want}\n{}", r.stderr);
+    }
 }

@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod bounds;
+pub mod condition;
 pub mod duration;
 pub mod key;
 mod read;
@@ -31,6 +32,7 @@ pub mod validate_global;
 mod validate_usage;
 pub mod vocab;
 
+pub use condition::{HostPattern, MetadataPath, ValueMatch};
 pub use key::KeyPart;
 pub use schema::*;
 pub use syntax::MAX_URI_LEN;

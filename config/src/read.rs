@@ -541,8 +541,33 @@ fn matcher(v: &Value, p: &mut Path) -> Result<Match> {
         "path_exact" => m.path_exact = opt(v, p, string_)?,
         "methods" => m.methods = opt(v, p, strings)?,
         "headers" => m.headers = map(v, p, string_)?,
+        "host" => m.host = opt(v, p, string_)?,
+        "host_regex" => m.host_regex = opt(v, p, string_)?,
+        "path_regex" => m.path_regex = opt(v, p, string_)?,
+        "route" => m.route = opt(v, p, string_)?,
+        "route_metadata" => m.route_metadata = map(v, p, string_)?,
+        "metadata" => m.metadata = map(v, p, string_)?,
+        "query" => m.query = map(v, p, value_match)?,
+        "cookie" => m.cookie = map(v, p, value_match)?,
+        "not" => m.not = opt(v, p, |v, p| matcher(v, p).map(Box::new))?,
+        "any" => m.any = opt(v, p, |v, p| list(v, p, matcher))?,
     })?;
     Ok(m)
+}
+
+/// A `query` or `cookie` test: `true` (present) or a string (exact), as
+/// [`ValueMatch`]'s `Deserialize` reads it.
+#[inline(never)]
+fn value_match(v: &Value, p: &mut Path) -> Result<ValueMatch> {
+    match v {
+        Value::String(s) => Ok(ValueMatch::Exact(s.clone())),
+        Value::Bool(true) => Ok(ValueMatch::Present),
+        Value::Bool(false) => Err(p.error(serde_json::Error::invalid_value(
+            Unexpected::Bool(false),
+            &condition::VALUE_MATCH_EXPECTING,
+        ))),
+        _ => Err(p.invalid_type(v, condition::VALUE_MATCH_EXPECTING)),
+    }
 }
 
 #[inline(never)]
@@ -702,7 +727,11 @@ mod tests {
         let limits = json!([{"requests": 5, "per": "1m"}, {"requests": 1, "per": 2},
             {"concurrent": 3, "max_in_flight": "10m"}]);
         let matcher = json!({"path_prefix": "/a", "path_exact": "/b", "methods": ["GET"],
-            "headers": {"x-a": "1"}});
+            "headers": {"x-a": "1"}, "host": "*.example.com", "host_regex": "a.*",
+            "path_regex": "/v[0-9]+", "route": "api", "route_metadata": {"ratelimit/plan": "p"},
+            "metadata": {"envoy.filters.http.jwt_authn/payload/org": "o"},
+            "query": {"k": "v", "debug": true}, "cookie": {"s": true},
+            "not": {"path_prefix": "/x"}, "any": [{"route": "r"}, {"host": "h"}]});
         json!({
             "domain": "d",
             "identity": {"client_id_header": "x-id", "trusted_proxy_hops": 1,
@@ -789,6 +818,7 @@ mod tests {
             json!("/usage/x"),
             json!("a~2"),
             json!("anthropic_messages"),
+            json!(false),
         ];
         all.get(choice).cloned()
     }
@@ -811,7 +841,7 @@ mod tests {
         /// configuration writes; the reader refuses it as the wrong type.
         #[test]
         fn the_reader_agrees_with_serde(
-            edits in proptest::collection::vec((any::<usize>(), 0usize..36, any::<bool>()), 0..4)
+            edits in proptest::collection::vec((any::<usize>(), 0usize..37, any::<bool>()), 0..4)
         ) {
             let mut v = full();
             for (at, choice, delete) in edits {

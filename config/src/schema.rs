@@ -2,6 +2,7 @@
 //! its default, and the bounds the validation holds them to. Field names are a
 //! public contract: unknown fields are refused.
 
+use super::condition::ValueMatch;
 use super::duration::Seconds;
 use super::key::KeyPart;
 use super::usage::{CostFrom, StatusMatch};
@@ -576,6 +577,40 @@ pub struct Match {
     /// Each named header is present with exactly this value.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
+    /// The host (`:authority`, port stripped, any case) is this one, or
+    /// under this domain (`*.example.com`).
+    #[serde(default)]
+    pub host: Option<String>,
+    /// The host (port stripped, lower-case) matches this regular expression whole.
+    #[serde(default)]
+    pub host_regex: Option<String>,
+    /// The path (without query) matches this regular expression whole.
+    #[serde(default)]
+    pub path_regex: Option<String>,
+    /// The name of the Envoy route the request matched (`xds.route_name`).
+    #[serde(default)]
+    pub route: Option<String>,
+    /// Each `<namespace>/<key>…` of the matched route's `filter_metadata`
+    /// holds exactly this string.
+    #[serde(default)]
+    pub route_metadata: BTreeMap<String, String>,
+    /// Each `<filter>/<key>…` of the request's dynamic metadata (what
+    /// `jwt_authn` or `ext_authz` wrote) holds exactly this string.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Each named query parameter is present (`true`) or has exactly this
+    /// value, percent- and `+`-decoded.
+    #[serde(default)]
+    pub query: BTreeMap<String, ValueMatch>,
+    /// Each named cookie is present (`true`) or has exactly this value, percent-decoded.
+    #[serde(default)]
+    pub cookie: BTreeMap<String, ValueMatch>,
+    /// Holds when this match does not.
+    #[serde(default)]
+    pub not: Option<Box<Match>>,
+    /// Holds when one of these matches does.
+    #[serde(default)]
+    pub any: Option<Vec<Match>>,
 }
 
 /// `requests` per `per` (a rate limit), or `concurrent` requests in flight

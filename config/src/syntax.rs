@@ -18,8 +18,9 @@ pub(super) fn header_name_problem(name: &str) -> Option<String> {
     }
     if name.eq_ignore_ascii_case("host") {
         return Some(format!(
-            "{name:?} never reaches the filter: Envoy keeps the host as :authority, which \
-             rules cannot read; give each virtual host its own plugin configuration instead"
+            "{name:?} never reaches the filter as a header: Envoy keeps the host as \
+             :authority; match on it with match.host or match.host_regex, and key on it with \
+             the key part host"
         ));
     }
     None

@@ -69,7 +69,7 @@ fn unknown_fields_are_refused_with_their_path() {
 fn semantic_errors_name_their_path() {
     let cases = [
         ("/rules/0/limits/0/requests", json!(0), "rules[0].limits[0].requests: must be between 1 and 1000000000"),
-        ("/rules/0/key/0", json!("cookie"), r#"rules[0].key[0]: "cookie" is not a key part (client, ip, method, path or header:<name>)"#),
+        ("/rules/0/key/0", json!("cookie"), r#"rules[0].key[0]: "cookie" is not a key part (client, ip, method, path, host, route, ip/<len>, header:<name>, query:<name>, cookie:<name> or metadata:<filter>/<key>)"#),
         ("/rules/0/name", json!("has space"), r#"rules[0].name: "has space" must be 1-64 characters of A-Z a-z 0-9 - _ . :"#),
         ("/max_buckets", json!(1), "max_buckets: must be between 64 and 16777216"),
         ("/response/headers", json!("all"), "response.headers: unknown variant `all`, expected one of `both`, `legacy`, `ietf`, `none`"),
@@ -457,8 +457,8 @@ fn the_gateway_token_is_a_b64token_from_the_config_or_the_environment() {
 
 #[test]
 fn the_host_header_is_refused_where_a_header_name_is_read() {
-    let why = "never reaches the filter: Envoy keeps the host as :authority, which rules \
-               cannot read; give each virtual host its own plugin configuration instead";
+    let why = "never reaches the filter as a header: Envoy keeps the host as :authority; match \
+               on it with match.host or match.host_regex, and key on it with the key part host";
     for name in ["host", "Host", "HOST"] {
         let mut k = base();
         k["rules"][0]["key"] = json!([format!("header:{name}")]);
@@ -821,4 +821,106 @@ fn a_reserve_read_from_the_body_keeps_its_default_and_names_its_path_in_costs() 
     );
     assert_eq!(config.costs[0].upfront(), 1);
     assert_eq!(from.reserve.to_string(), "/max_tokens (default 1)");
+}
+
+#[test]
+fn bad_conditions_are_refused_with_their_path() {
+    let cases = [
+        (
+            json!({"path_regex": "(a"}),
+            "rules[0].match.path_regex: \"(a\" is not a regular expression",
+        ),
+        (
+            json!({"host_regex": "a{2,1}"}),
+            "rules[0].match.host_regex: \"a{2,1}\" is not a regular expression",
+        ),
+        (
+            json!({"path_regex": "a".repeat(1025)}),
+            "rules[0].match.path_regex: must be at most 1024 bytes",
+        ),
+        (
+            json!({"host": "api.example.com:443"}),
+            "rules[0].match.host: \"api.example.com:443\" is not a host name",
+        ),
+        (
+            json!({"route": ""}),
+            "rules[0].match.route: \"\" is not a route name",
+        ),
+        (
+            json!({"route_metadata": {"plan": "p"}}),
+            "rules[0].match.route_metadata: \"plan\" is not a metadata path",
+        ),
+        (
+            json!({"metadata": {"a//b": "p"}}),
+            "rules[0].match.metadata: \"a//b\" is not a metadata path",
+        ),
+        (
+            json!({"query": {"": true}}),
+            "rules[0].match.query: \"\" is not a query parameter name",
+        ),
+        (
+            json!({"cookie": {"s": false}}),
+            "rules[0].match.cookie.s: invalid value: boolean `false`, expected a string or true",
+        ),
+        (
+            json!({"cookie": {"s": 1}}),
+            "rules[0].match.cookie.s: invalid type: integer `1`, expected a string or true",
+        ),
+        (
+            json!({"any": []}),
+            "rules[0].match.any: must hold 1 to 16 matches",
+        ),
+        (
+            json!({"not": {"path_regex": "("}}),
+            "rules[0].match.not.path_regex: \"(\" is not a regular expression",
+        ),
+        (
+            json!({"any": [{"host": "a"}, {"path_prefix": "x"}]}),
+            "rules[0].match.any[1].path_prefix: \"x\" must start with /",
+        ),
+        (
+            json!({"not": {"not": {"not": {"not": {"not": {"route": "r"}}}}}}),
+            "rules[0].match.not.not.not.not: not and any nest at most 4 deep",
+        ),
+    ];
+    for (m, want) in cases {
+        let mut v = base();
+        v["rules"][0]["match"] = m.clone();
+        let e = err(v);
+        assert!(e.starts_with(want), "{m}: {e}");
+    }
+    let mut ok = base();
+    ok["rules"][0]["match"] = json!({"host": "*.Example.com", "host_regex": "(a|b)[.]x",
+        "path_regex": "/v[0-9]+/.*", "route": "api", "route_metadata": {"ratelimit/plan": "p"},
+        "metadata": {"envoy.filters.http.jwt_authn/payload/org": "acme"},
+        "query": {"api_key": true, "v": "2"}, "cookie": {"session": true},
+        "not": {"path_prefix": "/health"}, "any": [{"route": "a"}, {"route": "b"}]});
+    ok["rules"][0]["key"] = json!([
+        "host",
+        "route",
+        "ip/24/64",
+        "query:api_key",
+        "cookie:session",
+        "metadata:envoy.filters.http.jwt_authn/payload/org"
+    ]);
+    assert!(parse(ok.to_string().as_bytes()).is_ok());
+}
+
+#[test]
+fn patterns_are_bounded_in_number() {
+    let mut v = base();
+    let rule = v["rules"][0].clone();
+    let rules: Vec<serde_json::Value> = (0..33)
+        .map(|i| {
+            let mut r = rule.clone();
+            r["name"] = json!(format!("r{i}"));
+            r["match"] = json!({"path_regex": "/a", "host_regex": "b"});
+            r
+        })
+        .collect();
+    v["rules"] = json!(rules);
+    assert_eq!(
+        err(v),
+        "rules[32].match: at most 64 path_regex and host_regex patterns in all"
+    );
 }

@@ -89,6 +89,7 @@ impl Config {
             }
         }
         self.validate_global()?;
+        self.validate_pattern_count()?;
         self.validate_identity()?;
         self.validate_quotas()?;
         for (i, cost) in self.costs.iter().enumerate() {
@@ -610,6 +611,132 @@ impl Match {
         for name in self.headers.keys() {
             if let Some(why) = header_name_problem(name) {
                 return Err(ConfigError::field(format!("{at}.headers"), why));
+            }
+        }
+        self.validate_conditions(at, 0)
+    }
+
+    /// The conditions beyond path, method and headers; `depth` counts the
+    /// `not` and `any` this match sits in.
+    fn validate_conditions(&self, at: &str, depth: usize) -> Result<(), ConfigError> {
+        let field = |f: &str, why: String| Err(ConfigError::field(format!("{at}.{f}"), why));
+        if let Some(h) = &self.host {
+            if let Err(why) = condition::HostPattern::parse(h) {
+                return field("host", why);
+            }
+        }
+        for (f, pattern, host) in [
+            ("host_regex", &self.host_regex, true),
+            ("path_regex", &self.path_regex, false),
+        ] {
+            if let Some(why) = pattern
+                .as_deref()
+                .and_then(|p| condition::compile_pattern(p, host).err())
+            {
+                return field(f, why);
+            }
+        }
+        if let Some(route) = &self.route {
+            if let Some(why) = condition::name_problem("route", route) {
+                return field("route", why);
+            }
+        }
+        for (f, paths) in [
+            ("route_metadata", &self.route_metadata),
+            ("metadata", &self.metadata),
+        ] {
+            for path in paths.keys() {
+                if let Err(why) = condition::MetadataPath::parse(path) {
+                    return field(f, why);
+                }
+            }
+        }
+        for (f, kind, names) in [
+            ("query", "query parameter", &self.query),
+            ("cookie", "cookie", &self.cookie),
+        ] {
+            for name in names.keys() {
+                if let Some(why) = condition::name_problem(kind, name) {
+                    return field(f, why);
+                }
+            }
+        }
+        let nested = self.not.is_some() || self.any.is_some();
+        if nested && depth >= condition::MAX_MATCH_DEPTH {
+            return Err(ConfigError::field(
+                at,
+                format!(
+                    "not and any nest at most {} deep",
+                    condition::MAX_MATCH_DEPTH
+                ),
+            ));
+        }
+        if let Some(not) = &self.not {
+            let at = format!("{at}.not");
+            not.validate(&at)?;
+            not.validate_conditions(&at, depth + 1)?;
+        }
+        if let Some(any) = &self.any {
+            if any.is_empty() || any.len() > condition::MAX_ANY {
+                return field(
+                    "any",
+                    format!("must hold 1 to {} matches", condition::MAX_ANY),
+                );
+            }
+            for (i, m) in any.iter().enumerate() {
+                let at = format!("{at}.any[{i}]");
+                m.validate(&at)?;
+                m.validate_conditions(&at, depth + 1)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many regular expressions this match (and those inside it) compiles.
+    pub fn patterns(&self) -> usize {
+        let own = usize::from(self.host_regex.is_some()) + usize::from(self.path_regex.is_some());
+        let not = self.not.as_ref().map_or(0, |m| m.patterns());
+        let any = self
+            .any
+            .iter()
+            .flatten()
+            .map(Match::patterns)
+            .sum::<usize>();
+        own + not + any
+    }
+}
+
+impl Config {
+    /// At most [`condition::MAX_PATTERNS`] regular expressions in all:
+    /// each takes up to [`condition::MAX_PATTERN_HEAP`] of every VM's memory.
+    fn validate_pattern_count(&self) -> Result<(), ConfigError> {
+        let matches = self
+            .rules
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.matches.as_ref().map(|m| (format!("rules[{i}].match"), m)))
+            .chain(self.quotas.iter().enumerate().filter_map(|(i, q)| {
+                q.matches
+                    .as_ref()
+                    .map(|m| (format!("quotas[{i}].match"), m))
+            }))
+            .chain(
+                self.costs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (format!("costs[{i}].match"), &c.matches)),
+            );
+        let mut total = 0;
+        for (at, m) in matches {
+            total += m.patterns();
+            if total > condition::MAX_PATTERNS {
+                return Err(ConfigError::field(
+                    at,
+                    format!(
+                        "at most {} path_regex and host_regex patterns in all",
+                        condition::MAX_PATTERNS
+                    ),
+                ));
             }
         }
         Ok(())

@@ -342,6 +342,15 @@ impl Http {
                         .and_then(|v| v.ok().flatten())
                 })
                 .collect(),
+            // Only what some condition or key reads: each costs a host call.
+            properties: plan
+                .properties
+                .iter()
+                .map(|path| {
+                    let path: Vec<&str> = path.iter().map(String::as_str).collect();
+                    hostcalls::get_property(path).ok().flatten()
+                })
+                .collect(),
             source_address: None,
             client_metadata: property(&plan.client_id_property),
             tier_metadata: property(&plan.tier_property),

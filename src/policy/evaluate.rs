@@ -67,7 +67,7 @@ impl Plan {
         }
         // Sized up front: growing from empty costs more than the allocation.
         eval.buckets = Vec::with_capacity(self.local_rules.min(8));
-        let ip = self.identity.ip_source;
+        let ip = &self.sources;
         for (i, rule) in self.rules.iter().enumerate() {
             // Stand-ins are reached through their global rule only.
             if rule.stand_in || !rule.matcher.as_ref().is_none_or(|m| m.matches(req)) {

@@ -1,14 +1,19 @@
 //! Bucket keys: the client's identity and the parts a rule keys on.
 
-use crate::policy::request::{HeaderId, RequestInfo};
+use crate::policy::fields;
+use crate::policy::request::{HeaderId, PropertyId, RequestInfo};
+use ratelimit_config::condition::host_of;
+use std::borrow::Cow;
 use std::net::IpAddr;
 
 /// Longest key-part value before it is counted as bad input. It is still used
 /// whole (hashed), so distinct long values never share a bucket.
 pub const MAX_KEY_PART_BYTES: usize = 1024;
 
-/// One part of a rule's key, its header compiled to the request's header id.
-pub type KeyPart = ratelimit_config::KeyPart<HeaderId>;
+/// One part of a rule's key, its name compiled: a header's id, a query
+/// parameter's or cookie's index in [`KeySources::names`], a metadata
+/// path's property id.
+pub type KeyPart = ratelimit_config::KeyPart<usize>;
 
 pub use ratelimit_config::key::{
     bounded, encode_part, MAX_GLOBAL_KEY_BYTES, MAX_GLOBAL_PART_BYTES,
@@ -21,6 +26,65 @@ pub struct IpSource {
     pub xff: HeaderId,
     /// How many trusted proxies append to `X-Forwarded-For`.
     pub hops: u32,
+}
+
+/// Where key parts find what they read, compiled with the plan. An id that
+/// no part reads is out of range, so a lookup by it finds nothing.
+#[derive(Debug, Clone)]
+pub struct KeySources {
+    /// Where the client IP comes from.
+    pub ip: IpSource,
+    /// The `:authority` header (`host`).
+    pub authority: HeaderId,
+    /// The `cookie` header (`cookie:`).
+    pub cookie: HeaderId,
+    /// The route name property (`route`).
+    pub route: PropertyId,
+    /// The names of `query:` and `cookie:` parts, by index.
+    pub names: Vec<Vec<u8>>,
+}
+
+impl KeySources {
+    /// Sources for keys that read nothing but the fixed headers and the IP.
+    pub fn ip_only(ip: IpSource) -> KeySources {
+        KeySources {
+            ip,
+            authority: usize::MAX,
+            cookie: usize::MAX,
+            route: usize::MAX,
+            names: Vec::new(),
+        }
+    }
+}
+
+/// The network of `ip`: its address masked to `v4` or `v6` bits (an
+/// IPv4-mapped IPv6 address counts as IPv4), written `<address>/<len>`.
+/// An IPv4 network is written digit by digit: `Ipv4Addr`'s `Display` costs
+/// thousands of instructions, and an `ip/<len>` key writes one per request.
+pub fn ip_network(ip: IpAddr, v4: u8, v6: u8) -> Vec<u8> {
+    match ip.to_canonical() {
+        IpAddr::V4(a) => {
+            let len = v4.min(32);
+            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+            let mut out = Vec::with_capacity(18);
+            let mut digits = itoa::Buffer::new();
+            for (i, octet) in (u32::from(a) & mask).to_be_bytes().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                out.extend_from_slice(digits.format(octet).as_bytes());
+            }
+            out.push(b'/');
+            out.extend_from_slice(digits.format(len).as_bytes());
+            out
+        }
+        IpAddr::V6(a) => {
+            let len = u32::from(v6.min(128));
+            let mask = u128::MAX.checked_shl(128 - len).unwrap_or(0);
+            let net = std::net::Ipv6Addr::from(u128::from(a) & mask);
+            format!("{net}/{len}").into_bytes()
+        }
+    }
 }
 
 /// Why a request's identity was not what the configuration expects.
@@ -75,16 +139,18 @@ pub fn client_ip(req: &RequestInfo, src: IpSource, bad: &mut Vec<BadInput>) -> O
 
 /// Feeds one rule's key for `req` into `sink` as (tag, value) per part; the
 /// tag says which kind of part it is ([`ratelimit_config::KeyPart::tag`]). `client` is the resolved client id; without one the IP
-/// stands in. Returns false when a `header:` part is absent: like
-/// Envoy's `request_headers` descriptor, the rule then does not apply.
+/// stands in. Returns false when a named part (`header:`, `query:`,
+/// `cookie:`, `metadata:`), the host or the route is absent: like Envoy's
+/// `request_headers` descriptor, the rule then does not apply.
 pub fn write_key(
     parts: &[KeyPart],
     req: &RequestInfo,
     client: Option<&[u8]>,
-    ip_src: IpSource,
+    src: &KeySources,
     bad: &mut Vec<BadInput>,
     sink: &mut impl FnMut(u8, &[u8]),
 ) -> bool {
+    let ip_src = src.ip;
     let mut ip_cache: Option<Option<IpAddr>> = None;
     let mut ip_text = |bad: &mut Vec<BadInput>| -> Vec<u8> {
         let ip = *ip_cache.get_or_insert_with(|| client_ip(req, ip_src, bad));
@@ -92,7 +158,7 @@ pub fn write_key(
     };
     for part in parts {
         // A client without an id is keyed (and tagged) as its IP.
-        let (tag, value): (u8, std::borrow::Cow<[u8]>) = match part {
+        let (tag, value): (u8, Cow<[u8]>) = match part {
             KeyPart::Client => match client.filter(|v| !v.is_empty()) {
                 Some(id) => (part.tag(), id.into()),
                 None => (KeyPart::Ip.tag(), ip_text(bad).into()),
@@ -104,6 +170,15 @@ pub fn write_key(
                 Some(v) => (part.tag(), v.into()),
                 None => return false,
             },
+            KeyPart::Host
+            | KeyPart::Route
+            | KeyPart::IpPrefix { .. }
+            | KeyPart::Query(_)
+            | KeyPart::Cookie(_)
+            | KeyPart::Metadata(_) => match other_part(part, req, src, bad) {
+                Some(v) => (part.tag(), v),
+                None => return false,
+            },
         };
         if value.len() > MAX_KEY_PART_BYTES {
             bad.push(BadInput::Oversized);
@@ -111,6 +186,57 @@ pub fn write_key(
         sink(tag, &value);
     }
     true
+}
+
+/// The value of a `host`, `route`, `ip/<len>`, `query:`, `cookie:` or
+/// `metadata:` part, normalized or decoded; `None` when absent.
+// Kept out of write_key: the rules that key on none of these pay nothing for them.
+#[inline(never)]
+fn other_part<'r>(
+    part: &KeyPart,
+    req: &'r RequestInfo,
+    src: &KeySources,
+    bad: &mut Vec<BadInput>,
+) -> Option<Cow<'r, [u8]>> {
+    let name = |i: &usize| src.names.get(*i).map(Vec::as_slice);
+    match part {
+        KeyPart::Host => {
+            let host = host_of(req.header(src.authority)?);
+            Some(match host.iter().any(u8::is_ascii_uppercase) {
+                true => host.to_ascii_lowercase().into(),
+                false => host.into(),
+            })
+        }
+        KeyPart::Route => req.property(src.route).map(Cow::from),
+        // Read again rather than shared with an `ip` part of the same key,
+        // which no sensible key has.
+        KeyPart::IpPrefix { v4, v6 } => Some(
+            client_ip(req, src.ip, bad)
+                .map(|ip| ip_network(ip, *v4, *v6))
+                .unwrap_or_default()
+                .into(),
+        ),
+        KeyPart::Query(i) => {
+            let query = fields::query_of(req.header(super::request::PATH)?);
+            Some(
+                fields::query_param(query, name(i)?)?
+                    .collect::<Vec<u8>>()
+                    .into(),
+            )
+        }
+        KeyPart::Cookie(i) => {
+            let header = req.header(src.cookie)?;
+            Some(
+                fields::cookie(header, name(i)?)?
+                    .collect::<Vec<u8>>()
+                    .into(),
+            )
+        }
+        KeyPart::Metadata(id) => req.property(*id).map(Cow::from),
+        KeyPart::Client | KeyPart::Ip | KeyPart::Method | KeyPart::Path | KeyPart::Header(_) => {
+            None
+        }
+    }
 }
 
 /// Feeds one part to a bucket hash as whole 64-bit words. The head word
@@ -180,8 +306,8 @@ mod tests {
     fn key(parts: &[KeyPart], r: &RequestInfo, hops: u32) -> (Option<Vec<u8>>, Vec<BadInput>) {
         let mut out = Vec::new();
         let mut bad = Vec::new();
-        let src = IpSource { xff: XFF, hops };
-        let ok = write_key(parts, r, r.header(CLIENT), src, &mut bad, &mut |t, v| {
+        let src = KeySources::ip_only(IpSource { xff: XFF, hops });
+        let ok = write_key(parts, r, r.header(CLIENT), &src, &mut bad, &mut |t, v| {
             out.push(t);
             out.extend_from_slice(&(v.len() as u64).to_le_bytes());
             out.extend_from_slice(v);
@@ -368,6 +494,78 @@ mod tests {
         other.push('x');
         assert_ne!(bounded(other, "rule"), b);
         assert_eq!(bounded("rule/c=a".into(), "rule"), "rule/c=a");
+    }
+
+    #[test]
+    fn networks_mask_each_family_to_its_length() {
+        let net =
+            |ip: &str, v4, v6| String::from_utf8(ip_network(ip.parse().unwrap(), v4, v6)).unwrap();
+        assert_eq!(net("10.1.2.3", 24, 64), "10.1.2.0/24");
+        assert_eq!(net("10.1.2.3", 0, 64), "0.0.0.0/0");
+        assert_eq!(net("10.1.2.3", 32, 64), "10.1.2.3/32");
+        assert_eq!(net("::ffff:10.1.2.3", 24, 64), "10.1.2.0/24");
+        assert_eq!(net("2001:db8:1:2:3:4:5:6", 24, 64), "2001:db8:1:2::/64");
+        assert_eq!(net("2001:db8::1", 24, 0), "::/0");
+        assert_eq!(net("2001:db8::1", 24, 128), "2001:db8::1/128");
+    }
+
+    #[test]
+    fn host_query_cookie_and_prefix_parts_are_normalized_or_skip_the_rule() {
+        let names = [":method", ":path", ":authority", "cookie"].map(String::from);
+        let src = KeySources {
+            ip: IpSource { xff: 9, hops: 0 },
+            authority: 2,
+            cookie: 3,
+            route: 0,
+            names: vec![b"api_key".to_vec(), b"session".to_vec()],
+        };
+        let key = |parts: &[KeyPart], headers: &[(&str, &[u8])], peer: &str| {
+            let r = RequestInfo::with_headers(&names, headers).with_source(peer.as_bytes());
+            let mut out = Vec::new();
+            let ok = write_key(parts, &r, None, &src, &mut Vec::new(), &mut |t, v| {
+                out.push((t, v.to_vec()))
+            });
+            ok.then_some(out)
+        };
+        let host = [KeyPart::Host];
+        assert_eq!(
+            key(
+                &host,
+                &[(":authority", b"API.example.com:443")],
+                "1.1.1.1:1"
+            ),
+            Some(vec![(b'a', b"api.example.com".to_vec())])
+        );
+        assert_eq!(
+            key(&host, &[(":authority", b"api.example.com")], "1.1.1.1:1"),
+            key(
+                &host,
+                &[(":authority", b"API.example.com:443")],
+                "1.1.1.1:1"
+            )
+        );
+        assert_eq!(key(&host, &[], "1.1.1.1:1"), None);
+        let query = [KeyPart::Query(0)];
+        assert_eq!(
+            key(&query, &[(":path", b"/a?x=1&api_key=a%62c")], "1.1.1.1:1"),
+            Some(vec![(b'q', b"abc".to_vec())])
+        );
+        assert_eq!(key(&query, &[(":path", b"/a?x=1")], "1.1.1.1:1"), None);
+        let cookie = [KeyPart::Cookie(1)];
+        assert_eq!(
+            key(&cookie, &[("cookie", b"a=1; session=s%2B1")], "1.1.1.1:1"),
+            Some(vec![(b'k', b"s+1".to_vec())])
+        );
+        assert_eq!(key(&cookie, &[("cookie", b"a=1")], "1.1.1.1:1"), None);
+        let route = [KeyPart::Route];
+        assert_eq!(key(&route, &[], "1.1.1.1:1"), None);
+        let net = [KeyPart::IpPrefix { v4: 24, v6: 64 }];
+        assert_eq!(key(&net, &[], "10.0.0.7:5"), key(&net, &[], "10.0.0.200:9"));
+        assert_ne!(key(&net, &[], "10.0.0.7:5"), key(&net, &[], "10.0.1.7:5"));
+        assert_eq!(
+            key(&net, &[], "[2001:db8::1]:5"),
+            Some(vec![(b'n', b"2001:db8::/64".to_vec())])
+        );
     }
 
     #[test]

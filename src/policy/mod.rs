@@ -7,6 +7,7 @@
 //! path of every request starts here.
 
 pub mod evaluate;
+pub mod fields;
 pub mod json;
 pub mod key;
 pub mod matcher;

@@ -2,9 +2,9 @@
 //! tiers and limits resolved once, so a request does no parsing, no map
 //! lookups but one for a known client, and reads only the headers it needs.
 
-use super::key::{self, BadInput, IpSource, KeyPart};
+use super::key::{self, BadInput, IpSource, KeyPart, KeySources};
 use super::matcher::Matcher;
-use super::request::HeaderId;
+use super::request::{self, HeaderId, PropertyId, Reads};
 use crate::config::{
     self, Circuit, Config, CostFrom, FailureMode, HeaderStyle, LimitSpec, Mode, OnError, Period,
     QuotaCount, Rule, Scope, StatusMatch,
@@ -364,6 +364,11 @@ pub struct Plan {
     pub header_needed: Vec<bool>,
     /// When the peer address must be fetched.
     pub source: SourceNeed,
+    /// Properties to fetch per request (the route's name, route and dynamic
+    /// metadata that some condition or key reads), in [`request::RequestInfo::properties`]'s order.
+    pub properties: Vec<Vec<String>>,
+    /// Where key parts find what they read.
+    pub(super) sources: KeySources,
     /// Property path of the client id in Envoy metadata, when configured.
     pub client_id_property: Option<Vec<String>>,
     /// Property path of the tier in Envoy metadata, when configured.
@@ -432,32 +437,116 @@ pub enum SourceNeed {
     Always,
 }
 
-/// Registers header names to fetch, giving each an index.
-struct Headers(Vec<String>);
+/// Registers what requests are read for, giving each an index: header
+/// names to fetch, properties to fetch, and the query parameter and cookie
+/// names that key parts look up.
+struct Headers {
+    headers: Vec<String>,
+    properties: Vec<Vec<String>>,
+    names: Vec<Vec<u8>>,
+}
 
-impl Headers {
+/// An index nothing was registered at: a lookup by it finds nothing.
+const UNREAD: usize = usize::MAX;
+
+impl Reads for Headers {
     // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
     // function's size (BENCHMARKS.md, "Where the memory goes").
     #[inline(never)]
-    fn id(&mut self, name: &str) -> HeaderId {
+    fn header(&mut self, name: &str) -> HeaderId {
         let name = name.to_ascii_lowercase();
-        match self.0.iter().position(|n| *n == name) {
-            Some(i) => i,
-            None => {
-                self.0.push(name);
-                self.0.len() - 1
-            }
+        register(&mut self.headers, name)
+    }
+
+    fn property(&mut self, path: Vec<String>) -> PropertyId {
+        register(&mut self.properties, path)
+    }
+}
+
+/// The index of `item` in `list`, added at the end when new.
+fn register<T: PartialEq>(list: &mut Vec<T>, item: T) -> usize {
+    match list.iter().position(|n| *n == item) {
+        Some(i) => i,
+        None => {
+            list.push(item);
+            list.len() - 1
         }
+    }
+}
+
+impl Headers {
+    fn id(&mut self, name: &str) -> HeaderId {
+        self.header(name)
     }
 
     // Kept out of Plan::compile: V8 holds memory superlinear in a wasm
     // function's size (BENCHMARKS.md, "Where the memory goes").
     #[inline(never)]
     fn key(&mut self, parts: &[config::KeyPart]) -> Vec<KeyPart> {
+        use ratelimit_config::key::NameKind;
         parts
             .iter()
-            .map(|p| p.map_header(|name| self.id(name)))
+            .map(|p| {
+                p.map_name(|kind, name| match kind {
+                    NameKind::Header => self.id(name),
+                    NameKind::Query | NameKind::Cookie => {
+                        register(&mut self.names, name.as_bytes().to_vec())
+                    }
+                    NameKind::Metadata => {
+                        let path = config::MetadataPath::parse(name).map(|p| p.0);
+                        match path {
+                            Ok(path) => self.property(request::metadata_path(&path)),
+                            Err(_) => UNREAD,
+                        }
+                    }
+                })
+            })
             .collect()
+    }
+
+    /// Where key parts find what they read; the headers and the route
+    /// property are registered only when some key part reads them.
+    #[inline(never)]
+    fn key_sources<'k>(
+        &mut self,
+        ip: IpSource,
+        keys: impl Iterator<Item = &'k Vec<KeyPart>>,
+    ) -> KeySources {
+        let (mut host, mut cookie, mut route) = (false, false, false);
+        for part in keys.flatten() {
+            match part {
+                KeyPart::Host => host = true,
+                KeyPart::Cookie(_) => cookie = true,
+                KeyPart::Route => route = true,
+                KeyPart::Client
+                | KeyPart::Ip
+                | KeyPart::Method
+                | KeyPart::Path
+                | KeyPart::IpPrefix { .. }
+                | KeyPart::Header(_)
+                | KeyPart::Query(_)
+                | KeyPart::Metadata(_) => {}
+            }
+        }
+        KeySources {
+            ip,
+            authority: if host {
+                self.id(request::AUTHORITY)
+            } else {
+                UNREAD
+            },
+            cookie: if cookie {
+                self.id(request::COOKIE)
+            } else {
+                UNREAD
+            },
+            route: if route {
+                self.property(request::route_name_path())
+            } else {
+                UNREAD
+            },
+            names: std::mem::take(&mut self.names),
+        }
     }
 }
 
@@ -593,10 +682,7 @@ fn rule_plan(
         charge_on: rule.charge_on.clone(),
         in_flight: rule.is_concurrent(),
         tier_variant,
-        matcher: rule
-            .matches
-            .as_ref()
-            .map(|m| Matcher::compile(m, |n| h.id(n))),
+        matcher: rule.matches.as_ref().map(|m| Matcher::compile(m, h)),
         key,
     };
     // A concurrency rule has no stand-in: its slots are released through
@@ -673,7 +759,7 @@ fn quota_plans(config: &Config, h: &mut Headers, identity: &mut IdentityPlan) ->
                 .iter()
                 .map(|(name, _)| q.tiers.get(name).copied().or(q.limit))
                 .collect(),
-            matcher: q.matches.as_ref().map(|m| Matcher::compile(m, |n| h.id(n))),
+            matcher: q.matches.as_ref().map(|m| Matcher::compile(m, h)),
             key,
         });
     }
@@ -793,7 +879,11 @@ impl Plan {
     /// Compiles a validated configuration. `seed` keys the bucket hash so that
     /// clients cannot aim their keys at another client's bucket.
     pub fn compile(config: &Config, seed: [u8; 16]) -> Plan {
-        let mut h = Headers(vec![":method".into(), ":path".into()]);
+        let mut h = Headers {
+            headers: vec![":method".into(), ":path".into()],
+            properties: Vec::new(),
+            names: Vec::new(),
+        };
         let keys = split_seed(seed);
         let mut identity = identity_plan(config, &mut h);
         let mut meters = Vec::new();
@@ -807,11 +897,7 @@ impl Plan {
                     meters.push(MeterPlan::compile(from));
                     meters.len() - 1
                 });
-                (
-                    Matcher::compile(&c.matches, |n| h.id(n)),
-                    c.upfront(),
-                    meter,
-                )
+                (Matcher::compile(&c.matches, &mut h), c.upfront(), meter)
             })
             .collect();
         let settling = !meters.is_empty()
@@ -820,8 +906,13 @@ impl Plan {
                 .any(|r| r.charge_on.is_some() || (r.in_flight && r.scope == Scope::Global));
         let reads_request_body = meters.iter().any(MeterPlan::reads_request_body);
         let id = &config.identity;
+        let key_parts = rules
+            .iter()
+            .map(|r| &r.key)
+            .chain(quotas.iter().map(|q| &q.key));
+        let sources = h.key_sources(identity.ip_source, key_parts);
         let (header_needed, source) = reads(
-            h.0.len(),
+            (h.headers.len(), &sources),
             &identity,
             id.client_id_metadata.is_none(),
             id.tier_metadata.is_none(),
@@ -837,11 +928,16 @@ impl Plan {
             local_rules,
             any_graduated: rules.iter().any(|r| r.graduated.is_some()),
             any_in_flight: rules.iter().any(|r| r.in_flight),
-            header_names: h.0,
+            header_names: h.headers,
+            properties: h.properties,
+            sources,
             header_needed,
             source,
-            client_id_property: id.client_id_metadata.as_ref().map(|p| metadata_path(p)),
-            tier_property: id.tier_metadata.as_ref().map(|p| metadata_path(p)),
+            client_id_property: id
+                .client_id_metadata
+                .as_ref()
+                .map(|p| request::metadata_path(p)),
+            tier_property: id.tier_metadata.as_ref().map(|p| request::metadata_path(p)),
             rules,
             quotas,
             header_style: config.response.headers,
@@ -962,7 +1058,7 @@ impl LeasePlan {
 // function's size (BENCHMARKS.md, "Where the memory goes").
 #[inline(never)]
 fn reads(
-    headers: usize,
+    (headers, sources): (usize, &KeySources),
     identity: &IdentityPlan,
     client_from_header: bool,
     tier_from_header: bool,
@@ -990,10 +1086,14 @@ fn reads(
     for part in keys.flatten() {
         match part {
             KeyPart::Client => client = true,
-            KeyPart::Ip => ip = true,
-            KeyPart::Method => mark(super::request::METHOD),
-            KeyPart::Path => mark(super::request::PATH),
+            KeyPart::Ip | KeyPart::IpPrefix { .. } => ip = true,
+            KeyPart::Method => mark(request::METHOD),
+            KeyPart::Path | KeyPart::Query(_) => mark(request::PATH),
+            KeyPart::Host => mark(sources.authority),
+            KeyPart::Cookie(_) => mark(sources.cookie),
             KeyPart::Header(id) => mark(*id),
+            // Properties: every one registered is fetched.
+            KeyPart::Route | KeyPart::Metadata(_) => {}
         }
     }
     let matchers = rules
@@ -1002,7 +1102,7 @@ fn reads(
         .chain(quotas.iter().filter_map(|q| q.matcher.as_ref()))
         .chain(costs.iter().map(|(m, _, _)| m));
     for m in matchers {
-        m.reads().for_each(&mut mark);
+        m.reads(&mut mark);
     }
     if (ip || client) && identity.ip_source.hops > 0 {
         mark(identity.ip_source.xff);
@@ -1013,13 +1113,6 @@ fn reads(
         (false, false) => SourceNeed::Never,
     };
     (needed, source)
-}
-
-/// Envoy's property path for a field of a filter's dynamic metadata.
-fn metadata_path(path: &[String]) -> Vec<String> {
-    let mut out = vec!["metadata".to_string(), "filter_metadata".to_string()];
-    out.extend(path.iter().cloned());
-    out
 }
 
 fn split_seed(seed: [u8; 16]) -> (u64, u64) {

@@ -421,3 +421,36 @@ fn a_global_concurrency_rule_is_one_slot_per_request_on_the_gateway_without_stan
     assert!(e.cost_meter.is_some());
     assert_eq!(crate::global::lease::locate(&p, g), None);
 }
+
+#[test]
+fn properties_and_headers_are_fetched_only_when_something_reads_them() {
+    let plain = plan(
+        r#"{"domain":"d","rules":[{"name":"r","key":["client"],"limits":[{"requests":1,"per":"1m"}]}]}"#,
+    );
+    assert!(plain.properties.is_empty());
+    assert!(!plain
+        .header_names
+        .iter()
+        .any(|n| n == ":authority" || n == "cookie"));
+    let reads = plan(
+        r#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":1,"per":"1m"}],
+            "match":{"route":"api","host":"a.example","any":[{"route":"api"},{"cookie":{"s":true}}]},
+            "key":["route","metadata:jwt/payload/org","query:k"]}]}"#,
+    );
+    assert_eq!(
+        reads.properties,
+        vec![
+            ["metadata", "filter_metadata", "jwt", "payload", "org"]
+                .map(String::from)
+                .to_vec(),
+            vec!["xds".to_string(), "route_name".to_string()],
+        ]
+    );
+    let needed: Vec<&String> = reads
+        .header_names
+        .iter()
+        .zip(&reads.header_needed)
+        .filter_map(|(n, needed)| needed.then_some(n))
+        .collect();
+    assert_eq!(needed, [":path", "x-client-id", ":authority", "cookie"]);
+}

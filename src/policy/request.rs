@@ -8,11 +8,54 @@ pub const METHOD: HeaderId = 0;
 /// Position of `:path` in every plan's header list.
 pub const PATH: HeaderId = 1;
 
+/// Index into [`RequestInfo::properties`], fixed when the configuration is compiled.
+pub type PropertyId = usize;
+
+/// Where a compiled matcher or key finds what it reads: it registers each
+/// header and property once, and keeps the index the request's lists use.
+pub trait Reads {
+    /// The index of header `name` (any case).
+    fn header(&mut self, name: &str) -> HeaderId;
+    /// The index of the property at `path` (Envoy's attribute path).
+    fn property(&mut self, path: Vec<String>) -> PropertyId;
+}
+
+/// The `:authority` header, whose host `match.host` and the `host` key read.
+pub const AUTHORITY: &str = ":authority";
+/// The `cookie` header, which `match.cookie` and `cookie:` keys read.
+pub const COOKIE: &str = "cookie";
+
+/// Envoy's property of the matched route's name.
+pub fn route_name_path() -> Vec<String> {
+    vec!["xds".into(), "route_name".into()]
+}
+
+/// Envoy's property path of a value in the matched route's `filter_metadata`.
+pub fn route_metadata_path(path: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = ["xds", "route_metadata", "filter_metadata"]
+        .map(String::from)
+        .to_vec();
+    out.extend(path.iter().cloned());
+    out
+}
+
+/// Envoy's property path of a value in the request's dynamic metadata
+/// (`metadata.filter_metadata`, where `jwt_authn` writes its payload).
+pub fn metadata_path(path: &[String]) -> Vec<String> {
+    let mut out = vec!["metadata".to_string(), "filter_metadata".to_string()];
+    out.extend(path.iter().cloned());
+    out
+}
+
 /// The request as the limiter sees it: only the headers the configuration needs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestInfo {
     /// Values of the plan's headers, in the plan's order; `None` when absent.
     pub headers: Vec<Option<Vec<u8>>>,
+    /// Values of the plan's properties (route name, route and dynamic
+    /// metadata that some condition or key reads), in the plan's order;
+    /// `None` when absent.
+    pub properties: Vec<Option<Vec<u8>>>,
     /// The downstream peer as `ip:port` (Envoy's `source.address`), when known.
     pub source_address: Option<Vec<u8>>,
     /// The client id from Envoy metadata, when the plan reads it.
@@ -25,6 +68,23 @@ impl RequestInfo {
     /// A header's value, when present.
     pub fn header(&self, id: HeaderId) -> Option<&[u8]> {
         self.headers.get(id).and_then(|v| v.as_deref())
+    }
+
+    /// A property's value, when present.
+    pub fn property(&self, id: PropertyId) -> Option<&[u8]> {
+        self.properties.get(id).and_then(|v| v.as_deref())
+    }
+
+    /// The same request with property `id` of the plan's list set to `value`
+    /// (the host layer fetches them; tests set them here).
+    pub fn with_property(mut self, id: PropertyId, value: &[u8]) -> RequestInfo {
+        if self.properties.len() <= id {
+            self.properties.resize(id + 1, None);
+        }
+        if let Some(slot) = self.properties.get_mut(id) {
+            *slot = Some(value.to_vec());
+        }
+        self
     }
 
     /// The request method, or empty.
