@@ -190,8 +190,16 @@ fn status(port: u16, host: &str, path: &str, headers: &[(&str, &str)]) -> u16 {
     }
     head.push_str("\r\n");
     s.write_all(head.as_bytes()).expect("sending the request");
+    // The status line is all this needs: reading to the end would wait out
+    // Envoy's delayed close (1 s) after each local reply.
     let mut answer = Vec::new();
-    s.read_to_end(&mut answer).expect("reading the answer");
+    let mut chunk = [0u8; 1024];
+    while !answer.windows(2).any(|w| w == b"\r\n") {
+        match s.read(&mut chunk).expect("reading the answer") {
+            0 => break,
+            n => answer.extend_from_slice(chunk.get(..n).unwrap_or_default()),
+        }
+    }
     let answer = String::from_utf8_lossy(&answer);
     answer
         .split_whitespace()
