@@ -368,7 +368,7 @@ impl<S: SharedStore> Ctx<'_, S> {
         } else {
             headers::jittered(retry, self.plan.retry_jitter, units(self.random).0)
         };
-        let lines = LocalHeaders::of(self.plan.header_style, shown.as_ref());
+        let lines = LocalHeaders::of(self.plan, shown.as_ref(), reports);
         let body = problem::too_many_after(
             &self.plan.too_many_head,
             retry,
@@ -393,19 +393,13 @@ impl<S: SharedStore> Ctx<'_, S> {
             .unwrap_or(0);
         let url = spent.first().map_or("", |(_, u)| *u);
         let names: Vec<&str> = spent.iter().map(|(n, _)| *n).collect();
-        // Nothing was charged: show what is left now.
-        let shown: Vec<Report> = shown
+        // Nothing was charged: the closest is of what is left now.
+        let uncharged: Vec<Report> = shown
             .iter()
-            .map(
-                |r| match (r.enforced, self.plan.limits(r.rule, r.variant).get(r.limit)) {
-                    (Some(e), _) => r.uncharged(&e.limit()),
-                    (None, Some((limit, _))) => r.uncharged(limit),
-                    (None, None) => *r,
-                },
-            )
+            .map(|r| headers::uncharged(self.plan, r))
             .collect();
-        let closest = headers::closest(self.plan, &shown);
-        let mut lines = LocalHeaders::of(self.plan.header_style, closest.as_ref());
+        let closest = headers::closest(self.plan, &uncharged);
+        let mut lines = LocalHeaders::of(self.plan, closest.as_ref(), shown);
         lines.push("link", &format!("<{url}>; rel=\"payment\""));
         let body =
             problem::quota_exhausted(&self.plan.quota_problem_type, &names, url, renews_secs);
@@ -516,7 +510,7 @@ fn never_passes(
     let body = problem::never_passes(&plan.problem_type, r.cost, &rule.name, capacity, &violated);
     Some(reject(
         429,
-        LocalHeaders::of(plan.header_style, shown),
+        LocalHeaders::of(plan, shown, reports),
         None,
         body,
     ))

@@ -39,29 +39,61 @@ pub struct Variant {
 pub struct LimitText {
     /// `x-ratelimit-limit`: the capacity.
     pub quota: String,
-    /// `ratelimit-policy`: `"<rule>";q=<capacity>;w=<per in seconds>`.
+    /// The limit's `ratelimit-policy` item: its name, `;q=<capacity>;w=<per
+    /// in seconds>`.
     pub policy: String,
+    /// Its policy name as an sf-string, quotes included: `"<rule>"` for a
+    /// rule's first limit, `"<rule>/<n>"` for limit `n` after it
+    /// ([`policy_name`]).
+    pub name: String,
+}
+
+/// The policy name of limit `limit` of rule `rule`, as an sf-string: a rule's
+/// first limit is named after the rule (what a one-limit rule has always
+/// been called), limit `n` after it `<rule>/<n>`. Rule names never hold `/`,
+/// so no limit's name is another rule's, and none needs escaping.
+pub fn policy_name(rule: &str, limit: usize) -> String {
+    let mut name = String::with_capacity(rule.len() + 6);
+    name.push('"');
+    name.push_str(rule);
+    if limit > 0 {
+        name.push('/');
+        name.push_str(itoa::Buffer::new().format(limit));
+    }
+    name.push('"');
+    name
 }
 
 impl LimitText {
     /// A concurrency limit's: `"<rule>";q=<slots>;qu="concurrent-requests"`
-    /// (the quota unit the IETF draft names for it; no window).
+    /// (the quota unit the IETF draft names for it; no window). A
+    /// concurrency rule has that one limit.
     pub fn concurrent(rule: &str, slots: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(slots).to_owned();
-        let policy = format!("\"{rule}\";q={quota};qu=\"concurrent-requests\"");
-        LimitText { quota, policy }
+        let name = policy_name(rule, 0);
+        let policy = format!("{name};q={quota};qu=\"concurrent-requests\"");
+        LimitText {
+            quota,
+            policy,
+            name,
+        }
     }
 
-    /// A rate limit's: `"<rule>";q=<capacity>;w=<window>`.
-    fn new(rule: &str, capacity: u64, window_secs: u64) -> LimitText {
+    /// Limit `limit` of a rate rule: `<name>;q=<capacity>;w=<window>`.
+    fn new(rule: &str, limit: usize, capacity: u64, window_secs: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(capacity).to_owned();
+        let name = policy_name(rule, limit);
         let mut w = itoa::Buffer::new();
         let window = w.format(window_secs);
-        let mut policy = String::with_capacity(rule.len() + quota.len() + window.len() + 7);
-        for part in ["\"", rule, "\";q=", &quota, ";w=", window] {
+        let mut policy = String::with_capacity(name.len() + quota.len() + window.len() + 6);
+        for part in [&name, ";q=", &quota, ";w=", window] {
             policy.push_str(part);
         }
-        LimitText { quota, policy }
+        LimitText {
+            quota,
+            policy,
+            name,
+        }
     }
 }
 
@@ -769,9 +801,10 @@ impl VariantMaker<'_> {
         let texts = limits
             .iter()
             .zip(specs.iter())
-            .map(|((l, secs), spec)| match spec.concurrent {
+            .enumerate()
+            .map(|(i, ((l, secs), spec))| match spec.concurrent {
                 Some(_) => LimitText::concurrent(&self.rule.name, l.capacity),
-                None => LimitText::new(&self.rule.name, l.capacity, *secs),
+                None => LimitText::new(&self.rule.name, i, l.capacity, *secs),
             })
             .collect();
         Variant {
