@@ -229,9 +229,36 @@ fn a_concurrency_limit_is_listed_in_concurrent_requests() {
         [limit("per-client", 3, 24), limit("streams", 0, 0)]
     );
     assert_eq!(legacy(&o), [2, 0, 0]);
-    assert!(
-        h.respond_upstream(held, Upstream::new(200, "done"))
-            .completed
+    // Two held: a 429 whose slot item waits a second, the rate limit
+    // uncharged (three of five taken).
+    let second = h.begin(1, client("/", "ann").hold_upstream());
+    let full = h.send(0, client("/", "ann"));
+    assert_eq!(full.status, 429, "{full:?}");
+    assert_eq!(read(&full, "retry-after", fields::integer), 1);
+    assert_eq!(
+        read(&full, "ratelimit", fields::limits),
+        [limit("per-client", 2, 36), limit("streams", 0, 1)]
+    );
+    for id in [held, second] {
+        assert!(h.respond_upstream(id, Upstream::new(200, "done")).completed);
+    }
+}
+
+/// docs/configuration.md's example: the demo's rule (60 a minute, 10 a
+/// second) on a client's first request.
+#[test]
+fn the_documented_example_is_what_a_first_request_gets() {
+    let rules = json!([{ "name": "per-client", "key": ["client"],
+        "limits": [ { "requests": 60, "per": "1m" }, { "requests": 10, "per": "1s" } ] }]);
+    let h = harness(&config(rules, "both"));
+    let o = h.send(0, client("/", "ann"));
+    assert_eq!(
+        o.header("ratelimit-policy").as_deref(),
+        Some(r#""per-client";q=60;w=60, "per-client/1";q=10;w=1"#)
+    );
+    assert_eq!(
+        o.header("ratelimit").as_deref(),
+        Some(r#""per-client";r=59;t=1, "per-client/1";r=9;t=1"#)
     );
 }
 

@@ -272,8 +272,12 @@ fn a_local_denial_skips_the_callout() {
         finish(&p, pending, Some(b"200"), &gw(true, 3), SEC / 1000, &s, T0);
     }
     let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-    assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+    let (status, headers, _) = rejected(&o);
+    assert_eq!(*status, 429);
     assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+    // The gateway was not asked: only the local limit is listed.
+    assert_eq!(header(headers, "ratelimit-policy"), "\"local\";q=5;w=3600");
+    assert_eq!(header(headers, "ratelimit"), "\"local\";r=0;t=3600");
 }
 
 #[test]
