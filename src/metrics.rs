@@ -1,5 +1,14 @@
 //! The filter's counters. Envoy shows each as `wasmcustom.<name>` in `/stats`
 //! and as the bare `<name>` in `/stats/prometheus`, summed over workers.
+//!
+//! The per-rule and per-quota counters carry their domain and rule (or
+//! quota) in the name, as Istio's own stats do: `ratelimit_domain=.=<d>;.;`
+//! and `ratelimit_rule=.=<r>;.;` before the metric's name. The stats tags
+//! of the shipped Envoy configuration (and Istio's `extraStatTags`) take
+//! them out as the labels `ratelimit_domain` and `ratelimit_rule`, so that
+//! Prometheus sees `ratelimit_wasm_rule_denied{ratelimit_domain="api",
+//! ratelimit_rule="per-client"}`. Their number is the configuration's rules
+//! and quotas, whatever the clients.
 
 /// One counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,14 +213,77 @@ impl BodyMetric {
     }
 }
 
-/// The name of every counter: [`Metric::ALL`], [`BodyMetric::ALL`], then
-/// [`Background::ALL`].
+/// What one rule did, counted per rule (the labels `ratelimit_domain` and
+/// `ratelimit_rule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleMetric {
+    /// Admitted requests the rule checked and let through.
+    Allowed,
+    /// Requests the rule refused (429, the deny cache's included).
+    Denied,
+    /// Requests the rule would have refused but only watches (a shadow
+    /// rule, or any rule for a soft client).
+    ShadowDenied,
+    /// Admitted requests after which one of the rule's limits had used at
+    /// least `metrics.near_limit` of its capacity.
+    NearLimit,
+}
+
+impl RuleMetric {
+    /// Every per-rule counter, in a fixed order.
+    pub const ALL: [RuleMetric; 4] = [
+        RuleMetric::Allowed,
+        RuleMetric::Denied,
+        RuleMetric::ShadowDenied,
+        RuleMetric::NearLimit,
+    ];
+
+    /// The metric's name, without its labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            RuleMetric::Allowed => "ratelimit_wasm_rule_allowed",
+            RuleMetric::Denied => "ratelimit_wasm_rule_denied",
+            RuleMetric::ShadowDenied => "ratelimit_wasm_rule_shadow_denied",
+            RuleMetric::NearLimit => "ratelimit_wasm_rule_near_limit",
+        }
+    }
+
+    /// Position in [`RuleMetric::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Requests refused 403 because the quota was spent, per quota (the labels
+/// `ratelimit_domain` and `ratelimit_quota`; the total of every quota is
+/// [`Metric::QuotaExhausted`], under a name of its own so that a sum over
+/// either never counts a refusal twice).
+pub const QUOTA_EXHAUSTED: &str = "ratelimit_wasm_quota_denied";
+
+/// The name given to Envoy of rule `rule`'s counter `m` in `domain`, its
+/// labels first (see the module's doc).
+pub fn rule_metric_name(domain: &str, rule: &str, m: RuleMetric) -> String {
+    format!(
+        "ratelimit_domain=.={domain};.;ratelimit_rule=.={rule};.;{}",
+        m.name()
+    )
+}
+
+/// The name given to Envoy of quota `quota`'s [`QUOTA_EXHAUSTED`] counter.
+pub fn quota_metric_name(domain: &str, quota: &str) -> String {
+    format!("ratelimit_domain=.={domain};.;ratelimit_quota=.={quota};.;{QUOTA_EXHAUSTED}")
+}
+
+/// The name of every counter: [`Metric::ALL`], [`BodyMetric::ALL`],
+/// [`Background::ALL`], then the per-rule and per-quota ones without labels.
 pub fn all_names() -> impl Iterator<Item = &'static str> {
     Metric::ALL
         .iter()
         .map(|m| m.name())
         .chain(BodyMetric::ALL.iter().map(|m| m.name()))
         .chain(Background::ALL.iter().map(|m| m.name()))
+        .chain(RuleMetric::ALL.iter().map(|m| m.name()))
+        .chain([QUOTA_EXHAUSTED])
 }
 
 #[cfg(test)]
@@ -246,7 +318,7 @@ pub enum Background {
     /// Settlements the gateway had no reservation for: settled already (an
     /// earlier attempt's answer was lost) or past `--reservation-ttl`.
     GlobalSettleUnmatched,
-    /// Settlements given up (three failed attempts, a 400, or a full queue):
+    /// Settlements given up (three failed attempts, a 400 or 404, or a full queue):
     /// the request keeps what its check reserved.
     GlobalSettleFailed,
     /// Tokens a settlement could not give back to the lease batch a request

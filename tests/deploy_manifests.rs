@@ -1775,8 +1775,8 @@ fn the_filter_fits_a_configmap() {
     let wasm = testkit::wasm_path().unwrap_or_else(|e| panic!("{e:#}"));
     let size = std::fs::metadata(&wasm).expect("the built filter").len();
     assert!(
-        size < 768 * 1024,
-        "{} is {size} bytes; deploy/istio/README.md says about 0.6 MB, under 1 MiB",
+        size < 900 * 1024,
+        "{} is {size} bytes; deploy/istio/README.md says about 0.8 MB, under 900 KiB",
         wasm.display()
     );
 }

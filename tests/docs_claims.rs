@@ -146,6 +146,7 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
             "response.retry_jitter",
             config.response.retry_jitter.to_string(),
         ),
+        ("metrics.near_limit", config.metrics.near_limit.to_string()),
         ("quotas[].count", snake(format!("{:?}", quota.count))),
         ("rules[].cost_from.reserve", from.reserve.to_string()),
         (
@@ -264,6 +265,7 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "costs": [{ "match": { "path_prefix": "/s" }, "cost": 5 }],
         "response": { "headers": "both", "problem_type": "https://example.com/p",
                       "quota_problem_type": "https://example.com/q", "retry_jitter": 0.1 },
+        "metrics": { "near_limit": 0.8 },
         "quotas": [{ "name": "monthly", "match": { "path_prefix": "/" }, "key": ["client"],
                      "period": "month", "tiers": { "free": 10 }, "limit": 5,
                      "upgrade_url": "https://example.com/up", "count": "cost" }],

@@ -308,6 +308,45 @@ fn metrics_count_allowed_and_denied_requests() {
     assert_eq!(value("ratelimit_wasm_requests_denied"), 2.0);
 }
 
+/// Two rules (one in shadow mode) and the per-rule counters as Prometheus
+/// scrapes them: the shipped `stats_tags` turn the domain and the rule
+/// into labels, with exact counts.
+#[test]
+fn per_rule_counters_carry_domain_and_rule_as_labels() {
+    let config = plugin_config(
+        json!([
+            {"name": "api", "match": { "path_prefix": "/api" }, "key": ["client"],
+             "limits": [{ "requests": 4, "per": "1h" }]},
+            {"name": "watch.v1", "mode": "shadow", "match": { "path_prefix": "/api/w" },
+             "key": ["client"], "limits": [{ "requests": 1, "per": "1h" }]}
+        ]),
+        json!([]),
+    );
+    let envoy = start(&config);
+    let c = client(&envoy);
+    let statuses: Vec<u16> = (0..5).map(|_| c.get_as("/api/a", "alice").status).collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 429]);
+    for _ in 0..2 {
+        assert_eq!(c.get_as("/api/w", "bob").status, 200);
+    }
+    let page = envoy.stats_prometheus().unwrap_or_else(|e| panic!("{e:#}"));
+    let series = |metric: &str, rule: &str| {
+        let labels = format!("{metric}{{ratelimit_domain=\"e2e\",ratelimit_rule=\"{rule}\"}} ");
+        page.lines()
+            .find_map(|l| l.strip_prefix(&labels))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("{labels} missing from /stats/prometheus:\n{page}"))
+    };
+    assert_eq!(series("ratelimit_wasm_rule_allowed", "api"), 6);
+    assert_eq!(series("ratelimit_wasm_rule_denied", "api"), 1);
+    // At the default 0.8, near is at most 0.8 of 4 left: alice's last.
+    assert_eq!(series("ratelimit_wasm_rule_near_limit", "api"), 1);
+    assert_eq!(series("ratelimit_wasm_rule_shadow_denied", "api"), 0);
+    assert_eq!(series("ratelimit_wasm_rule_allowed", "watch.v1"), 1);
+    assert_eq!(series("ratelimit_wasm_rule_shadow_denied", "watch.v1"), 1);
+    assert_eq!(series("ratelimit_wasm_rule_denied", "watch.v1"), 0);
+}
+
 #[test]
 fn bad_plugin_config_makes_envoy_exit_at_startup() {
     let config = per_client("per-client", 5, "10x");

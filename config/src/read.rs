@@ -310,6 +310,7 @@ pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
         rules: Vec::new(),
         costs: Vec::new(),
         response: Response::default(),
+        metrics: Metrics::default(),
         max_buckets: DEFAULT_BUCKETS,
         on_error: OnError::default(),
         global: None,
@@ -322,6 +323,7 @@ pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
         "rules" => rules = Some(list(v, p, rule)?),
         "costs" => c.costs = list(v, p, cost)?,
         "response" => c.response = response(v, p)?,
+        "metrics" => c.metrics = metrics(v, p)?,
         "max_buckets" => c.max_buckets = u64_(v, p)?,
         "on_error" => c.on_error = pick(v, p, &["allow", "deny"], &[OnError::Allow, OnError::Deny])?,
         "global" => c.global = opt(v, p, global)?,
@@ -651,6 +653,14 @@ fn parsed<T>(v: &Value, p: &Path, parse: fn(&str) -> std::result::Result<T, Stri
 }
 
 #[inline(never)]
+fn metrics(v: &Value, p: &mut Path) -> Result<Metrics> {
+    let mut m = Metrics::default();
+    fields!(v, p, "struct Metrics", {
+        "near_limit" => m.near_limit = float(v, p)?,
+    })?;
+    Ok(m)
+}
+
 fn response(v: &Value, p: &mut Path) -> Result<Response> {
     let mut r = Response::default();
     fields!(v, p, "struct Response", {
@@ -701,6 +711,7 @@ mod tests {
                 "cost_from": {"json": [{"pointer": "/u"}], "max": 7}}],
             "response": {"headers": "ietf", "problem_type": "about:blank",
                 "quota_problem_type": "urn:q", "retry_jitter": 0.2},
+            "metrics": {"near_limit": 0.9},
             "max_buckets": 100,
             "on_error": "deny",
             "global": {"cluster": "gw", "authority": "a", "path": "/p", "timeout_ms": 9,

@@ -90,6 +90,9 @@ pub struct Config {
     /// How denials and headers look.
     #[serde(default)]
     pub response: Response,
+    /// What the per-rule counters count.
+    #[serde(default)]
+    pub metrics: Metrics,
     /// Bound on tracked (rule, key) buckets per proxy; see the README.
     #[serde(default = "default_buckets")]
     pub max_buckets: u64,
@@ -652,6 +655,29 @@ pub struct Response {
     /// upwards only: no client is told to come back before it would pass.
     #[serde(default = "default_jitter")]
     pub retry_jitter: f64,
+}
+
+/// What the per-rule counters count.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Metrics {
+    /// An allowed request whose limit has used at least this share of its
+    /// capacity also counts as `near_limit` (envoyproxy/ratelimit's
+    /// `NEAR_LIMIT_RATIO`).
+    #[serde(default = "default_near_limit")]
+    pub near_limit: f64,
+}
+
+pub(super) fn default_near_limit() -> f64 {
+    0.8
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            near_limit: default_near_limit(),
+        }
+    }
 }
 
 /// Default problem type for a quota 403.

@@ -112,6 +112,12 @@ impl Config {
             }
         }
         self.validate_costs_fit()?;
+        if !(self.metrics.near_limit > 0.0 && self.metrics.near_limit <= 1.0) {
+            return Err(ConfigError::field(
+                "metrics.near_limit",
+                "must be above 0 and at most 1",
+            ));
+        }
         if !(0.0..=0.5).contains(&self.response.retry_jitter) {
             return Err(ConfigError::field(
                 "response.retry_jitter",

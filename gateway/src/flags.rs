@@ -73,7 +73,7 @@ pub struct Args {
     /// Prefix of every Redis key (must not contain '{' or '}').
     #[arg(long, env = "RLGW_KEY_PREFIX", default_value = "rl:")]
     pub key_prefix: String,
-    /// The policy: plugin configurations (a file, or a directory of *.json), one domain each; repeatable; reloaded on SIGHUP and change.
+    /// The policy: plugin configurations (a file, or a directory of *.json), one domain each, whose limits /v1/* enforces; repeatable; reloaded on SIGHUP and change. Required unless --rls-config is given (without it, /v1/* answers 404 for every domain).
     #[arg(long, env = "RLGW_POLICY", value_delimiter = ',')]
     pub policy: Vec<PathBuf>,
     /// Callers allowed on /v1/*: one `<domain> <token>` per line; reloaded on SIGHUP and change.
@@ -281,6 +281,20 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Whether this configuration leaves the gateway nothing to enforce: no
+    /// policy for `/v1/*`, and no rate limit service (its YAML and its
+    /// address go together). Refused at start with [`NOTHING_TO_ENFORCE`].
+    pub fn enforces_nothing(&self) -> bool {
+        self.policy.is_empty() && (self.rls.config.is_empty() || self.rls.grpc_listen.is_none())
+    }
+}
+
+/// Why a start with neither `--policy` nor `--rls-config` is refused.
+pub const NOTHING_TO_ENFORCE: &str =
+    "nothing to enforce: give --policy (the plugin configurations \
+     /v1/* enforces), --rls-config with --grpc-listen (envoyproxy/ratelimit's YAML), or both";
+
 /// `--max-connections`' default.
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 
@@ -367,7 +381,7 @@ impl TryFrom<Args> for Config {
                 )
             }
         };
-        Ok(Config {
+        let config = Config {
             listen: a.listen,
             target,
             redis_timeout: Duration::from_millis(a.redis_timeout_ms),
@@ -396,7 +410,11 @@ impl TryFrom<Args> for Config {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
                 n => usize::try_from(n).unwrap_or(1),
             },
-        })
+        };
+        if config.enforces_nothing() {
+            return Err(NOTHING_TO_ENFORCE.to_string());
+        }
+        Ok(config)
     }
 }
 
@@ -413,6 +431,8 @@ mod tests {
             "--redis-timeout-ms",
             "50",
             "--insecure-no-auth",
+            "--policy",
+            "p.json",
         ])
         .unwrap();
         let c = Config::try_from(a).unwrap();
@@ -446,7 +466,14 @@ mod tests {
     #[test]
     fn rls_overrides_are_honoured_unless_turned_off() {
         let parse = |extra: &[&str]| {
-            let mut argv = vec!["gw", "--redis", "redis://x", "--insecure-no-auth"];
+            let mut argv = vec![
+                "gw",
+                "--redis",
+                "redis://x",
+                "--insecure-no-auth",
+                "--policy",
+                "p.json",
+            ];
             argv.extend_from_slice(extra);
             Config::try_from(Args::try_parse_from(argv).unwrap()).unwrap()
         };
@@ -464,6 +491,30 @@ mod tests {
         assert!(
             Args::try_parse_from(["gw", "--redis", "x", "--rls-allow-overrides", "no"]).is_err()
         );
+    }
+
+    #[test]
+    fn a_policy_or_the_rate_limit_service_is_required() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["gw", "--redis", "redis://x", "--insecure-no-auth"];
+            argv.extend_from_slice(extra);
+            Config::try_from(Args::try_parse_from(argv).unwrap())
+        };
+        assert_eq!(parse(&[]).unwrap_err(), NOTHING_TO_ENFORCE);
+        // The drop-in for envoyproxy/ratelimit: their YAML alone.
+        let dropin = parse(&["--grpc-listen", "127.0.0.1:8091", "--rls-config", "rls"]).unwrap();
+        assert_eq!(dropin.policy, Vec::<PathBuf>::new());
+        assert_eq!(dropin.rls.config, [PathBuf::from("rls")]);
+        let wasm_only = parse(&["--policy", "a.json,b"]).unwrap();
+        assert_eq!(
+            wasm_only.policy,
+            [PathBuf::from("a.json"), PathBuf::from("b")]
+        );
+        assert_eq!(wasm_only.rls.grpc_listen, None);
+        // A configuration built in code is held to the same rule.
+        let mut config = dropin;
+        config.rls.grpc_listen = None;
+        assert!(config.enforces_nothing());
     }
 
     #[test]
@@ -493,6 +544,8 @@ mod tests {
             "1500ms",
             "--max-in-flight",
             "8",
+            "--policy",
+            "p.json",
         ])
         .unwrap();
         let c = Config::try_from(a).unwrap();

@@ -8,7 +8,8 @@
 //! a [`clock`], counted in [`metrics`]. The policy ([`policy`]) and the
 //! callers' tokens ([`auth`]) say what is enforced and for whom.
 //! [`rls`] serves Envoy's rate limit service over gRPC beside it
-//! (`--grpc-listen`), on the same Redis.
+//! (`--grpc-listen`), on the same Redis; started with its configuration
+//! alone (no `--policy`), the gateway is a drop-in for envoyproxy/ratelimit.
 //! `main.rs` only parses [`flags::Args`] and calls [`run`].
 //!
 //! [`run`] serves thread per core: `--worker-threads` threads, each with its
@@ -90,11 +91,11 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
     .with_key_budget(config.key_budget)
     .with_reservation_ttl(u64::try_from(config.reservation_ttl.as_millis()).unwrap_or(u64::MAX));
     let warnings = logging::Warnings::new(metrics.log_suppressed.clone());
-    if config.policy.is_empty() {
-        anyhow::bail!(
-            "--policy: give the plugin configurations whose limits this gateway enforces"
-        );
+    if config.enforces_nothing() {
+        anyhow::bail!(flags::NOTHING_TO_ENFORCE);
     }
+    // Without --policy, no files: an empty policy, which names no domain (so
+    // /v1/* answers 404), and which `prepare` does not watch.
     let policy = reload::Reloadable::load(
         "policy",
         config.policy.clone(),
@@ -102,7 +103,14 @@ pub fn build_on(config: &Config, runtimes: &[Handle]) -> Result<Arc<App>> {
         metrics.clone(),
     )
     .map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
-    tracing::info!(domains = ?policy.current().domains(), "policy loaded");
+    if config.policy.is_empty() {
+        tracing::info!(
+            "no --policy: the rate limit service (--rls-config) alone; /v1/* answers 404 \
+             for every domain"
+        );
+    } else {
+        tracing::info!(domains = ?policy.current().domains(), "policy loaded");
+    }
     let tokens = match &config.auth {
         flags::Auth::Tokens(path) => {
             let tokens = reload::Reloadable::load(
@@ -153,8 +161,8 @@ struct Acceptors {
     grpc: Option<tokio_rustls::TlsAcceptor>,
 }
 
-/// Starts what runs beside the server (the policy's and the token file's
-/// reload tasks) and makes the TLS acceptor; the tasks end when the returned
+/// Starts what runs beside the server (the reload tasks of the policy, when
+/// `--policy` is given, and of the token file) and makes the TLS acceptor; the tasks end when the returned
 /// guards drop.
 fn prepare(config: &Config, app: &App) -> Result<(Acceptors, Vec<AbortOnDrop>)> {
     let tls = match &config.tls {
@@ -170,7 +178,12 @@ fn prepare(config: &Config, app: &App) -> Result<(Acceptors, Vec<AbortOnDrop>)> 
         },
         None => Acceptors::default(),
     };
-    let mut watch = vec![AbortOnDrop(app.policy.watch(reload::POLL))];
+    let mut watch = Vec::new();
+    // No --policy: no files to watch. SIGHUP still has a handler (else it
+    // would end the process): `--rls-config`'s reloader, which such a start has.
+    if !config.policy.is_empty() {
+        watch.push(AbortOnDrop(app.policy.watch(reload::POLL)));
+    }
     watch.extend(
         app.tokens
             .as_ref()

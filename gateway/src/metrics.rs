@@ -8,7 +8,7 @@ use prometheus::{
 /// Results of `/v1/check` (`allowed`, `denied`), `/v1/lease` (`lease`,
 /// whatever it granted) and of each settlement of `/v1/settle` (`settled`;
 /// `unsettled`: its reservation was not there, already settled or expired),
-/// and of all when answered 400 or 503 (`error`), as the `result` label.
+/// and of all when answered 400, 404 or 503 (`error`), as the `result` label.
 pub const RESULTS: [&str; 6] = [
     "allowed",
     "denied",
@@ -17,9 +17,11 @@ pub const RESULTS: [&str; 6] = [
     "unsettled",
     "error",
 ];
-/// Error kinds, as the `kind` label.
-pub const ERROR_KINDS: [&str; 9] = [
+/// Error kinds, as the `kind` label (`unknown_domain`: a 404, a domain no
+/// policy names).
+pub const ERROR_KINDS: [&str; 10] = [
     "bad_request",
+    "unknown_domain",
     "timeout",
     "redis",
     "not_connected",
@@ -30,9 +32,11 @@ pub const ERROR_KINDS: [&str; 9] = [
     "key_budget",
 ];
 /// Kinds of the warnings callers can cause (a 400, or a 503 of this error
-/// kind), as the `kind` label of the suppressed log lines (`crate::logging`).
-pub const WARNING_KINDS: [&str; 8] = [
+/// kind, or a 404 of an unknown domain), as the `kind` label of the
+/// suppressed log lines (`crate::logging`).
+pub const WARNING_KINDS: [&str; 9] = [
     "bad_request",
+    "unknown_domain",
     "timeout",
     "redis",
     "not_connected",

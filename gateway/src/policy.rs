@@ -44,6 +44,22 @@ pub struct Policy {
     domains: HashMap<String, Domain>,
 }
 
+/// A request's `domain` that no plugin configuration of the policy has
+/// (none at all when the gateway runs without `--policy`). Its own type so
+/// that the HTTP side answers it 404, apart from the 400s of the fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownDomain(pub String);
+
+impl std::fmt::Display for UnknownDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "domain: unknown domain `{}`: not in the gateway's policy",
+            self.0
+        )
+    }
+}
+
 /// One domain: what one plugin configuration allows.
 #[derive(Debug)]
 struct Domain {
@@ -394,10 +410,19 @@ impl Policy {
         d
     }
 
+    /// `Ok` when a plugin configuration of the policy has domain `name`.
+    pub fn has_domain(&self, name: &str) -> Result<(), UnknownDomain> {
+        if self.domains.contains_key(name) {
+            Ok(())
+        } else {
+            Err(UnknownDomain(name.to_string()))
+        }
+    }
+
     fn domain(&self, name: &str) -> Result<&Domain, String> {
         self.domains
             .get(name)
-            .ok_or_else(|| format!("domain: unknown domain `{name}`: not in the gateway's policy"))
+            .ok_or_else(|| UnknownDomain(name.to_string()).to_string())
     }
 
     /// Resolves a validated check request, or the 400 message.
@@ -1093,6 +1118,12 @@ mod tests {
         for (body, want) in cases {
             assert_eq!(check(body).unwrap_err(), want);
         }
+        // The domain alone, as the HTTP side asks it first (404); no policy has none.
+        assert_eq!(policy().has_domain("api"), Ok(()));
+        assert_eq!(
+            Policy::default().has_domain("api").unwrap_err().to_string(),
+            "domain: unknown domain `api`: not in the gateway's policy"
+        );
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //!
 //! `POST /v1/check` takes a [`CheckRequest`] and answers 200 with a
 //! [`CheckResponse`], 400 with an [`ErrorBody`] naming the field at fault
-//! (of the body, or of the policy it names), or 503 with an [`ErrorBody`]
-//! when Redis fails or times out. `POST /v1/lease` takes a [`LeaseRequest`]
-//! and answers 200 with a [`LeaseResponse`], or 400 and 503 as a check does.
+//! (of the body, or of the policy it names), 404 with one naming `domain`
+//! when no policy has the domain, or 503 with an [`ErrorBody`] when Redis
+//! fails or times out. `POST /v1/lease` takes a [`LeaseRequest`] and
+//! answers 200 with a [`LeaseResponse`], or 400, 404 and 503 as a check does.
 
 use serde::{Deserialize, Serialize};
 

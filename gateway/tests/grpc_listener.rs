@@ -28,13 +28,8 @@ async fn gateway(redis: &Redis, name: &str, edit: impl FnOnce(&mut Config)) -> R
     let work = dir(name);
     std::fs::write(work.join("rls.yaml"), RLS).unwrap();
     std::fs::write(work.join("tokens"), format!("d {TOKEN}\n")).unwrap();
-    let policy = work.join("policy.json");
-    std::fs::write(
-        &policy,
-        r#"{"domain":"placeholder","rules":[{"name":"r","scope":"global","limits":[{"requests":1,"per":"1s"}]}],"global":{"cluster":"gw"}}"#,
-    )
-    .unwrap();
-    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url(), vec![policy]);
+    // No policy: the rate limit service alone, as a drop-in for envoyproxy/ratelimit.
+    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url(), vec![]);
     config.redis_timeout = Duration::from_millis(500);
     config.auth = Auth::Tokens(work.join("tokens"));
     config.rls = RlsOptions {

@@ -10,6 +10,7 @@
 //!   window (400), nor a cost or amount above what the policy can give;
 //! * huge requests: more buckets than the domain has global rules is a 400;
 //! * a version-1 body is told its version;
+//! * a domain the policy does not have is a 404 on every route;
 //!
 //! each refused request with a Redis key dump identical before and after.
 //! And the policy reloads: a changed limit applies to the next request, a
@@ -71,13 +72,18 @@ fn lease(want: u64, give_back: u64) -> Value {
            "tag": "c=alice", "variant": "default", "want": want, "return": give_back})
 }
 
-/// Posts `body`, which must be refused with `error`, and checks that Redis is unchanged.
+/// Posts `body`, which must be refused 400 with `error`, and checks that Redis is unchanged.
 fn refused(gw: &Gateway, redis: &Redis, path: &str, body: &Value, error: &str) {
+    refused_with(gw, redis, path, body, 400, error);
+}
+
+/// [`refused`] with `status`.
+fn refused_with(gw: &Gateway, redis: &Redis, path: &str, body: &Value, status: u16, error: &str) {
     let before = dump(redis);
-    let (status, answer) = post(gw, path, body);
+    let (got, answer) = post(gw, path, body);
     assert_eq!(
-        (status, answer["error"].as_str()),
-        (400, Some(error)),
+        (got, answer["error"].as_str()),
+        (status, Some(error)),
         "{answer}"
     );
     assert_eq!(dump(redis), before, "a refused request wrote to Redis");
@@ -205,14 +211,34 @@ fn a_window_or_a_limit_cannot_be_named_and_ttls_come_from_the_policy() {
         &other,
         "buckets[0].rule: unknown rule `admin`: not a global rule of domain `api`",
     );
+    // A domain the policy does not have: 404 on every route, before any
+    // rule or quota it names is looked up.
     let mut elsewhere = alice_check();
     elsewhere["domain"] = json!("web");
-    refused(
-        &gw,
-        &redis,
-        "/v1/check",
-        &elsewhere,
-        "domain: unknown domain `web`: not in the gateway's policy",
+    let mut elsewhere_lease = lease(1, 0);
+    elsewhere_lease["domain"] = json!("web");
+    let elsewhere_settle = json!({"version": 2, "domain": "web", "settlements": [
+        {"reservation": "9f86d081884c7d65", "buckets": alice_check()["buckets"]}]});
+    for (path, body) in [
+        ("/v1/check", &elsewhere),
+        ("/v1/lease", &elsewhere_lease),
+        ("/v1/settle", &elsewhere_settle),
+    ] {
+        refused_with(
+            &gw,
+            &redis,
+            path,
+            body,
+            404,
+            "domain: unknown domain `web`: not in the gateway's policy",
+        );
+    }
+    assert_eq!(
+        ok(
+            gw.metric("ratelimit_gateway_errors_total{kind=\"unknown_domain\"}"),
+            "/metrics"
+        ),
+        Some(3.0)
     );
     // The one key a real check writes expires within the policy's minute
     // (the old gateway wrote a TTL of 2^53 ms, 285,000 years).

@@ -32,7 +32,8 @@ fn dir(name: &str) -> PathBuf {
 
 /// A gateway in this runtime with `--grpc-listen 127.0.0.1:0`, the rls
 /// configuration `rls_yaml` (one file per element) and `policy` (plugin
-/// configurations, JSON) as its policy; `tokens` is the `--auth-tokens` file.
+/// configurations, JSON; none: no `--policy`) as its policy; `tokens` is the
+/// `--auth-tokens` file.
 async fn gateway(
     redis: &Redis,
     work: &Path,
@@ -45,22 +46,17 @@ async fn gateway(
     for (i, y) in rls_yaml.iter().enumerate() {
         std::fs::write(rls_dir.join(format!("{i}.yaml")), y).unwrap();
     }
-    let policy_dir = work.join("policy");
-    std::fs::create_dir_all(&policy_dir).unwrap();
-    let mut policy: Vec<&str> = policy.to_vec();
-    // The gateway refuses to start without a policy.
-    let placeholder = r#"{"domain":"placeholder","rules":[{"name":"r","scope":"global","limits":[{"requests":1,"per":"1s"}]}],"global":{"cluster":"gw"}}"#;
-    if policy.is_empty() {
-        policy.push(placeholder);
+    // No policy at all when none is given: the rate limit service alone.
+    let mut policy_dirs = Vec::new();
+    if !policy.is_empty() {
+        let policy_dir = work.join("policy");
+        std::fs::create_dir_all(&policy_dir).unwrap();
+        for (i, p) in policy.iter().enumerate() {
+            std::fs::write(policy_dir.join(format!("{i}.json")), p).unwrap();
+        }
+        policy_dirs.push(policy_dir);
     }
-    for (i, p) in policy.iter().enumerate() {
-        std::fs::write(policy_dir.join(format!("{i}.json")), p).unwrap();
-    }
-    let mut config = Config::single(
-        "127.0.0.1:0".parse().unwrap(),
-        redis.url(),
-        vec![policy_dir],
-    );
+    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url(), policy_dirs);
     config.redis_timeout = Duration::from_millis(500);
     config.rls = RlsOptions {
         grpc_listen: Some("127.0.0.1:0".parse().unwrap()),

@@ -32,25 +32,25 @@ fn dir(name: &str) -> PathBuf {
 }
 
 /// A gateway (no authentication) with `--grpc-listen`, `rls_yaml` as its
-/// `--rls-config` and `policy` as its policy.
+/// `--rls-config` and `policy` as its policy (`None`: no `--policy`).
 async fn gateway(
     redis: &Redis,
     work: &Path,
     rls_yaml: &str,
-    policy: &str,
+    policy: Option<&str>,
     allow_overrides: bool,
 ) -> anyhow::Result<Running> {
     let rls_dir = work.join("rls");
     std::fs::create_dir_all(&rls_dir).unwrap();
     std::fs::write(rls_dir.join("0.yaml"), rls_yaml).unwrap();
-    let policy_dir = work.join("policy");
-    std::fs::create_dir_all(&policy_dir).unwrap();
-    std::fs::write(policy_dir.join("0.json"), policy).unwrap();
-    let mut config = Config::single(
-        "127.0.0.1:0".parse().unwrap(),
-        redis.url(),
-        vec![policy_dir],
-    );
+    let mut policy_dirs = Vec::new();
+    if let Some(policy) = policy {
+        let policy_dir = work.join("policy");
+        std::fs::create_dir_all(&policy_dir).unwrap();
+        std::fs::write(policy_dir.join("0.json"), policy).unwrap();
+        policy_dirs.push(policy_dir);
+    }
+    let mut config = Config::single("127.0.0.1:0".parse().unwrap(), redis.url(), policy_dirs);
     config.redis_timeout = Duration::from_millis(500);
     config.rls = RlsOptions {
         grpc_listen: Some("127.0.0.1:0".parse().unwrap()),
@@ -167,9 +167,6 @@ fn align(unit_s: u64, need_ms: u64) {
     }
 }
 
-/// The placeholder policy the gateway needs beside an rls configuration.
-const PLACEHOLDER: &str = r#"{"domain":"placeholder","rules":[{"name":"r","scope":"global","limits":[{"requests":1,"per":"1s"}]}],"global":{"cluster":"gw"}}"#;
-
 const OV: &str =
     "domain: ov\ndescriptors:\n- key: user\n  rate_limit: {unit: minute, requests_per_unit: 3}\n";
 
@@ -177,7 +174,7 @@ const OV: &str =
 async fn overrides_with_long_distinct_keys_add_no_metrics_series() {
     let redis = Redis::start().unwrap();
     let work = dir("labels");
-    let gw = gateway(&redis, &work, OV, PLACEHOLDER, true).await.unwrap();
+    let gw = gateway(&redis, &work, OV, None, true).await.unwrap();
     let mut c = client(&gw).await;
     let first = with_limit(descriptor(&[("k0", "v")], None), 1000);
     let r = ask(&mut c, "ov", vec![first]).await.unwrap();
@@ -218,9 +215,7 @@ async fn overrides_with_long_distinct_keys_add_no_metrics_series() {
 async fn without_allow_overrides_the_configured_limit_applies() {
     let redis = Redis::start().unwrap();
     let work = dir("nooverride");
-    let gw = gateway(&redis, &work, OV, PLACEHOLDER, false)
-        .await
-        .unwrap();
+    let gw = gateway(&redis, &work, OV, None, false).await.unwrap();
     let mut c = client(&gw).await;
     align(60, 5_000);
     let mut seen = Vec::new();
@@ -261,7 +256,7 @@ const SHARE_RLS: &str = "domain: sh\ndescriptors:\n- key: t\n  descriptors:\n  -
 async fn a_shared_descriptor_charges_the_client_of_its_own_entry() {
     let redis = Redis::start().unwrap();
     let work = dir("split");
-    let gw = gateway(&redis, &work, SHARE_RLS, SHARE_POLICY, true)
+    let gw = gateway(&redis, &work, SHARE_RLS, Some(SHARE_POLICY), true)
         .await
         .unwrap();
     let mut c = client(&gw).await;
@@ -295,7 +290,7 @@ async fn a_shared_descriptor_charges_the_client_of_its_own_entry() {
 async fn a_shared_descriptor_costing_more_than_the_rule_allows_is_over_the_limit() {
     let redis = Redis::start().unwrap();
     let work = dir("cost");
-    let gw = gateway(&redis, &work, SHARE_RLS, SHARE_POLICY, true)
+    let gw = gateway(&redis, &work, SHARE_RLS, Some(SHARE_POLICY), true)
         .await
         .unwrap();
     let mut c = client(&gw).await;
@@ -329,7 +324,7 @@ async fn sharing_a_rule_of_another_domain_does_not_load() {
     // Domain `other` of the rls configuration names the policy's domain `sh`:
     // a token of `other` would charge `sh`'s buckets.
     let cross = "domain: other\ndescriptors:\n- key: client_id\n  rate_limit:\n    shared: {domain: sh, rule: per-client, entries: [client_id]}\n";
-    let e = gateway(&redis, &work, cross, SHARE_POLICY, true)
+    let e = gateway(&redis, &work, cross, Some(SHARE_POLICY), true)
         .await
         .err()
         .expect("the gateway refuses the configuration");

@@ -126,7 +126,7 @@ fn finish_with(
         random: p.random,
         counts: p.counts,
         error: p.error,
-        shadow_denied: p.shadow_denied,
+        refusals: p.refusals,
     };
     let eval = p.eval;
     let mut held = p.held;

@@ -152,7 +152,7 @@ fn untouched<S>(mut ctx: Ctx<'_, S>, eval: Evaluation) -> Outcome {
         error: None,
         gateway_error: None,
         circuit: Transition::None,
-        shadow_denied: Vec::new(),
+        refusals: Vec::new(),
         bad_input: eval.bad_input,
         lease: None,
         held: Held::default(),
@@ -311,7 +311,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             random: self.random,
             counts: self.counts,
             error: self.error,
-            shadow_denied: self.shadow_denied,
+            refusals: self.refusals,
             reservation,
         })
     }

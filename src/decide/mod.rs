@@ -26,6 +26,7 @@ mod refresh;
 mod remote;
 mod settle;
 mod stream;
+mod tally;
 
 pub use answer::finish;
 pub use body::{BodyRead, BodyWait};
@@ -34,6 +35,7 @@ pub use local::{abandon, start, start_evaluated};
 pub use refresh::{refresh_finish, refresh_start, Refresh};
 pub use settle::{framing, header_usage, ResponseHeaders, Settlement};
 pub use stream::{Callout, Next, Stream};
+pub use tally::{Counter, Refusal, Tally};
 
 use crate::config::{FailureMode, OnError};
 use crate::global::callout::{self, Answer, AnswerError, QuotaReport};
@@ -96,8 +98,10 @@ pub struct Outcome {
     pub gateway_error: Option<AnswerError>,
     /// What the circuit breaker did.
     pub circuit: Transition,
-    /// Rules that would have denied but only watch (shadow rules, soft clients).
-    pub shadow_denied: Vec<String>,
+    /// The rules and quotas that refused it, and the rules that would have
+    /// but only watch (shadow rules, soft clients): for the per-rule
+    /// counters ([`Tally::outcome`]) and the log.
+    pub refusals: Vec<Refusal>,
     /// Odd input seen while building keys.
     pub bad_input: Vec<BadInput>,
     /// The lease the request spent from: for the timer to keep topped up,
@@ -108,6 +112,21 @@ pub struct Outcome {
     /// What an admitted request still holds of the local charge: what the
     /// response phases settle. Empty for a refused request (refunded).
     pub held: Held,
+}
+
+impl Outcome {
+    /// The names of the rules that would have denied but only watch, for
+    /// the log.
+    pub fn shadow_denied<'p>(&self, plan: &'p Plan) -> Vec<&'p str> {
+        self.refusals
+            .iter()
+            .filter_map(|r| match *r {
+                Refusal::ShadowDenied(n) => plan.rules.get(n as usize),
+                Refusal::Denied(_) | Refusal::Spent(_) => None,
+            })
+            .map(|r| r.name.as_str())
+            .collect()
+    }
 }
 
 /// The local buckets a request was charged, and when: a refund finds the
@@ -173,7 +192,7 @@ pub struct Pending {
     random: u64,
     counts: Counts,
     error: Option<LimitError>,
-    shadow_denied: Vec<String>,
+    refusals: Vec<Refusal>,
     lease: Option<(Lease, Claim)>,
     /// The id the check reserves under, when it has anything to settle.
     reservation: Option<String>,
@@ -226,7 +245,7 @@ struct Ctx<'a, S> {
     random: u64,
     counts: Counts,
     error: Option<LimitError>,
-    shadow_denied: Vec<String>,
+    refusals: Vec<Refusal>,
 }
 
 impl<'a, S> Ctx<'a, S> {
@@ -238,7 +257,7 @@ impl<'a, S> Ctx<'a, S> {
             random,
             counts: Counts::default(),
             error: None,
-            shadow_denied: Vec::new(),
+            refusals: Vec::new(),
         }
     }
 
@@ -328,9 +347,7 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     fn note_shadow(&mut self, reports: &[Report]) {
         self.counts.add(Metric::ShadowDenied, 1);
-        for name in headers::violated(self.plan, reports) {
-            self.shadow_denied.push(name.to_string());
-        }
+        self.note_refusals(reports, Refusal::ShadowDenied);
     }
 
     fn give_back(&mut self, l: &Lease) {
@@ -350,7 +367,20 @@ impl<S: SharedStore> Ctx<'_, S> {
         self.counts.merge(&counts);
     }
 
+    /// Notes each rule with a denying report among `reports` once, as `how`.
+    fn note_refusals(&mut self, reports: &[Report], how: fn(u32) -> Refusal) {
+        let mut last = None;
+        for r in reports.iter().filter(|r| !r.check.allowed) {
+            if last != Some(r.rule) {
+                self.refusals
+                    .push(how(u32::try_from(r.rule).unwrap_or(u32::MAX)));
+                last = Some(r.rule);
+            }
+        }
+    }
+
     fn too_many(&mut self, reports: &[Report]) -> Verdict {
+        self.note_refusals(reports, Refusal::Denied);
         let shown = headers::binding(self.plan, reports);
         if let Some(verdict) = never_passes(self.plan, reports, shown.as_ref()) {
             return verdict;
@@ -379,6 +409,10 @@ impl<S: SharedStore> Ctx<'_, S> {
 
     fn quota_exhausted(&mut self, quotas: &[QuotaReport], shown: &[Report]) -> Verdict {
         self.counts.add(Metric::QuotaExhausted, 1);
+        for q in quotas.iter().filter(|q| !q.allowed) {
+            let n = u32::try_from(q.quota).unwrap_or(u32::MAX);
+            self.refusals.push(Refusal::Spent(n));
+        }
         let spent: Vec<(&str, &str)> = quotas
             .iter()
             .filter(|q| !q.allowed)
@@ -478,7 +512,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             error: self.error,
             gateway_error,
             circuit,
-            shadow_denied: self.shadow_denied,
+            refusals: self.refusals,
             bad_input,
             lease: None,
             held: Held::default(),

@@ -457,10 +457,10 @@ fn shadow_rules_and_soft_clients_never_reject_but_count() {
     );
     let s = MemoryStore::default();
     let first = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-    assert!(first.shadow_denied.is_empty());
+    assert!(first.shadow_denied(&p).is_empty());
     let second = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
     let h = &passed(&p, &second);
-    assert_eq!(second.shadow_denied, ["watch"]);
+    assert_eq!(second.shadow_denied(&p), ["watch"]);
     assert_eq!(second.counts.get(Metric::ShadowDenied), 1);
     assert_eq!(header(h, "x-ratelimit-remaining"), "0");
     assert!(matches!(

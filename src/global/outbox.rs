@@ -111,7 +111,9 @@ impl Outbox {
 
     /// The gateway's answer to `batch` (`status` `None`: none came). A
     /// failed call puts the batch back for another attempt, but for what has
-    /// had its last; a 400 is not retried: the same body would be refused again.
+    /// had its last; a 400 (a body the policy refuses) or a 404 (a domain
+    /// the gateway's policy does not name) is not retried: the same body
+    /// would be refused again.
     pub fn answered(&mut self, batch: Batch, status: Option<&[u8]>, body: &[u8]) -> Delivered {
         let mut out = Delivered::default();
         match read_answer(status, body, batch.items.len()) {
@@ -124,7 +126,9 @@ impl Outbox {
                     }
                 }
             }
-            Err(AnswerError::Status(s)) if s == "400" => out.failed = batch.items.len() as u64,
+            Err(AnswerError::Status(s)) if s == "400" || s == "404" => {
+                out.failed = batch.items.len() as u64
+            }
             Err(_) => {
                 // Back at the front, in their order: they are the oldest.
                 for (s, attempts) in batch.items.into_iter().rev() {
@@ -206,7 +210,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_call_is_retried_up_to_the_last_attempt_and_a_400_never() {
+    fn a_failed_call_is_retried_up_to_the_last_attempt_and_a_400_or_404_never() {
         let mut o = Outbox::default();
         o.push(settlement(1));
         for attempt in 1..MAX_ATTEMPTS {
@@ -224,6 +228,10 @@ mod tests {
         o.push(settlement(2));
         let (batch, _) = o.next_batch("d").unwrap();
         assert_eq!(o.answered(batch, Some(b"400"), b"{}").failed, 1);
+        assert!(o.is_empty());
+        o.push(settlement(3));
+        let (batch, _) = o.next_batch("d").unwrap();
+        assert_eq!(o.answered(batch, Some(b"404"), b"{}").failed, 1);
         assert!(o.is_empty());
         assert!(o.next_batch("d").is_none());
     }

@@ -3,9 +3,11 @@
 //! the local response, resuming and resetting a stream, the clocks, the
 //! counters, the callout and properties.
 
-use crate::decide::Counts;
+use crate::decide::{Counter, Tally};
 use crate::limits::store::{SharedStore, StoreError};
-use crate::metrics::{Background, BodyMetric, Metric};
+use crate::metrics::{
+    quota_metric_name, rule_metric_name, Background, BodyMetric, Metric, RuleMetric,
+};
 use crate::policy::plan::Plan;
 use crate::vm::Jitter;
 use proxy_wasm::hostcalls;
@@ -158,47 +160,77 @@ pub(super) fn use_epoch_offset(offset: u64) {
 }
 
 /// Counter ids from `define_metric`, `None` where the host refused one:
-/// the decisions' counters, the request bodies', then the root context's own.
+/// the decisions' counters, the request bodies', the root context's own,
+/// then per rule and per quota of the plan.
 #[derive(Default)]
-pub(super) struct Metrics(
-    [Option<u32>; Metric::ALL.len()],
-    [Option<u32>; BodyMetric::ALL.len()],
-    [Option<u32>; Background::ALL.len()],
-);
+pub(super) struct Metrics {
+    decisions: [Option<u32>; Metric::ALL.len()],
+    body: [Option<u32>; BodyMetric::ALL.len()],
+    background: [Option<u32>; Background::ALL.len()],
+    rules: Vec<[Option<u32>; RuleMetric::ALL.len()]>,
+    quotas: Vec<Option<u32>>,
+}
 
 impl Metrics {
-    pub(super) fn define() -> Metrics {
-        let define = |name| hostcalls::define_metric(MetricType::Counter, name).ok();
-        Metrics(
-            Metric::ALL.map(|m| define(m.name())),
-            BodyMetric::ALL.map(|m| define(m.name())),
-            Background::ALL.map(|m| define(m.name())),
-        )
-    }
-
-    /// Adds one to each of `metrics`.
-    pub(super) fn add_body(&self, metrics: &[BodyMetric]) {
-        for m in metrics {
-            if let Some(Some(id)) = self.1.get(m.index()) {
-                let _ = hostcalls::increment_metric(*id, 1);
+    /// Defines every counter of `plan`: a global rule's stand-in has none
+    /// of its own, its counts go to its global rule's.
+    pub(super) fn define(plan: &Plan) -> Metrics {
+        let define = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
+        let mut rules: Vec<[Option<u32>; RuleMetric::ALL.len()]> = plan
+            .rules
+            .iter()
+            .map(|r| {
+                RuleMetric::ALL.map(|m| {
+                    (!r.stand_in)
+                        .then(|| define(&rule_metric_name(&plan.domain, &r.name, m)))
+                        .flatten()
+                })
+            })
+            .collect();
+        // A stand-in counts under its global rule.
+        for (i, r) in plan.rules.iter().enumerate() {
+            let ids = rules.get(i).copied();
+            if let (Some(f), Some(ids)) = (r.fallback, ids) {
+                if let Some(slot) = rules.get_mut(f) {
+                    *slot = ids;
+                }
             }
         }
+        Metrics {
+            decisions: Metric::ALL.map(|m| define(m.name())),
+            body: BodyMetric::ALL.map(|m| define(m.name())),
+            background: Background::ALL.map(|m| define(m.name())),
+            rules,
+            quotas: plan
+                .quotas
+                .iter()
+                .map(|q| define(&quota_metric_name(&plan.domain, &q.name)))
+                .collect(),
+        }
     }
 
-    pub(super) fn add_all(&self, counts: &Counts) {
-        for (i, n) in counts.counted() {
-            if let Some(Some(id)) = self.0.get(i) {
-                let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
+    /// Adds what `tally` counted since the last flush.
+    pub(super) fn flush(&self, tally: &mut Tally) {
+        tally.drain(|counter, n| {
+            let id = match counter {
+                Counter::Decision(m) => self.decisions.get(m.index()).copied().flatten(),
+                Counter::Body(m) => self.body.get(m.index()).copied().flatten(),
+                Counter::Background(m) => {
+                    let i = Background::ALL.iter().position(|x| *x == m);
+                    i.and_then(|i| self.background.get(i)).copied().flatten()
+                }
+                Counter::Rule(r, m) => self
+                    .rules
+                    .get(r)
+                    .and_then(|ids| ids.get(m.index()))
+                    .copied()
+                    .flatten(),
+                Counter::Quota(q) => self.quotas.get(q).copied().flatten(),
+            };
+            if let Some(id) = id {
+                let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
             }
-        }
-    }
-
-    /// Adds `n` (when not 0) to one of the root context's counters.
-    pub(super) fn add_background(&self, m: Background, n: u64) {
-        let i = Background::ALL.iter().position(|x| *x == m);
-        if let (Some(Some(id)), true) = (i.and_then(|i| self.2.get(i)), n > 0) {
-            let _ = hostcalls::increment_metric(*id, i64::try_from(n).unwrap_or(i64::MAX));
-        }
+        });
     }
 }
 

@@ -11,7 +11,7 @@ mod alloc;
 mod calls;
 
 use crate::config;
-use crate::decide::{self, Next, Outcome, Refresh, Stream, Verdict};
+use crate::decide::{self, Next, Outcome, Refresh, Stream, Tally, Verdict};
 use crate::global::circuit::Transition;
 use crate::global::lease::{Lease, Watched};
 use crate::global::outbox::{self, Batch, Outbox};
@@ -19,7 +19,7 @@ use crate::limits::store::KEY_PREFIX;
 use crate::metrics::{Background, Metric};
 use crate::policy::plan::{Plan, SourceNeed};
 use crate::policy::request::RequestInfo;
-use crate::vm::timers::{Delays, RefreshSchedule, TICK};
+use crate::vm::timers::{Delays, RefreshSchedule, FLUSH_TICK, TICK};
 use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use calls::{
     call_response, dispatch, drop_content_length, monotonic_ns, now_ns, property, random_seed,
@@ -47,7 +47,10 @@ proxy_wasm::main! {{
 #[derive(Default)]
 struct Root {
     plan: Option<Rc<Plan>>,
-    metrics: Rc<Metrics>,
+    /// The worker's counter ids, which its tick flushes `tally` into.
+    metrics: Metrics,
+    /// What this worker counted since the last tick.
+    tally: Rc<RefCell<Tally>>,
     logs: Rc<LogGates>,
     /// Requests a graduated rule holds; the tick resumes them.
     delays: Rc<RefCell<Delays>>,
@@ -75,7 +78,7 @@ impl Root {
         let recent = self.leases.borrow_mut().recent(now, lp.ttl_ns);
         for lease in recent {
             let (started, counts) = decide::refresh_start(plan, &HostStore, &lease, now);
-            self.metrics.add_all(&counts);
+            self.tally.borrow_mut().counts(&counts);
             let Some(r) = started else {
                 continue;
             };
@@ -86,7 +89,7 @@ impl Root {
                 None => {
                     let (counts, _, _) =
                         decide::refresh_finish(plan, &HostStore, r, None, &[], 0, now);
-                    self.metrics.add_all(&counts);
+                    self.tally.borrow_mut().counts(&counts);
                 }
             }
         }
@@ -120,12 +123,15 @@ impl Root {
     /// The gateway's answer to a settle call (`status` `None`: none came).
     fn settled(&mut self, batch: Batch, status: Option<&[u8]>, body: &[u8]) {
         let d = self.outbox.borrow_mut().answered(batch, status, body);
-        self.metrics
-            .add_background(Background::GlobalSettled, d.settled);
-        self.metrics
-            .add_background(Background::GlobalSettleUnmatched, d.unmatched);
-        self.metrics
-            .add_background(Background::GlobalSettleFailed, d.failed);
+        self.tally
+            .borrow_mut()
+            .background(Background::GlobalSettled, d.settled);
+        self.tally
+            .borrow_mut()
+            .background(Background::GlobalSettleUnmatched, d.unmatched);
+        self.tally
+            .borrow_mut()
+            .background(Background::GlobalSettleFailed, d.failed);
         if d.failed > 0 {
             if let Some(more) = self.logs.gateway.open(now_ns()) {
                 log::warn!(
@@ -166,7 +172,7 @@ impl Context for Root {
             now.saturating_sub(sent_at),
             now,
         );
-        self.metrics.add_all(&counts);
+        self.tally.borrow_mut().counts(&counts);
         if let Some(e) = error {
             if let Some(more) = self.logs.gateway.open(now) {
                 log::warn!("ratelimit-wasm: lease refresh failed: {e} (+{more} not logged)");
@@ -216,7 +222,8 @@ fn compile(config: &config::Config, seed: [u8; 16]) -> Result<Plan, String> {
     Ok(plan)
 }
 
-/// Starts the tick when delayed requests or leases need it.
+/// Starts the tick: every [`TICK`] when delayed requests, leases or
+/// settlements need it, else every [`FLUSH_TICK`], for the counters alone.
 fn start_timer(plan: &Plan) -> Result<(), String> {
     let delays = plan
         .rules
@@ -225,11 +232,12 @@ fn start_timer(plan: &Plan) -> Result<(), String> {
     let leases = plan.global.as_ref().is_some_and(|g| g.lease.is_some());
     // Settlements of global rules wait in the outbox for the tick.
     let settles = plan.global.is_some() && plan.settling;
-    if delays || leases || settles {
-        hostcalls::set_tick_period(TICK)
-            .map_err(|e| format!("no timer for delayed requests and leases: {e:?}"))?;
-    }
-    Ok(())
+    let period = if delays || leases || settles {
+        TICK
+    } else {
+        FLUSH_TICK
+    };
+    hostcalls::set_tick_period(period).map_err(|e| format!("no timer: {e:?}"))
 }
 
 impl Root {
@@ -246,8 +254,9 @@ impl Root {
             plan.table.sets
         );
         start_timer(&plan)?;
+        self.metrics = Metrics::define(&plan);
+        self.tally = Rc::new(RefCell::new(Tally::new(&plan)));
         self.plan = Some(Rc::new(plan));
-        self.metrics = Rc::new(Metrics::define());
         self.jitter = Rc::new(seeded_jitter());
         Ok(())
     }
@@ -270,6 +279,7 @@ impl RootContext for Root {
             self.refresh_leases(&plan, now);
             self.flush_settlements(&plan);
         }
+        self.metrics.flush(&mut self.tally.borrow_mut());
         let due = self.delays.borrow_mut().due(now);
         for id in due {
             // A stream that went away is gone from the host: nothing to resume.
@@ -283,7 +293,7 @@ impl RootContext for Root {
         Some(Box::new(Http {
             id: context_id,
             plan: self.plan.clone(),
-            metrics: self.metrics.clone(),
+            tally: self.tally.clone(),
             logs: self.logs.clone(),
             delays: self.delays.clone(),
             leases: self.leases.clone(),
@@ -303,7 +313,7 @@ impl RootContext for Root {
 struct Http {
     id: u32,
     plan: Option<Rc<Plan>>,
-    metrics: Rc<Metrics>,
+    tally: Rc<RefCell<Tally>>,
     logs: Rc<LogGates>,
     delays: Rc<RefCell<Delays>>,
     leases: Rc<RefCell<Watched>>,
@@ -350,7 +360,7 @@ impl Http {
     }
 
     fn report(&self, plan: &Plan, outcome: &Outcome, now: u64) {
-        self.metrics.add_all(&outcome.counts);
+        self.tally.borrow_mut().outcome(plan, outcome);
         // Once per VM: every answer of a drifted policy would say it again.
         static MISMATCH_LOGGED: std::sync::atomic::AtomicBool =
             std::sync::atomic::AtomicBool::new(false);
@@ -389,11 +399,11 @@ impl Http {
                 );
             }
         }
-        if !outcome.shadow_denied.is_empty() {
+        let shadow = outcome.shadow_denied(plan);
+        if !shadow.is_empty() {
             if let Some(more) = self.logs.shadow.open(now) {
                 log::info!(
-                    "ratelimit-wasm: shadow: {:?} would have denied this request (+{more} not logged)",
-                    outcome.shadow_denied
+                    "ratelimit-wasm: shadow: {shadow:?} would have denied this request (+{more} not logged)"
                 );
             }
         }
@@ -451,23 +461,27 @@ impl Http {
     /// could not apply.
     fn queue_settlement(&mut self) {
         let left = self.stream.take_lease_left();
-        self.metrics
-            .add_background(Background::LeaseUnreturned, left.unreturned);
-        self.metrics
-            .add_background(Background::LeaseDebtDropped, left.dropped);
+        self.tally
+            .borrow_mut()
+            .background(Background::LeaseUnreturned, left.unreturned);
+        self.tally
+            .borrow_mut()
+            .background(Background::LeaseDebtDropped, left.dropped);
         let Some(s) = self.stream.take_remote() else {
             return;
         };
         if !self.outbox.borrow_mut().push(s) {
-            self.metrics
-                .add_background(Background::GlobalSettleFailed, 1);
+            self.tally
+                .borrow_mut()
+                .background(Background::GlobalSettleFailed, 1);
         }
     }
 
     /// Posts the stream's callout; `None` when it could not even start.
     fn call_gateway(&self, plan: &Plan, now: u64) -> Option<u32> {
-        self.metrics
-            .add_background(Background::LeaseDebtDropped, self.stream.dropped_debt());
+        self.tally
+            .borrow_mut()
+            .background(Background::LeaseDebtDropped, self.stream.dropped_debt());
         let (c, lease) = self.stream.callout(plan)?;
         let token = dispatch(plan, c.body, c.path, c.timeout_ms)?;
         if let Some(l) = lease {
@@ -495,7 +509,7 @@ impl Http {
             random,
             end_of_stream,
         );
-        self.metrics.add_body(&read.counted);
+        self.tally.borrow_mut().body(&read.counted);
         if next == Next::Body {
             // Envoy gives a filter that paused its headers none of the body
             // until it resumes them: the headers go on, the body is held.
@@ -623,7 +637,7 @@ impl HttpContext for Http {
         let (next, read) = self
             .stream
             .request_body(&plan, bytes.as_deref(), &HostStore, now);
-        self.metrics.add_body(&read.counted);
+        self.tally.borrow_mut().body(&read.counted);
         if let Some(new) = &read.rewritten {
             if !replace_request_body(body_size, new) {
                 log::warn!("ratelimit-wasm: the host refused the rewritten request body");
@@ -646,7 +660,7 @@ impl HttpContext for Http {
         // decided now, on its defaults, rather than let through undecided.
         let now = now_ns();
         let (next, read) = self.stream.request_trailers(&plan, &HostStore, now);
-        self.metrics.add_body(&read.counted);
+        self.tally.borrow_mut().body(&read.counted);
         self.carry_out(&plan, next, now)
     }
 
@@ -665,7 +679,7 @@ impl HttpContext for Http {
             let counts = self
                 .stream
                 .response_started(&plan, &HostResponse, &HostStore, now_ns());
-            self.metrics.add_all(&counts);
+            self.tally.borrow_mut().counts(&counts);
             self.queue_settlement();
         }
         Action::Continue
@@ -681,7 +695,7 @@ impl HttpContext for Http {
             let counts =
                 self.stream
                     .response_body(&plan, &chunk, end_of_stream, &HostStore, now_ns());
-            self.metrics.add_all(&counts);
+            self.tally.borrow_mut().counts(&counts);
             self.queue_settlement();
         }
         Action::Continue
@@ -697,7 +711,7 @@ impl HttpContext for Http {
                 0
             };
             if let Some(counts) = self.stream.end(&plan, &HostStore, now) {
-                self.metrics.add_all(&counts);
+                self.tally.borrow_mut().counts(&counts);
                 self.queue_settlement();
             }
         }

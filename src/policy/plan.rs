@@ -415,6 +415,9 @@ pub struct Plan {
     pub quota_problem_type: String,
     /// Share of random spread on `Retry-After` and block releases, upwards only.
     pub retry_jitter: f64,
+    /// `metrics.near_limit`: the share of a limit past which an allowed
+    /// request also counts as near it.
+    pub near_limit: f64,
     /// What to do when shared data fails.
     pub on_error: OnError,
     /// Where the buckets live in shared data.
@@ -876,6 +879,7 @@ impl Plan {
             problem_type: config.response.problem_type.clone(),
             quota_problem_type: config.response.quota_problem_type.clone(),
             retry_jitter: config.response.retry_jitter,
+            near_limit: config.metrics.near_limit,
             on_error: config.on_error,
             table: Layout::new(&config.domain, config.max_buckets),
             global: config.global.as_ref().map(|g| global_plan(config, g, keys)),

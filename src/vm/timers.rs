@@ -6,6 +6,10 @@ use std::time::Duration;
 
 /// How often the root context looks for delayed requests to resume.
 pub const TICK: Duration = Duration::from_millis(5);
+/// How often the root context flushes the counters when nothing else needs
+/// its tick: a counter in Envoy is at most this far behind (10 wakeups a
+/// second per worker).
+pub const FLUSH_TICK: Duration = Duration::from_millis(100);
 /// How often the root context looks for leases running low.
 pub const REFRESH_EVERY_NS: u64 = 20_000_000;
 

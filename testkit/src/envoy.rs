@@ -169,6 +169,11 @@ impl WorkDir {
     }
 }
 
+/// How long the filter may take to hand its counts to Envoy: it counts in
+/// the VM and flushes on its root's tick, every 100 ms at the longest
+/// (`vm::timers::FLUSH_TICK`); twice that and a margin.
+pub const FILTER_FLUSH: Duration = Duration::from_millis(250);
+
 /// A running Envoy, stopped (SIGTERM, then SIGKILL) when dropped.
 #[derive(Debug)]
 pub struct Envoy {
@@ -372,8 +377,10 @@ impl Envoy {
         self.process.wait_for_log(needle, timeout)
     }
 
-    /// The admin `/stats/prometheus` page.
+    /// The admin `/stats/prometheus` page, read once the filter's workers
+    /// have flushed what they counted so far ([`FILTER_FLUSH`]).
     pub fn stats_prometheus(&self) -> Result<String> {
+        std::thread::sleep(FILTER_FLUSH);
         let admin = Client::new(self.admin_url(""), ConnectionMode::NewPerRequest);
         let r = admin.get("/stats/prometheus", &[])?;
         if r.status != 200 {
@@ -386,6 +393,7 @@ impl Envoy {
     /// example `listener.127.0.0.1_10000.downstream_cx_total`), or `None`
     /// when Envoy does not show it.
     pub fn stat(&self, name: &str) -> Result<Option<u64>> {
+        std::thread::sleep(FILTER_FLUSH);
         let admin = Client::new(self.admin_url(""), ConnectionMode::NewPerRequest);
         let r = admin.get("/stats?usedonly", &[])?;
         if r.status != 200 {

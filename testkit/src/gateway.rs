@@ -40,7 +40,8 @@ pub struct GatewayOptions {
     pub work_dir: Option<PathBuf>,
     /// The policy: plugin configurations (JSON), written to the work
     /// directory as `policy-<i>.json` and given as `--policy`. The gateway
-    /// refuses to start without one.
+    /// refuses to start without one unless `extra_args` give `--rls-config`
+    /// (with `--grpc-listen`).
     pub policies: Vec<String>,
 }
 

@@ -1953,9 +1953,26 @@ impl Harness {
 
     // ----- metrics -------------------------------------------------------------------------
 
-    /// Value of a counter or gauge (one value for all workers, as in Envoy's stats).
+    /// Calls `proxy_on_tick` on every worker running the filter: the filter
+    /// flushes the counts it keeps in the VM on its tick, so a counter read
+    /// here is what Envoy shows after that (the tick's other work runs too).
+    pub fn flush_metrics(&self) {
+        for w in 0..self.workers() {
+            let usable = {
+                let wk = self.worker_ref(w);
+                wk.store.data().poisoned.is_none() && wk.vm_started && wk.configured
+            };
+            if usable {
+                self.tick(w);
+            }
+        }
+    }
+
+    /// Value of a counter or gauge (one value for all workers, as in
+    /// Envoy's stats) after the workers' tick ([`Harness::flush_metrics`]).
     /// Panics if the filter never defined it.
     pub fn metric(&self, name: &str) -> u64 {
+        self.flush_metrics();
         let metrics = self.inner.metrics.borrow();
         match metrics.get(name) {
             Some(m) => m.value as u64,
@@ -1966,7 +1983,18 @@ impl Harness {
         }
     }
 
+    /// Value of a counter as the host holds it now, without the workers'
+    /// tick: what the filter handed over so far.
+    pub fn metric_unflushed(&self, name: &str) -> Option<u64> {
+        self.inner
+            .metrics
+            .borrow()
+            .get(name)
+            .map(|m| m.value as u64)
+    }
+
     pub fn metric_opt(&self, name: &str) -> Option<u64> {
+        self.flush_metrics();
         self.inner
             .metrics
             .borrow()
@@ -1975,6 +2003,7 @@ impl Harness {
     }
 
     pub fn metrics(&self) -> BTreeMap<String, Metric> {
+        self.flush_metrics();
         self.inner.metrics.borrow().clone()
     }
 

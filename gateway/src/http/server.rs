@@ -7,8 +7,8 @@
 //! [`admit`] stands in front of `/v1/*` only, the first step of their
 //! handlers: the in-flight bound (503 + `Retry-After`), the bearer token
 //! (401), the body read under its own deadline (408) and size bound (413);
-//! then the handler checks the token's domain against the request's (403)
-//! before anything reaches Redis. (A handler step, not a middleware layer:
+//! then the handler checks the token's domain against the request's (403),
+//! then that the policy has the domain (404), before anything reaches Redis. (A handler step, not a middleware layer:
 //! no boxed service call, no extension map, no second pass over the body.)
 //! The health and metrics routes stay open and unbounded.
 
@@ -34,6 +34,7 @@ use crate::flags::Bounds;
 use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
 use crate::orchestrate::Limiter;
+use crate::policy::UnknownDomain;
 use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
 use crate::redis::store::StoreError;
 
@@ -57,7 +58,8 @@ pub struct App {
     pub metrics: Metrics,
     /// The rate limit of the warnings callers cause.
     pub warnings: Warnings,
-    /// The policy in force (`--policy`), reloaded on SIGHUP and file changes.
+    /// The policy in force (`--policy`), reloaded on SIGHUP and file changes;
+    /// empty (no domain) without `--policy`.
     pub policy: Arc<crate::reload::Reloadable<crate::policy::Policy>>,
     /// The callers' tokens in force; `None` with `--insecure-no-auth`.
     pub tokens: Option<Arc<crate::reload::Reloadable<Tokens>>>,
@@ -292,6 +294,19 @@ fn count_bad_request(app: &App, message: &str) {
     }
 }
 
+/// A 404 for a domain no policy names (none at all without `--policy`):
+/// counted as an error of its own kind and logged within the warnings' rate
+/// limit, since a caller can send it at will. Asked after the token's domain
+/// (403), so that a token holder cannot probe which domains exist.
+fn unknown_domain(app: &App, e: &UnknownDomain) -> Response {
+    app.metrics.check("error");
+    app.metrics.error("unknown_domain");
+    if let Some(suppressed) = app.warnings.allow("unknown_domain") {
+        tracing::warn!(error = %Escaped(e), suppressed, "unknown domain");
+    }
+    error(StatusCode::NOT_FOUND, e.to_string())
+}
+
 /// A 400 or 413 of the body, counted.
 fn bad_request(app: &App, status: StatusCode, message: String) -> Response {
     count_bad_request(app, &message);
@@ -356,20 +371,54 @@ impl Drop for ChargeInFlight<'_> {
     }
 }
 
+/// A `/v1/*` call past the steps every one takes: admitted, its body
+/// parsed, its domain the token's and one the policy names.
+struct Call<T> {
+    /// Held until the answer is made (its place among `--max-in-flight`).
+    admitted: Admitted,
+    req: T,
+    /// The policy in force when the call was read.
+    policy: Arc<crate::policy::Policy>,
+}
+
+/// Admits `req` ([`admit`]), parses its body with `parse` (400), then
+/// checks that the caller's token is for its `domain` (403) and that the
+/// policy names that domain (404), in that order for every route; or the
+/// answer that refuses it.
+async fn admit_call<T>(
+    app: &App,
+    req: Request,
+    parse: fn(&[u8]) -> Result<T, String>,
+    domain: fn(&T) -> &str,
+) -> Result<Call<T>, Response> {
+    let admitted = admit(app, req).await?;
+    let req = parse(&admitted.body).map_err(|m| bad_request(app, StatusCode::BAD_REQUEST, m))?;
+    if !admitted.caller.may_use(domain(&req)) {
+        return Err(refuse(app, Refusal::WrongDomain));
+    }
+    let policy = app.policy.current();
+    if let Err(e) = policy.has_domain(domain(&req)) {
+        return Err(unknown_domain(app, &e));
+    }
+    Ok(Call {
+        admitted,
+        req,
+        policy,
+    })
+}
+
 async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
-    let admitted = match admit(&app, req).await {
-        Ok(a) => a,
+    // `_admitted` keeps the call's place among `--max-in-flight` to the end.
+    let Call {
+        admitted: _admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, protocol::parse_check, |r| &r.domain).await {
+        Ok(c) => c,
         Err(refused) => return refused,
     };
-    let req = match protocol::parse_check(&admitted.body) {
-        Ok(r) => r,
-        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
-    };
-    if !admitted.caller.may_use(&req.domain) {
-        return refuse(&app, Refusal::WrongDomain);
-    }
     // Limits, windows and amounts from the policy: 400 for what it lacks.
-    let resolved = match app.policy.current().resolve_check(&req) {
+    let resolved = match policy.resolve_check(&req) {
         Ok(r) => r,
         Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
     };
@@ -387,19 +436,16 @@ async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
 }
 
 async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
-    let admitted = match admit(&app, req).await {
-        Ok(a) => a,
+    let Call {
+        admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, protocol::parse_lease, |r| &r.domain).await {
+        Ok(c) => c,
         Err(refused) => return refused,
     };
-    let req = match protocol::parse_lease(&admitted.body) {
-        Ok(r) => r,
-        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
-    };
     let caller = &admitted.caller;
-    if !caller.may_use(&req.domain) {
-        return refuse(&app, Refusal::WrongDomain);
-    }
-    let resolved = match app.policy.current().resolve_lease(&req) {
+    let resolved = match policy.resolve_lease(&req) {
         Ok(r) => r,
         Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
     };
@@ -421,18 +467,15 @@ async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
 /// real cost be within the policy's `max`) before any is written: a body
 /// with one bad settlement is refused whole, writing nothing.
 async fn settle(State(app): State<Arc<App>>, req: Request) -> Response {
-    let admitted = match admit(&app, req).await {
-        Ok(a) => a,
+    // `_admitted` keeps the call's place among `--max-in-flight` to the end.
+    let Call {
+        admitted: _admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, protocol::parse_settle, |r| &r.domain).await {
+        Ok(c) => c,
         Err(refused) => return refused,
     };
-    let req = match protocol::parse_settle(&admitted.body) {
-        Ok(r) => r,
-        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
-    };
-    if !admitted.caller.may_use(&req.domain) {
-        return refuse(&app, Refusal::WrongDomain);
-    }
-    let policy = app.policy.current();
     let mut resolved = Vec::with_capacity(req.settlements.len());
     for (i, s) in req.settlements.iter().enumerate() {
         match policy.resolve_settlement(&req.domain, i, s) {

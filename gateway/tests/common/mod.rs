@@ -95,7 +95,7 @@ pub fn policy_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rlgw-test-policy-{}", std::process::id()));
     if !dir.exists() {
         std::fs::create_dir_all(&dir).unwrap();
-        // A gateway needs a policy to start.
+        // A directory given as --policy must hold a file.
         std::fs::write(
             dir.join("zz-start.json"),
             r#"{"domain":"zz-start","rules":[{"name":"r","limits":[{"requests":1,"per":1}]}]}"#,
