@@ -76,7 +76,9 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
         (
             format!("{n} in flight (slot held ≤ {}s)", l.max_in_flight_secs()),
             "-".to_string(),
-            LimitText::concurrent(&rule.name, n.into()).policy,
+            LimitText::concurrent(&rule.name, n.into())
+                .policy()
+                .to_owned(),
         )
     } else {
         let shown = limits

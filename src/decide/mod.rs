@@ -567,9 +567,12 @@ fn reject(
 ) -> Verdict {
     if let Some(r) = retry_after {
         // itoa: `to_string` goes through `core::fmt`, several times the instructions.
-        headers.push_named(headers::RETRY_AFTER, itoa::Buffer::new().format(r));
+        headers.push_named(
+            headers::RETRY_AFTER,
+            itoa::Buffer::new().format(r).as_bytes(),
+        );
     }
-    headers.push_named(headers::CONTENT_TYPE, problem::MEDIA_TYPE);
+    headers.push_named(headers::CONTENT_TYPE, problem::MEDIA_TYPE.as_bytes());
     Verdict::Reject {
         status,
         headers,

@@ -8,7 +8,8 @@
 use crate::config::HeaderStyle;
 use crate::limits::limiter::Report;
 use crate::limits::token_bucket::ceil_secs;
-use crate::policy::plan::{policy_name, LimitText, Plan, RulePlan};
+use crate::policy::plan::{push_policy_name, LimitText, Plan, RulePlan};
+use crate::respond::digits;
 
 /// One limit as a response reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,7 +18,7 @@ pub struct Shown<'a> {
     /// fields.
     pub policy: &'a str,
     /// The limit's place in its rule's list: limit `n > 0` is the policy
-    /// `<rule>/<n>` ([`policy_name`]).
+    /// `<rule>/<n>` ([`policy_name`](crate::policy::plan::policy_name)).
     pub limit: usize,
     /// Bucket capacity.
     pub quota: u64,
@@ -103,7 +104,9 @@ impl Passing {
     /// Hands each line to `set`, in order: the limits' in `plan`'s style
     /// (the legacy ones of the closest), then the extra lines. `plan` must be
     /// the one that decided.
-    pub fn each(&self, plan: &Plan, mut set: impl FnMut(&'static str, &str)) {
+    /// Values are bytes: the host takes them so, and the lists are written
+    /// as bytes (no check that they are UTF-8, which they are).
+    pub fn each(&self, plan: &Plan, mut set: impl FnMut(&'static str, &[u8])) {
         if let Some(s) = closest(plan, &self.reports) {
             let all = Listed {
                 plan,
@@ -115,14 +118,16 @@ impl Passing {
             });
         }
         for (name, value) in &self.extra {
-            set(name, value);
+            set(name, value.as_bytes());
         }
     }
 
     /// The lines as [`Passing::each`] hands them out.
     pub fn lines(&self, plan: &Plan) -> HeaderLines {
         let mut out = Vec::new();
-        self.each(plan, |name, value| out.push((name, value.to_owned())));
+        self.each(plan, |name, value| {
+            out.push((name, String::from_utf8_lossy(value).into_owned()))
+        });
         out
     }
 }
@@ -182,11 +187,11 @@ impl LocalHeaders {
         self.sizes(name.len(), value.len());
         self.bytes.extend_from_slice(name.as_bytes());
         self.bytes.push(0);
-        self.value(value);
+        self.value(value.as_bytes());
     }
 
     /// Appends a line whose name comes with its NUL: one copy less.
-    pub fn push_named(&mut self, name: Name, value: &str) {
+    pub fn push_named(&mut self, name: Name, value: &[u8]) {
         self.sizes(name.as_str().len(), value.len());
         self.bytes.extend_from_slice(name.0.as_bytes());
         self.value(value);
@@ -207,8 +212,8 @@ impl LocalHeaders {
     }
 
     /// Writes the line's value and ends the line.
-    fn value(&mut self, value: &str) {
-        self.bytes.extend_from_slice(value.as_bytes());
+    fn value(&mut self, value: &[u8]) {
+        self.bytes.extend_from_slice(value);
         self.bytes.push(0);
         self.count += 1;
     }
@@ -379,7 +384,7 @@ pub fn render(style: HeaderStyle, s: &Shown) -> HeaderLines {
     // Room for a 429's `retry-after` and `content-type` after the five.
     let mut out = Vec::with_capacity(7);
     write(style, s, None, &mut |name, value| {
-        out.push((name.as_str(), value.to_owned()))
+        out.push((name.as_str(), String::from_utf8_lossy(value).into_owned()))
     });
     out
 }
@@ -395,10 +400,10 @@ struct Listed<'a> {
 
 /// Hands `set` the header lines in the configured style: the legacy ones of
 /// `s`, the IETF ones of every report of `all` (of `s` alone without them, or
-/// with one). Numbers by `itoa` and `push_str`: `format!` costs several
-/// times the instructions on every response; what never changes for a limit
-/// comes ready from the plan.
-fn write(style: HeaderStyle, s: &Shown, all: Option<Listed>, set: &mut impl FnMut(Name, &str)) {
+/// with one). Numbers by `itoa` and copies: `format!` costs several times
+/// the instructions on every response; what never changes for a limit comes
+/// ready from the plan.
+fn write(style: HeaderStyle, s: &Shown, all: Option<Listed>, set: &mut impl FnMut(Name, &[u8])) {
     // Each number formatted once: both styles show remaining and reset.
     let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
     let (remaining, reset) = (r.format(s.remaining), t.format(s.reset_secs));
@@ -408,76 +413,173 @@ fn write(style: HeaderStyle, s: &Shown, all: Option<Listed>, set: &mut impl FnMu
             Some(text) => text.quota.as_str(),
             None => q.format(s.quota),
         };
-        set(X_LIMIT, quota);
-        set(X_REMAINING, remaining);
-        set(X_RESET, reset);
+        set(X_LIMIT, quota.as_bytes());
+        set(X_REMAINING, remaining.as_bytes());
+        set(X_RESET, reset.as_bytes());
     }
     if !matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
         return;
     }
-    if let Some(
-        all @ Listed {
-            reports: [_, _, ..],
-            ..
-        },
-    ) = all
-    {
-        return write_list(all, set);
+    match all {
+        Some(
+            all @ Listed {
+                reports: [_, _, ..],
+                refused: false,
+                ..
+            },
+        ) => return write_list::<false>(all, set),
+        Some(
+            all @ Listed {
+                reports: [_, _, ..],
+                refused: true,
+                ..
+            },
+        ) => return write_list::<true>(all, set),
+        _ => {}
     }
+    let mut v = String::with_capacity(s.policy.len() + 48);
     match s.text {
-        Some(text) => set(POLICY, &text.policy),
+        Some(text) => set(POLICY, text.policy().as_bytes()),
         None => {
-            let mut v = String::with_capacity(s.policy.len() + 40);
-            push_policy(&mut v, s);
-            set(POLICY, &v);
+            push_stated(
+                &mut v,
+                s.policy,
+                s.limit,
+                s.quota,
+                s.window_secs,
+                s.in_flight,
+            );
+            set(POLICY, v.as_bytes());
+            v.clear();
         }
     }
-    let name = s.text.map(|text| text.name.as_str());
-    let mut v = String::with_capacity(name.map_or(s.policy.len() + 6, str::len) + 24);
-    push_name(&mut v, s);
-    for part in [";r=", remaining, ";t=", reset] {
+    match s.text {
+        Some(text) => v.push_str(text.state()),
+        None => {
+            push_policy_name(&mut v, s.policy, s.limit);
+            v.push_str(";r=");
+        }
+    }
+    for part in [remaining, ";t=", reset] {
         v.push_str(part);
     }
-    set(RATELIMIT, &v);
+    set(RATELIMIT, v.as_bytes());
 }
 
 /// The IETF lines of several reports: one policy item and one service-limit
 /// item for each, in report order, as RFC 9651 Lists (`, ` between items).
-/// Out of line: the common one-rule request never gets here.
+/// `REFUSED`: the request was refused, and nothing was charged.
+///
+/// Wasmtime charges a copy one instruction a byte, so each byte is written
+/// once, as bytes (no `str` checks), and no report is copied. When the
+/// reports are a run of the plan's
+/// [`PolicyList`](crate::respond::policy_list::PolicyList) (every rule
+/// matched), `RateLimit-Policy` is borrowed from it and each `RateLimit`
+/// item is one copy of its start from the list and the numbers; else each
+/// limit's texts are looked up. Out of line: the common one-rule request
+/// never gets here.
 #[inline(never)]
-fn write_list(all: Listed, set: &mut impl FnMut(Name, &str)) {
-    let Listed {
-        plan,
-        reports,
-        refused,
-    } = all;
-    let mut policies = String::with_capacity(48 * reports.len());
-    let mut states = String::with_capacity(40 * reports.len());
+fn write_list<const REFUSED: bool>(all: Listed, set: &mut impl FnMut(Name, &[u8])) {
+    let Listed { plan, reports, .. } = all;
+    let mut states = Vec::with_capacity(48 * reports.len());
+    if let Some(items) = plan.policies.items_from(reports) {
+        // Checked as it is written: a second pass cost c4 200 instructions.
+        let mut listed = true;
+        for (r, item) in reports.iter().zip(items) {
+            if !item.lists(r) {
+                listed = false;
+                break;
+            }
+            states.extend_from_slice(item.listed_state());
+            push_figures::<REFUSED>(&mut states, plan, r);
+        }
+        let policies = plan.policies.text_of(items);
+        if let (true, Some(policies), Some(states)) = (listed, policies, states.get(2..)) {
+            set(POLICY, policies);
+            set(RATELIMIT, states);
+            return;
+        }
+        states.clear();
+    }
+    let mut policies = Vec::with_capacity(64 * reports.len());
     // Each name once without looking: a request has one bucket per rule,
     // and a global rule and its stand-in, which share a name, never report
     // together (the stand-in decides only when the gateway does not). A
     // look back over the earlier reports cost c4 850 instructions.
     for r in reports {
-        // A refused request's limits that let it through were not charged:
-        // the figures before it (its denying limits' are already those).
-        let r = if refused { uncharged(plan, r) } else { *r };
-        let Some(s) = shown(plan, &r) else { continue };
-        if !policies.is_empty() {
-            policies.push_str(", ");
-            states.push_str(", ");
+        let Some(rule) = plan.rules.get(r.rule) else {
+            continue;
+        };
+        let text = rule
+            .variants
+            .get(r.variant)
+            .and_then(|v| v.texts.get(r.limit));
+        match (r.enforced, text) {
+            (None, Some(text)) => {
+                policies.extend_from_slice(text.listed_policy().as_bytes());
+                states.extend_from_slice(text.listed_state().as_bytes());
+            }
+            (Some(e), _) => {
+                // A limit the gateway stated: written here, rarely.
+                let (quota, window) = (e.requests, e.window_secs());
+                let mut item = String::from(", ");
+                push_stated(
+                    &mut item,
+                    &rule.name,
+                    r.limit,
+                    quota,
+                    window,
+                    rule.in_flight,
+                );
+                policies.extend_from_slice(item.as_bytes());
+                item.clear();
+                item.push_str(", ");
+                push_policy_name(&mut item, &rule.name, r.limit);
+                item.push_str(";r=");
+                states.extend_from_slice(item.as_bytes());
+            }
+            // A limit the plan does not have: not shown, as [`shown`].
+            (None, None) => continue,
         }
-        push_policy(&mut policies, &s);
-        push_name(&mut states, &s);
-        let (mut n, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
-        for part in [";r=", n.format(s.remaining), ";t=", t.format(s.reset_secs)] {
-            states.push_str(part);
-        }
+        push_figures::<REFUSED>(&mut states, plan, r);
     }
-    if !policies.is_empty() {
-        set(POLICY, &policies);
-        set(RATELIMIT, &states);
+    // Each list without the `, ` before its first item.
+    if let (Some(policies), Some(states)) = (policies.get(2..), states.get(2..)) {
+        set(POLICY, policies);
+        set(RATELIMIT, states);
     }
 }
+
+/// Appends the remaining and `;t=<reset>` of `r`'s service-limit item. A
+/// refused request's limits that let it through were not charged: they
+/// show the figures before it (its denying limits' are already those).
+#[inline(always)]
+fn push_figures<const REFUSED: bool>(out: &mut Vec<u8>, plan: &Plan, r: &Report) {
+    // Read in place unless refused: a copy of a report's figures is 32 bytes.
+    let (remaining, reset_ns) = if REFUSED {
+        let u = uncharged(plan, r);
+        (u.check.remaining, u.check.reset_ns)
+    } else {
+        (r.check.remaining, r.check.reset_ns)
+    };
+    match ceil_secs(reset_ns) {
+        // Most resets of a request let through are under ten seconds: the
+        // `;t=` and the digit copied with the remaining.
+        reset @ 0..=9 => {
+            let t = RESET_0 + ((reset as u32) << 24);
+            digits::push_then(out, remaining, t.to_le_bytes());
+        }
+        reset => {
+            digits::push(out, remaining);
+            out.extend_from_slice(b";t=");
+            digits::push(out, reset);
+        }
+    }
+}
+
+/// `;t=0`, as the four bytes of a little-endian `u32`: a reset under ten is
+/// its digit added to the last byte.
+const RESET_0: u32 = u32::from_le_bytes(*b";t=0");
 
 /// `r` as if its limit had not been charged, for a refused request: what is
 /// left now ([`Report::uncharged`] against the limit it was checked against,
@@ -490,33 +592,18 @@ pub fn uncharged(plan: &Plan, r: &Report) -> Report {
     }
 }
 
-/// Appends the policy name of `s` as an sf-string ([`policy_name`]).
-fn push_name(out: &mut String, s: &Shown) {
-    match s.text {
-        Some(text) => out.push_str(&text.name),
-        None if s.limit == 0 => {
-            out.push('"');
-            out.push_str(s.policy);
-            out.push('"');
-        }
-        None => out.push_str(&policy_name(s.policy, s.limit)),
-    }
-}
-
-/// Appends the policy item of `s`: its name, quota and window, or for a
-/// concurrency limit its unit and no window.
-fn push_policy(out: &mut String, s: &Shown) {
-    if let Some(text) = s.text {
-        return out.push_str(&text.policy);
-    }
-    push_name(out, s);
+/// Appends the policy item of a limit the plan has no text for (one the
+/// gateway stated): the name of limit `limit` of rule `rule`, its quota and
+/// window, or for a concurrency limit its unit and no window.
+fn push_stated(out: &mut String, rule: &str, limit: usize, quota: u64, window: u64, slots: bool) {
+    push_policy_name(out, rule, limit);
     out.push_str(";q=");
-    out.push_str(itoa::Buffer::new().format(s.quota));
-    if s.in_flight {
+    out.push_str(itoa::Buffer::new().format(quota));
+    if slots {
         out.push_str(";qu=\"concurrent-requests\"");
     } else {
         out.push_str(";w=");
-        out.push_str(itoa::Buffer::new().format(s.window_secs));
+        out.push_str(itoa::Buffer::new().format(window));
     }
 }
 
@@ -731,7 +818,7 @@ mod tests {
         for (i, n) in names.iter().enumerate() {
             assert!(!n.as_str().is_empty() && !n.as_str().contains('\0'));
             let value = "v".repeat(i);
-            named.push_named(*n, &value);
+            named.push_named(*n, value.as_bytes());
             plain.push(n.as_str(), &value);
             // Plain lines between named ones, past the lengths' room.
             named.push("x-other", "1");
