@@ -7,6 +7,9 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := test
 
 ENVOY_VERSION := 1.40.0
+# promtool, from Debian bookworm's `prometheus` package (its only
+# distribution through a package registry here), pinned to this version.
+PROMETHEUS_DEB := 2.42.0+ds-5+deb12u1
 VENV          := $(CURDIR)/.venv
 ENVOY         := $(VENV)/bin/envoy
 WASM_TARGET   := wasm32-wasip1
@@ -16,7 +19,7 @@ SUDO          := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The tests, the demo and validate-configs find Envoy through this.
 export ENVOY_BIN := $(ENVOY)
 
-.PHONY: help deps build wasm fmt fmt-check lint test demo validate-configs images clean soak fuzz bench
+.PHONY: help deps build wasm fmt fmt-check lint alerts test demo validate-configs images clean soak fuzz bench
 
 # $(call install,COMMAND,DEBIAN-PACKAGE): installs the package when COMMAND is
 # missing (the one apt-get of this Makefile).
@@ -43,6 +46,7 @@ deps: ## install what is missing (idempotent, cheap when present)
 	  "$(ENVOY)" --version; \
 	fi
 	$(call install,redis-server,redis-server)
+	$(call install,promtool,prometheus=$(PROMETHEUS_DEB))
 
 wasm: ## build the filter and the test fixtures for wasm32-wasip1 (release)
 	cargo build --release --target $(WASM_TARGET) -p ratelimit-wasm
@@ -62,7 +66,10 @@ lint: ## clippy, host and wasm32, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy -p ratelimit-wasm -p trap-filter -p noop-filter -p hostcalls-filter --target $(WASM_TARGET) --release -- -D warnings
 
-test: deps fmt-check lint wasm ## deps, fmt-check, lint, the wasm build, then every test (unit, harness, real Envoy, Redis)
+alerts: deps ## promtool: the alerting rules check and pass their unit tests (deploy/observability)
+	cd deploy/observability && promtool check rules alerts.yml && promtool check config prometheus.yml && promtool test rules alerts.test.yml
+
+test: deps fmt-check lint alerts wasm ## deps, fmt-check, lint, the alert rules, the wasm build, then every test (unit, harness, real Envoy, Redis)
 	cargo test --workspace
 
 demo: deps build ## Envoy with envoy/ratelimit-demo.json: a burst, a steady load with a live table and a chart, two Envoys sharing a global limit

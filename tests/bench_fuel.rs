@@ -449,7 +449,7 @@ fn the_floor_module_makes_the_calls_c1_makes() {
     let mut c1 = FuelVm::new(&harness::default_wasm_path(), C1);
     let mut floor = FuelVm::new(&path, C1);
     // A new client's read finds nothing, so nothing is allocated for it.
-    for (client, calls) in [("c1", (9, 7)), ("c1", (9, 8)), ("c2", (9, 7))] {
+    for (client, calls) in [("c1", (10, 7)), ("c1", (10, 8)), ("c2", (10, 7))] {
         let c1_calls = calls_of_a_request(&mut c1, client);
         let floor_calls = calls_of_a_request(&mut floor, client);
         assert_eq!(c1_calls, floor_calls, "client {client}");
@@ -1004,7 +1004,7 @@ fn profiled_vm(config: &str, client: &str) -> FuelVm {
 /// ```
 ///
 /// Functions on top of the stack are also listed with their caller.
-/// `PROFILE_CONFIG=c4` (or `cc`) profiles c4, `PROFILE_CLIENT=over` a denial,
+/// `PROFILE_CONFIG=c4` profiles c4 (`cc` the concurrency variant), `PROFILE_CLIENT=over` a denial,
 /// `PROFILE_PHASE=response` the response's headers instead of the decision,
 /// `PROFILE_SAMPLES` sets N (150); `PROFILE_OFFSETS=1` adds to the top
 /// frame its module offset (as `wasm-tools print --print-offsets` shows it).

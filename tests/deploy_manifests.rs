@@ -1569,9 +1569,10 @@ fn gateway_sources() -> String {
         .join("\n")
 }
 
-/// Identifiers starting with `ratelimit_` in a PromQL expression.
+/// Identifiers starting with `ratelimit_` in a PromQL expression (with
+/// the `:` of a recording rule's name).
 fn metric_names(expr: &str) -> Vec<String> {
-    let word = |c: &u8| c.is_ascii_alphanumeric() || *c == b'_';
+    let word = |c: &u8| c.is_ascii_alphanumeric() || *c == b'_' || *c == b':';
     let b = expr.as_bytes();
     let mut out = Vec::new();
     let mut i = 0;
@@ -1603,26 +1604,43 @@ fn exprs(v: &Value, out: &mut Vec<String>) {
     }
 }
 
-#[test]
-fn dashboard_queries_only_metrics_that_exist() {
-    let dashboard: Value =
-        serde_json::from_str(&read("deploy/observability/grafana-dashboard.json")).expect("JSON");
-    assert!(dashboard["panels"]
-        .as_array()
-        .is_some_and(|p| !p.is_empty()));
-    let mut all = Vec::new();
-    exprs(&dashboard, &mut all);
-    assert!(!all.is_empty(), "no queries in the dashboard");
+/// The labels Envoy's `stats_tags` (in `envoy/envoy.yaml`, read rendered
+/// as the compose config) take out of the per-rule counters' names:
+/// `ratelimit_domain`, `ratelimit_rule`, ….
+fn stats_tag_names() -> BTreeSet<String> {
+    let envoy: Yaml = serde_norway::from_str(&read(COMPOSE_ENVOY)).expect(COMPOSE_ENVOY);
+    let tags: BTreeSet<String> = envoy["stats_config"]["stats_tags"]
+        .as_sequence()
+        .expect("the Envoy config has stats_config.stats_tags")
+        .iter()
+        .filter_map(|t| t["tag_name"].as_str().map(str::to_string))
+        .collect();
+    assert!(tags.contains("ratelimit_rule"), "{tags:?}");
+    tags
+}
 
+/// Checks that every metric the PromQL `queries` of `what` name exists
+/// (docs/operations.md's table, the gateway's sources, or one of
+/// `recorded`), and every label value they match (exactly, or each
+/// alternative of a `=~`) is one the gateway exports; returns the metrics
+/// used, a histogram by its base name.
+fn check_queries(what: &str, queries: &[String], recorded: &BTreeSet<String>) -> BTreeSet<String> {
+    assert!(!queries.is_empty(), "no queries in {what}");
     let readme = readme_metrics();
     let gateway = gateway_sources();
-    let exists = |name: &str| readme.contains(name) || gateway.contains(&format!("\"{name}\""));
+    let labels = stats_tag_names();
+    let exists = |name: &str| {
+        readme.contains(name) || gateway.contains(&format!("\"{name}\"")) || recorded.contains(name)
+    };
     let mut used = BTreeSet::new();
-    for expr in &all {
-        let names = metric_names(expr);
+    for expr in queries {
+        let names: Vec<String> = metric_names(expr)
+            .into_iter()
+            .filter(|n| !labels.contains(n))
+            .collect();
         assert!(
             !names.is_empty(),
-            "query without a ratelimit_ metric: {expr}"
+            "query without a ratelimit_ metric in {what}: {expr}"
         );
         for name in names {
             // A histogram is queried through its _bucket/_sum/_count series.
@@ -1633,24 +1651,60 @@ fn dashboard_queries_only_metrics_that_exist() {
                 .to_string();
             assert!(
                 exists(&base),
-                "the dashboard queries {name}, which is neither in docs/operations.md's metrics \
+                "{what} queries {name}, which is neither in docs/operations.md's metrics \
                  table nor in gateway/src"
             );
             used.insert(base);
         }
-        // Label values matched exactly (op="check", result="denied") exist too.
-        let mut rest = expr.as_str();
-        while let Some(i) = rest.find("=\"") {
-            let after = &rest[i + 2..];
-            let end = after.find('"').expect("closing quote");
-            let value = &after[..end];
+        // Label values matched (op="check", kind=~"redis|timeout") exist
+        // too; a dashboard variable ($domain) is the user's choice.
+        for value in matched_label_values(expr) {
             assert!(
-                gateway.contains(&format!("\"{value}\"")),
-                "label value {value:?} in {expr} is not one the gateway exports"
+                value.starts_with('$') || gateway.contains(&format!("\"{value}\"")),
+                "label value {value:?} in {expr} ({what}) is not one the gateway exports"
             );
-            rest = &after[end..];
         }
     }
+    used
+}
+
+/// The label values a PromQL expression matches with `="…"` or `=~"…"`
+/// (each alternative of the latter).
+fn matched_label_values(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find('=') {
+        let after = &rest[i + 1..];
+        let (regex, after) = match after.strip_prefix('~') {
+            Some(a) => (true, a),
+            None => (false, after),
+        };
+        let Some(quoted) = after.strip_prefix('"') else {
+            rest = after;
+            continue;
+        };
+        let end = quoted.find('"').expect("closing quote");
+        let value = &quoted[..end];
+        if regex {
+            out.extend(value.split('|').map(str::to_string));
+        } else {
+            out.push(value.to_string());
+        }
+        rest = &quoted[end + 1..];
+    }
+    out
+}
+
+#[test]
+fn dashboard_queries_only_metrics_that_exist() {
+    let dashboard: Value =
+        serde_json::from_str(&read("deploy/observability/grafana-dashboard.json")).expect("JSON");
+    assert!(dashboard["panels"]
+        .as_array()
+        .is_some_and(|p| !p.is_empty()));
+    let mut all = Vec::new();
+    exprs(&dashboard, &mut all);
+    let used = check_queries("the dashboard", &all, &BTreeSet::new());
     for required in [
         "ratelimit_wasm_requests_allowed",
         "ratelimit_wasm_requests_denied",
@@ -1658,12 +1712,60 @@ fn dashboard_queries_only_metrics_that_exist() {
         "ratelimit_wasm_failure_mode_closed",
         "ratelimit_wasm_failure_mode_local",
         "ratelimit_wasm_circuit_opened",
+        "ratelimit_wasm_rule_allowed",
+        "ratelimit_wasm_rule_denied",
+        "ratelimit_wasm_rule_shadow_denied",
+        "ratelimit_wasm_rule_near_limit",
+        "ratelimit_wasm_quota_denied",
         "ratelimit_gateway_checks_total",
         "ratelimit_gateway_redis_duration_seconds",
     ] {
         assert!(
             used.contains(required),
             "the dashboard has no panel on {required}"
+        );
+    }
+}
+
+/// The alerting rules (`deploy/observability/alerts.yml`) query only
+/// metrics that exist, and alert on what an operator is paged for. That
+/// they parse, and fire when they should, is `make alerts` (promtool).
+#[test]
+fn alert_rules_query_only_metrics_that_exist() {
+    let rules: Yaml =
+        serde_norway::from_str(&read("deploy/observability/alerts.yml")).expect("YAML");
+    let groups = rules["groups"].as_sequence().expect("rule groups");
+    let all: Vec<&Yaml> = groups
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().expect("rules of a group"))
+        .collect();
+    let recorded: BTreeSet<String> = all
+        .iter()
+        .filter_map(|r| r["record"].as_str().map(str::to_string))
+        .collect();
+    let queries: Vec<String> = all
+        .iter()
+        .map(|r| r["expr"].as_str().expect("expr string").to_string())
+        .collect();
+    let used = check_queries("deploy/observability/alerts.yml", &queries, &recorded);
+    for required in [
+        "ratelimit_wasm_rule_denied",
+        "ratelimit_wasm_rule_allowed",
+        "ratelimit_wasm_rule_near_limit",
+        "ratelimit_wasm_circuit_open_skips",
+        "ratelimit_wasm_global_failures",
+        "ratelimit_wasm_policy_mismatch",
+        "ratelimit_gateway_errors_total",
+        "ratelimit_gateway_redis_duration_seconds",
+    ] {
+        assert!(used.contains(required), "no alert on {required}");
+    }
+    // Each alert is named in the operator's page.
+    let ops = read("docs/operations.md");
+    for alert in all.iter().filter_map(|r| r["alert"].as_str()) {
+        assert!(
+            ops.contains(&format!("`{alert}`")),
+            "docs/operations.md does not describe the alert {alert}"
         );
     }
 }
@@ -1677,6 +1779,14 @@ fn metric_name_extraction() {
     assert_eq!(
         metric_names("a / (ratelimit_wasm_a + xratelimit_wasm_b)"),
         ["ratelimit_wasm_a"]
+    );
+    assert_eq!(
+        metric_names("ratelimit_wasm:rule_deny_share:rate5m > 0.05"),
+        ["ratelimit_wasm:rule_deny_share:rate5m"]
+    );
+    assert_eq!(
+        matched_label_values("x{op=\"check\",kind=~\"redis|oom\"} == 1 and y{a=\"$d\"}"),
+        ["check", "redis", "oom", "$d"]
     );
 }
 

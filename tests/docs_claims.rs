@@ -147,6 +147,10 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
             config.response.retry_jitter.to_string(),
         ),
         ("metrics.near_limit", config.metrics.near_limit.to_string()),
+        (
+            "access_log.filter_state",
+            config.access_log.filter_state.to_string(),
+        ),
         ("quotas[].count", snake(format!("{:?}", quota.count))),
         ("rules[].cost_from.reserve", from.reserve.to_string()),
         (
@@ -266,6 +270,7 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "response": { "headers": "both", "problem_type": "https://example.com/p",
                       "quota_problem_type": "https://example.com/q", "retry_jitter": 0.1 },
         "metrics": { "near_limit": 0.8 },
+        "access_log": { "filter_state": true },
         "quotas": [{ "name": "monthly", "match": { "path_prefix": "/" }, "key": ["client"],
                      "period": "month", "tiers": { "free": 10 }, "limit": 5,
                      "upgrade_url": "https://example.com/up", "count": "cost" }],
@@ -497,7 +502,8 @@ fn make_help_lists_every_target_and_test_runs_the_checks() {
         .map(|(_, r)| r.split(" ## ").next().unwrap_or_default())
         .unwrap_or_else(|| panic!("no test target"));
     let prerequisites: Vec<&str> = test.split_whitespace().collect();
-    for needed in ["lint", "fmt-check"] {
+    // `alerts`: promtool checks and tests the alerting rules.
+    for needed in ["lint", "fmt-check", "alerts"] {
         assert!(prerequisites.contains(&needed), "test: {prerequisites:?}");
     }
     assert_eq!(
@@ -679,4 +685,53 @@ fn the_llm_page_lists_the_presets_pointers() {
             .collect();
         assert_eq!(cells(row)[1], expected.join(" + "), "{row}");
     }
+}
+
+/// The first cells of the Markdown table whose header row is `header`,
+/// in `text`.
+fn table_keys(text: &str, header: &str) -> Vec<String> {
+    text.lines()
+        .skip_while(|l| l.trim() != header)
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .filter_map(|l| cells(l).first().cloned())
+        .collect()
+}
+
+#[test]
+fn the_access_log_fields_and_words_are_the_filters() {
+    use ratelimit_wasm::decide::why::{Said, Source, Why};
+    let text = section("docs/operations.md", "The access log");
+    let words = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let outcomes: Vec<&str> = Said::ALL.iter().map(|s| s.name()).collect();
+    let sources: Vec<&str> = Source::ALL.iter().map(|s| s.name()).collect();
+    assert_eq!(
+        table_keys(&text, "| outcome | the request |"),
+        words(&outcomes)
+    );
+    assert_eq!(
+        table_keys(&text, "| source | what answered |"),
+        words(&sources)
+    );
+    // The fields, in the line's order.
+    let line = Why {
+        outcome: Said::Denied,
+        rule: Some("per-client"),
+        remaining: Some(0),
+        cost: Some(1),
+        source: Source::Local,
+    }
+    .line();
+    assert!(text.contains(&format!("\n{line}\n")), "the example line");
+    let fields: Vec<String> = line
+        .split(' ')
+        .filter_map(|f| f.split_once('=').map(|(k, _)| k.to_string()))
+        .collect();
+    assert_eq!(table_keys(&text, "| field | value |"), fields);
+    assert!(text.contains(&format!(
+        "%FILTER_STATE(wasm.{}:PLAIN)%",
+        ratelimit_wasm::decide::why::FILTER_STATE
+    )));
+    // The shipped template logs it.
+    assert!(read("envoy/envoy.yaml").contains("ratelimit: %FILTER_STATE(wasm.ratelimit:PLAIN)%"));
 }

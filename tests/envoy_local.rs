@@ -348,6 +348,42 @@ fn per_rule_counters_carry_domain_and_rule_as_labels() {
 }
 
 #[test]
+fn ten_thousand_clients_leave_the_prometheus_series_as_they_were() {
+    let envoy = start(&per_client("per-client", 3, "1h"));
+    assert_eq!(client(&envoy).get_as("/a", "first").status, 200);
+    let series = |page: &str| -> Vec<String> {
+        let names = page.lines().filter(|l| !l.starts_with('#'));
+        let mut names: Vec<String> = names
+            .filter_map(|l| l.rsplit_once(' ').map(|(name, _)| name.to_string()))
+            .filter(|name| name.contains("ratelimit"))
+            .collect();
+        names.sort();
+        names
+    };
+    let page = |e: &Envoy| e.stats_prometheus().unwrap_or_else(|err| panic!("{err:#}"));
+    let before = series(&page(&envoy));
+    // Two keep-alive connections, so that both workers count.
+    let url = envoy.url("");
+    let senders: Vec<_> = (0..2)
+        .map(|t| {
+            let c = Client::new(url.clone(), ConnectionMode::KeepAlive);
+            std::thread::spawn(move || {
+                (0..5_000)
+                    .filter(|i| c.get_as("/a", &format!("client-{t}-{i}")).status == 200)
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: usize = senders.into_iter().map(|s| s.join().unwrap()).sum();
+    assert_eq!(admitted, 10_000);
+    let after = page(&envoy);
+    assert_eq!(series(&after), before);
+    let allowed =
+        "ratelimit_wasm_rule_allowed{ratelimit_domain=\"e2e\",ratelimit_rule=\"per-client\"} 10001";
+    assert!(after.lines().any(|l| l == allowed), "{after}");
+}
+
+#[test]
 fn bad_plugin_config_makes_envoy_exit_at_startup() {
     let config = per_client("per-client", 5, "10x");
     let mut envoy = Envoy::spawn(EnvoyOptions::new(config)).unwrap_or_else(|e| panic!("{e:#}"));

@@ -273,6 +273,58 @@ fn free_and_pro_tokens_get_exactly_their_own_limits() {
     );
 }
 
+/// The shipped access log names the client by its verified token's
+/// subject (`sub=`), next to the filter's decision: whom a rule denies.
+#[test]
+fn the_access_log_names_the_tokens_subject_with_the_decision() {
+    let config = policy_config(tiered_rule(), json!({}));
+    let envoy = ok(
+        Envoy::start(EnvoyOptions::new(&config).access_log_file()),
+        "starting Envoy",
+    );
+    let c = client(&envoy);
+    let ann = token("ann", "free");
+    for _ in 0..4 {
+        get(&c, "/who", Some(&ann), &[]);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let tails = loop {
+        let log = envoy.access_log();
+        let tails: Vec<String> = log
+            .lines()
+            .filter_map(|l| l.split_once("\" ").map(|(_, t)| t.to_string()))
+            .collect();
+        if tails.len() >= 4 || Instant::now() > deadline {
+            break tails;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let lines: Vec<String> = tails
+        .iter()
+        .map(|t| {
+            // Past the status, flags and duration: the client and the decision.
+            t.split_once(" peer=")
+                .map(|(status, rest)| {
+                    let status = status.split(' ').next().unwrap_or_default();
+                    let rest = rest.split_once(' ').map_or("", |(_, r)| r);
+                    format!("{status} {rest}")
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "200 sub=ann ratelimit: outcome=allowed rule=per-client remaining=2 cost=1 source=local",
+            "200 sub=ann ratelimit: outcome=allowed rule=per-client remaining=1 cost=1 source=local",
+            "200 sub=ann ratelimit: outcome=allowed rule=per-client remaining=0 cost=1 source=local",
+            "429 sub=ann ratelimit: outcome=denied rule=per-client remaining=0 cost=1 source=local",
+        ],
+        "{}",
+        envoy.access_log()
+    );
+}
+
 #[test]
 fn forged_headers_change_nothing_and_bad_tokens_are_refused() {
     let envoy = start(&policy_config(tiered_rule(), json!({})));

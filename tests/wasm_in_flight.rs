@@ -149,12 +149,9 @@ fn slot_answer(allowed: bool, remaining: u64) -> CallResponse {
 
 /// The one callout waiting for its answer, and its JSON body.
 fn the_pending_call(h: &Harness, what: &str) -> (HttpCall, Value) {
-    let calls = h.pending_http_calls();
-    let [call] = calls.as_slice() else {
-        panic!("one {what} expected: {calls:?}");
-    };
+    let call = h.the_pending_call(what);
     let body = serde_json::from_slice(&call.body).unwrap_or(Value::Null);
-    (call.clone(), body)
+    (call, body)
 }
 
 /// The settlement that releases `reservation`'s slot of ann's `streams`.

@@ -59,15 +59,6 @@ fn granted(n: u64, remaining: u64) -> CallResponse {
     )
 }
 
-/// The one callout waiting for its answer.
-fn the_pending_call(h: &Harness, what: &str) -> HttpCall {
-    let calls = h.pending_http_calls();
-    let [call] = calls.as_slice() else {
-        panic!("one {what} expected: {calls:?}");
-    };
-    call.clone()
-}
-
 /// A request of `id` whose lease callout asks for `want` and gives back
 /// `returned`; answered with `answer`, it then meets `upstream`.
 fn fetching(
@@ -79,7 +70,7 @@ fn fetching(
     upstream: Upstream,
 ) -> Outcome {
     let stream = h.begin(w, client(id).upstream(upstream));
-    let call = the_pending_call(h, "lease callout");
+    let call = h.the_pending_call("lease callout");
     assert_eq!(call.header(":path").as_deref(), Some("/v1/lease"));
     let body: Value = serde_json::from_slice(&call.body).unwrap();
     assert_eq!(
@@ -202,7 +193,7 @@ fn a_request_checked_on_its_own_in_lease_mode_settles_on_the_gateway() {
     // While one request fetches the batch, another is checked on its own
     // under a reservation id, and settles on the gateway.
     let fetch = h.begin(0, client("ann").upstream(used(50)));
-    let lease = the_pending_call(&h, "lease callout");
+    let lease = h.the_pending_call("lease callout");
     let checked = h.begin(1, client("ann").upstream(used(350)));
     let calls = h.pending_http_calls();
     let check = calls
@@ -232,7 +223,7 @@ fn a_request_checked_on_its_own_in_lease_mode_settles_on_the_gateway() {
     // checked one goes to the gateway at the next tick.
     assert_eq!(slot(&h), (50, 0));
     h.tick(1);
-    let settle = the_pending_call(&h, "settle call");
+    let settle = h.the_pending_call("settle call");
     assert_eq!(settle.header(":path").as_deref(), Some("/v1/settle"));
     let body: Value = serde_json::from_slice(&settle.body).unwrap();
     assert_eq!(
@@ -257,7 +248,7 @@ fn a_slot_in_debt_taken_over_by_another_bucket_drops_the_debt_and_counts_it() {
     // rather than take the slot.
     h.advance_ms(1_000);
     let bob = h.begin(0, client("bob").upstream(used(20)));
-    let call = the_pending_call(&h, "check");
+    let call = h.the_pending_call("check");
     assert_eq!(call.header(":path").as_deref(), Some("/v1/check"));
     h.fail_http_call(call.worker, call.token);
     assert_eq!(h.outcome(bob).status, 503);

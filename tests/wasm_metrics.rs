@@ -101,10 +101,7 @@ fn a_spent_quota_is_counted_under_its_own_name() {
     .to_string();
     let h = Harness::running(Options::new(1, config).clusters(&["gw"]));
     let stream = h.begin(0, get("/a", "ann"));
-    let calls = h.pending_http_calls();
-    let [call] = calls.as_slice() else {
-        panic!("one check: {calls:?}");
-    };
+    let call = h.the_pending_call("check");
     h.respond_http_call(
         call.worker,
         call.token,

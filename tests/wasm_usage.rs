@@ -319,20 +319,11 @@ fn allowed(remaining: u64) -> CallResponse {
     )
 }
 
-/// The one callout waiting for its answer (`what` names it in the failure).
-fn the_pending_call(h: &Harness, what: &str) -> HttpCall {
-    let calls = h.pending_http_calls();
-    let [call] = calls.as_slice() else {
-        panic!("one {what} expected: {calls:?}");
-    };
-    call.clone()
-}
-
 /// Runs one request of `id` through its check (allowed) and its response
 /// `upstream`; the reservation id its check named.
 fn through_the_gateway(h: &Harness, w: usize, id: &str, upstream: Upstream) -> (Outcome, String) {
     let stream = h.begin(w, client(id).upstream(upstream));
-    let check = the_pending_call(h, "check");
+    let check = h.the_pending_call("check");
     assert_eq!(check.header(":path").as_deref(), Some("/v1/check"));
     let body: Value = serde_json::from_slice(&check.body).unwrap();
     assert_eq!(body["buckets"][0]["cost"], 100, "{body}");
@@ -350,7 +341,7 @@ fn a_global_rule_reserves_on_the_gateway_and_settles_there_once_the_response_is_
     // Nothing leaves before the root's tick: the stream's context is gone.
     assert!(h.pending_http_calls().is_empty());
     h.tick(0);
-    let settle = the_pending_call(&h, "settle call");
+    let settle = h.the_pending_call("settle call");
     assert_eq!(settle.header(":path").as_deref(), Some("/v1/settle"));
     assert_eq!(settle.timeout_ms, 1000);
     let body: Value = serde_json::from_slice(&settle.body).unwrap();
@@ -378,7 +369,7 @@ fn a_global_rule_reserves_on_the_gateway_and_settles_there_once_the_response_is_
     let (_, third) = through_the_gateway(&h, 1, "bob", used(100));
     assert!(third != other && third != reservation, "{third}");
     h.tick_all();
-    let settle = the_pending_call(&h, "settle call of worker 1");
+    let settle = h.the_pending_call("settle call of worker 1");
     let body: Value = serde_json::from_slice(&settle.body).unwrap();
     let bucket = json!([{"rule": "tokens", "key": "tokens/c=bob", "tag": "c=bob",
                          "variant": "default", "cost": 100}]);
@@ -395,7 +386,7 @@ fn settlements_that_cannot_be_delivered_are_retried_three_times_then_given_up() 
     let (_, reservation) = through_the_gateway(&h, 0, "ann", used(0));
     for attempt in 1..=3 {
         h.tick(0);
-        let settle = the_pending_call(&h, &format!("settle call at attempt {attempt}"));
+        let settle = h.the_pending_call(&format!("settle call at attempt {attempt}"));
         let body: Value = serde_json::from_slice(&settle.body).unwrap();
         assert_eq!(body["settlements"][0]["reservation"], reservation.as_str());
         assert_eq!(body["settlements"][0]["buckets"][0]["cost"], 0);
@@ -418,7 +409,7 @@ fn a_global_rule_charged_on_2xx_gives_a_503_its_whole_reservation_back() {
     let (o, reservation) = through_the_gateway(&h, 0, "ann", Upstream::new(503, "{}"));
     assert_eq!(o.status, 503);
     h.tick(0);
-    let settle = the_pending_call(&h, "settle call");
+    let settle = h.the_pending_call("settle call");
     let body: Value = serde_json::from_slice(&settle.body).unwrap();
     assert_eq!(body["settlements"][0]["reservation"], reservation.as_str());
     assert_eq!(body["settlements"][0]["buckets"][0]["cost"], 0);

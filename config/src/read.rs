@@ -311,6 +311,7 @@ pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
         costs: Vec::new(),
         response: Response::default(),
         metrics: Metrics::default(),
+        access_log: AccessLog::default(),
         max_buckets: DEFAULT_BUCKETS,
         on_error: OnError::default(),
         global: None,
@@ -324,6 +325,7 @@ pub(super) fn config(v: &Value, p: &mut Path) -> Result<Config> {
         "costs" => c.costs = list(v, p, cost)?,
         "response" => c.response = response(v, p)?,
         "metrics" => c.metrics = metrics(v, p)?,
+        "access_log" => c.access_log = access_log(v, p)?,
         "max_buckets" => c.max_buckets = u64_(v, p)?,
         "on_error" => c.on_error = pick(v, p, &["allow", "deny"], &[OnError::Allow, OnError::Deny])?,
         "global" => c.global = opt(v, p, global)?,
@@ -661,6 +663,15 @@ fn metrics(v: &Value, p: &mut Path) -> Result<Metrics> {
     Ok(m)
 }
 
+#[inline(never)]
+fn access_log(v: &Value, p: &mut Path) -> Result<AccessLog> {
+    let mut a = AccessLog::default();
+    fields!(v, p, "struct AccessLog", {
+        "filter_state" => a.filter_state = boolean(v, p)?,
+    })?;
+    Ok(a)
+}
+
 fn response(v: &Value, p: &mut Path) -> Result<Response> {
     let mut r = Response::default();
     fields!(v, p, "struct Response", {
@@ -712,6 +723,7 @@ mod tests {
             "response": {"headers": "ietf", "problem_type": "about:blank",
                 "quota_problem_type": "urn:q", "retry_jitter": 0.2},
             "metrics": {"near_limit": 0.9},
+            "access_log": {"filter_state": false},
             "max_buckets": 100,
             "on_error": "deny",
             "global": {"cluster": "gw", "authority": "a", "path": "/p", "timeout_ms": 9,

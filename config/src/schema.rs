@@ -93,6 +93,9 @@ pub struct Config {
     /// What the per-rule counters count.
     #[serde(default)]
     pub metrics: Metrics,
+    /// What the filter leaves for Envoy's access log.
+    #[serde(default)]
+    pub access_log: AccessLog,
     /// Bound on tracked (rule, key) buckets per proxy; see the README.
     #[serde(default = "default_buckets")]
     pub max_buckets: u64,
@@ -676,6 +679,29 @@ impl Default for Metrics {
     fn default() -> Self {
         Metrics {
             near_limit: default_near_limit(),
+        }
+    }
+}
+
+/// What the filter leaves for Envoy's access log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLog {
+    /// Set each decision as the filter state `wasm.ratelimit`
+    /// (`%FILTER_STATE(wasm.ratelimit:PLAIN)%`): one host call per decided
+    /// request.
+    #[serde(default = "default_filter_state")]
+    pub filter_state: bool,
+}
+
+pub(super) fn default_filter_state() -> bool {
+    true
+}
+
+impl Default for AccessLog {
+    fn default() -> Self {
+        AccessLog {
+            filter_state: default_filter_state(),
         }
     }
 }

@@ -189,7 +189,7 @@ impl<S: SharedStore> Ctx<'_, S> {
             self.too_many(&all)
         } else if quota_denied {
             self.refund(held);
-            self.quota_exhausted(&a.quotas, &all)
+            self.quota_exhausted(&a.quotas, &eval.quotas, &all)
         } else {
             self.pass(all)
         }

@@ -8,7 +8,7 @@ use super::*;
 use crate::limits::in_flight::{self, Acquired, SlotKey};
 
 /// A slot the request holds (the in-flight table's).
-pub use crate::limits::in_flight::Held as Slot;
+pub use crate::limits::in_flight::Taken as Slot;
 
 /// What a full key's 429 says of the wait: one second.
 const RETRY_NS: u64 = 1_000_000_000;
@@ -69,7 +69,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                 for (b, t) in eval.in_flight.iter().zip(&slots) {
                     into.push(self.slot_report(b, t.in_flight.into(), true));
                 }
-                Ok(slots.into_iter().map(|t| t.held).collect())
+                Ok(slots)
             }
             Acquired::Full { key, .. } | Acquired::Crowded { key } if eval.soft => {
                 if let Some(b) = eval.in_flight.get(key) {

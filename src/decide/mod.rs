@@ -27,6 +27,7 @@ mod remote;
 mod settle;
 mod stream;
 mod tally;
+pub mod why;
 
 pub use answer::finish;
 pub use body::{BodyRead, BodyWait};
@@ -35,7 +36,7 @@ pub use local::{abandon, start, start_evaluated};
 pub use refresh::{refresh_finish, refresh_start, Refresh};
 pub use settle::{framing, header_usage, ResponseHeaders, Settlement};
 pub use stream::{Callout, Next, Stream};
-pub use tally::{Counter, Refusal, Tally};
+pub use tally::{Counter, Left, Refusal, Tally};
 
 use crate::config::{FailureMode, OnError};
 use crate::global::callout::{self, Answer, AnswerError, QuotaReport};
@@ -47,7 +48,7 @@ use crate::limits::limiter::{self, Decision, LimitError, Report, Stats};
 use crate::limits::store::SharedStore;
 use crate::metrics::Metric;
 use crate::policy::key::BadInput;
-use crate::policy::plan::{Evaluation, GlobalPlan, Plan};
+use crate::policy::plan::{Evaluation, GlobalPlan, Plan, QuotaBucket};
 use crate::policy::request::RequestInfo;
 use crate::respond::headers;
 use crate::respond::problem;
@@ -121,8 +122,8 @@ impl Outcome {
         self.refusals
             .iter()
             .filter_map(|r| match *r {
-                Refusal::ShadowDenied(n) => plan.rules.get(n as usize),
-                Refusal::Denied(_) | Refusal::Spent(_) => None,
+                Refusal::ShadowDenied(n, _) => plan.rules.get(n as usize),
+                Refusal::Denied(..) | Refusal::Spent(..) => None,
             })
             .map(|r| r.name.as_str())
             .collect()
@@ -368,12 +369,17 @@ impl<S: SharedStore> Ctx<'_, S> {
     }
 
     /// Notes each rule with a denying report among `reports` once, as `how`.
-    fn note_refusals(&mut self, reports: &[Report], how: fn(u32) -> Refusal) {
+    /// With what its first denying limit held and the request asked.
+    fn note_refusals(&mut self, reports: &[Report], how: fn(u32, Left) -> Refusal) {
         let mut last = None;
         for r in reports.iter().filter(|r| !r.check.allowed) {
             if last != Some(r.rule) {
+                let left = Left {
+                    remaining: r.check.remaining,
+                    cost: r.cost,
+                };
                 self.refusals
-                    .push(how(u32::try_from(r.rule).unwrap_or(u32::MAX)));
+                    .push(how(u32::try_from(r.rule).unwrap_or(u32::MAX), left));
                 last = Some(r.rule);
             }
         }
@@ -407,11 +413,24 @@ impl<S: SharedStore> Ctx<'_, S> {
         reject(429, lines, Some(retry), body)
     }
 
-    fn quota_exhausted(&mut self, quotas: &[QuotaReport], shown: &[Report]) -> Verdict {
+    fn quota_exhausted(
+        &mut self,
+        quotas: &[QuotaReport],
+        asked: &[QuotaBucket],
+        shown: &[Report],
+    ) -> Verdict {
         self.counts.add(Metric::QuotaExhausted, 1);
         for q in quotas.iter().filter(|q| !q.allowed) {
             let n = u32::try_from(q.quota).unwrap_or(u32::MAX);
-            self.refusals.push(Refusal::Spent(n));
+            let cost = asked
+                .iter()
+                .find(|b| b.quota == q.quota)
+                .map_or(0, |b| b.amount);
+            let left = Left {
+                remaining: q.remaining,
+                cost,
+            };
+            self.refusals.push(Refusal::Spent(n, left));
         }
         let spent: Vec<(&str, &str)> = quotas
             .iter()
@@ -456,7 +475,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                 continue;
             };
             let Some(g) = &rule.graduated else { continue };
-            if g.delay_at.is_some_and(|d| r.used_share > d + 1e-9) {
+            if g.delays(r.used_share) {
                 delay_ms = delay_ms.max(g.delay_ms);
             }
             if g.warn_at.is_some_and(|w| r.used_share + 1e-9 >= w)

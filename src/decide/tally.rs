@@ -19,11 +19,21 @@ use crate::policy::plan::Plan;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     /// Rule `n` (an index into [`Plan::rules`]) refused it.
-    Denied(u32),
+    Denied(u32, Left),
     /// Rule `n` would have refused it, but only watches.
-    ShadowDenied(u32),
+    ShadowDenied(u32, Left),
     /// Quota `n` (an index into [`Plan::quotas`]) was spent.
-    Spent(u32),
+    Spent(u32, Left),
+}
+
+/// What the refusing limit (or quota) held and what the request asked of
+/// it, for the access log ([`super::why`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Left {
+    /// Tokens (or quota amount) left, before the request.
+    pub remaining: u64,
+    /// What the request asked.
+    pub cost: u64,
 }
 
 /// A counter the drained sums go to.
@@ -116,9 +126,9 @@ impl Tally {
         }
         for r in &o.refusals {
             match *r {
-                Refusal::Denied(n) => self.rule(n as usize, RuleMetric::Denied),
-                Refusal::ShadowDenied(n) => self.rule(n as usize, RuleMetric::ShadowDenied),
-                Refusal::Spent(n) => {
+                Refusal::Denied(n, _) => self.rule(n as usize, RuleMetric::Denied),
+                Refusal::ShadowDenied(n, _) => self.rule(n as usize, RuleMetric::ShadowDenied),
+                Refusal::Spent(n, _) => {
                     if let Some(v) = self.quotas.get_mut(n as usize) {
                         *v = v.saturating_add(1);
                         self.dirty = true;

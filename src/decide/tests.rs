@@ -278,6 +278,11 @@ fn a_local_denial_skips_the_callout() {
     // The gateway was not asked: only the local limit is listed.
     assert_eq!(header(headers, "ratelimit-policy"), "\"local\";q=5;w=3600");
     assert_eq!(header(headers, "ratelimit"), "\"local\";r=0;t=3600");
+    // The access log: the proxy's own refusal.
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=local remaining=0 cost=1 source=local"
+    );
 }
 
 #[test]
@@ -485,6 +490,8 @@ fn unlimited_clients_pass_untouched() {
         let o = done(start(&p, &req(&p, "/", Some("ops")), &s, T0, NEUTRAL));
         assert_eq!(o.verdict, Verdict::Pass(Passing::default()));
         assert_eq!(o.counts.get(Metric::Unlimited), 1);
+        // Nothing for the access log either.
+        assert_eq!(logged(&p, &o), "-");
     }
 }
 
@@ -532,6 +539,10 @@ fn a_spent_quota_is_a_403_with_the_upgrade_link_and_no_retry_after() {
     );
     assert!(body.contains("tag:ratelimit-wasm,2026:quota-exhausted"));
     assert_eq!(o.counts.get(Metric::QuotaExhausted), 1);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=quota_exhausted rule=monthly remaining=0 cost=1 source=gateway"
+    );
     // A 403 is an answer the filter made itself: ratelimit_wasm_requests_denied.
     assert_eq!(o.counts.get(Metric::Denied), 1);
     // The local charge was refunded: 5 local requests still pass the burst rule.
@@ -603,15 +614,28 @@ fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses
         T0,
     );
     assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
+    // The access log: the gateway answered (the local rule is the closest).
+    let mut lines = vec![logged(&p, &o)];
     // Two more from the batch, no callout; the local rule (3/h) then denies and the
     // lease token it took goes back.
     for _ in 0..2 {
         let o = done(start(&p, &r, &s, T0, NEUTRAL));
         assert!(matches!(o.verdict, Verdict::Pass(_)), "{o:?}");
         assert_eq!(o.counts.get(Metric::LeaseServed), 1);
+        lines.push(logged(&p, &o));
     }
     let o = done(start(&p, &r, &s, T0, NEUTRAL));
     assert_eq!(rejected(&o).0, &429);
+    lines.push(logged(&p, &o));
+    assert_eq!(
+        lines,
+        [
+            "outcome=allowed rule=local remaining=2 cost=1 source=gateway",
+            "outcome=allowed rule=local remaining=1 cost=1 source=lease",
+            "outcome=allowed rule=local remaining=0 cost=1 source=lease",
+            "outcome=denied rule=local remaining=0 cost=1 source=local",
+        ]
+    );
     let other = req(&p, "/", Some("bob"));
     let pending = call(start(&p, &other, &s, T0, NEUTRAL));
     // Bob's pool is empty for 7 s: refused here, with that wait, without a callout.
@@ -628,6 +652,10 @@ fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses
     let o = done(start(&p, &other, &s, T0 + SEC, NEUTRAL));
     assert_eq!(header(rejected(&o).1, "retry-after"), "6");
     assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=shared remaining=0 cost=1 source=lease"
+    );
     // Ann's slot still holds the token given back: 1 left.
     let l = crate::global::lease::locate(&p, &p.evaluate(&r).global[0]).unwrap();
     let (bytes, _) = s.get(&l.slot_key).unwrap().unwrap();
@@ -914,4 +942,119 @@ fn streams_spent_from_a_lease_settle_their_responses_against_its_slot() {
     assert_eq!(header(rejected(&o).1, "retry-after"), "5");
     assert_eq!(o.counts.get(Metric::LeaseServed), 1);
     assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+}
+
+/// The access log's line for `o` (`-` when the filter sets none).
+fn logged(p: &Plan, o: &Outcome) -> String {
+    why::why(p, o).map_or_else(|| "-".to_string(), |w| w.line())
+}
+
+/// The lines of client "a"'s requests to `paths`, one after the other,
+/// decided locally on a fresh store.
+fn logged_run(p: &Plan, paths: &[&str]) -> Vec<String> {
+    let s = MemoryStore::default();
+    paths
+        .iter()
+        .map(|path| {
+            logged(
+                p,
+                &done(start(p, &req(p, path, Some("a")), &s, T0, NEUTRAL)),
+            )
+        })
+        .collect()
+}
+
+/// Local rules: the rule whose limit is closest is named with what it has
+/// left after an admission and before a refusal; a shadow rule's refusal
+/// and a graduated delay name their rule; nothing is said of a request no
+/// rule applies to.
+#[test]
+fn the_access_log_names_the_deciding_local_rule() {
+    let p = plan(FIVE);
+    assert_eq!(
+        logged_run(&p, &["/search", "/search", "/", "/search"]),
+        [
+            "outcome=allowed rule=per-client remaining=3 cost=2 source=local",
+            "outcome=allowed rule=per-client remaining=1 cost=2 source=local",
+            "outcome=allowed rule=per-client remaining=0 cost=1 source=local",
+            "outcome=denied rule=per-client remaining=0 cost=2 source=local",
+        ]
+    );
+    let p = plan(
+        r#"{"domain":"d","rules":[{"name":"a","match":{"path_prefix":"/a"},"key":["client"],
+            "limits":[{"requests":5,"per":"1h"}]}]}"#,
+    );
+    assert_eq!(logged_run(&p, &["/b"]), ["-"]);
+
+    let p = plan(
+        r#"{"domain":"d","rules":[
+            {"name":"watch","mode":"shadow","key":["client"],"limits":[{"requests":1,"per":"1h"}]},
+            {"name":"api","key":["client"],"limits":[{"requests":5,"per":"1h"}]}]}"#,
+    );
+    assert_eq!(
+        logged_run(&p, &["/", "/"]),
+        [
+            "outcome=allowed rule=watch remaining=0 cost=1 source=local",
+            "outcome=shadow_denied rule=watch remaining=0 cost=1 source=local",
+        ]
+    );
+
+    let p = plan(GRADUATED);
+    assert_eq!(
+        logged_run(&p, &["/"; 13])[9..],
+        [
+            "outcome=allowed rule=api remaining=0 cost=1 source=local",
+            "outcome=delayed rule=api remaining=0 cost=1 source=local",
+            "outcome=delayed rule=api remaining=0 cost=1 source=local",
+            "outcome=denied rule=api remaining=0 cost=1 source=local",
+        ]
+    );
+}
+
+/// Global rules: the gateway's answer, the deny cache, each failure mode
+/// (a lease, a spent quota and a local refusal are in their own tests).
+#[test]
+fn the_access_log_says_what_answered_a_global_rule() {
+    let p = global_plan("open");
+    let s = MemoryStore::default();
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &gw(true, 2), SEC / 1000, &s, T0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=allowed rule=shared remaining=2 cost=1 source=gateway"
+    );
+    let pending = call(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    let o = finish(&p, pending, Some(b"200"), &gw(false, 0), SEC / 1000, &s, T0);
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=shared remaining=0 cost=1 source=gateway"
+    );
+    // The gateway's denial is cached: the next request is refused here.
+    let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
+    assert_eq!(o.counts.get(Metric::DenyCacheHits), 1, "{o:?}");
+    assert_eq!(
+        logged(&p, &o),
+        "outcome=denied rule=shared remaining=0 cost=1 source=deny_cache"
+    );
+
+    for (mode, want) in [
+        (
+            "open",
+            "outcome=allowed rule=local remaining=4 cost=1 source=failure_open",
+        ),
+        (
+            "closed",
+            "outcome=unavailable rule=- remaining=- cost=- source=failure_closed",
+        ),
+        (
+            "local",
+            "outcome=allowed rule=shared remaining=1 cost=1 source=failure_local",
+        ),
+    ] {
+        let p = global_plan(mode);
+        let s = MemoryStore::default();
+        let pending = call(start(&p, &req(&p, "/", Some("b")), &s, T0, NEUTRAL));
+        let o = finish(&p, pending, None, b"", SEC / 1000, &s, T0);
+        assert_eq!(logged(&p, &o), want, "failure_mode {mode}");
+    }
 }

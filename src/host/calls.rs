@@ -54,6 +54,12 @@ mod raw {
         ) -> u32;
         pub fn proxy_continue_stream(stream_type: u32) -> u32;
         pub fn proxy_close_stream(stream_type: u32) -> u32;
+        pub fn proxy_set_property(
+            path_data: *const u8,
+            path_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> u32;
     }
 
     #[link(wasm_import_module = "wasi_snapshot_preview1")]
@@ -81,6 +87,20 @@ pub(super) fn send_local_response(status: u32, map: &[u8], body: &[u8]) -> Resul
             -1,
         )
     };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc)
+    }
+}
+
+/// Sets the one-segment property `name` of the current stream (Envoy keeps
+/// it as the filter state `wasm.<name>`); `Err(status)` when the host
+/// refused it. A one-segment path is the name's bytes alone.
+pub(super) fn set_property(name: &str, value: &[u8]) -> Result<(), u32> {
+    // SAFETY: every pointer comes with the length of a live buffer.
+    let rc =
+        unsafe { raw::proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) };
     if rc == 0 {
         Ok(())
     } else {

@@ -24,8 +24,8 @@ use crate::vm::{shared_epoch_offset, shared_seed, Jitter, LogGates};
 use calls::{
     call_response, dispatch, drop_content_length, monotonic_ns, now_ns, property, random_seed,
     replace_request_body, request_body, reset_request, response_body, resume_or_reset,
-    seeded_jitter, send_local_response, use_epoch_offset, wall_ns, HostResponse, HostStore,
-    Metrics,
+    seeded_jitter, send_local_response, set_property, use_epoch_offset, wall_ns, HostResponse,
+    HostStore, Metrics,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -416,6 +416,9 @@ impl Http {
             return Action::Continue;
         };
         self.report(plan, outcome, now);
+        if plan.filter_state {
+            leave_for_the_access_log(plan, outcome);
+        }
         if let Some(l) = &outcome.lease {
             self.watch(l, now);
         }
@@ -716,6 +719,18 @@ impl HttpContext for Http {
                 self.queue_settlement();
             }
         }
+    }
+}
+
+/// Sets the decision as filter state for Envoy's access log (before a
+/// local reply: the log reads the state its stream holds at the end).
+#[inline(never)]
+fn leave_for_the_access_log(plan: &Plan, outcome: &Outcome) {
+    let Some(why) = decide::why::why(plan, outcome) else {
+        return;
+    };
+    if let Err(rc) = set_property(decide::why::FILTER_STATE, why.line().as_bytes()) {
+        log::debug!("ratelimit-wasm: the host refused the access log's filter state (status {rc})");
     }
 }
 

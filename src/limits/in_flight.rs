@@ -17,7 +17,7 @@
 //! deadline in ns (u64) and the holder's id (u32), all little-endian.
 
 use super::limiter::{LimitError, MAX_ATTEMPTS};
-use super::store::{SharedStore, KEY_PREFIX};
+use super::store::{numbered_key, SharedStore, KEY_PREFIX};
 use super::update::update;
 
 /// Keys per set before one must be evicted.
@@ -74,8 +74,7 @@ impl InFlightLayout {
     /// The shared-data key of set `index`; an index past the layout wraps,
     /// so no caller can make the store grow past `sets` keys.
     pub fn set_key(&self, index: u64) -> String {
-        let mut n = itoa::Buffer::new();
-        format!("{}{}", self.key_prefix, n.format(self.set_of_index(index)))
+        numbered_key(&self.key_prefix, self.set_of_index(index))
     }
 }
 
@@ -102,10 +101,20 @@ pub struct Held {
     pub deadline_ns: u64,
 }
 
-/// One key's slot taken by [`acquire`].
+impl Held {
+    /// The slot as stored.
+    fn slot(&self) -> Slot {
+        Slot {
+            deadline_ns: self.deadline_ns,
+            id: self.id,
+        }
+    }
+}
+
+/// One key's slot taken by [`acquire`]: what [`release`] gives back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Taken {
-    /// What [`release`] needs.
+    /// The slot.
     pub held: Held,
     /// The key's slots in flight, this one included.
     pub in_flight: u32,
@@ -161,24 +170,71 @@ pub struct AcquireResult {
     pub stats: InFlightStats,
 }
 
-/// One slot, decoded.
+/// One slot: when it ends, and its holder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Slot {
     deadline_ns: u64,
     id: u32,
 }
 
-/// One key's slots, decoded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Entry {
-    fingerprint: u64,
-    slots: Vec<Slot>,
+impl Slot {
+    /// The slot stored in `chunk` ([`SLOT`] bytes; a shorter one reads as zeros,
+    /// which [`index`] never hands over).
+    fn read(chunk: &[u8]) -> Slot {
+        let deadline = chunk.first_chunk::<8>().copied().unwrap_or_default();
+        let id = chunk
+            .get(8..)
+            .and_then(|c| c.first_chunk::<4>())
+            .copied()
+            .unwrap_or_default();
+        Slot {
+            deadline_ns: u64::from_le_bytes(deadline),
+            id: u32::from_le_bytes(id),
+        }
+    }
+
+    fn write(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.deadline_ns.to_le_bytes());
+        out.extend_from_slice(&self.id.to_le_bytes());
+    }
 }
 
-impl Entry {
-    /// The slot that ends last; an entry with none sorts first for eviction.
-    fn latest_deadline(&self) -> u64 {
-        self.slots.iter().map(|s| s.deadline_ns).max().unwrap_or(0)
+/// One key of a set, read in place: where its slots are in the stored
+/// value, what of them is live at the time of the read, and what this
+/// write adds. Sets are read and rewritten without decoding into
+/// allocations: a request takes and gives back its slots on the hot path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Way {
+    fingerprint: u64,
+    /// Earliest and latest deadline of the live slots (`u64::MAX`, 0 without any).
+    earliest_ns: u64,
+    latest_ns: u64,
+    /// Offset of its first stored slot in the value.
+    start: u32,
+    /// Its slots stored, those of them live, and those this write adds
+    /// (each at most [`MAX_CONCURRENT`]).
+    stored: u16,
+    live: u16,
+    added: u16,
+}
+
+impl Way {
+    /// A key new to its set (or in place of an evicted one).
+    const fn fresh(fingerprint: u64) -> Way {
+        Way {
+            fingerprint,
+            earliest_ns: u64::MAX,
+            latest_ns: 0,
+            start: 0,
+            stored: 0,
+            live: 0,
+            added: 0,
+        }
+    }
+
+    /// Its slots once written.
+    fn in_flight(&self) -> u32 {
+        u32::from(self.live) + u32::from(self.added)
     }
 }
 
@@ -186,221 +242,261 @@ impl Entry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Corrupt;
 
-/// Reads a stored set; an empty value or a missing key is an empty set.
-fn decode(bytes: &[u8]) -> Result<Vec<Entry>, Corrupt> {
-    let Some((&version, mut rest)) = bytes.split_first() else {
-        return Ok(Vec::new());
+/// Checks a stored set and hands `keep` each of its keys in order, with
+/// its slots live at `now_ns` counted; an empty value is an empty set.
+fn index(bytes: &[u8], now_ns: u64, mut keep: impl FnMut(Way)) -> Result<(), Corrupt> {
+    let Some((&version, _)) = bytes.split_first() else {
+        return Ok(());
     };
     if version != VERSION {
         return Err(Corrupt);
     }
-    let mut entries: Vec<Entry> = Vec::new();
-    while !rest.is_empty() {
-        let (entry, tail) = decode_entry(rest)?;
-        // More keys than ways, or one key twice, is no set this module wrote.
-        if entries.len() >= WAYS || entries.iter().any(|e| e.fingerprint == entry.fingerprint) {
+    let (mut seen, mut keys) = ([0u64; WAYS], 0);
+    let mut at = 1;
+    while at < bytes.len() {
+        let way = index_way(bytes, at, now_ns)?;
+        // One key twice, or more keys than ways, is no set this module wrote.
+        if seen
+            .get(..keys)
+            .unwrap_or_default()
+            .contains(&way.fingerprint)
+        {
             return Err(Corrupt);
         }
-        entries.push(entry);
-        rest = tail;
+        *seen.get_mut(keys).ok_or(Corrupt)? = way.fingerprint;
+        keys += 1;
+        at = way.start as usize + usize::from(way.stored) * SLOT;
+        keep(way);
     }
-    Ok(entries)
+    Ok(())
 }
 
-/// One entry from the front of `bytes`, and the bytes after it.
-fn decode_entry(bytes: &[u8]) -> Result<(Entry, &[u8]), Corrupt> {
-    let (fp, rest) = bytes.split_first_chunk::<8>().ok_or(Corrupt)?;
-    let (count, mut rest) = rest.split_first_chunk::<2>().ok_or(Corrupt)?;
+/// The key stored at offset `at` of `bytes` (a set is under 64 KiB).
+fn index_way(bytes: &[u8], at: usize, now_ns: u64) -> Result<Way, Corrupt> {
+    let rest = bytes.get(at..).ok_or(Corrupt)?;
+    let (fp, rest) = rest.split_first_chunk::<8>().ok_or(Corrupt)?;
+    let (count, rest) = rest.split_first_chunk::<2>().ok_or(Corrupt)?;
     let count = u16::from_le_bytes(*count);
     if u32::from(count) > MAX_CONCURRENT {
         return Err(Corrupt);
     }
-    let mut slots = Vec::with_capacity(usize::from(count));
-    for _ in 0..count {
-        let (deadline, tail) = rest.split_first_chunk::<8>().ok_or(Corrupt)?;
-        let (id, tail) = tail.split_first_chunk::<4>().ok_or(Corrupt)?;
-        slots.push(Slot {
-            deadline_ns: u64::from_le_bytes(*deadline),
-            id: u32::from_le_bytes(*id),
-        });
-        rest = tail;
-    }
-    let fingerprint = u64::from_le_bytes(*fp);
-    Ok((Entry { fingerprint, slots }, rest))
-}
-
-/// The value to store.
-fn encode(entries: &[Entry]) -> Vec<u8> {
-    let len = 1 + entries
-        .iter()
-        .map(|e| ENTRY_HEAD + SLOT * e.slots.len())
-        .sum::<usize>();
-    let mut out = Vec::with_capacity(len);
-    out.push(VERSION);
-    for e in entries {
-        // Never more than MAX_CONCURRENT slots: `full` refuses at the clamped limit.
-        let count = u16::try_from(e.slots.len()).unwrap_or(u16::MAX);
-        out.extend_from_slice(&e.fingerprint.to_le_bytes());
-        out.extend_from_slice(&count.to_le_bytes());
-        for s in e.slots.iter().take(usize::from(count)) {
-            out.extend_from_slice(&s.deadline_ns.to_le_bytes());
-            out.extend_from_slice(&s.id.to_le_bytes());
+    let slots = rest.get(..usize::from(count) * SLOT).ok_or(Corrupt)?;
+    let mut way = Way::fresh(u64::from_le_bytes(*fp));
+    way.start = u32::try_from(at + ENTRY_HEAD).map_err(|_| Corrupt)?;
+    way.stored = count;
+    for slot in slots.chunks_exact(SLOT).map(Slot::read) {
+        if slot.deadline_ns > now_ns {
+            way.live += 1;
+            way.earliest_ns = way.earliest_ns.min(slot.deadline_ns);
+            way.latest_ns = way.latest_ns.max(slot.deadline_ns);
         }
     }
-    out
+    Ok(way)
 }
 
-/// A set as read for a write: decoded (a corrupt one as empty, counted)
-/// and without the slots past their deadline or the keys left with none.
-struct Read {
-    entries: Vec<Entry>,
-    /// Something was dropped or the value was corrupt: worth writing back.
+/// The stored slots of `way`, as bytes.
+fn stored_slots<'a>(bytes: &'a [u8], way: &Way) -> std::slice::ChunksExact<'a, u8> {
+    let start = way.start as usize;
+    let end = start + usize::from(way.stored) * SLOT;
+    bytes.get(start..end).unwrap_or_default().chunks_exact(SLOT)
+}
+
+/// A set as read for a write at `now_ns`: its keys with live slots, in
+/// stored order (a corrupt value as empty, counted). Slots past their
+/// deadline, and keys left with none, are not written back.
+struct Set<'a> {
+    bytes: &'a [u8],
+    now_ns: u64,
+    ways: [Way; WAYS],
+    len: usize,
+    /// Something read is not written back: worth writing even with no other change.
     changed: bool,
     stats: InFlightStats,
 }
 
-/// Reads a set for a write at `now_ns` (see [`Read`]).
-fn read(bytes: Option<&[u8]>, now_ns: u64) -> Read {
-    let (mut entries, corrupt) = match decode(bytes.unwrap_or_default()) {
-        Ok(entries) => (entries, false),
-        Err(Corrupt) => (Vec::new(), true),
-    };
-    let before: usize = entries.iter().map(|e| e.slots.len() + 1).sum();
-    for e in &mut entries {
-        e.slots.retain(|s| s.deadline_ns > now_ns);
-    }
-    entries.retain(|e| !e.slots.is_empty());
-    let after: usize = entries.iter().map(|e| e.slots.len() + 1).sum();
-    Read {
-        entries,
-        changed: corrupt || before != after,
-        stats: InFlightStats {
-            corrupt_sets: u64::from(corrupt),
-            ..InFlightStats::default()
-        },
-    }
-}
-
-/// Where a key's entry is, once found or made room for.
-enum Place {
-    /// At this index (found, in a free way, or in place of an evicted key).
-    At(usize),
-    /// Every way holds a key of the same request.
-    Crowded,
-}
-
-/// Finds `fingerprint`'s entry or makes room for it, never evicting the
-/// `pinned` keys (those this request already took a slot of in this set).
-fn place(
-    entries: &mut Vec<Entry>,
-    fingerprint: u64,
-    pinned: &[u64],
-    stats: &mut InFlightStats,
-) -> Place {
-    if let Some(i) = entries.iter().position(|e| e.fingerprint == fingerprint) {
-        return Place::At(i);
-    }
-    let fresh = Entry {
-        fingerprint,
-        slots: Vec::new(),
-    };
-    if entries.len() < WAYS {
-        entries.push(fresh);
-        return Place::At(entries.len() - 1);
-    }
-    // Every entry left has live slots (`read` dropped the others): the one
-    // whose last slot ends first loses the least.
-    let victim = entries
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| !pinned.contains(&e.fingerprint))
-        .min_by_key(|(_, e)| e.latest_deadline())
-        .map(|(i, _)| i);
-    match victim.and_then(|i| Some((i, entries.get_mut(i)?))) {
-        Some((i, e)) => {
-            *e = fresh;
-            stats.evictions += 1;
-            Place::At(i)
+impl<'a> Set<'a> {
+    /// Reads a set for a write at `now_ns` (see [`Set`]).
+    fn read(bytes: Option<&'a [u8]>, now_ns: u64) -> Set<'a> {
+        let bytes = bytes.unwrap_or_default();
+        let mut set = Set {
+            bytes,
+            now_ns,
+            ways: [Way::fresh(0); WAYS],
+            len: 0,
+            changed: false,
+            stats: InFlightStats::default(),
+        };
+        let (mut ways, mut len, mut changed) = ([Way::fresh(0); WAYS], 0, false);
+        let indexed = index(bytes, now_ns, |way| {
+            changed |= way.live != way.stored;
+            if let (true, Some(w)) = (way.live > 0, ways.get_mut(len)) {
+                *w = way;
+                len += 1;
+            }
+        });
+        match indexed {
+            Ok(()) => (set.ways, set.len, set.changed) = (ways, len, changed),
+            Err(Corrupt) => {
+                set.bytes = &[];
+                set.changed = true;
+                set.stats.corrupt_sets = 1;
+            }
         }
-        None => Place::Crowded,
+        set
+    }
+
+    /// The keys held, in order.
+    fn ways(&self) -> &[Way] {
+        self.ways.get(..self.len).unwrap_or_default()
+    }
+
+    /// Finds `fingerprint`'s key or makes room for it, never evicting a key
+    /// this write adds a slot to (the request's own).
+    fn place(&mut self, fingerprint: u64) -> Option<&mut Way> {
+        let found = self
+            .ways()
+            .iter()
+            .position(|w| w.fingerprint == fingerprint);
+        let at = match found {
+            Some(i) => i,
+            None if self.len < WAYS => {
+                self.len += 1;
+                self.len - 1
+            }
+            None => {
+                // Every key left has live slots (`read` dropped the others):
+                // the one whose last slot ends first loses the least.
+                let (i, _) = (self.ways().iter().enumerate())
+                    .filter(|(_, w)| w.added == 0)
+                    .min_by_key(|(_, w)| w.latest_ns)?;
+                self.stats.evictions += 1;
+                i
+            }
+        };
+        let way = self.ways.get_mut(at)?;
+        if found.is_none() {
+            *way = Way::fresh(fingerprint);
+        }
+        Some(way)
+    }
+
+    /// The offset among `way`'s stored slots of the first live one equal to `slot`.
+    fn find(&self, way: &Way, slot: Slot) -> Option<usize> {
+        (stored_slots(self.bytes, way).map(Slot::read))
+            .position(|s| s == slot && s.deadline_ns > self.now_ns)
+    }
+
+    /// The value to store: each key's live slots, less the one at the
+    /// offset `removed` names for it, then `added` copies of `slot`.
+    fn write(&self, slot: Slot, removed: &[Option<usize>; WAYS]) -> Vec<u8> {
+        let len: usize = (self.ways().iter())
+            .map(|w| ENTRY_HEAD + SLOT * w.in_flight() as usize)
+            .sum();
+        let mut out = Vec::with_capacity(1 + len);
+        out.push(VERSION);
+        for (way, removed) in self.ways().iter().zip(removed) {
+            let head = out.len();
+            out.extend_from_slice(&way.fingerprint.to_le_bytes());
+            out.extend_from_slice(&[0, 0]);
+            let mut count = 0u16;
+            for (i, chunk) in stored_slots(self.bytes, way).enumerate() {
+                if Slot::read(chunk).deadline_ns > self.now_ns && *removed != Some(i) {
+                    out.extend_from_slice(chunk);
+                    count += 1;
+                }
+            }
+            for _ in 0..way.added {
+                slot.write(&mut out);
+                count += 1;
+            }
+            match out.get_mut(head + 8..head + ENTRY_HEAD) {
+                // A key with no slot left is not kept.
+                _ if count == 0 => out.truncate(head),
+                Some(c) => c.copy_from_slice(&count.to_le_bytes()),
+                None => {}
+            }
+        }
+        out
     }
 }
 
-/// What one set's change decided.
-enum SetOutcome {
-    /// A slot of each of the set's keys, with the key's index in those asked for.
-    Taken(Vec<(usize, Taken)>),
-    /// Refused; the set is left as it was.
-    Refused(Acquired),
-}
-
-/// Takes a slot of each of `group`'s keys (all in one set) in `bytes`, all
-/// or nothing; the set's new value unless refused.
+/// Takes a slot of each of `keys` in set `set`, all or nothing, writing
+/// each one's [`Taken`] at its index in `taken`; the set's new value, or
+/// the refusal that leaves it as it was.
 fn take_in_set(
     bytes: Option<&[u8]>,
-    group: &[(usize, SlotKey)],
+    group: SetGroup<'_>,
+    taken: &mut [Taken],
     now_ns: u64,
     slot: Slot,
-) -> (Option<Vec<u8>>, SetOutcome, InFlightStats) {
-    let Read {
-        mut entries,
-        stats: mut s,
-        ..
-    } = read(bytes, now_ns);
-    let mut pinned = Vec::with_capacity(group.len());
-    let mut taken = Vec::with_capacity(group.len());
-    for &(index, key) in group {
-        let entry = match place(&mut entries, key.fingerprint, &pinned, &mut s) {
-            Place::At(i) => entries.get_mut(i),
-            Place::Crowded => None,
-        };
-        let Some(entry) = entry else {
+) -> (Option<Vec<u8>>, Result<(), Acquired>, InFlightStats) {
+    let mut set = Set::read(bytes, now_ns);
+    for (index, key) in group.members() {
+        let Some(way) = set.place(key.fingerprint) else {
             let crowded = Acquired::Crowded { key: index };
-            return (None, SetOutcome::Refused(crowded), s);
+            return (None, Err(crowded), set.stats);
         };
-        if let Some(full) = full(entry, key, index) {
-            return (None, SetOutcome::Refused(full), s);
+        if let Some(full) = full(way, key, index, slot) {
+            return (None, Err(full), set.stats);
         }
-        entry.slots.push(slot);
-        pinned.push(key.fingerprint);
+        way.added += 1;
         let held = Held {
             key,
             id: slot.id,
             deadline_ns: slot.deadline_ns,
         };
-        let in_flight = u32::try_from(entry.slots.len()).unwrap_or(u32::MAX);
-        taken.push((index, Taken { held, in_flight }));
+        if let Some(t) = taken.get_mut(index) {
+            *t = Taken {
+                held,
+                in_flight: way.in_flight(),
+            };
+        }
     }
-    (Some(encode(&entries)), SetOutcome::Taken(taken), s)
+    let value = set.write(slot, &[None; WAYS]);
+    (Some(value), Ok(()), set.stats)
 }
 
-/// The refusal of `key` (index `index` in those asked for) when its entry
+/// The refusal of `key` (index `index` in those asked for) when its way
 /// has no free slot: a limit lowered since may leave it over.
-fn full(entry: &Entry, key: SlotKey, index: usize) -> Option<Acquired> {
-    let in_flight = u32::try_from(entry.slots.len()).unwrap_or(u32::MAX);
+fn full(way: &Way, key: SlotKey, index: usize, slot: Slot) -> Option<Acquired> {
+    let in_flight = way.in_flight();
     if in_flight < key.limit.min(MAX_CONCURRENT) {
         return None;
     }
-    let earliest = entry.slots.iter().map(|s| s.deadline_ns).min();
+    let mut earliest = way.earliest_ns;
+    if way.added > 0 {
+        earliest = earliest.min(slot.deadline_ns);
+    }
     Some(Acquired::Full {
         key: index,
         in_flight,
-        earliest_deadline_ns: earliest.unwrap_or(u64::MAX),
+        earliest_deadline_ns: earliest,
     })
 }
 
-/// The keys grouped by set, in the order each set first appears; each key
-/// with its index in `keys`.
-fn by_set<T: Copy>(items: &[T], set: impl Fn(&T) -> u64) -> Vec<(u64, Vec<(usize, T)>)> {
-    let mut groups: Vec<(u64, Vec<(usize, T)>)> = Vec::new();
-    for (i, item) in items.iter().enumerate() {
-        let s = set(item);
-        match groups.iter_mut().find(|(g, _)| *g == s) {
-            Some((_, members)) => members.push((i, *item)),
-            None => groups.push((s, vec![(i, *item)])),
-        }
+/// The keys of one set among those asked for (a request's few), so that
+/// each set is written once, its keys in the order asked.
+#[derive(Clone, Copy)]
+struct SetGroup<'a> {
+    keys: &'a [SlotKey],
+    layout: &'a InFlightLayout,
+    set: u64,
+}
+
+impl<'a> SetGroup<'a> {
+    /// The group's keys, with their index in those asked for.
+    fn members(self) -> impl Iterator<Item = (usize, SlotKey)> + 'a {
+        let SetGroup { keys, layout, set } = self;
+        (keys.iter().copied().enumerate()).filter(move |(_, k)| layout.set_of_index(k.set) == set)
     }
-    groups
+}
+
+/// The distinct sets of `sets`, in the order each first appears.
+fn distinct_sets(sets: impl Iterator<Item = u64> + Clone) -> impl Iterator<Item = u64> {
+    (sets.clone().enumerate()).filter_map(move |(i, set)| {
+        let seen = sets.clone().take(i).any(|s| s == set);
+        (!seen).then_some(set)
+    })
 }
 
 /// Takes one slot of each key, all or nothing: a request can match several
@@ -423,66 +519,70 @@ pub fn acquire(
         id,
     };
     let mut stats = InFlightStats::default();
-    let mut taken: Vec<(usize, Taken)> = Vec::with_capacity(keys.len());
-    for (set, group) in by_set(keys, |k| layout.set_of_index(k.set)) {
-        let (outcome, s) = take_set(store, layout, set, &group, now_ns, slot);
+    // Filled in by index as each set is written; `in_flight` 0 is not taken yet.
+    let none = |key| Taken {
+        held: Held {
+            key,
+            id,
+            deadline_ns: slot.deadline_ns,
+        },
+        in_flight: 0,
+    };
+    let mut taken: Vec<Taken> = keys.iter().copied().map(none).collect();
+    for set in distinct_sets(keys.iter().map(|k| layout.set_of_index(k.set))) {
+        let group = SetGroup { keys, layout, set };
+        let (outcome, s) = take_set(store, group, &mut taken, now_ns, slot);
         stats.add(s);
-        match outcome {
-            Ok(SetOutcome::Taken(t)) => taken.extend(t),
-            Ok(SetOutcome::Refused(acquired)) => {
-                roll_back(store, layout, &taken, now_ns, &mut stats);
-                return Ok(AcquireResult { acquired, stats });
+        if let Err(refused) = outcome {
+            taken.retain(|t| t.in_flight > 0);
+            if let Ok(s) = release(store, layout, &taken, now_ns) {
+                stats.add(s);
             }
-            Err(e) => {
-                roll_back(store, layout, &taken, now_ns, &mut stats);
-                return Err(e);
-            }
+            return match refused {
+                Refused::Acquired(acquired) => Ok(AcquireResult { acquired, stats }),
+                Refused::Error(e) => Err(e),
+            };
         }
     }
-    // Sets were visited in their own order: give the slots in the keys'.
-    taken.sort_by_key(|(i, _)| *i);
-    let taken = taken.into_iter().map(|(_, t)| t).collect();
     Ok(AcquireResult {
         acquired: Acquired::Taken(taken),
         stats,
     })
 }
 
+/// Why a set's part of [`acquire`] took nothing.
+enum Refused {
+    /// A key was full or crowded.
+    Acquired(Acquired),
+    /// The store failed or stayed contended.
+    Error(LimitError),
+}
+
 /// One set's part of [`acquire`], through [`update`], with its counts.
 fn take_set(
     store: &impl SharedStore,
-    layout: &InFlightLayout,
-    set: u64,
-    group: &[(usize, SlotKey)],
+    group: SetGroup<'_>,
+    taken: &mut [Taken],
     now_ns: u64,
     slot: Slot,
-) -> (Result<SetOutcome, LimitError>, InFlightStats) {
+) -> (Result<(), Refused>, InFlightStats) {
     let mut stats = InFlightStats::default();
     let mut runs = 0u64;
-    let outcome = update(store, &layout.set_key(set), MAX_ATTEMPTS, |bytes| {
+    let key = group.layout.set_key(group.set);
+    let outcome = update(store, &key, MAX_ATTEMPTS, |bytes| {
         runs += 1;
-        let (new, outcome, s) = take_in_set(bytes, group, now_ns, slot);
+        let (new, outcome, s) = take_in_set(bytes, group, taken, now_ns, slot);
         // Only the last run's counts describe what was written.
         stats = s;
         (new, outcome)
     });
     stats.cas_retries = runs.saturating_sub(1);
-    (outcome.map_err(LimitError::from), stats)
-}
-
-/// Gives back the slots of a refused or failed [`acquire`]; a failure here
-/// leaves them to their deadline, and the caller has a worse answer to give.
-fn roll_back(
-    store: &impl SharedStore,
-    layout: &InFlightLayout,
-    taken: &[(usize, Taken)],
-    now_ns: u64,
-    stats: &mut InFlightStats,
-) {
-    let held: Vec<Held> = taken.iter().map(|(_, t)| t.held).collect();
-    if let Ok(s) = release(store, layout, &held, now_ns) {
-        stats.add(s);
-    }
+    let outcome = match outcome {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(acquired)) => Err(Refused::Acquired(acquired)),
+        Err(e) => Err(Refused::Error(LimitError::from(e))),
+    };
+    (outcome, stats)
 }
 
 /// Gives the slots back; a missing slot (reclaimed, evicted or released
@@ -491,16 +591,18 @@ fn roll_back(
 pub fn release(
     store: &impl SharedStore,
     layout: &InFlightLayout,
-    held: &[Held],
+    taken: &[Taken],
     now_ns: u64,
 ) -> Result<InFlightStats, LimitError> {
     let mut stats = InFlightStats::default();
     let mut first_error = None;
-    for (set, group) in by_set(held, |h| layout.set_of_index(h.key.set)) {
+    let set_of = |t: &Taken| layout.set_of_index(t.held.key.set);
+    for set in distinct_sets(taken.iter().map(set_of)) {
+        let group = taken.iter().filter(|t| set_of(t) == set);
         let mut runs = 0u64;
         let result = update(store, &layout.set_key(set), MAX_ATTEMPTS, |bytes| {
             runs += 1;
-            release_in_set(bytes, &group, now_ns)
+            release_in_set(bytes, group.clone(), now_ns)
         });
         stats.cas_retries += runs.saturating_sub(1);
         match result {
@@ -515,31 +617,28 @@ pub fn release(
 
 /// Removes each of `group`'s slots (all in one set) from `bytes`; the new
 /// value when anything changed.
-fn release_in_set(
+fn release_in_set<'a>(
     bytes: Option<&[u8]>,
-    group: &[(usize, Held)],
+    group: impl Iterator<Item = &'a Taken> + Clone,
     now_ns: u64,
 ) -> (Option<Vec<u8>>, InFlightStats) {
-    let Read {
-        mut entries,
-        mut changed,
-        stats,
-    } = read(bytes, now_ns);
-    for (_, h) in group {
-        let Some(entry) = entries
-            .iter_mut()
-            .find(|e| e.fingerprint == h.key.fingerprint)
-        else {
-            continue;
-        };
-        let mine = |s: &Slot| s.deadline_ns == h.deadline_ns && s.id == h.id;
-        if let Some(i) = entry.slots.iter().position(mine) {
-            entry.slots.swap_remove(i);
-            changed = true;
-        }
+    let set = Set::read(bytes, now_ns);
+    // A request holds one slot per key: the first of its key's slots equal to it.
+    let mut removed = [None; WAYS];
+    for (way, at) in set.ways().iter().zip(&mut removed) {
+        *at = (group.clone())
+            .filter(|t| t.held.key.fingerprint == way.fingerprint)
+            .find_map(|t| set.find(way, t.held.slot()));
     }
-    entries.retain(|e| !e.slots.is_empty());
-    (changed.then(|| encode(&entries)), stats)
+    if !set.changed && removed.iter().all(Option::is_none) {
+        return (None, set.stats);
+    }
+    // Nothing is added: the slot written `added` times is never written.
+    let none = Slot {
+        deadline_ns: 0,
+        id: 0,
+    };
+    (Some(set.write(none, &removed)), set.stats)
 }
 
 #[cfg(test)]

@@ -6,6 +6,38 @@ use proptest::prelude::*;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
+/// One key's slots, decoded: what the tests compare.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    fingerprint: u64,
+    slots: Vec<Slot>,
+}
+
+/// Every key stored in a set's value, with all its slots.
+fn decode(bytes: &[u8]) -> Result<Vec<Entry>, Corrupt> {
+    let mut entries = Vec::new();
+    index(bytes, 0, |w| {
+        entries.push(Entry {
+            fingerprint: w.fingerprint,
+            slots: stored_slots(bytes, &w).map(Slot::read).collect(),
+        })
+    })?;
+    Ok(entries)
+}
+
+/// A set's value holding `entries`, as the module writes it.
+fn encode(entries: &[Entry]) -> Vec<u8> {
+    let mut out = vec![VERSION];
+    for e in entries {
+        out.extend_from_slice(&e.fingerprint.to_le_bytes());
+        out.extend_from_slice(&(e.slots.len() as u16).to_le_bytes());
+        for s in &e.slots {
+            s.write(&mut out);
+        }
+    }
+    out
+}
+
 const SEC: u64 = 1_000_000_000;
 const T0: u64 = 1_700_000_000 * SEC;
 const MAX: u64 = 300 * SEC;
@@ -28,9 +60,9 @@ fn take(store: &impl SharedStore, keys: &[SlotKey], now_ns: u64, id: u32) -> Acq
         .acquired
 }
 
-fn held(a: &Acquired) -> Vec<Held> {
+fn held(a: &Acquired) -> Vec<Taken> {
     match a {
-        Acquired::Taken(t) => t.iter().map(|t| t.held).collect(),
+        Acquired::Taken(t) => t.clone(),
         other => panic!("not taken: {other:?}"),
     }
 }
@@ -157,7 +189,10 @@ fn a_slot_never_released_is_reclaimed_at_its_deadline_not_before() {
     let store = MemoryStore::default();
     let k = key(3, 0, 1);
     let first = take(&store, &[k], T0, 1);
-    assert_eq!(held(&first).first().map(|h| h.deadline_ns), Some(T0 + MAX));
+    assert_eq!(
+        held(&first).first().map(|h| h.held.deadline_ns),
+        Some(T0 + MAX)
+    );
     let before = take(&store, &[k], T0 + MAX - 1, 2);
     assert!(
         matches!(before, Acquired::Full { in_flight: 1, .. }),
@@ -174,16 +209,15 @@ fn releasing_an_unknown_or_expired_slot_writes_nothing() {
     let k = key(3, 0, 4);
     let a = held(&take(&store, &[k], T0, 1));
     let before = snapshot(&store, &layout());
-    let unknown = Held {
-        key: k,
-        id: 99,
-        deadline_ns: T0 + MAX,
+    let slot = |key, id| Taken {
+        held: Held {
+            key,
+            id,
+            deadline_ns: T0 + MAX,
+        },
+        in_flight: 1,
     };
-    let elsewhere = Held {
-        key: key(4, 5, 4),
-        id: 1,
-        deadline_ns: T0 + MAX,
-    };
+    let (unknown, elsewhere) = (slot(k, 99), slot(key(4, 5, 4), 1));
     release(&store, &layout(), &[unknown, elsewhere], T0 + SEC).unwrap();
     assert_eq!(snapshot(&store, &layout()), before);
     // Past its deadline the slot is gone whoever writes: its release only drops it.
@@ -241,11 +275,16 @@ fn keys_of_one_set_are_taken_in_one_write_in_the_order_asked() {
     let keys = [key(5, 1, 2), key(6, 0, 2), key(7, 1, 2)];
     let a = acquire(&store, &layout(), &keys, T0, MAX, 1).unwrap();
     assert_eq!(a.stats, InFlightStats::default());
-    let got: Vec<_> = held(&a.acquired).iter().map(|h| h.key).collect();
+    let got: Vec<_> = held(&a.acquired).iter().map(|h| h.held.key).collect();
     assert_eq!(got, keys);
-    // One version per set: set 1 was written once for both its keys.
+    // One write per set (versions count every write of the store): set 1
+    // was written once for both its keys.
     assert_eq!(store.len(), 2);
-    assert_eq!(store.get(&layout().set_key(1)).unwrap().unwrap().1, 1);
+    let mut versions: Vec<u32> = (0..2)
+        .map(|i| store.get(&layout().set_key(i)).unwrap().unwrap().1)
+        .collect();
+    versions.sort();
+    assert_eq!(versions, vec![1, 2]);
 }
 
 /// A store whose writes to one key lose to another writer `lost` times.
@@ -449,7 +488,7 @@ proptest! {
         let max = 60 * SEC;
         let mut now = T0;
         let mut model: HashMap<u64, Vec<(u64, u32)>> = HashMap::new();
-        let mut requests: Vec<Vec<Held>> = Vec::new();
+        let mut requests: Vec<Vec<Taken>> = Vec::new();
         let mut next_id = 0u32;
         for op in ops {
             match op {
@@ -474,7 +513,7 @@ proptest! {
                         for k in &asked {
                             model.entry(k.fingerprint).or_default().push((now + max, id));
                         }
-                        requests.push(t.iter().map(|t| t.held).collect());
+                        requests.push(t);
                     }
                 }
                 Op::Release { pick } => {
@@ -483,7 +522,7 @@ proptest! {
                     }
                     let h = &requests[pick % requests.len()];
                     release(&store, &l, h, now).unwrap();
-                    for h in h {
+                    for Taken { held: h, .. } in h {
                         let slots = model.entry(h.key.fingerprint).or_default();
                         if let Some(i) = slots.iter().position(|s| *s == (h.deadline_ns, h.id)) {
                             slots.swap_remove(i);
@@ -512,12 +551,12 @@ proptest! {
         let store = MemoryStore::default();
         let l = InFlightLayout::new("e", 1);
         let mut now = T0;
-        let mut requests: Vec<Vec<Held>> = Vec::new();
+        let mut requests: Vec<Vec<Taken>> = Vec::new();
         for (i, (fp, give_back, secs)) in ops.into_iter().enumerate() {
             let k = key(fp, 0, 2);
             let a = acquire(&store, &l, &[k], now, 20 * SEC, i as u32).unwrap();
             if let Acquired::Taken(t) = a.acquired {
-                requests.push(t.iter().map(|t| t.held).collect());
+                requests.push(t);
             }
             if give_back && !requests.is_empty() {
                 let h = requests.swap_remove(i % requests.len());

@@ -46,6 +46,14 @@ pub struct GraduatedPlan {
     pub block_for_ns: u64,
 }
 
+impl GraduatedPlan {
+    /// Whether a limit with `share` of it used holds the request `delay_ms`.
+    #[inline(always)]
+    pub fn delays(&self, share: f64) -> bool {
+        self.delay_at.is_some_and(|d| share > d + 1e-9)
+    }
+}
+
 /// What the charge needs of one rule's variant.
 #[derive(Debug, Clone, Copy)]
 pub struct RuleLimits<'a> {

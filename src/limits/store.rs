@@ -8,6 +8,17 @@ use std::collections::HashMap;
 /// Prefix of every shared-data key the filter writes (Istio shares one namespace between plugins).
 pub const KEY_PREFIX: &str = "ratelimit-wasm/";
 
+/// `prefix` then `index` in decimal: the key of one of a layout's sets,
+/// built without the formatting machinery (it is on every request's path).
+pub fn numbered_key(prefix: &str, index: u64) -> String {
+    let mut n = itoa::Buffer::new();
+    let index = n.format(index);
+    let mut key = String::with_capacity(prefix.len() + index.len());
+    key.push_str(prefix);
+    key.push_str(index);
+    key
+}
+
 /// A version number ("cas") that makes a write create the key only if it is
 /// missing. Envoy's host creates a missing key whatever the cas, and refuses a
 /// write to an existing key unless the cas equals its current version. Versions

@@ -39,12 +39,7 @@ impl Layout {
 
     /// The shared-data key of set `index`.
     pub fn set_key(&self, index: u64) -> String {
-        let mut n = itoa::Buffer::new();
-        let index = n.format(index);
-        let mut key = String::with_capacity(self.key_prefix.len() + index.len());
-        key.push_str(&self.key_prefix);
-        key.push_str(index);
-        key
+        super::store::numbered_key(&self.key_prefix, index)
     }
 }
 

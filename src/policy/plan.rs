@@ -473,6 +473,9 @@ pub struct Plan {
     /// `metrics.near_limit`: the share of a limit past which an allowed
     /// request also counts as near it.
     pub near_limit: f64,
+    /// `access_log.filter_state`: each decision is set as filter state
+    /// for Envoy's access log ([`crate::decide::why`]).
+    pub filter_state: bool,
     /// What to do when shared data fails.
     pub on_error: OnError,
     /// Where the buckets live in shared data.
@@ -936,6 +939,7 @@ impl Plan {
             quota_problem_type: config.response.quota_problem_type.clone(),
             retry_jitter: config.response.retry_jitter,
             near_limit: config.metrics.near_limit,
+            filter_state: config.access_log.filter_state,
             on_error: config.on_error,
             table: Layout::new(&config.domain, config.max_buckets),
             global: config.global.as_ref().map(|g| global_plan(config, g, keys)),

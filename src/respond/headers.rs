@@ -70,7 +70,8 @@ pub fn closest<'a>(plan: &'a Plan, reports: &[Report]) -> Option<Shown<'a>> {
     closest_report(reports).and_then(|r| shown(plan, r))
 }
 
-fn closest_report(reports: &[Report]) -> Option<&Report> {
+/// The report [`closest`] shows.
+pub fn closest_report(reports: &[Report]) -> Option<&Report> {
     reports
         .iter()
         .min_by_key(|r| (r.check.remaining, std::cmp::Reverse(r.check.reset_ns)))

@@ -56,6 +56,10 @@ pub struct EnvoyOptions {
     /// Port of an outside upstream (a [`crate::Upstream`]) behind the
     /// `upstream` cluster, in place of the template's built-in one.
     pub upstream_port: Option<u16>,
+    /// Writes the ingress listener's access log (the template's format) to
+    /// `access.log` in the work directory ([`Envoy::access_log`]) in place of
+    /// Envoy's stdout.
+    pub access_log_file: bool,
 }
 
 /// An `UpstreamTlsContext` on the `ratelimit_gateway` cluster.
@@ -87,7 +91,15 @@ impl EnvoyOptions {
             vm_env: Vec::new(),
             gateway_tls: None,
             upstream_port: None,
+            access_log_file: false,
         }
+    }
+
+    /// Writes the ingress listener's access log to a file
+    /// ([`EnvoyOptions::access_log_file`]).
+    pub fn access_log_file(mut self) -> Self {
+        self.access_log_file = true;
+        self
     }
 
     /// Sends the routed requests to the upstream on 127.0.0.1:`port`
@@ -169,6 +181,9 @@ impl WorkDir {
     }
 }
 
+/// The access log's file name in the work directory.
+const ACCESS_LOG: &str = "access.log";
+
 /// How long the filter may take to hand its counts to Envoy: it counts in
 /// the VM and flushes on its root's tick, every 100 ms at the longest
 /// (`vm::timers::FLUSH_TICK`); twice that and a margin.
@@ -247,8 +262,12 @@ impl Envoy {
             },
         };
         let mut rendered = render_file(&template, &vars)?;
-        if !opts.vm_env.is_empty() || opts.gateway_tls.is_some() || opts.upstream_port.is_some() {
-            rendered = customize(&rendered, &opts)?;
+        if !opts.vm_env.is_empty()
+            || opts.gateway_tls.is_some()
+            || opts.upstream_port.is_some()
+            || opts.access_log_file
+        {
+            rendered = customize(&rendered, &opts, &dir.path().join(ACCESS_LOG))?;
         }
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, rendered)
@@ -277,6 +296,14 @@ impl Envoy {
             config_path,
             dir: Some(dir),
         })
+    }
+
+    /// The ingress listener's access log so far (empty unless started with
+    /// [`EnvoyOptions::access_log_file`]; Envoy flushes it every second).
+    pub fn access_log(&self) -> String {
+        let dir = self.dir.as_ref().map(|d| d.path().join(ACCESS_LOG));
+        dir.and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default()
     }
 
     /// Polls the admin `/ready` endpoint until it answers `LIVE`.
@@ -456,19 +483,24 @@ fn at<'a>(v: &'a mut serde_norway::Value, keys: &[&str]) -> Result<&'a mut serde
     Ok(v)
 }
 
+/// The ingress listener's HTTP connection manager.
+fn ingress_hcm(doc: &mut serde_norway::Value) -> Result<&mut serde_norway::Value> {
+    let listeners = at(doc, &["static_resources", "listeners"])?;
+    at(
+        named(listeners, "ingress")?,
+        &["filter_chains", "0", "filters", "0"],
+    )
+}
+
 /// The rendered template with the VM's environment variables and the
 /// gateway cluster's TLS of `opts` (edited as YAML data; the template itself
 /// stays as shipped).
-fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
+fn customize(rendered: &str, opts: &EnvoyOptions, access_log: &Path) -> Result<String> {
     use serde_norway::{Mapping, Value};
     let mut doc: Value =
         serde_norway::from_str(rendered).context("parsing the rendered template")?;
     if !opts.vm_env.is_empty() {
-        let listeners = at(&mut doc, &["static_resources", "listeners"])?;
-        let hcm = at(
-            named(listeners, "ingress")?,
-            &["filter_chains", "0", "filters", "0"],
-        )?;
+        let hcm = ingress_hcm(&mut doc)?;
         let filters = at(hcm, &["typed_config", "http_filters"])?;
         let wasm = named(filters, "envoy.filters.http.wasm")?;
         let vm = at(wasm, &["typed_config", "config", "vm_config"])?;
@@ -519,6 +551,25 @@ fn customize(rendered: &str, opts: &EnvoyOptions) -> Result<String> {
             .as_mapping_mut()
             .context("the gateway cluster is not a mapping")?
             .insert("transport_socket".into(), Value::Mapping(socket));
+    }
+    if opts.access_log_file {
+        let hcm = ingress_hcm(&mut doc)?;
+        let logger = at(hcm, &["typed_config", "access_log", "0"])?
+            .as_mapping_mut()
+            .context("the access logger is not a mapping")?;
+        logger.insert("name".into(), "envoy.access_loggers.file".into());
+        let config = logger
+            .get_mut("typed_config")
+            .and_then(Value::as_mapping_mut)
+            .context("the access logger has no typed_config")?;
+        config.insert(
+            "@type".into(),
+            "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog".into(),
+        );
+        let path = access_log
+            .to_str()
+            .context("the access log path is not UTF-8")?;
+        config.insert("path".into(), path.into());
     }
     if let Some(port) = opts.upstream_port {
         let listeners = at(&mut doc, &["static_resources", "listeners"])?

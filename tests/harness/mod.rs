@@ -515,6 +515,8 @@ pub struct Outcome {
     pub on_done_result: Option<bool>,
     /// Protocol oddities noticed on this stream (e.g. Continue returned after a local response).
     pub notes: Vec<String>,
+    /// `proxy_set_property` calls on this stream: path and value, in order.
+    pub set_properties: Vec<(Vec<String>, Vec<u8>)>,
 }
 
 pub(crate) fn find_header(headers: &[(String, Vec<u8>)], name: &str) -> Option<String> {
@@ -1573,6 +1575,7 @@ impl Harness {
             resumes: s.resumes,
             on_done_result: s.on_done_result,
             notes: s.notes.clone(),
+            set_properties: s.set_properties.clone(),
         }
     }
 
@@ -1642,6 +1645,16 @@ impl Harness {
             .into_iter()
             .filter(|c| c.state == CallState::Pending)
             .collect()
+    }
+
+    /// The one callout pending on any worker (`what` names it in the panic
+    /// when there is none or more than one).
+    pub fn the_pending_call(&self, what: &str) -> HttpCall {
+        let calls = self.pending_http_calls();
+        let [call] = calls.as_slice() else {
+            panic!("one {what} expected: {calls:?}");
+        };
+        call.clone()
     }
 
     fn pending_call(&self, w: usize, token: u32) -> HttpCall {

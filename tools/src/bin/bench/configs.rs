@@ -13,7 +13,10 @@
 //!   `http_filters` differs ([`FilterVariant`]): kept (c, d), removed (a),
 //!   pointed at the no-op module (a2), or replaced by Envoy's native
 //!   `envoy.filters.http.local_ratelimit` ([`NATIVE_LOCAL_RATELIMIT`], b).
-//!   `jwt_authn` and the router stay as shipped.
+//!   `jwt_authn` and the router stay as shipped;
+//! * in every variant the `ingress` listener's access log is removed: the
+//!   bench measures the filter, and a line per request to stdout is
+//!   Envoy's work, not the filter's (the filter still sets its filter state).
 
 use std::path::{Path, PathBuf};
 
@@ -262,6 +265,9 @@ pub fn proxy_config(
     if retain_listeners(&mut doc, |n| n != "upstream")? != 1 {
         bail!("expected exactly one `upstream` listener in the rendered template");
     }
+    if let Some(m) = hcm(&mut doc, "ingress")?.as_mapping_mut() {
+        m.remove("access_log");
+    }
     let filters = http_filters(&mut doc, "ingress")?;
     let at = filters
         .iter()
@@ -436,6 +442,8 @@ mod tests {
             // The built-in upstream listener is gone; the cluster still points at port 3.
             assert!(!yaml.contains("upstream_http"), "{yaml}");
             assert!(yaml.contains("port_value: 3"), "{yaml}");
+            // No access log: the bench measures the filter, not logging.
+            assert!(!yaml.contains("access_log"), "{yaml}");
         }
     }
 
