@@ -7,8 +7,9 @@
 //!   (`tests/harness`: same headers, properties, shared data and clock as
 //!   every harness test). Wasmtime charges one unit of fuel per wasm
 //!   operator executed (`nop`, `drop`, `block`, `loop`, `else`, `end`,
-//!   `return` and `unreachable` are free; a `memory.copy` is one, whatever
-//!   its length), so fuel consumed = wasm instructions executed; time spent
+//!   `return` and `unreachable` are free; a `memory.copy` or `memory.fill`
+//!   is one more per byte: wasmtime 48's default variable cost), so fuel
+//!   consumed = wasm instructions executed and bytes copied; time spent
 //!   in host functions is not counted. The plugin configurations are the
 //!   bench's own (`tools/src/bin/bench/c1.json`, `c4.json`), so the numbers
 //!   belong to the same 1-rule and 4-rule variants `make bench` loads into
@@ -300,28 +301,7 @@ impl FuelVm {
         let request_headers = before - self.fuel_left();
         let passed = action == 0 && self.stream(ctx).local_response.is_none();
         if passed {
-            let n = {
-                let s = self.stream(ctx);
-                s.req_map_held = false;
-                s.upstream_request = Some(s.request_headers.clone());
-                let mut headers = vec![
-                    (":status".to_string(), b"200".to_vec()),
-                    (
-                        "content-length".to_string(),
-                        answer.body.len().to_string().into_bytes(),
-                    ),
-                ];
-                if let Some(t) = answer.content_type {
-                    headers.push(("content-type".to_string(), t.as_bytes().to_vec()));
-                }
-                let n = headers.len() as i32;
-                s.response_headers = Some(headers);
-                s.response_body = answer.body.clone();
-                s.resp_map_held = true;
-                s.phase = StreamPhase::ResponseHeaders;
-                n
-            };
-            let eos = (answer.chunk.is_some() && answer.body.is_empty()) as i32;
+            let (n, eos) = self.answer(ctx, answer);
             self.call::<(i32, i32, i32), i32>(ctx, "proxy_on_response_headers", (c, n, eos));
             let s = self.stream(ctx);
             s.resp_map_held = false;
@@ -362,6 +342,34 @@ impl FuelVm {
             passed,
             response_headers,
         }
+    }
+}
+
+impl FuelVm {
+    /// Hands stream `ctx`, let through, the upstream's `answer`: the
+    /// arguments of its `proxy_on_response_headers` (header count, end of
+    /// stream).
+    fn answer(&mut self, ctx: u32, answer: &Answer) -> (i32, i32) {
+        let s = self.stream(ctx);
+        s.req_map_held = false;
+        s.upstream_request = Some(s.request_headers.clone());
+        let mut headers = vec![
+            (":status".to_string(), b"200".to_vec()),
+            (
+                "content-length".to_string(),
+                answer.body.len().to_string().into_bytes(),
+            ),
+        ];
+        if let Some(t) = answer.content_type {
+            headers.push(("content-type".to_string(), t.as_bytes().to_vec()));
+        }
+        let n = headers.len() as i32;
+        s.response_headers = Some(headers);
+        s.response_body = answer.body.clone();
+        s.resp_map_held = true;
+        s.phase = StreamPhase::ResponseHeaders;
+        let eos = (answer.chunk.is_some() && answer.body.is_empty()) as i32;
+        (n, eos)
     }
 }
 
@@ -907,7 +915,9 @@ fn warm_vm(config: &str, warm: u32) -> FuelVm {
 
 /// Runs `proxy_on_request_headers` of a new request with `fuel` fuel (all
 /// there is when `None`): the fuel it used, or the names on the wasm stack
-/// where the fuel ran out.
+/// where the fuel ran out. `PROFILE_PHASE=response` runs the request's
+/// headers with all the fuel there is and its response's headers (`ok\n`)
+/// with `fuel`.
 fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u64, Vec<String>> {
     let ctx = {
         let d = vm.store.data_mut();
@@ -924,21 +934,33 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
         s.req_map_held = true;
         s.request_headers.len() as i32
     };
+    // The response's headers are measured after a decision with all the
+    // fuel there is.
+    let (name, args) = match std::env::var("PROFILE_PHASE").as_deref() {
+        Ok("response") => {
+            let action =
+                vm.call::<(i32, i32, i32), i32>(ctx, "proxy_on_request_headers", (c, n, 1));
+            assert_eq!(action, 0, "the request measured must be let through");
+            let (n, eos) = vm.answer(ctx, &Answer::ok());
+            ("proxy_on_response_headers", (c, n, eos))
+        }
+        _ => ("proxy_on_request_headers", (c, n, 1)),
+    };
     let func = vm
         .instance
-        .get_typed_func::<(i32, i32, i32), i32>(&mut vm.store, "proxy_on_request_headers")
+        .get_typed_func::<(i32, i32, i32), i32>(&mut vm.store, name)
         .expect("the export");
     {
         let d = vm.store.data_mut();
         d.current_ctx = ctx;
         d.effective_ctx = None;
-        d.in_call = Some(format!("proxy_on_request_headers(context {ctx})"));
+        d.in_call = Some(format!("{name}(context {ctx})"));
     }
     if let Some(f) = fuel {
         vm.store.set_fuel(f).expect("fuel is on");
     }
     let before = vm.fuel_left();
-    match func.call(&mut vm.store, (c, n, 1)) {
+    match func.call(&mut vm.store, args) {
         Ok(_) => Ok(before - vm.fuel_left()),
         Err(e) => Err(e
             .downcast_ref::<wasmtime::WasmBacktrace>()
@@ -1002,6 +1024,7 @@ fn profiled_vm(config: &str, client: &str) -> FuelVm {
 ///
 /// Functions on top of the stack are also listed with their caller.
 /// `PROFILE_CONFIG=c4` profiles c4 (`cc` the concurrency variant), `PROFILE_CLIENT=over` a denial,
+/// `PROFILE_PHASE=response` the response's headers instead of the decision,
 /// `PROFILE_SAMPLES` sets N (150); `PROFILE_OFFSETS=1` adds to the top
 /// frame its module offset (as `wasm-tools print --print-offsets` shows it).
 #[test]

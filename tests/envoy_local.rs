@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use testkit::fields::{self, Limit, Policy};
 use testkit::{burst, Client, ConnectionMode, Envoy, EnvoyOptions, Request, Response};
 
 const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
@@ -109,6 +110,94 @@ fn limits_a_client_with_headers_and_a_problem_body() {
         "another client has its own bucket: {other:#?}"
     );
     assert_eq!(other.int_header("x-ratelimit-remaining"), 4);
+}
+
+/// The one value of header `name` of `r`, read by `read` (a client's
+/// structured-field reading); panics with the response otherwise.
+fn read<T>(r: &Response, name: &str, read: impl Fn(&str) -> anyhow::Result<T>) -> T {
+    let values = r.header_all(name);
+    let [value] = values.as_slice() else {
+        panic!("{name}: {values:?} in {r:#?}");
+    };
+    read(value).unwrap_or_else(|e| panic!("{name}: {e:#} in {r:#?}"))
+}
+
+/// A rule with two limits and another rule: a response of the real Envoy
+/// lists the three policies, each header read with an RFC 9651 parser.
+#[test]
+fn one_response_lists_three_policies_as_structured_fields() {
+    let config = plugin_config(
+        json!([
+            { "name": "per-client", "key": ["client"],
+              "limits": [ { "requests": 10, "per": "1h" }, { "requests": 5, "per": "1m" } ] },
+            { "name": "uploads", "key": ["client"], "match": { "path_prefix": "/upload" },
+              "limits": [ { "requests": 2, "per": "1h" } ] }
+        ]),
+        json!([]),
+    );
+    let envoy = start(&config);
+    let c = client(&envoy);
+    let policy = |name: &str, q, w| Policy {
+        name: name.into(),
+        q,
+        qu: None,
+        w: Some(w),
+    };
+    let limit = |name: &str, r, t| Limit {
+        name: name.into(),
+        r,
+        t: Some(t),
+    };
+    let legacy = |r: &Response| {
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset",
+        ]
+        .map(|name| read(r, name, fields::integer))
+    };
+    let policies = [
+        policy("per-client", 10, 3600),
+        policy("per-client/1", 5, 60),
+        policy("uploads", 2, 3600),
+    ];
+    let r = c.get_as("/upload", "alice");
+    assert_eq!(r.status, 200, "{r:#?}");
+    assert_eq!(read(&r, "ratelimit-policy", fields::policies), policies);
+    // Read at the charge: a token of each is back in exactly 360 s, 12 s and 1800 s.
+    assert_eq!(
+        read(&r, "ratelimit", fields::limits),
+        [
+            limit("per-client", 9, 360),
+            limit("per-client/1", 4, 12),
+            limit("uploads", 1, 1800),
+        ]
+    );
+    assert_eq!(legacy(&r), [2, 1, 1800]);
+    assert_eq!(c.get_as("/upload", "alice").status, 200);
+    // The third upload: the upload rule denies, the others would have let it
+    // through and show what is left (nothing was charged).
+    let denied = c.get_as("/upload", "alice");
+    let retry_after = assert_problem(&denied, &["uploads"]);
+    assert_eq!(
+        read(&denied, "retry-after", fields::integer) as u64,
+        retry_after
+    );
+    // One token per 1800 s, spread upwards by at most the default 10%.
+    assert!((1800..=1980).contains(&retry_after), "{retry_after}");
+    assert_eq!(
+        read(&denied, "ratelimit-policy", fields::policies),
+        policies
+    );
+    assert_eq!(
+        read(&denied, "ratelimit", fields::limits),
+        [
+            limit("per-client", 8, 720),
+            limit("per-client/1", 3, 24),
+            limit("uploads", 0, 3600),
+        ]
+    );
+    assert_eq!(legacy(&denied), [2, 0, 3600]);
 }
 
 #[test]

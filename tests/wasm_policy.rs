@@ -125,7 +125,9 @@ fn assert_problem(o: &Outcome, retry_after: u64, policies: &[&str]) {
     );
 }
 
-/// The headers of one limit, as README's "What clients see" has them.
+/// The headers of the limit closest to its end, as docs/configuration.md's
+/// "What clients see" has them: the legacy lines are its own, and its items
+/// are among those of every limit in the IETF lists (exactly, item by item).
 fn assert_shows(o: &Outcome, policy: &str, quota: u64, window: u64, remaining: u64) {
     assert_eq!(
         o.header_values("x-ratelimit-limit"),
@@ -137,15 +139,19 @@ fn assert_shows(o: &Outcome, policy: &str, quota: u64, window: u64, remaining: u
         vec![remaining.to_string()],
         "{o:?}"
     );
-    assert_eq!(
-        o.header_values("ratelimit-policy"),
-        vec![format!("\"{policy}\";q={quota};w={window}")],
-        "{o:?}"
+    let policies = o.header_values("ratelimit-policy");
+    assert_eq!(policies.len(), 1, "{o:?}");
+    let item = format!("\"{policy}\";q={quota};w={window}");
+    assert!(
+        policies[0].split(", ").any(|i| i == item),
+        "ratelimit-policy {:?} has no {item}; {o:?}",
+        policies[0]
     );
     let rl = o.expect_header("ratelimit");
+    let state = format!("\"{policy}\";r={remaining};t=");
     assert!(
-        rl.starts_with(&format!("\"{policy}\";r={remaining};t=")),
-        "ratelimit: {rl}; {o:?}"
+        rl.split(", ").any(|i| i.starts_with(&state)),
+        "ratelimit: {rl} has no {state}…; {o:?}"
     );
 }
 
@@ -890,12 +896,18 @@ fn a_global_rule_pauses_for_a_callout_and_an_allowed_answer_resumes_with_headers
     let o = h.outcome(id);
     assert_allowed(&o);
     assert_eq!(o.resumes, 1, "{o:?}");
-    // The global limit (3 left of 4) is tighter than the local one (4 left of 5).
+    // The global limit (3 left of 4) is tighter than the local one (4 left
+    // of 5): the legacy lines are its; the IETF ones list both, local first.
     assert_shows(&o, "api", 4, 60, 3);
     assert_eq!(o.header_values("x-ratelimit-reset"), vec!["15"], "{o:?}");
     assert_eq!(
+        o.header_values("ratelimit-policy"),
+        vec!["\"local\";q=5;w=3600, \"api\";q=4;w=60"],
+        "{o:?}"
+    );
+    assert_eq!(
         o.header_values("ratelimit"),
-        vec!["\"api\";r=3;t=15"],
+        vec!["\"local\";r=4;t=720, \"api\";r=3;t=15"],
         "{o:?}"
     );
     assert_eq!(h.metric("ratelimit_wasm_global_calls"), 1);

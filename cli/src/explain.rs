@@ -20,9 +20,9 @@ pub fn table(c: &Config) -> String {
         "scope",
         "algorithm",
         "mode",
-        // Every limit's `RateLimit-Policy` item; a response carries only the
-        // one of the limit closest to its end (the filter's `binding`).
-        "policy items (a response shows one)",
+        // Every limit's `RateLimit-Policy` item; a response lists the item
+        // of each limit its request was checked against.
+        "policy items (a response lists each)",
     ]
     .map(String::from)];
     let cost = if c.costs.is_empty() {
@@ -76,7 +76,9 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
         (
             format!("{n} in flight (slot held ≤ {}s)", l.max_in_flight_secs()),
             "-".to_string(),
-            LimitText::concurrent(&rule.name, n.into()).policy,
+            LimitText::concurrent(&rule.name, n.into())
+                .policy()
+                .to_owned(),
         )
     } else {
         let shown = limits
@@ -94,7 +96,8 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
             .collect::<Vec<_>>();
         let policy = limits
             .iter()
-            .map(|l| policy_item(&rule.name, l))
+            .enumerate()
+            .map(|(i, l)| policy_item(&rule.name, i, l))
             .collect::<Vec<_>>();
         (shown.join(" + "), burst.join(" + "), policy.join(" | "))
     };
@@ -120,12 +123,13 @@ fn row(rule: &Rule, tier: &str, limits: &[LimitSpec], cost: String) -> [String; 
     ]
 }
 
-/// The `RateLimit-Policy` value a response showing limit `l` of rule
-/// `name` carries, written by the filter's own header code.
-fn policy_item(name: &str, l: &LimitSpec) -> String {
+/// The `RateLimit-Policy` item of limit `l`, the `limit`th of rule `name`,
+/// written by the filter's own header code.
+fn policy_item(name: &str, limit: usize, l: &LimitSpec) -> String {
     let quota = l.concurrent.map_or(l.requests, u64::from);
     let shown = Shown {
         policy: name,
+        limit,
         quota,
         window_secs: l.per.0,
         remaining: quota,

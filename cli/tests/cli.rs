@@ -82,7 +82,7 @@ fn explain_shows_every_rule_and_tier_with_the_policy_header() {
     assert!(
         lines[0]
             .trim_end()
-            .ends_with("policy items (a response shows one)"),
+            .ends_with("policy items (a response lists each)"),
         "{}",
         r.stdout
     );
@@ -96,7 +96,7 @@ fn explain_shows_every_rule_and_tier_with_the_policy_header() {
     let free = row("api", " free ");
     assert!(free.contains("60/60s + 10/1s"), "{free}");
     assert!(
-        free.contains(r#""api";q=60;w=60 | "api";q=10;w=1"#),
+        free.contains(r#""api";q=60;w=60 | "api/1";q=10;w=1"#),
         "{free}"
     );
     assert!(free.contains(" 2 "), "rule cost: {free}");

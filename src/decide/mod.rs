@@ -404,7 +404,7 @@ impl<'a, S: SharedStore> Ctx<'a, S> {
         } else {
             headers::jittered(retry, self.plan.retry_jitter, units(self.random).0)
         };
-        let lines = LocalHeaders::of(self.plan.header_style, shown.as_ref());
+        let lines = LocalHeaders::of(self.plan, shown.as_ref(), reports);
         let body = problem::too_many_after(
             &self.plan.too_many_head,
             retry,
@@ -446,19 +446,13 @@ impl<'a, S: SharedStore> Ctx<'a, S> {
             .unwrap_or(0);
         let url = spent.first().map_or("", |(_, u)| *u);
         let names: Vec<&str> = spent.iter().map(|(n, _)| *n).collect();
-        // Nothing was charged: show what is left now.
-        let shown: Vec<Report> = shown
+        // Nothing was charged: the closest is of what is left now.
+        let uncharged: Vec<Report> = shown
             .iter()
-            .map(
-                |r| match (r.enforced, self.plan.limits(r.rule, r.variant).get(r.limit)) {
-                    (Some(e), _) => r.uncharged(&e.limit()),
-                    (None, Some((limit, _))) => r.uncharged(limit),
-                    (None, None) => *r,
-                },
-            )
+            .map(|r| headers::uncharged(self.plan, r))
             .collect();
-        let closest = headers::closest(self.plan, &shown);
-        let mut lines = LocalHeaders::of(self.plan.header_style, closest.as_ref());
+        let closest = headers::closest(self.plan, &uncharged);
+        let mut lines = LocalHeaders::of(self.plan, closest.as_ref(), shown);
         lines.push("link", &format!("<{url}>; rel=\"payment\""));
         let body =
             problem::quota_exhausted(&self.plan.quota_problem_type, &names, url, renews_secs);
@@ -608,7 +602,7 @@ fn never_passes(
     let body = problem::never_passes(&plan.problem_type, r.cost, &rule.name, capacity, &violated);
     Some(reject(
         429,
-        LocalHeaders::of(plan.header_style, shown),
+        LocalHeaders::of(plan, shown, reports),
         None,
         body,
     ))
@@ -631,9 +625,12 @@ fn reject(
 ) -> Verdict {
     if let Some(r) = retry_after {
         // itoa: `to_string` goes through `core::fmt`, several times the instructions.
-        headers.push_named(headers::RETRY_AFTER, itoa::Buffer::new().format(r));
+        headers.push_named(
+            headers::RETRY_AFTER,
+            itoa::Buffer::new().format(r).as_bytes(),
+        );
     }
-    headers.push_named(headers::CONTENT_TYPE, problem::MEDIA_TYPE);
+    headers.push_named(headers::CONTENT_TYPE, problem::MEDIA_TYPE.as_bytes());
     Verdict::Reject {
         status,
         headers,

@@ -219,7 +219,16 @@ fn global_answer_decides_and_the_tightest_limit_is_shown() {
     assert_eq!(body["buckets"][0]["key"], "shared/c=a");
     let o = finish(&p, pending, Some(b"200"), &gw(true, 1), SEC / 1000, &s, T0);
     let h = &passed(&p, &o);
-    assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=4;w=60");
+    // Every limit in the IETF fields, local then global; the legacy ones the tightest.
+    assert_eq!(
+        header(h, "ratelimit-policy"),
+        "\"local\";q=5;w=3600, \"shared\";q=4;w=60"
+    );
+    assert_eq!(
+        header(h, "ratelimit"),
+        "\"local\";r=4;t=720, \"shared\";r=1;t=15"
+    );
+    assert_eq!(header(h, "x-ratelimit-limit"), "4");
     assert_eq!(header(h, "x-ratelimit-remaining"), "1");
     assert_eq!(o.counts.get(Metric::GlobalCalls), 1);
 }
@@ -234,6 +243,11 @@ fn global_denial_refunds_the_local_charge() {
     assert_eq!(*status, 429);
     assert_eq!(header(headers, "retry-after"), "15");
     assert!(body.contains("[\"shared\"]"), "{body}");
+    // The local limit, refunded, shows what is left now: all 5.
+    assert_eq!(
+        header(headers, "ratelimit"),
+        "\"local\";r=5;t=0, \"shared\";r=0;t=15"
+    );
     // The local bucket was charged and refunded: the next local request sees 4 left of 5.
     assert_eq!(local_remaining(&s), "4");
 }
@@ -258,8 +272,12 @@ fn a_local_denial_skips_the_callout() {
         finish(&p, pending, Some(b"200"), &gw(true, 3), SEC / 1000, &s, T0);
     }
     let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL));
-    assert!(matches!(o.verdict, Verdict::Reject { status: 429, .. }));
+    let (status, headers, _) = rejected(&o);
+    assert_eq!(*status, 429);
     assert_eq!(o.counts.get(Metric::GlobalCalls), 0);
+    // The gateway was not asked: only the local limit is listed.
+    assert_eq!(header(headers, "ratelimit-policy"), "\"local\";q=5;w=3600");
+    assert_eq!(header(headers, "ratelimit"), "\"local\";r=0;t=3600");
     // The access log: the proxy's own refusal.
     assert_eq!(
         logged(&p, &o),
@@ -311,7 +329,10 @@ fn failure_mode_local_uses_a_share_of_the_limit_then_the_circuit_opens_and_recov
         let o = finish(&p, pending, Some(b"503"), b"", SEC / 1000, &s, T0);
         let h = &passed(&p, &o);
         assert_eq!(header(h, "x-ratelimit-remaining"), expected_left);
-        assert_eq!(header(h, "ratelimit-policy"), "\"shared\";q=2;w=60");
+        assert_eq!(
+            header(h, "ratelimit-policy"),
+            "\"local\";q=5;w=3600, \"shared\";q=2;w=60"
+        );
     }
     // Circuit open: no callout; the local share is spent, so 429 from the stand-in.
     let o = done(start(&p, &req(&p, "/", Some("a")), &s, T0 + SEC, NEUTRAL));

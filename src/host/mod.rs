@@ -684,7 +684,8 @@ impl HttpContext for Http {
         };
         if let Some(headers) = self.stream.response_headers() {
             headers.each(&plan, |name, value| {
-                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+                let _ =
+                    hostcalls::set_map_value_bytes(MapType::HttpResponseHeaders, name, Some(value));
             });
         }
         if self.stream.settles() {

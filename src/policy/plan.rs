@@ -16,6 +16,7 @@ use crate::limits::slots::Slots;
 use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
+use crate::respond::policy_list::PolicyList;
 use ratelimit_protocol::Variant as Wire;
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
@@ -39,29 +40,112 @@ pub struct Variant {
 pub struct LimitText {
     /// `x-ratelimit-limit`: the capacity.
     pub quota: String,
-    /// `ratelimit-policy`: `"<rule>";q=<capacity>;w=<per in seconds>`.
-    pub policy: String,
+    /// `, ` and the limit's `ratelimit-policy` item: a list's next item,
+    /// copied whole (the item alone is [`LimitText::policy`]).
+    listed_policy: String,
+    /// `, ` and the start of the limit's `ratelimit` item, up to its
+    /// remaining: `, <name>;r=`.
+    listed_state: String,
+}
+
+/// Bytes before an item in a list's text: `, `.
+const SEP: usize = 2;
+/// Bytes after the name in [`LimitText`]'s `listed_state`: `;r=`.
+const STATE: usize = 3;
+
+/// The policy name of limit `limit` of rule `rule`, as an sf-string: a rule's
+/// first limit is named after the rule (what a one-limit rule has always
+/// been called), limit `n` after it `<rule>/<n>`. Rule names never hold `/`,
+/// so no limit's name is another rule's, and none needs escaping.
+pub fn policy_name(rule: &str, limit: usize) -> String {
+    let mut name = String::with_capacity(rule.len() + 6);
+    push_policy_name(&mut name, rule, limit);
+    name
+}
+
+/// Appends [`policy_name`]`(rule, limit)` to `out`.
+pub fn push_policy_name(out: &mut String, rule: &str, limit: usize) {
+    out.push('"');
+    out.push_str(rule);
+    if limit > 0 {
+        out.push('/');
+        out.push_str(itoa::Buffer::new().format(limit));
+    }
+    out.push('"');
 }
 
 impl LimitText {
     /// A concurrency limit's: `"<rule>";q=<slots>;qu="concurrent-requests"`
-    /// (the quota unit the IETF draft names for it; no window).
+    /// (the quota unit the IETF draft names for it; no window). A
+    /// concurrency rule has that one limit.
     pub fn concurrent(rule: &str, slots: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(slots).to_owned();
-        let policy = format!("\"{rule}\";q={quota};qu=\"concurrent-requests\"");
-        LimitText { quota, policy }
+        LimitText::of(
+            policy_name(rule, 0),
+            quota,
+            &[";qu=\"concurrent-requests\""],
+        )
     }
 
-    /// A rate limit's: `"<rule>";q=<capacity>;w=<window>`.
-    fn new(rule: &str, capacity: u64, window_secs: u64) -> LimitText {
+    /// Limit `limit` of a rate rule: `<name>;q=<capacity>;w=<window>`.
+    fn new(rule: &str, limit: usize, capacity: u64, window_secs: u64) -> LimitText {
         let quota = itoa::Buffer::new().format(capacity).to_owned();
         let mut w = itoa::Buffer::new();
-        let window = w.format(window_secs);
-        let mut policy = String::with_capacity(rule.len() + quota.len() + window.len() + 7);
-        for part in ["\"", rule, "\";q=", &quota, ";w=", window] {
-            policy.push_str(part);
+        LimitText::of(
+            policy_name(rule, limit),
+            quota,
+            &[";w=", w.format(window_secs)],
+        )
+    }
+
+    /// The texts of the limit named `name` of `quota`, its policy item's
+    /// parameters after `q` being `rest`.
+    fn of(name: String, quota: String, rest: &[&str]) -> LimitText {
+        let mut listed_policy = String::with_capacity(SEP + name.len() + quota.len() + 32);
+        for part in [", ", &name, ";q=", &quota]
+            .into_iter()
+            .chain(rest.iter().copied())
+        {
+            listed_policy.push_str(part);
         }
-        LimitText { quota, policy }
+        let mut listed_state = String::with_capacity(SEP + name.len() + STATE);
+        for part in [", ", &name, ";r="] {
+            listed_state.push_str(part);
+        }
+        LimitText {
+            quota,
+            listed_policy,
+            listed_state,
+        }
+    }
+
+    /// The limit's `ratelimit-policy` item: its name, `;q=<capacity>;w=<per
+    /// in seconds>` (a concurrency limit: `;q=<slots>;qu=...`).
+    pub fn policy(&self) -> &str {
+        self.listed_policy.get(SEP..).unwrap_or_default()
+    }
+
+    /// The item [`LimitText::policy`] after an earlier one: `, ` first.
+    pub fn listed_policy(&self) -> &str {
+        &self.listed_policy
+    }
+
+    /// Its policy name as an sf-string, quotes included: `"<rule>"` for a
+    /// rule's first limit, `"<rule>/<n>"` for limit `n` after it
+    /// ([`policy_name`]).
+    pub fn name(&self) -> &str {
+        let end = self.listed_state.len().saturating_sub(STATE);
+        self.listed_state.get(SEP..end).unwrap_or_default()
+    }
+
+    /// The start of its `ratelimit` item, up to the remaining: `<name>;r=`.
+    pub fn state(&self) -> &str {
+        self.listed_state.get(SEP..).unwrap_or_default()
+    }
+
+    /// [`LimitText::state`] after an earlier item: `, ` first.
+    pub fn listed_state(&self) -> &str {
+        &self.listed_state
     }
 }
 
@@ -375,6 +459,9 @@ pub struct Plan {
     pub tier_property: Option<Vec<String>>,
     /// The compiled rules.
     pub rules: Vec<RulePlan>,
+    /// The `RateLimit-Policy` list of every rule's own limits, which a
+    /// response checked against a run of them borrows.
+    pub policies: PolicyList,
     /// The compiled quotas.
     pub quotas: Vec<QuotaPlan>,
     /// Header families on responses.
@@ -861,9 +948,10 @@ impl VariantMaker<'_> {
         let texts = limits
             .iter()
             .zip(specs.iter())
-            .map(|((l, secs), spec)| match spec.concurrent {
+            .enumerate()
+            .map(|(i, ((l, secs), spec))| match spec.concurrent {
                 Some(_) => LimitText::concurrent(&self.rule.name, l.capacity),
-                None => LimitText::new(&self.rule.name, l.capacity, *secs),
+                None => LimitText::new(&self.rule.name, i, l.capacity, *secs),
             })
             .collect();
         Variant {
@@ -938,6 +1026,7 @@ impl Plan {
                 .as_ref()
                 .map(|p| request::metadata_path(p)),
             tier_property: id.tier_metadata.as_ref().map(|p| request::metadata_path(p)),
+            policies: PolicyList::new(&rules),
             rules,
             quotas,
             header_style: config.response.headers,

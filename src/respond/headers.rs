@@ -1,16 +1,25 @@
 //! Rate-limit response headers: `X-RateLimit-*` and the IETF
 //! draft-ietf-httpapi-ratelimit-headers-11 `RateLimit` / `RateLimit-Policy`.
+//!
+//! The IETF fields list every limit a request was checked against, one
+//! policy each, in the order of its reports; the legacy ones, which hold one
+//! number each, show the most constraining limit alone.
 
 use crate::config::HeaderStyle;
 use crate::limits::limiter::Report;
 use crate::limits::token_bucket::ceil_secs;
-use crate::policy::plan::{LimitText, Plan, RulePlan};
+use crate::policy::plan::{push_policy_name, LimitText, Plan, RulePlan};
+use crate::respond::digits;
 
-/// The one limit a response reports.
+/// One limit as a response reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Shown<'a> {
-    /// The rule's name, the policy name in the IETF fields.
+    /// The rule's name, the policy name of its first limit in the IETF
+    /// fields.
     pub policy: &'a str,
+    /// The limit's place in its rule's list: limit `n > 0` is the policy
+    /// `<rule>/<n>` ([`policy_name`](crate::policy::plan::policy_name)).
+    pub limit: usize,
     /// Bucket capacity.
     pub quota: u64,
     /// `per` in seconds.
@@ -44,6 +53,7 @@ fn shown<'a>(plan: &'a Plan, r: &Report) -> Option<Shown<'a>> {
     };
     Some(Shown {
         policy: &rule.name,
+        limit: r.limit,
         quota,
         window_secs,
         remaining: r.check.remaining,
@@ -92,23 +102,33 @@ impl Passing {
         }
     }
 
-    /// Hands each line to `set`, in order: the shown limit's in `plan`'s
-    /// style, then the extra lines. `plan` must be the one that decided.
-    pub fn each(&self, plan: &Plan, mut set: impl FnMut(&'static str, &str)) {
+    /// Hands each line to `set`, in order: the limits' in `plan`'s style
+    /// (the legacy ones of the closest), then the extra lines. `plan` must be
+    /// the one that decided.
+    /// Values are bytes: the host takes them so, and the lists are written
+    /// as bytes (no check that they are UTF-8, which they are).
+    pub fn each(&self, plan: &Plan, mut set: impl FnMut(&'static str, &[u8])) {
         if let Some(s) = closest(plan, &self.reports) {
-            write(plan.header_style, &s, &mut |name, value| {
+            let all = Listed {
+                plan,
+                reports: &self.reports,
+                refused: false,
+            };
+            write(plan.header_style, &s, Some(all), &mut |name, value| {
                 set(name.as_str(), value)
             });
         }
         for (name, value) in &self.extra {
-            set(name, value);
+            set(name, value.as_bytes());
         }
     }
 
     /// The lines as [`Passing::each`] hands them out.
     pub fn lines(&self, plan: &Plan) -> HeaderLines {
         let mut out = Vec::new();
-        self.each(plan, |name, value| out.push((name, value.to_owned())));
+        self.each(plan, |name, value| {
+            out.push((name, String::from_utf8_lossy(value).into_owned()))
+        });
         out
     }
 }
@@ -145,11 +165,20 @@ impl Default for LocalHeaders {
 }
 
 impl LocalHeaders {
-    /// The shown limit's lines in `style` (none for `None`).
-    pub fn of(style: HeaderStyle, shown: Option<&Shown>) -> LocalHeaders {
+    /// The lines of a refused request whose limits reported `reports`, in
+    /// `plan`'s style: the legacy ones of `shown` (none without it), every
+    /// limit in the IETF ones, those that let it through [`uncharged`].
+    pub fn of(plan: &Plan, shown: Option<&Shown>, reports: &[Report]) -> LocalHeaders {
         let mut out = LocalHeaders::default();
         if let Some(s) = shown {
-            write(style, s, &mut |name, value| out.push_named(name, value));
+            let all = Listed {
+                plan,
+                reports,
+                refused: true,
+            };
+            write(plan.header_style, s, Some(all), &mut |name, value| {
+                out.push_named(name, value)
+            });
         }
         out
     }
@@ -159,11 +188,11 @@ impl LocalHeaders {
         self.sizes(name.len(), value.len());
         self.bytes.extend_from_slice(name.as_bytes());
         self.bytes.push(0);
-        self.value(value);
+        self.value(value.as_bytes());
     }
 
     /// Appends a line whose name comes with its NUL: one copy less.
-    pub fn push_named(&mut self, name: Name, value: &str) {
+    pub fn push_named(&mut self, name: Name, value: &[u8]) {
         self.sizes(name.as_str().len(), value.len());
         self.bytes.extend_from_slice(name.0.as_bytes());
         self.value(value);
@@ -184,8 +213,8 @@ impl LocalHeaders {
     }
 
     /// Writes the line's value and ends the line.
-    fn value(&mut self, value: &str) {
-        self.bytes.extend_from_slice(value.as_bytes());
+    fn value(&mut self, value: &[u8]) {
+        self.bytes.extend_from_slice(value);
         self.bytes.push(0);
         self.count += 1;
     }
@@ -350,61 +379,232 @@ pub fn jittered(secs: u64, jitter: f64, unit: f64) -> u64 {
     ((secs as f64 * factor).ceil() as u64).max(secs).max(1)
 }
 
-/// The header lines for `s` in the configured style.
+/// The header lines for `s` alone in the configured style: a response
+/// whose request one limit reported.
 pub fn render(style: HeaderStyle, s: &Shown) -> HeaderLines {
     // Room for a 429's `retry-after` and `content-type` after the five.
     let mut out = Vec::with_capacity(7);
-    write(style, s, &mut |name, value| {
-        out.push((name.as_str(), value.to_owned()))
+    write(style, s, None, &mut |name, value| {
+        out.push((name.as_str(), String::from_utf8_lossy(value).into_owned()))
     });
     out
 }
 
-/// Hands `set` the header lines for `s` in the configured style. Numbers by
-/// `itoa` and `push_str`: `format!` costs several times the instructions on
-/// every response; what never changes for a limit comes ready from the plan.
-fn write(style: HeaderStyle, s: &Shown, set: &mut impl FnMut(Name, &str)) {
+/// The reports a response lists in the IETF fields.
+#[derive(Clone, Copy)]
+struct Listed<'a> {
+    plan: &'a Plan,
+    reports: &'a [Report],
+    /// The request was refused: nothing was charged.
+    refused: bool,
+}
+
+/// Hands `set` the header lines in the configured style: the legacy ones of
+/// `s`, the IETF ones of every report of `all` (of `s` alone without them, or
+/// with one). Numbers by `itoa` and copies: `format!` costs several times
+/// the instructions on every response; what never changes for a limit comes
+/// ready from the plan.
+fn write(style: HeaderStyle, s: &Shown, all: Option<Listed>, set: &mut impl FnMut(Name, &[u8])) {
     // Each number formatted once: both styles show remaining and reset.
     let (mut r, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
     let (remaining, reset) = (r.format(s.remaining), t.format(s.reset_secs));
-    let field = |a: &str, x: &str, b: &str, y: &str| {
-        let mut v =
-            String::with_capacity(s.policy.len() + a.len() + x.len() + b.len() + y.len() + 1);
-        v.push('"');
-        v.push_str(s.policy);
-        v.push_str(a);
-        v.push_str(x);
-        v.push_str(b);
-        v.push_str(y);
-        v
-    };
     if matches!(style, HeaderStyle::Both | HeaderStyle::Legacy) {
         let mut q = itoa::Buffer::new();
         let quota = match s.text {
             Some(text) => text.quota.as_str(),
             None => q.format(s.quota),
         };
-        set(X_LIMIT, quota);
-        set(X_REMAINING, remaining);
-        set(X_RESET, reset);
+        set(X_LIMIT, quota.as_bytes());
+        set(X_REMAINING, remaining.as_bytes());
+        set(X_RESET, reset.as_bytes());
     }
-    if matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
-        match s.text {
-            Some(text) => set(POLICY, &text.policy),
-            None if s.in_flight => {
-                let mut q = itoa::Buffer::new();
-                let unit = ";qu=\"concurrent-requests\"";
-                set(POLICY, &field("\";q=", q.format(s.quota), unit, ""));
-            }
-            None => {
-                let (mut q, mut w) = (itoa::Buffer::new(), itoa::Buffer::new());
-                set(
-                    POLICY,
-                    &field("\";q=", q.format(s.quota), ";w=", w.format(s.window_secs)),
-                );
-            }
+    if !matches!(style, HeaderStyle::Both | HeaderStyle::Ietf) {
+        return;
+    }
+    match all {
+        Some(
+            all @ Listed {
+                reports: [_, _, ..],
+                refused: false,
+                ..
+            },
+        ) => return write_list::<false>(all, set),
+        Some(
+            all @ Listed {
+                reports: [_, _, ..],
+                refused: true,
+                ..
+            },
+        ) => return write_list::<true>(all, set),
+        _ => {}
+    }
+    let mut v = String::with_capacity(s.policy.len() + 48);
+    match s.text {
+        Some(text) => set(POLICY, text.policy().as_bytes()),
+        None => {
+            push_stated(
+                &mut v,
+                s.policy,
+                s.limit,
+                s.quota,
+                s.window_secs,
+                s.in_flight,
+            );
+            set(POLICY, v.as_bytes());
+            v.clear();
         }
-        set(RATELIMIT, &field("\";r=", remaining, ";t=", reset));
+    }
+    match s.text {
+        Some(text) => v.push_str(text.state()),
+        None => {
+            push_policy_name(&mut v, s.policy, s.limit);
+            v.push_str(";r=");
+        }
+    }
+    for part in [remaining, ";t=", reset] {
+        v.push_str(part);
+    }
+    set(RATELIMIT, v.as_bytes());
+}
+
+/// The IETF lines of several reports: one policy item and one service-limit
+/// item for each, in report order, as RFC 9651 Lists (`, ` between items).
+/// `REFUSED`: the request was refused, and nothing was charged.
+///
+/// Wasmtime charges a copy one instruction a byte, so each byte is written
+/// once, as bytes (no `str` checks), and no report is copied. When the
+/// reports are a run of the plan's
+/// [`PolicyList`](crate::respond::policy_list::PolicyList) (every rule
+/// matched), `RateLimit-Policy` is borrowed from it and each `RateLimit`
+/// item is one copy of its start from the list and the numbers; else each
+/// limit's texts are looked up. Out of line: the common one-rule request
+/// never gets here.
+#[inline(never)]
+fn write_list<const REFUSED: bool>(all: Listed, set: &mut impl FnMut(Name, &[u8])) {
+    let Listed { plan, reports, .. } = all;
+    let mut states = Vec::with_capacity(48 * reports.len());
+    if let Some(items) = plan.policies.items_from(reports) {
+        // Checked as it is written: a second pass cost c4 200 instructions.
+        let mut listed = true;
+        for (r, item) in reports.iter().zip(items) {
+            if !item.lists(r) {
+                listed = false;
+                break;
+            }
+            states.extend_from_slice(item.listed_state());
+            push_figures::<REFUSED>(&mut states, plan, r);
+        }
+        let policies = plan.policies.text_of(items);
+        if let (true, Some(policies), Some(states)) = (listed, policies, states.get(2..)) {
+            set(POLICY, policies);
+            set(RATELIMIT, states);
+            return;
+        }
+        states.clear();
+    }
+    let mut policies = Vec::with_capacity(64 * reports.len());
+    // Each name once without looking: a request has one bucket per rule,
+    // and a global rule and its stand-in, which share a name, never report
+    // together (the stand-in decides only when the gateway does not). A
+    // look back over the earlier reports cost c4 850 instructions.
+    for r in reports {
+        let Some(rule) = plan.rules.get(r.rule) else {
+            continue;
+        };
+        let text = rule
+            .variants
+            .get(r.variant)
+            .and_then(|v| v.texts.get(r.limit));
+        match (r.enforced, text) {
+            (None, Some(text)) => {
+                policies.extend_from_slice(text.listed_policy().as_bytes());
+                states.extend_from_slice(text.listed_state().as_bytes());
+            }
+            (Some(e), _) => {
+                // A limit the gateway stated: written here, rarely.
+                let (quota, window) = (e.requests, e.window_secs());
+                let mut item = String::from(", ");
+                push_stated(
+                    &mut item,
+                    &rule.name,
+                    r.limit,
+                    quota,
+                    window,
+                    rule.in_flight,
+                );
+                policies.extend_from_slice(item.as_bytes());
+                item.clear();
+                item.push_str(", ");
+                push_policy_name(&mut item, &rule.name, r.limit);
+                item.push_str(";r=");
+                states.extend_from_slice(item.as_bytes());
+            }
+            // A limit the plan does not have: not shown, as [`shown`].
+            (None, None) => continue,
+        }
+        push_figures::<REFUSED>(&mut states, plan, r);
+    }
+    // Each list without the `, ` before its first item.
+    if let (Some(policies), Some(states)) = (policies.get(2..), states.get(2..)) {
+        set(POLICY, policies);
+        set(RATELIMIT, states);
+    }
+}
+
+/// Appends the remaining and `;t=<reset>` of `r`'s service-limit item. A
+/// refused request's limits that let it through were not charged: they
+/// show the figures before it (its denying limits' are already those).
+#[inline(always)]
+fn push_figures<const REFUSED: bool>(out: &mut Vec<u8>, plan: &Plan, r: &Report) {
+    // Read in place unless refused: a copy of a report's figures is 32 bytes.
+    let (remaining, reset_ns) = if REFUSED {
+        let u = uncharged(plan, r);
+        (u.check.remaining, u.check.reset_ns)
+    } else {
+        (r.check.remaining, r.check.reset_ns)
+    };
+    match ceil_secs(reset_ns) {
+        // Most resets of a request let through are under ten seconds: the
+        // `;t=` and the digit copied with the remaining.
+        reset @ 0..=9 => {
+            let t = RESET_0 + ((reset as u32) << 24);
+            digits::push_then(out, remaining, t.to_le_bytes());
+        }
+        reset => {
+            digits::push(out, remaining);
+            out.extend_from_slice(b";t=");
+            digits::push(out, reset);
+        }
+    }
+}
+
+/// `;t=0`, as the four bytes of a little-endian `u32`: a reset under ten is
+/// its digit added to the last byte.
+const RESET_0: u32 = u32::from_le_bytes(*b";t=0");
+
+/// `r` as if its limit had not been charged, for a refused request: what is
+/// left now ([`Report::uncharged`] against the limit it was checked against,
+/// the gateway's own for a limit it stated).
+pub fn uncharged(plan: &Plan, r: &Report) -> Report {
+    match (r.enforced, plan.limits(r.rule, r.variant).get(r.limit)) {
+        (Some(e), _) => r.uncharged(&e.limit()),
+        (None, Some((limit, _))) => r.uncharged(limit),
+        (None, None) => *r,
+    }
+}
+
+/// Appends the policy item of a limit the plan has no text for (one the
+/// gateway stated): the name of limit `limit` of rule `rule`, its quota and
+/// window, or for a concurrency limit its unit and no window.
+fn push_stated(out: &mut String, rule: &str, limit: usize, quota: u64, window: u64, slots: bool) {
+    push_policy_name(out, rule, limit);
+    out.push_str(";q=");
+    out.push_str(itoa::Buffer::new().format(quota));
+    if slots {
+        out.push_str(";qu=\"concurrent-requests\"");
+    } else {
+        out.push_str(";w=");
+        out.push_str(itoa::Buffer::new().format(window));
     }
 }
 
@@ -464,8 +664,8 @@ mod tests {
                 ("x-ratelimit-limit", "10".to_string()),
                 ("x-ratelimit-remaining", "2".into()),
                 ("x-ratelimit-reset", "1".into()),
-                ("ratelimit-policy", "\"per-client\";q=10;w=1".into()),
-                ("ratelimit", "\"per-client\";r=2;t=1".into()),
+                ("ratelimit-policy", "\"per-client/1\";q=10;w=1".into()),
+                ("ratelimit", "\"per-client/1\";r=2;t=1".into()),
             ]
         );
         assert_eq!(render(HeaderStyle::Legacy, &s).len(), 3);
@@ -473,35 +673,101 @@ mod tests {
         assert!(render(HeaderStyle::None, &s).is_empty());
     }
 
-    #[test]
-    fn a_passing_response_sends_what_render_writes_then_its_extra_lines() {
-        let reports = [
-            report(0, 0, true, 48, 12, 0),
-            report(0, 1, true, 2, 1, 0),
-            report(1, 0, true, 4, 12, 0),
-        ];
-        let mut gateway = report(1, 0, true, 1, 30, 0);
-        gateway.enforced = Some(crate::limits::limiter::Enforced {
+    const STYLES: [HeaderStyle; 4] = [
+        HeaderStyle::Both,
+        HeaderStyle::Legacy,
+        HeaderStyle::Ietf,
+        HeaderStyle::None,
+    ];
+
+    /// A limit the gateway stated: 7 per minute, as limit `limit` of `rule`.
+    fn stated(rule: usize, limit: usize, remaining: u64, reset_s: u64) -> Report {
+        let mut r = report(rule, limit, true, remaining, reset_s, 0);
+        r.enforced = Some(crate::limits::limiter::Enforced {
             requests: 7,
             window_ms: 60_000,
         });
-        for style in [
-            HeaderStyle::Both,
-            HeaderStyle::Legacy,
-            HeaderStyle::Ietf,
-            HeaderStyle::None,
-        ] {
+        r
+    }
+
+    #[test]
+    fn one_limit_is_sent_as_render_writes_it_then_the_extra_lines() {
+        for style in STYLES {
             let mut p = plan();
             p.header_style = style;
-            for reports in [&reports[..], &[gateway]] {
-                let mut passing = Passing::of(reports.to_vec());
+            for one in [report(0, 1, true, 2, 1, 0), stated(1, 0, 1, 30)] {
+                let mut passing = Passing::of(vec![one]);
                 passing.extra.push(warning("uploads", 0.9));
-                let mut want = render(style, &closest(&p, reports).unwrap());
+                let mut want = render(style, &closest(&p, &[one]).unwrap());
                 want.push(warning("uploads", 0.9));
                 assert_eq!(passing.lines(&p), want);
             }
         }
         assert_eq!(Passing::of(Vec::new()).lines(&plan()), []);
+    }
+
+    #[test]
+    fn every_limit_is_a_policy_of_its_own_in_each_style() {
+        let reports = vec![
+            report(0, 0, true, 48, 12, 0),
+            report(0, 1, true, 2, 1, 0),
+            report(1, 0, true, 4, 12, 0),
+        ];
+        let legacy = [
+            ("x-ratelimit-limit", "10".to_string()),
+            ("x-ratelimit-remaining", "2".into()),
+            ("x-ratelimit-reset", "1".into()),
+        ];
+        let ietf = [
+            (
+                "ratelimit-policy",
+                "\"per-client\";q=60;w=60, \"per-client/1\";q=10;w=1, \"uploads\";q=5;w=60"
+                    .to_string(),
+            ),
+            (
+                "ratelimit",
+                "\"per-client\";r=48;t=12, \"per-client/1\";r=2;t=1, \"uploads\";r=4;t=12".into(),
+            ),
+        ];
+        for (style, want) in [
+            (HeaderStyle::Both, [&legacy[..], &ietf[..]].concat()),
+            (HeaderStyle::Legacy, legacy.to_vec()),
+            (HeaderStyle::Ietf, ietf.to_vec()),
+            (HeaderStyle::None, Vec::new()),
+        ] {
+            let mut p = plan();
+            p.header_style = style;
+            let mut passing = Passing::of(reports.clone());
+            passing.extra.push(warning("uploads", 0.9));
+            let mut want = want;
+            want.push(warning("uploads", 0.9));
+            assert_eq!(passing.lines(&p), want, "{style:?}");
+        }
+    }
+
+    #[test]
+    fn stated_and_concurrency_limits_are_listed_with_their_own_names() {
+        let p = plan();
+        let reports = vec![
+            stated(0, 1, 5, 40),
+            report(2, 0, true, 3, 0, 0),
+            stated(1, 0, 6, 9),
+        ];
+        let lines = Passing::of(reports).lines(&p);
+        let policy = "\"per-client/1\";q=7;w=60, \"streams\";q=4;qu=\"concurrent-requests\", \
+                      \"uploads\";q=7;w=60";
+        let state = "\"per-client/1\";r=5;t=40, \"streams\";r=3;t=0, \"uploads\";r=6;t=9";
+        assert_eq!(
+            lines.get(3..),
+            Some(
+                &[
+                    ("ratelimit-policy", policy.into()),
+                    ("ratelimit", state.into())
+                ][..]
+            )
+        );
+        // The legacy lines are the closest limit's: 3 slots left.
+        assert_eq!(lines.first(), Some(&("x-ratelimit-limit", "4".to_string())));
     }
 
     /// The proxy-wasm header map as the host SDK encodes it: the count,
@@ -553,7 +819,7 @@ mod tests {
         for (i, n) in names.iter().enumerate() {
             assert!(!n.as_str().is_empty() && !n.as_str().contains('\0'));
             let value = "v".repeat(i);
-            named.push_named(*n, &value);
+            named.push_named(*n, value.as_bytes());
             plain.push(n.as_str(), &value);
             // Plain lines between named ones, past the lengths' room.
             named.push("x-other", "1");
@@ -564,22 +830,59 @@ mod tests {
     }
 
     #[test]
-    fn a_local_answer_has_the_lines_render_writes() {
-        let p = plan();
-        let s = binding(&p, &[report(0, 1, false, 0, 1, 3 * SEC)]).unwrap();
-        for style in [
-            HeaderStyle::Both,
-            HeaderStyle::Legacy,
-            HeaderStyle::Ietf,
-            HeaderStyle::None,
-        ] {
-            let want: Vec<(String, String)> = render(style, &s)
-                .into_iter()
-                .map(|(n, v)| (n.to_string(), v))
-                .collect();
-            assert_eq!(LocalHeaders::of(style, Some(&s)).lines(), want);
+    fn a_local_answer_lists_every_limit_uncharged() {
+        let denied = [
+            report(0, 0, false, 0, 60, 1_500_000_000),
+            report(0, 1, true, 3, 1, 0),
+            report(1, 0, false, 0, 60, 12 * SEC),
+        ];
+        let owned = |lines: HeaderLines| -> Vec<(String, String)> {
+            lines.into_iter().map(|(n, v)| (n.to_string(), v)).collect()
+        };
+        let denying = [denied[0], denied[2]];
+        for style in STYLES {
+            let mut p = plan();
+            p.header_style = style;
+            // Limits that all denied: the IETF lines a passing response of
+            // them has (its legacy ones are of the closest, not the binding).
+            let ietf = |lines: Vec<(String, String)>| -> Vec<(String, String)> {
+                lines
+                    .into_iter()
+                    .filter(|(n, _)| n.starts_with("ratelimit"))
+                    .collect()
+            };
+            let s = binding(&p, &denying).unwrap();
+            let want = ietf(owned(Passing::of(denying.to_vec()).lines(&p)));
+            let got = ietf(LocalHeaders::of(&p, Some(&s), &denying).lines());
+            let listed = matches!(style, HeaderStyle::Both | HeaderStyle::Ietf);
+            assert_eq!(got.len(), if listed { 2 } else { 0 });
+            assert_eq!(got, want);
+            // One limit: what render writes.
+            let s = binding(&p, &denied[2..]).unwrap();
+            let want = owned(render(style, &s));
+            assert_eq!(LocalHeaders::of(&p, Some(&s), &denied[2..]).lines(), want);
+            assert!(LocalHeaders::of(&p, None, &denied).is_empty());
         }
-        assert!(LocalHeaders::of(HeaderStyle::Both, None).is_empty());
+        // The legacy lines of the limit with the longest wait; every limit in
+        // the IETF ones, the one that let the request through uncharged: 4
+        // left, not the 3 its charge would have left.
+        let p = plan();
+        let s = binding(&p, &denied).unwrap();
+        let want = [
+            ("x-ratelimit-limit", "5"),
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", "60"),
+            (
+                "ratelimit-policy",
+                "\"per-client\";q=60;w=60, \"per-client/1\";q=10;w=1, \"uploads\";q=5;w=60",
+            ),
+            (
+                "ratelimit",
+                "\"per-client\";r=0;t=60, \"per-client/1\";r=4;t=1, \"uploads\";r=0;t=60",
+            ),
+        ]
+        .map(|(n, v)| (n.to_string(), v.to_string()));
+        assert_eq!(LocalHeaders::of(&p, Some(&s), &denied).lines(), want);
         assert_eq!(LocalHeaders::default().take_map(), [0, 0, 0, 0]);
     }
 
@@ -603,12 +906,7 @@ mod tests {
                 text: None,
                 ..s.clone()
             };
-            for style in [
-                HeaderStyle::Both,
-                HeaderStyle::Legacy,
-                HeaderStyle::Ietf,
-                HeaderStyle::None,
-            ] {
+            for style in STYLES {
                 assert_eq!(render(style, &s), render(style, &formatted));
             }
         }

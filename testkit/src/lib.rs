@@ -20,12 +20,15 @@
 //! * [`redis`]: real `redis-server` processes;
 //! * [`process`]: the one start / ready / retry-on-port-clash / stop / log
 //!   layer under Envoy, the gateway and Redis;
-//! * [`rng`]: the one seeded generator of the tests (splitmix64).
+//! * [`rng`]: the one seeded generator of the tests (splitmix64);
+//! * [`fields`]: the rate-limit response headers read as a client reads them,
+//!   with a real RFC 9651 structured-field parser.
 //!
 //! Everything here talks to loopback addresses only.
 
 pub mod config;
 pub mod envoy;
+pub mod fields;
 pub mod gateway;
 pub mod http;
 pub mod paths;
