@@ -16,7 +16,7 @@ use crate::limits::slots::Slots;
 use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
-use crate::respond::policy_list::PolicyList;
+use crate::policy::policy_list::PolicyList;
 use ratelimit_protocol::Variant as Wire;
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;

@@ -474,7 +474,7 @@ fn write(style: HeaderStyle, s: &Shown, all: Option<Listed>, set: &mut impl FnMu
 /// Wasmtime charges a copy one instruction a byte, so each byte is written
 /// once, as bytes (no `str` checks), and no report is copied. When the
 /// reports are a run of the plan's
-/// [`PolicyList`](crate::respond::policy_list::PolicyList) (every rule
+/// [`PolicyList`](crate::policy::policy_list::PolicyList) (every rule
 /// matched), `RateLimit-Policy` is borrowed from it and each `RateLimit`
 /// item is one copy of its start from the list and the numbers; else each
 /// limit's texts are looked up. Out of line: the common one-rule request
