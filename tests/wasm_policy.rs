@@ -1940,26 +1940,8 @@ fn route_and_metadata_conditions_and_keys_read_their_properties() {
         ]
     }));
     let h = harness(2, &config);
-    let routed = |name: &str, plan: &str| {
-        Request::get("/")
-            .property(&["xds", "route_name"], name)
-            .property(
-                &[
-                    "xds",
-                    "route_metadata",
-                    "filter_metadata",
-                    "ratelimit",
-                    "plan",
-                ],
-                plan,
-            )
-    };
-    let statuses = |reqs: Vec<Request>| -> Vec<u32> {
-        reqs.into_iter()
-            .enumerate()
-            .map(|(i, r)| u32::from(h.send_rr(i, r).status))
-            .collect()
-    };
+    let routed = |name: &str, plan: &str| on_plan(plan).property(&["xds", "route_name"], name);
+    let statuses = |reqs: Vec<Request>| statuses(&h, reqs);
     assert_eq!(
         statuses(vec![
             routed("a", "premium"),
@@ -1992,6 +1974,14 @@ fn route_and_metadata_conditions_and_keys_read_their_properties() {
     );
 }
 
+/// The statuses of `reqs`, sent in turn to the workers.
+fn statuses(h: &Harness, reqs: Vec<Request>) -> Vec<u32> {
+    reqs.into_iter()
+        .enumerate()
+        .map(|(i, r)| u32::from(h.send_rr(i, r).status))
+        .collect()
+}
+
 /// The request on a route whose `filter_metadata.ratelimit.plan` is `plan`.
 fn on_plan(plan: &str) -> Request {
     Request::get("/").property(
@@ -2021,12 +2011,7 @@ fn limits_by_gives_each_route_the_set_its_metadata_names() {
         ]
     }));
     let h = harness(2, &config);
-    let statuses = |reqs: Vec<Request>| -> Vec<u32> {
-        reqs.into_iter()
-            .enumerate()
-            .map(|(i, r)| u32::from(h.send_rr(i, r).status))
-            .collect()
-    };
+    let statuses = |reqs: Vec<Request>| statuses(&h, reqs);
     assert_eq!(
         statuses((0..4).map(|_| on_plan("premium")).collect()),
         vec![200, 200, 200, 429]
