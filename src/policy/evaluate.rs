@@ -77,9 +77,7 @@ impl Plan {
                 .and_then(|k| k.variants.iter().find(|(r, _)| *r == i).map(|(_, v)| *v))
                 .or_else(|| {
                     let by = rule.limits_by.as_ref()?;
-                    let picked = by.pick(req);
-                    eval.limits_by_default += u64::from(picked.is_none());
-                    Some(picked.unwrap_or(0))
+                    Some(by.pick(req, &mut eval.limits_by_default))
                 })
                 .or_else(|| tier.and_then(|t| rule.tier_variant.get(t).copied()))
                 .unwrap_or(0);

@@ -198,15 +198,19 @@ pub(super) struct SetsPlan {
 }
 
 impl SetsPlan {
-    /// The variant the request's value names; `None` (the rule's own
-    /// limits) without a value or for a name not among the sets.
-    pub(super) fn pick(&self, req: &request::RequestInfo) -> Option<usize> {
-        let name = req.property(self.property)?;
-        let i = self
-            .sets
-            .binary_search_by(|(n, _)| n.as_slice().cmp(name))
-            .ok()?;
-        self.sets.get(i).map(|(_, v)| *v)
+    /// The variant the request's value names; 0 (the rule's own limits),
+    /// counted in `defaults`, without a value or for a name not among the sets.
+    #[inline(never)]
+    pub(super) fn pick(&self, req: &request::RequestInfo, defaults: &mut u64) -> usize {
+        let found = req.property(self.property).and_then(|name| {
+            let i = self
+                .sets
+                .binary_search_by(|(n, _)| n.as_slice().cmp(name))
+                .ok()?;
+            self.sets.get(i).map(|(_, v)| *v)
+        });
+        *defaults += u64::from(found.is_none());
+        found.unwrap_or(0)
     }
 }
 
