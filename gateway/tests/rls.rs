@@ -1036,7 +1036,7 @@ async fn masked_remote_address_and_wildcard_values_decide_as_envoyproxy_ratelimi
     let gw = gateway(&redis, &work, &[MASKED_AND_WILDCARD], &[], None).await;
     let mut c = client(&gw).await;
     align(60, 10_000);
-    let mut remaining = |key: &'static str, value: &'static str, n: usize| {
+    let remaining = |key: &'static str, value: &'static str, n: usize| {
         let mut c = c.clone();
         async move {
             let mut seen = Vec::new();
