@@ -79,11 +79,14 @@ pub enum Metric {
     /// Requests refunded because their response's status is not in `charge_on`
     /// (or the stream ended before a response).
     ChargeRefunded,
+    /// Matches of a `limits_by` rule that got the rule's own limits: the
+    /// metadata held no name, or one not among the sets.
+    LimitsByDefault,
 }
 
 impl Metric {
     /// Every counter, in a fixed order.
-    pub const ALL: [Metric; 31] = [
+    pub const ALL: [Metric; 32] = [
         Metric::Allowed,
         Metric::Denied,
         Metric::CasRetries,
@@ -115,6 +118,7 @@ impl Metric {
         Metric::UsageOverScanLimit,
         Metric::UsageCompressed,
         Metric::ChargeRefunded,
+        Metric::LimitsByDefault,
     ];
 
     /// The name given to Envoy.
@@ -151,6 +155,7 @@ impl Metric {
             Metric::UsageOverScanLimit => "ratelimit_wasm_usage_over_scan_limit",
             Metric::UsageCompressed => "ratelimit_wasm_usage_compressed",
             Metric::ChargeRefunded => "ratelimit_wasm_charge_refunded",
+            Metric::LimitsByDefault => "ratelimit_wasm_limits_by_default",
         }
     }
 

@@ -303,7 +303,20 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "cost_from": { "preset": "openai_chat", "max": 10 } }]);
     response_costs["rules"][1]["cost"] = serde_json::json!(1);
     response_costs["quotas"][0]["count"] = serde_json::json!("requests");
-    vec![config, with_env, response_costs]
+    // `limits_by` reads one of its two sources, on a rule without tiers.
+    let by = |source: &str, path: &str| {
+        let mut c = config.clone();
+        c["rules"][1]["limits_by"] = serde_json::json!({ source: path,
+            "sets": { "premium": [{ "requests": 100, "per": "1m" }] } });
+        c
+    };
+    vec![
+        by("route_metadata", "ratelimit/plan"),
+        by("metadata", "envoy.filters.http.jwt_authn/payload/plan"),
+        config,
+        with_env,
+        response_costs,
+    ]
 }
 
 /// Maps whose keys the user names: the placeholder the reference writes for a key.
@@ -311,9 +324,10 @@ const NAMED_KEYS: [(&str, &str); 2] = [("identity.clients", "<id>"), ("tiers", "
 
 /// Maps and lists documented as one field (their entries are described in
 /// the field's row, or are limits as in `rules[].limits`).
-const WHOLE: [&str; 12] = [
+const WHOLE: [&str; 13] = [
     "costs[].cost_from",
     "rules[].tiers",
+    "rules[].limits_by.sets",
     "quotas[].tiers",
     "match.headers",
     "match.route_metadata",

@@ -9,7 +9,9 @@
 //! * hosts: two virtual hosts with their own limits, `Host:
 //!   API.example.com:443` and `api.example.com` one key, `*.web.example`
 //!   one key per host;
-//! * the route's name and its metadata, and `not`;
+//! * the route's name and its metadata, and `not`; `limits_by` giving two
+//!   routes the sets their metadata names, and a route without metadata
+//!   (or naming no set) the rule's own limits;
 //! * `query:api_key` with `a%62c` and `abc` one key; a `cookie:session` key;
 //! * 256 clients of one IPv4 /24 in one bucket under `ip/24`, and 256 of one
 //!   IPv6 /64 under `ip/24/64`, their addresses in `X-Forwarded-For` behind
@@ -50,7 +52,8 @@ const SHIPPED_ROUTES: &str = r#"          route_config:
                 route: { cluster: upstream }
 "#;
 
-/// Two virtual hosts; named routes, one with `ratelimit` route metadata.
+/// Two virtual hosts; named routes, some with `ratelimit` route metadata:
+/// `plan` for a match, `tier` for `limits_by`.
 const ROUTES: &str = r#"          route_config:
             name: ingress_routes
             virtual_hosts:
@@ -72,6 +75,24 @@ const ROUTES: &str = r#"          route_config:
               - name: r_default
                 match: { prefix: "/r/" }
                 route: { cluster: upstream }
+              - name: b_gold
+                match: { prefix: "/b/gold" }
+                route: { cluster: upstream }
+                metadata:
+                  filter_metadata:
+                    ratelimit: { tier: gold }
+              - name: b_silver
+                match: { prefix: "/b/silver" }
+                route: { cluster: upstream }
+                metadata:
+                  filter_metadata:
+                    ratelimit: { tier: silver }
+              - name: b_typo
+                match: { prefix: "/b/typo" }
+                route: { cluster: upstream }
+                metadata:
+                  filter_metadata:
+                    ratelimit: { tier: platinum }
               - match: { prefix: "/" }
                 route: { cluster: upstream }
 "#;
@@ -125,6 +146,15 @@ fn rule(name: &str, matches: Value, key: Value, per_hour: u64) -> Value {
             "limits": [{ "requests": per_hour, "per": "1h" }] })
 }
 
+/// `by-route`: 2 an hour of its own, `gold` 5 and `silver` 3 by the
+/// route's `ratelimit/tier` metadata.
+fn by_route() -> Value {
+    let mut r = rule("by-route", json!({ "path_prefix": "/b/" }), json!([]), 2);
+    r["limits_by"] = json!({ "route_metadata": "ratelimit/tier", "sets": {
+        "gold": [{ "requests": 5, "per": "1h" }], "silver": [{ "requests": 3, "per": "1h" }] } });
+    r
+}
+
 /// One configuration for the local tests: each rule under its own path
 /// prefix (or host, or route), so that the tests never share a bucket.
 fn local_config() -> String {
@@ -151,6 +181,7 @@ fn local_config() -> String {
             rule("hostile-query", json!({ "path_prefix": "/hq/" }), json!(["query:api_key"]), 2),
             rule("hostile-cookie", json!({ "path_prefix": "/hc/" }), json!(["cookie:session"]), 2),
             rule("hostile-regex", json!({ "path_regex": "/hr/(a+)+" }), json!([]), 1),
+            by_route(),
         ]
     })
     .to_string()
@@ -269,6 +300,25 @@ fn the_route_name_and_route_metadata_pick_the_rule() {
     );
     // The unnamed route: neither rule.
     assert_eq!(admitted(&envoy, &times(6, "x", "/other", &[])), 6);
+}
+
+#[test]
+fn each_route_gets_the_limits_its_metadata_names() {
+    let envoy = start(local_config());
+    // `ratelimit: {tier: gold}`: 5; `{tier: silver}`: 3; each its own bucket.
+    assert_eq!(admitted(&envoy, &times(7, "x", "/b/gold/a", &[])), 5);
+    assert_eq!(admitted(&envoy, &times(7, "x", "/b/silver/a", &[])), 3);
+    // A route without metadata and one naming no set share the rule's own 2.
+    let mut own = times(2, "x", "/b/none", &[]);
+    own.extend(times(3, "x", "/b/typo", &[]));
+    assert_eq!(admitted(&envoy, &own), 2);
+    assert_eq!(
+        ok(
+            envoy.metric("ratelimit_wasm_limits_by_default"),
+            "reading stats"
+        ),
+        Some(5.0)
+    );
 }
 
 #[test]

@@ -1940,26 +1940,8 @@ fn route_and_metadata_conditions_and_keys_read_their_properties() {
         ]
     }));
     let h = harness(2, &config);
-    let routed = |name: &str, plan: &str| {
-        Request::get("/")
-            .property(&["xds", "route_name"], name)
-            .property(
-                &[
-                    "xds",
-                    "route_metadata",
-                    "filter_metadata",
-                    "ratelimit",
-                    "plan",
-                ],
-                plan,
-            )
-    };
-    let statuses = |reqs: Vec<Request>| -> Vec<u32> {
-        reqs.into_iter()
-            .enumerate()
-            .map(|(i, r)| u32::from(h.send_rr(i, r).status))
-            .collect()
-    };
+    let routed = |name: &str, plan: &str| on_plan(plan).property(&["xds", "route_name"], name);
+    let statuses = |reqs: Vec<Request>| statuses(&h, reqs);
     assert_eq!(
         statuses(vec![
             routed("a", "premium"),
@@ -1990,4 +1972,95 @@ fn route_and_metadata_conditions_and_keys_read_their_properties() {
         ]),
         vec![200, 429, 200, 200, 200]
     );
+}
+
+/// The statuses of `reqs`, sent in turn to the workers.
+fn statuses(h: &Harness, reqs: Vec<Request>) -> Vec<u32> {
+    reqs.into_iter()
+        .enumerate()
+        .map(|(i, r)| u32::from(h.send_rr(i, r).status))
+        .collect()
+}
+
+/// The request on a route whose `filter_metadata.ratelimit.plan` is `plan`.
+fn on_plan(plan: &str) -> Request {
+    Request::get("/").property(
+        &[
+            "xds",
+            "route_metadata",
+            "filter_metadata",
+            "ratelimit",
+            "plan",
+        ],
+        plan,
+    )
+}
+
+/// `limits_by` in the compiled filter: each route's metadata picks its set
+/// (each a bucket of its own), a route without it or naming no set gets
+/// the rule's own limits and is counted; `RateLimit-Policy` shows the set
+/// the request met.
+#[test]
+fn limits_by_gives_each_route_the_set_its_metadata_names() {
+    let config = cfg(json!({
+        "rules": [
+            { "name": "plan", "limits": [{ "requests": 1, "per": "1h" }],
+              "limits_by": { "route_metadata": "ratelimit/plan", "sets": {
+                  "premium": [{ "requests": 3, "per": "1h" }],
+                  "basic": [{ "requests": 2, "per": "1h" }] } } }
+        ]
+    }));
+    let h = harness(2, &config);
+    let statuses = |reqs: Vec<Request>| statuses(&h, reqs);
+    assert_eq!(
+        statuses((0..4).map(|_| on_plan("premium")).collect()),
+        vec![200, 200, 200, 429]
+    );
+    assert_eq!(
+        statuses((0..3).map(|_| on_plan("basic")).collect()),
+        vec![200, 200, 429]
+    );
+    let o = h.send_rr(0, on_plan("basic"));
+    assert_eq!(
+        o.header_values("ratelimit-policy"),
+        vec!["\"plan\";q=2;w=3600"],
+        "{o:?}"
+    );
+    assert_eq!(h.metric("ratelimit_wasm_limits_by_default"), 0);
+    // No metadata, an unknown name, another case: the rule's own 1, one bucket.
+    assert_eq!(
+        statuses(vec![Request::get("/"), on_plan("gold"), on_plan("Premium"),]),
+        vec![200, 429, 429]
+    );
+    assert_eq!(h.metric("ratelimit_wasm_limits_by_default"), 3);
+}
+
+/// A global `limits_by` rule names its set to the gateway as `set:<name>`,
+/// and the rule's own limits as `default`; a name from a JWT claim is read
+/// from the request's dynamic metadata.
+#[test]
+fn a_global_limits_by_rule_names_its_set_to_the_gateway() {
+    let config = cfg(json!({
+        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "open" },
+        "rules": [
+            { "name": "api", "scope": "global", "key": ["client"],
+              "limits": [{ "requests": 4, "per": "1m" }],
+              "limits_by": { "metadata": format!("{JWT}/payload/plan"), "sets": {
+                  "gold": [{ "requests": 40, "per": "1m" }] } } }
+        ]
+    }));
+    let h = gateway_harness(1, &config);
+    let variant = |plan: Option<&str>| {
+        let mut r = client("alice");
+        if let Some(p) = plan {
+            r = r.property(&["metadata", "filter_metadata", JWT, "payload", "plan"], p);
+        }
+        let (_, call) = paused_for_callout(&h, 0, r);
+        let body: Value = serde_json::from_slice(&call.body).unwrap();
+        h.respond_http_call(call.worker, call.token, CallResponse::new(500));
+        body["buckets"][0]["variant"].clone()
+    };
+    assert_eq!(variant(Some("gold")), json!("set:gold"));
+    assert_eq!(variant(Some("silver")), json!("default"));
+    assert_eq!(variant(None), json!("default"));
 }

@@ -94,7 +94,7 @@ pub fn set_bound(limits: &[LimitSpec], window_s: u64) -> Bound {
 }
 
 /// The bound of rule `r` over all its counters (own limits, tiers with
-/// limits, client overrides) and how many there are; `Err` names what
+/// limits, `limits_by` sets, client overrides) and how many there are; `Err` names what
 /// leaves it unbounded.
 pub fn rule_bound(c: &Config, r: &Rule, window_s: u64) -> Result<(Bound, usize), String> {
     if let Some((t, _)) = c.tiers.iter().find(|(_, t)| t.unlimited) {
@@ -115,6 +115,7 @@ pub fn rule_bound(c: &Config, r: &Rule, window_s: u64) -> Result<(Bound, usize),
         .filter_map(|s| s.limits.get(&r.name));
     let sets = std::iter::once(&r.limits)
         .chain(r.tiers.values())
+        .chain(r.limits_by.iter().flat_map(|b| b.sets.values()))
         .chain(overrides);
     let (mut total, mut counters) = (Bound::default(), 0);
     for set in sets {

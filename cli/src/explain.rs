@@ -1,10 +1,10 @@
-//! The `explain` table: what each tier (and each client override) gets from
-//! each rule, with each limit's `RateLimit-Policy` item (a response carries
+//! The `explain` table: what each tier (each `limits_by` set, each client
+//! override) gets from each rule, with each limit's `RateLimit-Policy` item (a response carries
 //! one of them: the limit closest to exhaustion); then what is charged from
 //! the response (`cost_from`, `charge_on`), and, given a sample response,
 //! what the filter would settle for it (`charging.rs`).
 
-use ratelimit_config::{Config, HeaderStyle, LimitSpec, Mode, Rule};
+use ratelimit_config::{Config, HeaderStyle, LimitSpec, LimitsSource, Mode, Rule};
 use ratelimit_wasm::limits::algorithm::Algorithm;
 use ratelimit_wasm::policy::plan::LimitText;
 use ratelimit_wasm::respond::headers::{self, Shown};
@@ -47,6 +47,21 @@ pub fn table(c: &Config) -> String {
                 })
                 .collect()
         };
+        // A `limits_by` set is one row; the rule's own limits are then the
+        // row of a request whose metadata names no set.
+        if let Some(by) = &rule.limits_by {
+            let at = match by.source() {
+                Some((LimitsSource::RouteMetadata, p)) => format!("route metadata {p}"),
+                Some((LimitsSource::Metadata, p)) => format!("metadata {p}"),
+                None => "?".to_string(),
+            };
+            for (tier, _) in who.iter_mut() {
+                *tier = format!("{tier}, {at} names no set");
+            }
+            for (name, limits) in &by.sets {
+                who.push((format!("{at} is {name:?}"), limits));
+            }
+        }
         for (id, spec) in &c.identity.clients {
             if spec.unlimited {
                 who.push((format!("client {id}"), &[]));

@@ -4,7 +4,7 @@
 //! dynamic metadata) the filter reads for them, each one host call per
 //! request. Printed only when some entry has a match or a key.
 
-use ratelimit_config::{Config, KeyPart, Match, MetadataPath, ValueMatch};
+use ratelimit_config::{Config, KeyPart, LimitsSource, Match, MetadataPath, ValueMatch};
 use std::collections::BTreeSet;
 
 /// The conditions of `m`, joined with `and`; `every request` for none.
@@ -121,6 +121,17 @@ pub fn describe(c: &Config) -> String {
             .map_or("every request".into(), |m| conditions(m, &mut props));
         let key = key(parts, &mut props);
         lines.push(format!("  {kind} {name}: {when}; key: {key}"));
+    }
+    for by in c.rules.iter().filter_map(|r| r.limits_by.as_ref()) {
+        match by.source() {
+            Some((LimitsSource::RouteMetadata, p)) => {
+                props.insert(format!("xds.route_metadata filter_metadata/{p}"))
+            }
+            Some((LimitsSource::Metadata, p)) => {
+                props.insert(format!("metadata filter_metadata/{p}"))
+            }
+            None => false,
+        };
     }
     for (i, cost) in c.costs.iter().enumerate() {
         lines.push(format!(

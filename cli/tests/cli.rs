@@ -1375,3 +1375,61 @@ fn validate_and_explain_handle_every_condition_and_key_part() {
         assert!(r.stderr.contains(want), "{want}\n{}", r.stderr);
     }
 }
+
+#[test]
+fn validate_and_explain_handle_limits_by() {
+    let f = file(
+        "limits_by.json",
+        r#"{"domain":"d","rules":[{"name":"per-plan","key":["ip"],"limits":[{"requests":10,"per":"1m"}],
+            "limits_by":{"route_metadata":"ratelimit/plan","sets":{
+              "premium":[{"requests":1000,"per":"1m"}],"basic":[{"requests":100,"per":"1m"}]}}}]}"#,
+    );
+    let r = run(&["validate", &f]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = run(&["explain", &f]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let rows: Vec<&str> = r
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("per-plan"))
+        .map(str::trim_end)
+        .collect();
+    assert_eq!(rows.len(), 3, "{}", r.stdout);
+    assert!(
+        rows[0].contains("route metadata ratelimit/plan names no set")
+            && rows[0].contains(r#""per-plan";q=10;w=60"#),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        rows[1].contains(r#"route metadata ratelimit/plan is "basic""#)
+            && rows[1].contains(r#""per-plan";q=100;w=60"#),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        rows[2].contains(r#"route metadata ratelimit/plan is "premium""#)
+            && rows[2].contains(r#""per-plan";q=1000;w=60"#),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .contains("\n  xds.route_metadata filter_metadata/ratelimit/plan\n"),
+        "{}",
+        r.stdout
+    );
+    let bad = file(
+        "limits_by_bad.json",
+        r#"{"domain":"d","rules":[{"name":"r","limits":[{"requests":10,"per":"1m"}],
+            "limits_by":{"metadata":"plan","sets":{"a":[{"requests":1,"per":"1m"}]}}}]}"#,
+    );
+    let r = run(&["validate", &bad]);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .contains(r#"rules[0].limits_by.metadata: "plan" is not a metadata path"#),
+        "{}",
+        r.stderr
+    );
+}

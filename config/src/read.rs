@@ -507,6 +507,7 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
         key: Vec::new(),
         limits: Vec::new(),
         tiers: BTreeMap::new(),
+        limits_by: None,
         algorithm: Algorithm::default(),
         scope: Scope::default(),
         mode: Mode::default(),
@@ -521,6 +522,7 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
         "key" => r.key = key_parts(v, p)?,
         "limits" => r.limits = limits(v, p)?,
         "tiers" => r.tiers = map(v, p, limits)?,
+        "limits_by" => r.limits_by = opt(v, p, limits_by)?,
         "algorithm" => r.algorithm = pick(v, p, &Algorithm::NAMES, &Algorithm::ALL)?,
         "scope" => r.scope = pick(v, p, &["local", "global"], &[Scope::Local, Scope::Global])?,
         "mode" => r.mode = pick(v, p, &["enforce", "shadow"], &[Mode::Enforce, Mode::Shadow])?,
@@ -531,6 +533,19 @@ fn rule(v: &Value, p: &mut Path) -> Result<Rule> {
     })?;
     r.name = required(name, p, "name")?;
     Ok(r)
+}
+
+#[inline(never)]
+fn limits_by(v: &Value, p: &mut Path) -> Result<LimitsBy> {
+    let mut b = LimitsBy::default();
+    let mut sets = None;
+    fields!(v, p, "struct LimitsBy", {
+        "route_metadata" => b.route_metadata = opt(v, p, string_)?,
+        "metadata" => b.metadata = opt(v, p, string_)?,
+        "sets" => sets = Some(map(v, p, limits)?),
+    })?;
+    b.sets = required(sets, p, "sets")?;
+    Ok(b)
 }
 
 #[inline(never)]

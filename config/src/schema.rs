@@ -527,6 +527,10 @@ pub struct Rule {
     /// Limits per tier, over `limits`.
     #[serde(default)]
     pub tiers: BTreeMap<String, Vec<LimitSpec>>,
+    /// Named sets of limits, one picked per request by a value in metadata,
+    /// over `limits`.
+    #[serde(default)]
+    pub limits_by: Option<LimitsBy>,
     /// How the limits count.
     #[serde(default)]
     pub algorithm: Algorithm,
@@ -558,6 +562,49 @@ impl Rule {
         self.limits.iter().any(LimitSpec::is_concurrent)
             || (self.limits.is_empty()
                 && self.tiers.values().flatten().any(LimitSpec::is_concurrent))
+    }
+}
+
+/// `rules[].limits_by`: the set of limits a request gets, named by a string
+/// in the matched route's metadata or in the request's dynamic metadata
+/// (exactly one of the two). A request without that string, or naming a set
+/// not in `sets`, gets the rule's own `limits`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsBy {
+    /// `<namespace>/<key>…` in the matched route's `filter_metadata`.
+    #[serde(default)]
+    pub route_metadata: Option<String>,
+    /// `<filter>/<key>…` in the request's dynamic metadata (what
+    /// `jwt_authn` or `ext_authz` wrote).
+    #[serde(default)]
+    pub metadata: Option<String>,
+    /// The sets by name: plain names (A-Z a-z 0-9 - _ . :), 1 to
+    /// [`MAX_LIMIT_SETS`](crate::schema::MAX_LIMIT_SETS).
+    pub sets: BTreeMap<String, Vec<LimitSpec>>,
+}
+
+/// Most named sets of one `limits_by`.
+pub const MAX_LIMIT_SETS: usize = 64;
+
+/// Where `limits_by` reads the name of a set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitsSource {
+    /// The matched route's `filter_metadata` (`xds.route_metadata`).
+    RouteMetadata,
+    /// The request's dynamic metadata (`metadata.filter_metadata`).
+    Metadata,
+}
+
+impl LimitsBy {
+    /// Where the name is read, and its path as written; `None` unless
+    /// exactly one of `route_metadata` and `metadata` is given.
+    pub fn source(&self) -> Option<(LimitsSource, &str)> {
+        match (&self.route_metadata, &self.metadata) {
+            (Some(p), None) => Some((LimitsSource::RouteMetadata, p)),
+            (None, Some(p)) => Some((LimitsSource::Metadata, p)),
+            _ => None,
+        }
     }
 }
 

@@ -924,3 +924,59 @@ fn patterns_are_bounded_in_number() {
         "rules[32].match: at most 64 path_regex and host_regex patterns in all"
     );
 }
+
+#[test]
+fn limits_by_is_read_and_bad_ones_are_refused_with_their_path() {
+    let set = json!([{"requests": 5, "per": "1m"}]);
+    let mut ok = base();
+    ok["rules"][0]["limits_by"] =
+        json!({"route_metadata": "ratelimit/plan", "sets": {"premium": set, "basic": set}});
+    let config = parse(ok.to_string().as_bytes()).unwrap();
+    let by = config.rules[0].limits_by.as_ref().unwrap();
+    assert_eq!(
+        by.source(),
+        Some((LimitsSource::RouteMetadata, "ratelimit/plan"))
+    );
+    assert_eq!(by.sets.keys().collect::<Vec<_>>(), ["basic", "premium"]);
+
+    let cases = [
+        (
+            json!({"sets": {"a": set}}),
+            "rules[0].limits_by: give exactly one of route_metadata and metadata",
+        ),
+        (
+            json!({"route_metadata": "a/b", "metadata": "c/d", "sets": {"a": set}}),
+            "rules[0].limits_by: give exactly one of route_metadata and metadata",
+        ),
+        (
+            json!({"metadata": "plan", "sets": {"a": set}}),
+            "rules[0].limits_by.metadata: \"plan\" is not a metadata path",
+        ),
+        (
+            json!({"route_metadata": "ratelimit/plan", "sets": {}}),
+            "rules[0].limits_by.sets: must hold 1 to 64 sets",
+        ),
+        (
+            json!({"route_metadata": "ratelimit/plan", "sets": {"a b": set}}),
+            "rules[0].limits_by.sets: \"a b\" must be 1-64 characters",
+        ),
+        (
+            json!({"route_metadata": "ratelimit/plan", "sets": {"a": []}}),
+            "rules[0].limits_by.sets.a: must hold 1 to",
+        ),
+        (
+            json!({"route_metadata": "ratelimit/plan", "sets": {"a": [{"requests": 1, "per": "x"}]}}),
+            "rules[0].limits_by.sets.a[0].per:",
+        ),
+        (
+            json!({"route_metadata": "ratelimit/plan"}),
+            "rules[0].limits_by: missing field `sets`",
+        ),
+    ];
+    for (by, want) in cases {
+        let mut v = base();
+        v["rules"][0]["limits_by"] = by.clone();
+        let e = err(v);
+        assert!(e.starts_with(want), "{by}: {e}");
+    }
+}

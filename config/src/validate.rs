@@ -77,6 +77,9 @@ impl Config {
                 }
                 validate_limits(&format!("{at}.tiers.{tier}"), limits, rule, false)?;
             }
+            if let Some(by) = &rule.limits_by {
+                validate_limits_by(&format!("{at}.limits_by"), by, rule)?;
+            }
             if let Some(cost) = rule.cost {
                 check_cost(&format!("{at}.cost"), cost)?;
             }
@@ -189,6 +192,45 @@ fn validate_key(at: &str, key: &[KeyPart]) -> Result<(), ConfigError> {
 /// Checks one set of limits of `rule`, wherever it is written: the rule's own
 /// `limits`, a tier's, or a client's override. Every set of a rule takes the
 /// same path to the buckets and the gateway, so every check lives here once.
+/// `limits_by`: one metadata path, plain set names, each set valid limits.
+/// Not beside `tiers`: a request gets one of the two kinds of sets.
+fn validate_limits_by(at: &str, by: &LimitsBy, rule: &Rule) -> Result<(), ConfigError> {
+    if !rule.tiers.is_empty() {
+        return Err(ConfigError::field(
+            at,
+            "does not go with tiers: a rule picks its limits by tier or by metadata",
+        ));
+    }
+    let Some((source, path)) = by.source() else {
+        return Err(ConfigError::field(
+            at,
+            "give exactly one of route_metadata and metadata",
+        ));
+    };
+    let field = match source {
+        LimitsSource::RouteMetadata => "route_metadata",
+        LimitsSource::Metadata => "metadata",
+    };
+    condition::MetadataPath::parse(path)
+        .map_err(|why| ConfigError::field(format!("{at}.{field}"), why))?;
+    if by.sets.is_empty() || by.sets.len() > MAX_LIMIT_SETS {
+        return Err(ConfigError::field(
+            format!("{at}.sets"),
+            format!("must hold 1 to {MAX_LIMIT_SETS} sets"),
+        ));
+    }
+    for (name, limits) in &by.sets {
+        if !is_plain_name(name) {
+            return Err(ConfigError::field(
+                format!("{at}.sets"),
+                format!("{name:?} must be 1-64 characters of A-Z a-z 0-9 - _ . :"),
+            ));
+        }
+        validate_limits(&format!("{at}.sets.{name}"), limits, rule, false)?;
+    }
+    Ok(())
+}
+
 fn validate_limits(
     at: &str,
     limits: &[LimitSpec],

@@ -87,6 +87,8 @@ struct RulePolicy {
     limits: Vec<Limit>,
     tiers: HashMap<String, Vec<Limit>>,
     clients: HashMap<String, Vec<Limit>>,
+    /// `limits_by.sets`: the sets a request names by metadata.
+    sets: HashMap<String, Vec<Limit>>,
     max_cost: u64,
     /// The most a settlement may charge one request in this rule (its
     /// `cost_from.max`, or the largest of the `costs[]` entries' that read
@@ -403,6 +405,12 @@ impl Domain {
                         .map(|(t, l)| (t.clone(), limits_of(r.algorithm, l)))
                         .collect(),
                     clients,
+                    sets: r
+                        .limits_by
+                        .iter()
+                        .flat_map(|b| &b.sets)
+                        .map(|(n, l)| (n.clone(), limits_of(r.algorithm, l)))
+                        .collect(),
                     max_cost: match &r.cost_from {
                         _ if r.is_concurrent() => 1,
                         Some(from) => from.max,
@@ -816,7 +824,7 @@ fn resolve_quota(
         Variant::Client(c) if client_part_is(&q.key, &quota.quota, &quota.key, c) => {
             q.clients.get(c).copied()
         }
-        Variant::Client(_) => None,
+        Variant::Client(_) | Variant::Set(_) => None,
     };
     let Some(limit) = limit else {
         return Err(format!("{}: {NO_SUCH_VARIANT}", at.field("variant")));
@@ -953,8 +961,8 @@ fn check_key(at: At, name: &str, key: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// What a 400 says of every variant refused (a tier or client override the
-/// rule or quota lacks, or a client override on a key that is not that
+/// What a 400 says of every variant refused (a tier, client override or
+/// `limits_by` set the rule or quota lacks, or a client override on a key that is not that
 /// client's): the same words for all, naming nothing that exists.
 pub const NO_SUCH_VARIANT: &str = "not a variant this key may use";
 
@@ -971,6 +979,7 @@ fn variant_limits<'a>(
         Variant::Tier(t) => rule.tiers.get(t),
         Variant::Client(c) if client_part_is(&rule.key, name, key, c) => rule.clients.get(c),
         Variant::Client(_) => None,
+        Variant::Set(n) => rule.sets.get(n),
     };
     found
         .map(Vec::as_slice)

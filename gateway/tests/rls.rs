@@ -8,7 +8,10 @@
 //! * two native Envoys share one limit exactly, and a native Envoy and a
 //!   wasm-filter Envoy share one limit exactly (`rate_limit.shared`);
 //! * auth refusals write nothing; Redis killed: `failure_mode_deny` true
-//!   gives 500, false gives 200.
+//!   gives 500, false gives 200;
+//! * `masked_remote_address` descriptors (IPv4 and IPv6 networks) and
+//!   wildcard values, with and without `share_threshold`, as their users
+//!   write them.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -999,5 +1002,90 @@ async fn a_fixed_window_count_near_the_integer_limit_stays_over_the_limit() {
         big.to_string(),
         "the count is capped at 2^53"
     );
+    gw.stop().await.unwrap();
+}
+
+/// What envoyproxy/ratelimit users write for Envoy's `masked_remote_address`
+/// action (its value is the client's network, `10.1.2.0/24` or
+/// `2001:db8:1:2::/64`) and for wildcard values (`/api/*`).
+const MASKED_AND_WILDCARD: &str = "domain: edge
+descriptors:
+- key: masked_remote_address
+  rate_limit: {unit: minute, requests_per_unit: 3}
+- key: masked_remote_address
+  value: 10.9.9.0/24
+  rate_limit: {unit: minute, requests_per_unit: 1}
+- key: path
+  value: /api/*
+  rate_limit: {unit: minute, requests_per_unit: 2}
+- key: path
+  value: /shared/*
+  share_threshold: true
+  rate_limit: {unit: minute, requests_per_unit: 2}
+";
+
+/// `--rls-config` reads a `masked_remote_address` descriptor and wildcard
+/// values as envoyproxy/ratelimit does: one counter per network (an exact
+/// network's own limit over the key's), one per value under a wildcard, one
+/// for all of them with `share_threshold`, and no limit for a value no
+/// entry covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn masked_remote_address_and_wildcard_values_decide_as_envoyproxy_ratelimit() {
+    let redis = Redis::start().unwrap();
+    let work = dir("masked");
+    let gw = gateway(&redis, &work, &[MASKED_AND_WILDCARD], &[], None).await;
+    let mut c = client(&gw).await;
+    align(60, 10_000);
+    let remaining = |key: &'static str, value: &'static str, n: usize| {
+        let mut c = c.clone();
+        async move {
+            let mut seen = Vec::new();
+            for _ in 0..n {
+                let r = ask(
+                    &mut c,
+                    "edge",
+                    vec![descriptor(&[(key, value)], None)],
+                    None,
+                )
+                .await
+                .unwrap();
+                seen.push(codes(&r).1[0]);
+            }
+            seen
+        }
+    };
+    use Code::{Ok as Y, OverLimit as N};
+    assert_eq!(
+        remaining("masked_remote_address", "10.1.2.0/24", 4).await,
+        [(Y, 2), (Y, 1), (Y, 0), (N, 0)]
+    );
+    assert_eq!(
+        remaining("masked_remote_address", "2001:db8:1:2::/64", 4).await,
+        [(Y, 2), (Y, 1), (Y, 0), (N, 0)]
+    );
+    assert_eq!(
+        remaining("masked_remote_address", "10.9.9.0/24", 2).await,
+        [(Y, 0), (N, 0)]
+    );
+    assert_eq!(
+        remaining("path", "/api/a", 3).await,
+        [(Y, 1), (Y, 0), (N, 0)]
+    );
+    assert_eq!(remaining("path", "/api/b", 1).await, [(Y, 1)]);
+    assert_eq!(remaining("path", "/shared/a", 2).await, [(Y, 1), (Y, 0)]);
+    assert_eq!(remaining("path", "/shared/b", 1).await, [(N, 0)]);
+    // No entry covers it: OK without a limit, nothing counted.
+    let r = ask(
+        &mut c,
+        "edge",
+        vec![descriptor(&[("path", "/other")], None)],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(codes(&r).0, Code::Ok);
+    assert!(r.statuses[0].current_limit.is_none(), "{r:?}");
+    let keys = dump(&redis);
+    assert_eq!(keys.lines().count(), 6, "{keys}");
     gw.stop().await.unwrap();
 }

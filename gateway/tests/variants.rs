@@ -11,7 +11,9 @@
 //! * every refused variant gets the same words, naming nothing that
 //!   exists, and counts as a bad request;
 //! * a client override on the client's own key still applies, and a tier
-//!   claim is taken as the caller states it (`docs/security.md`).
+//!   claim is taken as the caller states it (`docs/security.md`);
+//! * a `limits_by` set (`set:<name>`) is one the rule declares: another
+//!   name, another rule's set or a set on a quota is refused the same way.
 
 use serde_json::{json, Value};
 use testkit::redis::Redis;
@@ -265,5 +267,71 @@ fn an_override_of_a_rule_not_keyed_on_client_is_refused_at_load() {
         "api.json: identity.clients.vip.limits.per-client: global rule `per-client` has no \
          `client` in its key, so the gateway cannot check whose key a `client:<id>` variant \
          names; key it on `client`, or use a tier"
+    );
+}
+
+/// `per-plan`: 3 a minute of its own, `premium` 100 an hour and `basic` 10
+/// a minute by `limits_by` (each refills one token in seconds, so no key
+/// expires while the test compares Redis); `per-client` has no sets.
+const BY_POLICY: &str = r#"{"domain": "api",
+  "global": {"cluster": "gw"},
+  "rules": [{"name": "per-plan", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 3, "per": "1m"}],
+             "limits_by": {"route_metadata": "ratelimit/plan", "sets": {
+               "premium": [{"requests": 100, "per": "1h"}], "basic": [{"requests": 10, "per": "1m"}]}}},
+            {"name": "per-client", "scope": "global", "key": ["client"],
+             "limits": [{"requests": 3, "per": "1m"}]}],
+  "quotas": [{"name": "monthly", "key": ["client"], "period": "month", "limit": 100,
+              "upgrade_url": "https://example.com/upgrade"}]}"#;
+
+fn plan_check(rule: &str, variant: &str) -> Value {
+    json!({"version": 2, "domain": "api", "buckets": [{"rule": rule,
+        "key": format!("{rule}/c=alice"), "tag": "c=alice", "variant": variant, "cost": 1}]})
+}
+
+#[test]
+fn a_limits_by_set_is_the_rules_and_an_unknown_one_is_refused() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let gw = ok(
+        Gateway::start(GatewayOptions::new(redis.url()).policy(BY_POLICY)),
+        "starting the gateway",
+    );
+    for (variant, requests) in [("set:premium", 100), ("set:basic", 10), ("default", 3)] {
+        let (s, c) = post(&gw, "/v1/check", &plan_check("per-plan", variant));
+        assert_eq!((s, c["allowed"].as_bool()), (200, Some(true)), "{c}");
+        assert_eq!(
+            c["buckets"][0]["limits"][0]["requests"], requests,
+            "{variant}: {c}"
+        );
+    }
+    assert_eq!(
+        keys(&redis),
+        "rl:{api|c=alice}|per-plan/c=alice|0|token_bucket|100|3600000\n\
+         rl:{api|c=alice}|per-plan/c=alice|0|token_bucket|10|60000\n\
+         rl:{api|c=alice}|per-plan/c=alice|0|token_bucket|3|60000"
+    );
+    let words = "buckets[0].variant: not a variant this key may use";
+    // A set the rule lacks, a set's name in another case, a set of another
+    // rule, and a quota (which has none): 400, nothing written.
+    for (rule, variant) in [
+        ("per-plan", "set:gold"),
+        ("per-plan", "set:Premium"),
+        ("per-client", "set:premium"),
+    ] {
+        refused(&gw, &redis, "/v1/check", &plan_check(rule, variant), words);
+    }
+    refused(
+        &gw,
+        &redis,
+        "/v1/check",
+        &quota_check("alice", "set:premium"),
+        "quotas[0].variant: not a variant this key may use",
+    );
+    refused(
+        &gw,
+        &redis,
+        "/v1/check",
+        &plan_check("per-plan", "set:"),
+        "buckets[0].variant: `set:` names no tier, client or set",
     );
 }

@@ -65,6 +65,8 @@ pub enum Variant {
     Tier(String),
     /// `identity.clients.<id>.limits.<rule>` (`.quotas.<quota>`).
     Client(String),
+    /// `rules[].limits_by.sets.<name>` (a quota has none).
+    Set(String),
 }
 
 impl Variant {
@@ -74,6 +76,7 @@ impl Variant {
             Variant::Default => "default".to_string(),
             Variant::Tier(t) => format!("tier:{t}"),
             Variant::Client(c) => format!("client:{c}"),
+            Variant::Set(n) => format!("set:{n}"),
         }
     }
 
@@ -84,7 +87,7 @@ impl Variant {
         }
         let named = |rest: &str, make: fn(String) -> Variant| {
             if rest.is_empty() {
-                Err(format!("`{s}` names no tier or client"))
+                Err(format!("`{s}` names no tier, client or set"))
             } else {
                 Ok(make(rest.to_string()))
             }
@@ -95,8 +98,11 @@ impl Variant {
         if let Some(rest) = s.strip_prefix("client:") {
             return named(rest, Variant::Client);
         }
+        if let Some(rest) = s.strip_prefix("set:") {
+            return named(rest, Variant::Set);
+        }
         Err(format!(
-            "unknown variant `{s}`, expected `default`, `tier:<name>` or `client:<id>`"
+            "unknown variant `{s}`, expected `default`, `tier:<name>`, `client:<id>` or `set:<name>`"
         ))
     }
 }
@@ -631,7 +637,7 @@ fn exact(path: &str, v: u64, min: u64) -> Result<(), String> {
 fn variant(path: &str, v: &Variant) -> Result<(), String> {
     match v {
         Variant::Default => Ok(()),
-        Variant::Tier(n) | Variant::Client(n) => name(path, n, false),
+        Variant::Tier(n) | Variant::Client(n) | Variant::Set(n) => name(path, n, false),
     }
 }
 
@@ -741,11 +747,11 @@ mod tests {
             ),
             (
                 Box::new(|v| v["buckets"][0]["variant"] = "gold".into()),
-                "buckets[0].variant: unknown variant `gold`, expected `default`, `tier:<name>` or `client:<id>`",
+                "buckets[0].variant: unknown variant `gold`, expected `default`, `tier:<name>`, `client:<id>` or `set:<name>`",
             ),
             (
                 Box::new(|v| v["buckets"][0]["variant"] = "tier:".into()),
-                "buckets[0].variant: `tier:` names no tier or client",
+                "buckets[0].variant: `tier:` names no tier, client or set",
             ),
             (
                 Box::new(|v| v["buckets"][0]["cost"] = 0.into()),

@@ -50,6 +50,8 @@ fn first_step(
     if !eval.bad_input.is_empty() {
         ctx.counts.add(Metric::BadInput, 1);
     }
+    ctx.counts
+        .add(Metric::LimitsByDefault, eval.limits_by_default);
     if nothing_applies(&eval) {
         return Step::Done(untouched(ctx, eval));
     }

@@ -115,6 +115,7 @@ fn place(plan: &Plan, g: &GlobalBucket) -> Option<Placed> {
         Variant::Default => (b"default", b""),
         Variant::Tier(t) => (b"tier", t.as_bytes()),
         Variant::Client(c) => (b"client", c.as_bytes()),
+        Variant::Set(n) => (b"set", n.as_bytes()),
     };
     Some(slots.place(&[g.key.as_bytes(), kind, name]))
 }

@@ -75,6 +75,10 @@ impl Plan {
             }
             let variant = known
                 .and_then(|k| k.variants.iter().find(|(r, _)| *r == i).map(|(_, v)| *v))
+                .or_else(|| {
+                    let by = rule.limits_by.as_ref()?;
+                    Some(by.pick(req, &mut eval.limits_by_default))
+                })
                 .or_else(|| tier.and_then(|t| rule.tier_variant.get(t).copied()))
                 .unwrap_or(0);
             let Some(v) = rule.variants.get(variant) else {

@@ -183,8 +183,35 @@ pub struct RulePlan {
     /// (`capacity`) held at most `max_in_flight` (`period_ns`).
     pub in_flight: bool,
     pub(super) tier_variant: Vec<usize>,
+    /// `limits_by`: where the set's name is read, and each set's variant.
+    pub(super) limits_by: Option<SetsPlan>,
     pub(super) matcher: Option<Matcher>,
     pub(super) key: Vec<KeyPart>,
+}
+
+/// `limits_by` compiled: the property holding a set's name, and the
+/// variant of each set by name, sorted for one binary search a request.
+#[derive(Debug, Clone)]
+pub(super) struct SetsPlan {
+    pub(super) property: PropertyId,
+    pub(super) sets: Vec<(Vec<u8>, usize)>,
+}
+
+impl SetsPlan {
+    /// The variant the request's value names; 0 (the rule's own limits),
+    /// counted in `defaults`, without a value or for a name not among the sets.
+    #[inline(never)]
+    pub(super) fn pick(&self, req: &request::RequestInfo, defaults: &mut u64) -> usize {
+        let found = req.property(self.property).and_then(|name| {
+            let i = self
+                .sets
+                .binary_search_by(|(n, _)| n.as_slice().cmp(name))
+                .ok()?;
+            self.sets.get(i).map(|(_, v)| *v)
+        });
+        *defaults += u64::from(found.is_none());
+        found.unwrap_or(0)
+    }
 }
 
 impl QuotaPlan {
@@ -335,6 +362,9 @@ pub struct Evaluation {
     pub unlimited: bool,
     /// Anything odd about the request's identity.
     pub bad_input: Vec<BadInput>,
+    /// Matching `limits_by` rules that gave the request their own limits:
+    /// no value at the path, or a name not among the sets.
+    pub limits_by_default: u64,
 }
 
 /// A compiled quota.
@@ -745,6 +775,10 @@ fn rule_plan(
         debt,
     };
     let (specs, tier_variant) = limit_sets(config, rule, rule_index, identity);
+    let limits_by = rule
+        .limits_by
+        .as_ref()
+        .and_then(|by| sets_plan(by, &specs, h));
     let graduated = rule.graduated.as_ref().map(|g| GraduatedPlan {
         warn_at: g.warn_at,
         delay_at: g.delay_at,
@@ -769,6 +803,7 @@ fn rule_plan(
         charge_on: rule.charge_on.clone(),
         in_flight: rule.is_concurrent(),
         tier_variant,
+        limits_by,
         matcher: rule.matches.as_ref().map(|m| Matcher::compile(m, h)),
         key,
     };
@@ -790,7 +825,7 @@ fn rule_plan(
 
 /// The rule's sets of limits with their wire variants: its own first, then
 /// each tier's that has one, then each client override's (recorded in the
-/// client's plan). Also each tier's set by tier index (0, the rule's own, for
+/// client's plan), then each `limits_by` set's. Also each tier's set by tier index (0, the rule's own, for
 /// a tier without one). The rule and its stand-in list them in this order.
 fn limit_sets<'c>(
     config: &'c Config,
@@ -818,7 +853,35 @@ fn limit_sets<'c>(
             }
         }
     }
+    for (name, limits) in rule.limits_by.iter().flat_map(|b| &b.sets) {
+        specs.push((limits, Wire::Set(name.clone())));
+    }
     (specs, tier_variant)
+}
+
+/// The `limits_by` sets' variants in `specs` (where [`limit_sets`] put
+/// them), and the property their name is read from.
+fn sets_plan(
+    by: &config::LimitsBy,
+    specs: &[(&[LimitSpec], Wire)],
+    h: &mut Headers,
+) -> Option<SetsPlan> {
+    let (source, path) = by.source()?;
+    let path = config::MetadataPath::parse(path).ok()?.0;
+    let property = h.property(match source {
+        config::LimitsSource::RouteMetadata => request::route_metadata_path(&path),
+        config::LimitsSource::Metadata => request::metadata_path(&path),
+    });
+    let mut sets: Vec<(Vec<u8>, usize)> = specs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, w))| match w {
+            Wire::Set(n) => Some((n.as_bytes().to_vec(), i)),
+            _ => None,
+        })
+        .collect();
+    sets.sort();
+    Some(SetsPlan { property, sets })
 }
 
 /// Every quota's plan in configuration order; each client's amount

@@ -454,3 +454,101 @@ fn properties_and_headers_are_fetched_only_when_something_reads_them() {
         .collect();
     assert_eq!(needed, [":path", "x-client-id", ":authority", "cookie"]);
 }
+
+const BY_PLAN: &str = r#"{
+  "domain": "demo",
+  "rules": [
+    { "name": "plan", "key": ["ip"], "limits": [ { "requests": 3, "per": "1m" } ],
+      "limits_by": { "route_metadata": "ratelimit/plan",
+        "sets": { "premium": [ { "requests": 100, "per": "1m" } ], "basic": [ { "requests": 10, "per": "1m" } ] } } },
+    { "name": "org", "scope": "global", "key": ["ip"], "limits": [ { "requests": 4, "per": "1m" } ],
+      "limits_by": { "metadata": "envoy.filters.http.jwt_authn/payload/plan",
+        "sets": { "gold": [ { "requests": 50, "per": "1m" } ] } } }
+  ],
+  "global": { "cluster": "gw", "authority": "gw" }
+}"#;
+
+/// The request with each property the plan reads at `path` set to `value`.
+fn with_props(p: &Plan, mut r: RequestInfo, props: &[(&[&str], &str)]) -> RequestInfo {
+    for (path, value) in props {
+        let path: Vec<String> = path.iter().map(|s| s.to_string()).collect();
+        if let Some(id) = p.properties.iter().position(|q| *q == path) {
+            r = r.with_property(id, value.as_bytes());
+        }
+    }
+    r
+}
+
+#[test]
+fn limits_by_picks_a_set_by_metadata_and_falls_back_to_the_rules_own() {
+    let p = plan(BY_PLAN);
+    // One property a rule: nothing else is read for it.
+    assert_eq!(
+        p.properties,
+        [
+            [
+                "xds",
+                "route_metadata",
+                "filter_metadata",
+                "ratelimit",
+                "plan"
+            ]
+            .map(String::from)
+            .to_vec(),
+            [
+                "metadata",
+                "filter_metadata",
+                "envoy.filters.http.jwt_authn",
+                "payload",
+                "plan"
+            ]
+            .map(String::from)
+            .to_vec(),
+        ]
+    );
+    let route: &[&str] = &[
+        "xds",
+        "route_metadata",
+        "filter_metadata",
+        "ratelimit",
+        "plan",
+    ];
+    let jwt: &[&str] = &[
+        "metadata",
+        "filter_metadata",
+        "envoy.filters.http.jwt_authn",
+        "payload",
+        "plan",
+    ];
+    let capacity = |props: &[(&[&str], &str)]| {
+        let r = with_props(&p, request(&p, "GET", "/", &[], "10.0.0.1:5"), props);
+        let e = p.evaluate(&r);
+        let local = p.limits(e.buckets[0].rule, e.buckets[0].variant)[0]
+            .0
+            .capacity;
+        let g = &e.global[0];
+        let wire = p.rules[g.rule].variants[g.variant].wire.clone();
+        (
+            local,
+            p.limits(g.rule, g.variant)[0].0.capacity,
+            wire,
+            e.limits_by_default,
+        )
+    };
+    use ratelimit_protocol::Variant;
+    let scale = |n: u64| p.limits(0, 0)[0].0.capacity / 3 * n;
+    assert_eq!(
+        capacity(&[(route, "premium"), (jwt, "gold")]),
+        (scale(100), scale(50), Variant::Set("gold".into()), 0)
+    );
+    assert_eq!(
+        capacity(&[(route, "basic")]),
+        (scale(10), scale(4), Variant::Default, 1)
+    );
+    // A name not among the sets, and a case that differs, get the rule's own.
+    assert_eq!(
+        capacity(&[(route, "platinum"), (jwt, "GOLD")]),
+        (scale(3), scale(4), Variant::Default, 2)
+    );
+    assert_eq!(capacity(&[]), (scale(3), scale(4), Variant::Default, 2));
+}
