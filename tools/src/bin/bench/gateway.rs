@@ -440,8 +440,10 @@ mod tests {
                 "1000000000",
                 "1000",
                 "1",
-                // The ceiling (the window: no debt), no reservation record.
+                // The ceiling (the window: no debt), no special limit, no
+                // reservation record, the key budget.
                 "1000",
+                "0",
                 "0",
                 "100000",
             ]
