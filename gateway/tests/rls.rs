@@ -13,6 +13,10 @@
 //!   wildcard values, with and without `share_threshold`, as their users
 //!   write them.
 
+mod common;
+
+use common::align;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -140,22 +144,6 @@ fn dump(redis: &Redis) -> String {
 const FW: &str =
     "domain: fw\ndescriptors:\n- key: user\n  rate_limit: {unit: minute, requests_per_unit: 3}\n\
 - key: tb\n  rate_limit: {unit: minute, requests_per_unit: 2, algorithm: token_bucket}\n";
-
-/// Waits until the current window of `unit_s` seconds has at least `need_ms`
-/// left, so that a sequence is not split by a window boundary.
-fn align(unit_s: u64, need_ms: u64) {
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
-        let left = unit_s * 1000 - now % (unit_s * 1000);
-        if left >= need_ms {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(left + 5));
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fixed_window_counts_every_hit_as_envoyproxy_ratelimit_does() {

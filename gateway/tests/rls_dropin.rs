@@ -12,6 +12,10 @@
 //! * SIGHUP and a changed file reload the YAML, with no policy to reload;
 //! * a start with neither `--policy` nor `--rls-config` fails, naming both.
 
+mod common;
+
+use common::align;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -120,22 +124,6 @@ async fn answer(
         .map(|s| (Code::try_from(s.code).unwrap(), s.limit_remaining))
         .collect();
     (Code::try_from(r.overall_code).unwrap(), each)
-}
-
-/// Waits until the current window of `unit_s` seconds has at least
-/// `need_ms` left, so that a sequence is not split by a window boundary.
-fn align(unit_s: u64, need_ms: u64) {
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
-        let left = unit_s * 1000 - now % (unit_s * 1000);
-        if left >= need_ms {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(left + 5));
-    }
 }
 
 /// Every key but the health probes', with value and expiry.

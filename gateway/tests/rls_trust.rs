@@ -11,6 +11,10 @@
 //!   request answers `OVER_LIMIT` (not `UNKNOWN`, which fails open);
 //! * a configuration that shares a rule of another domain does not load.
 
+mod common;
+
+use common::align;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -149,22 +153,6 @@ fn rls_series(text: &str) -> Vec<String> {
         })
         .map(str::to_string)
         .collect()
-}
-
-/// Waits until the current window of `unit_s` seconds has at least `need_ms`
-/// left, so that a sequence is not split by a window boundary.
-fn align(unit_s: u64, need_ms: u64) {
-    loop {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64;
-        let left = unit_s * 1000 - now % (unit_s * 1000);
-        if left >= need_ms {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(left + 5));
-    }
 }
 
 const OV: &str =

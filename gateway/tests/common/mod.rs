@@ -572,3 +572,19 @@ pub fn write(dir: &std::path::Path, name: &str, text: &str) -> String {
     std::fs::write(&path, text).unwrap();
     path.display().to_string()
 }
+
+/// Waits until the current window of `unit_s` seconds has at least `need_ms`
+/// left, so that a sequence is not split by a window boundary.
+pub fn align(unit_s: u64, need_ms: u64) {
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let left = unit_s * 1000 - now % (unit_s * 1000);
+        if left >= need_ms {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(left + 5));
+    }
+}
