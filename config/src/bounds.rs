@@ -15,6 +15,12 @@ pub const MAX_NAME_BYTES: usize = 512;
 /// Largest `requests × window_ms`, cost, amount, `want` and `return`: the Lua
 /// scripts' doubles stay exact integers up to 2^53.
 pub const MAX_EXACT: u64 = 1 << 53;
+/// Most checks in one batched check (`POST /v3/check`), and the largest
+/// `global.max_batch`.
+pub const MAX_BATCH: usize = 256;
+/// Largest body of a batched check, in bytes: the filter sends no larger
+/// batch (it starts another call), and the gateway answers 413 to one.
+pub const MAX_BATCH_BYTES: usize = 4 << 20;
 /// Most settlements in one `POST /v1/settle`.
 pub const MAX_SETTLEMENTS: usize = 64;
 /// Shortest and longest reservation id a check may name for its settlement.

@@ -17,6 +17,14 @@
 //! 400 with an [`ErrorBody`] naming the field at fault, and 503 when Redis
 //! fails.
 //!
+//! Version 3 adds the batched check: `POST /v3/check` takes a
+//! [`BatchRequest`] (version [`BATCH_VERSION`]) of up to [`MAX_BATCH`]
+//! checks of one domain and answers 200 with a [`BatchResponse`], one
+//! [`CheckResult`] per check in order, each what `POST /v1/check` would
+//! have answered for it alone. A body over [`MAX_BATCH_BYTES`] or with more
+//! than [`MAX_BATCH`] checks gets 413; any check the policy cannot resolve
+//! refuses the whole batch (400), and nothing is written.
+//!
 //! Settlement: a check that names a `reservation` id has the gateway keep,
 //! when it is allowed, a record of what it charged. A later settlement of
 //! that id moves each named bucket and quota from what the check charged to
@@ -48,8 +56,13 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The protocol version; a request of another version gets 400 naming `version`.
 pub const VERSION: u32 = 2;
+
+/// The version of a batched check ([`BatchRequest`], `POST /v3/check`).
+/// Leases and settlements keep [`VERSION`]; version 2's single check
+/// (`POST /v1/check`) is still served.
+pub const BATCH_VERSION: u32 = 3;
 pub use ratelimit_config::bounds::{
-    MAX_BUCKETS, MAX_EXACT, MAX_LIMITS, MAX_NAME_BYTES, MAX_QUOTAS, MAX_QUOTA_LIMIT,
+    MAX_BATCH, MAX_BATCH_BYTES, MAX_BUCKETS, MAX_EXACT, MAX_LIMITS, MAX_NAME_BYTES, MAX_QUOTAS, MAX_QUOTA_LIMIT,
     MAX_SETTLEMENTS, RESERVATION_ID_BYTES,
 };
 pub use ratelimit_config::{Algorithm, Period};
@@ -171,6 +184,36 @@ pub struct CheckRequest {
     /// id (16 to 64 bytes of `[0-9A-Za-z_-]`) for one [`SettleRequest`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation: Option<String>,
+}
+
+/// One check of a batch: a [`CheckRequest`] without the version and the
+/// domain, which the batch gives once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Check {
+    /// The buckets (each rule at most once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketRef>,
+    /// The quotas (each quota at most once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaRef>,
+    /// As [`CheckRequest::reservation`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<String>,
+}
+
+/// `POST /v3/check` request body: checks of one domain, decided one after
+/// the other in this order, each all or nothing over its own buckets and
+/// quotas, each answered as if it had come alone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRequest {
+    /// Must be [`BATCH_VERSION`].
+    pub version: u32,
+    /// The policy's `domain`, for every check.
+    pub domain: String,
+    /// 1 to [`MAX_BATCH`] checks.
+    pub checks: Vec<Check>,
 }
 
 /// One request's settlement: the real cost of each bucket and quota its
@@ -396,6 +439,37 @@ pub struct CheckResponse<N = u64> {
     pub quotas: Vec<QuotaResult<N>>,
 }
 
+/// One check's answer in a batch: what `POST /v1/check` would have
+/// answered for it alone, or the error that kept the gateway from deciding
+/// it (then `allowed` is false, there are no results, and nothing was
+/// charged for it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(bound(deserialize = "N: Deserialize<'de> + Default"))]
+pub struct CheckResult<N = u64> {
+    /// As [`CheckResponse::allowed`].
+    pub allowed: bool,
+    /// As [`CheckResponse::buckets`]; empty with an `error`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketResult<N>>,
+    /// As [`CheckResponse::quotas`]; empty with an `error`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<QuotaResult<N>>,
+    /// Why this check was not decided (e.g. the domain's key budget, or
+    /// Redis failing for its cluster slot), in general terms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `POST /v3/check` 200 answer: one result per check, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(bound(deserialize = "N: Deserialize<'de> + Default"))]
+pub struct BatchResponse<N = u64> {
+    /// Always [`BATCH_VERSION`].
+    pub version: u32,
+    /// One per check of the request, in its order.
+    pub results: Vec<CheckResult<N>>,
+}
+
 /// One limit's answer to a lease, with the limit the gateway enforced.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LeaseLimitResult<N = u64> {
@@ -452,6 +526,14 @@ pub fn parse_check(body: &[u8]) -> Result<CheckRequest, String> {
     Ok(req)
 }
 
+/// Parses and validates a `POST /v3/check` body; the error is `<field path>: <reason>`.
+pub fn parse_batch(body: &[u8]) -> Result<BatchRequest, String> {
+    check_version_is(body, BATCH_VERSION)?;
+    let req: BatchRequest = decode(body)?;
+    validate_batch(&req)?;
+    Ok(req)
+}
+
 /// Parses and validates a `POST /v1/settle` body; the error is `<field path>: <reason>`.
 pub fn parse_settle(body: &[u8]) -> Result<SettleRequest, String> {
     check_version(body)?;
@@ -471,14 +553,19 @@ pub fn parse_lease(body: &[u8]) -> Result<LeaseRequest, String> {
 /// The version first, so that a request of another version is told so
 /// rather than about the first field it does not know.
 fn check_version(body: &[u8]) -> Result<(), String> {
+    check_version_is(body, VERSION)
+}
+
+/// The version first, as [`check_version`], against `expected`.
+fn check_version_is(body: &[u8], expected: u32) -> Result<(), String> {
     #[derive(Deserialize)]
     struct Versioned {
         version: Option<serde_json::Value>,
     }
     if let Ok(Versioned { version: Some(v) }) = serde_json::from_slice::<Versioned>(body) {
-        if v.as_u64() != Some(u64::from(VERSION)) {
+        if v.as_u64() != Some(u64::from(expected)) {
             return Err(format!(
-                "version: unsupported version {v}, expected {VERSION}"
+                "version: unsupported version {v}, expected {expected}"
             ));
         }
     }
@@ -514,36 +601,70 @@ fn strip_position(e: &serde_json::Error) -> String {
 pub fn validate_check(req: &CheckRequest) -> Result<(), String> {
     version(req.version)?;
     name("domain", &req.domain, false)?;
+    validate_items("", &req.buckets, &req.quotas, req.reservation.as_deref())
+}
+
+/// Checks the bounds of a batched check request: its version, its domain,
+/// 1 to [`MAX_BATCH`] checks, and each check as [`validate_check`] does.
+pub fn validate_batch(req: &BatchRequest) -> Result<(), String> {
+    if req.version != BATCH_VERSION {
+        return Err(format!(
+            "version: unsupported version {}, expected {BATCH_VERSION}",
+            req.version
+        ));
+    }
+    name("domain", &req.domain, false)?;
+    let n = req.checks.len();
+    if !(1..=MAX_BATCH).contains(&n) {
+        return Err(format!(
+            "checks: must hold 1 to {MAX_BATCH} checks, got {n}"
+        ));
+    }
+    for (c, check) in req.checks.iter().enumerate() {
+        let at = format!("checks[{c}].");
+        validate_items(&at, &check.buckets, &check.quotas, check.reservation.as_deref())?;
+    }
+    Ok(())
+}
+
+/// The bounds of one check's buckets, quotas and reservation; `at` is the
+/// prefix of each field path (`""`, or `checks[3].` in a batch).
+fn validate_items(
+    at: &str,
+    buckets: &[BucketRef],
+    quotas: &[QuotaRef],
+    reservation_id: Option<&str>,
+) -> Result<(), String> {
     // A request may carry only quotas; then it needs no bucket.
-    let min_buckets = usize::from(req.quotas.is_empty());
-    if req.buckets.len() < min_buckets || req.buckets.len() > MAX_BUCKETS {
+    let min_buckets = usize::from(quotas.is_empty());
+    if buckets.len() < min_buckets || buckets.len() > MAX_BUCKETS {
         return Err(format!(
-            "buckets: must hold {min_buckets} to {MAX_BUCKETS} buckets, got {}",
-            req.buckets.len()
+            "{at}buckets: must hold {min_buckets} to {MAX_BUCKETS} buckets, got {}",
+            buckets.len()
         ));
     }
-    for (b, bucket) in req.buckets.iter().enumerate() {
-        name(&format!("buckets[{b}].rule"), &bucket.rule, false)?;
-        name(&format!("buckets[{b}].key"), &bucket.key, false)?;
-        name(&format!("buckets[{b}].tag"), &bucket.tag, true)?;
-        variant(&format!("buckets[{b}].variant"), &bucket.variant)?;
-        exact(&format!("buckets[{b}].cost"), bucket.cost, 1)?;
+    for (b, bucket) in buckets.iter().enumerate() {
+        name(&format!("{at}buckets[{b}].rule"), &bucket.rule, false)?;
+        name(&format!("{at}buckets[{b}].key"), &bucket.key, false)?;
+        name(&format!("{at}buckets[{b}].tag"), &bucket.tag, true)?;
+        variant(&format!("{at}buckets[{b}].variant"), &bucket.variant)?;
+        exact(&format!("{at}buckets[{b}].cost"), bucket.cost, 1)?;
     }
-    if req.quotas.len() > MAX_QUOTAS {
+    if quotas.len() > MAX_QUOTAS {
         return Err(format!(
-            "quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
-            req.quotas.len()
+            "{at}quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+            quotas.len()
         ));
     }
-    for (q, quota) in req.quotas.iter().enumerate() {
-        name(&format!("quotas[{q}].quota"), &quota.quota, false)?;
-        name(&format!("quotas[{q}].key"), &quota.key, false)?;
-        name(&format!("quotas[{q}].tag"), &quota.tag, true)?;
-        variant(&format!("quotas[{q}].variant"), &quota.variant)?;
-        exact(&format!("quotas[{q}].amount"), quota.amount, 1)?;
+    for (q, quota) in quotas.iter().enumerate() {
+        name(&format!("{at}quotas[{q}].quota"), &quota.quota, false)?;
+        name(&format!("{at}quotas[{q}].key"), &quota.key, false)?;
+        name(&format!("{at}quotas[{q}].tag"), &quota.tag, true)?;
+        variant(&format!("{at}quotas[{q}].variant"), &quota.variant)?;
+        exact(&format!("{at}quotas[{q}].amount"), quota.amount, 1)?;
     }
-    if let Some(id) = &req.reservation {
-        reservation("reservation", id)?;
+    if let Some(id) = reservation_id {
+        reservation(&format!("{at}reservation"), id)?;
     }
     Ok(())
 }
