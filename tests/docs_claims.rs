@@ -177,6 +177,9 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
         ("global.path", global.path.clone()),
         ("global.settle_path", global.settle_path.clone()),
         ("global.timeout_ms", global.timeout_ms.to_string()),
+        ("global.coalesce_us", global.coalesce_us.to_string()),
+        ("global.max_batch", global.max_batch.to_string()),
+        ("global.batch_path", global.batch_path.clone()),
         (
             "global.failure_mode",
             snake(format!("{:?}", global.failure_mode)),
@@ -285,6 +288,7 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "global": {
             "cluster": "gw", "authority": "ratelimit-gateway", "path": "/v1/check", "settle_path": "/v1/settle",
             "timeout_ms": 50, "failure_mode": "local", "instances": 2, "deny_cache": 4096,
+            "coalesce_us": 500, "max_batch": 64, "batch_path": "/v3/check",
             "circuit": { "failures": 5, "latency_ms": 5, "cooldown_ms": 2000 },
             "lease": { "fraction": 0.1, "max_wait_ms": 20, "ttl_ms": 2000,
                        "path": "/v1/lease", "max_leases": 64 },

@@ -84,65 +84,20 @@ fn gateway_response(inp: &mut Input, request_body: &[u8]) -> CallResponse {
     let body = match inp.below(6) {
         0 => inp.short_bytes().to_vec(),
         kind => {
-            let mut all = true;
-            let num = |inp: &mut Input| -> String {
-                inp.pick(&[
-                    "0",
-                    "1",
-                    "3",
-                    "-1",
-                    "1e300",
-                    "0.5",
-                    "60000",
-                    "18446744073709551615",
-                ])
-                .to_string()
-            };
-            let skew = |inp: &mut Input, n: usize| if kind == 1 && inp.bool() { n + 1 } else { n };
-            let empty = Vec::new();
-            let buckets = asked["buckets"].as_array().unwrap_or(&empty);
-            let buckets: Vec<String> = buckets
-                .iter()
-                .map(|b| {
-                    // A v2 request names no limits: the answer says which it enforced.
-                    let _ = b;
-                    let n = skew(inp, 1);
-                    let limits: Vec<String> = (0..n)
-                        .map(|_| {
-                            let allowed = inp.below(3) != 0;
-                            all &= allowed;
-                            format!(
-                                r#"{{"requests":{},"window_ms":{},"algorithm":"token_bucket","allowed":{allowed},"remaining":{},"reset_ms":{},"retry_after_ms":{}}}"#,
-                                num(inp),
-                                num(inp),
-                                num(inp),
-                                num(inp),
-                                num(inp)
-                            )
-                        })
+            let mut body = match asked["checks"].as_array() {
+                // A batch (protocol 3): one result per check, now and then one too many.
+                Some(checks) => {
+                    let mut results: Vec<String> = checks
+                        .iter()
+                        .map(|c| check_answer(inp, c, kind, ""))
                         .collect();
-                    format!(r#"{{"limits":[{}]}}"#, limits.join(","))
-                })
-                .collect();
-            let quotas = asked["quotas"].as_array().map_or(0, Vec::len);
-            let quotas: Vec<String> = (0..quotas)
-                .map(|_| {
-                    let allowed = inp.below(3) != 0;
-                    all &= allowed;
-                    format!(
-                        r#"{{"limit":{},"period":"month","allowed":{allowed},"remaining":{},"reset_ms":{}}}"#,
-                        num(inp),
-                        num(inp),
-                        num(inp)
-                    )
-                })
-                .collect();
-            let allowed = if kind == 2 { !all } else { all };
-            let mut body = format!(
-                r#"{{"version":2,"allowed":{allowed},"buckets":[{}],"quotas":[{}]}}"#,
-                buckets.join(","),
-                quotas.join(",")
-            )
+                    if kind == 1 && inp.bool() {
+                        results.push(r#"{"allowed":false,"error":"key_budget"}"#.into());
+                    }
+                    format!(r#"{{"version":3,"results":[{}]}}"#, results.join(","))
+                }
+                None => check_answer(inp, &asked, kind, r#""version":2,"#),
+            }
             .into_bytes();
             if kind == 3 {
                 body.truncate(inp.below(body.len() + 1));
@@ -153,6 +108,69 @@ fn gateway_response(inp: &mut Input, request_body: &[u8]) -> CallResponse {
     CallResponse::new(status)
         .header("content-type", "application/json")
         .body(body)
+}
+
+/// One check's answer to `asked` (its buckets and quotas), with `head`
+/// before its fields; `kind` 1 skews the counts, 2 contradicts `allowed`.
+fn check_answer(inp: &mut Input, asked: &serde_json::Value, kind: usize, head: &str) -> String {
+    let mut all = true;
+    let num = |inp: &mut Input| -> String {
+        inp.pick(&[
+            "0",
+            "1",
+            "3",
+            "-1",
+            "1e300",
+            "0.5",
+            "60000",
+            "18446744073709551615",
+        ])
+        .to_string()
+    };
+    let skew = |inp: &mut Input, n: usize| if kind == 1 && inp.bool() { n + 1 } else { n };
+    let empty = Vec::new();
+    let buckets = asked["buckets"].as_array().unwrap_or(&empty);
+    let buckets: Vec<String> = buckets
+        .iter()
+        .map(|_| {
+            // A request names no limits: the answer says which it enforced.
+            let n = skew(inp, 1);
+            let limits: Vec<String> = (0..n)
+                .map(|_| {
+                    let allowed = inp.below(3) != 0;
+                    all &= allowed;
+                    format!(
+                        r#"{{"requests":{},"window_ms":{},"algorithm":"token_bucket","allowed":{allowed},"remaining":{},"reset_ms":{},"retry_after_ms":{}}}"#,
+                        num(inp),
+                        num(inp),
+                        num(inp),
+                        num(inp),
+                        num(inp)
+                    )
+                })
+                .collect();
+            format!(r#"{{"limits":[{}]}}"#, limits.join(","))
+        })
+        .collect();
+    let quotas = asked["quotas"].as_array().map_or(0, Vec::len);
+    let quotas: Vec<String> = (0..quotas)
+        .map(|_| {
+            let allowed = inp.below(3) != 0;
+            all &= allowed;
+            format!(
+                r#"{{"limit":{},"period":"month","allowed":{allowed},"remaining":{},"reset_ms":{}}}"#,
+                num(inp),
+                num(inp),
+                num(inp)
+            )
+        })
+        .collect();
+    let allowed = if kind == 2 { !all } else { all };
+    format!(
+        r#"{{{head}"allowed":{allowed},"buckets":[{}],"quotas":[{}]}}"#,
+        buckets.join(","),
+        quotas.join(",")
+    )
 }
 
 fn random_request(inp: &mut Input) -> (Request, Option<&'static str>) {

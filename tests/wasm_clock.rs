@@ -46,7 +46,7 @@ fn circuit_config() -> String {
         json!([{ "name": "api", "scope": "global", "key": ["client"],
                  "limits": [ { "requests": 4, "per": "1m" } ] }]),
         Some(
-            json!({ "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
+            json!({ "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
                      "circuit": { "failures": 3, "cooldown_ms": 2000 } }),
         ),
     )
@@ -68,7 +68,7 @@ fn lease_config(requests: u64, per: &str) -> String {
         json!([{ "name": "api", "scope": "global", "key": ["client"],
                  "limits": [ { "requests": requests, "per": per } ] }]),
         Some(
-            json!({ "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
+            json!({ "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
                      "lease": { "fraction": 0.05, "max_wait_ms": 20, "ttl_ms": 1000 } }),
         ),
     )

@@ -706,7 +706,7 @@ fn upstream_errors_carry_the_headers_and_abandoned_requests_still_count() {
 fn global_rule_callout_failures_never_trap() {
     let c = json!({
         "domain": "demo",
-        "global": { "cluster": "gateway", "timeout_ms": 50, "failure_mode": "local" },
+        "global": { "coalesce_us": 0, "cluster": "gateway", "timeout_ms": 50, "failure_mode": "local" },
         "rules": [{ "name": "g", "scope": "global", "key": ["client"],
                     "limits": [ { "requests": 5, "per": "1m" } ] }],
     });

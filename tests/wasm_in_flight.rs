@@ -130,7 +130,7 @@ fn a_rate_limit_refused_request_holds_no_slot_and_a_full_key_refunds_the_rate_ch
 /// Three in flight per client on the gateway (`scope: global`).
 fn global_three() -> String {
     json!({"domain": "inflight", "response": {"retry_jitter": 0},
-        "global": {"cluster": "gw", "failure_mode": "closed"},
+        "global": { "coalesce_us": 0, "cluster": "gw", "failure_mode": "closed"},
         "rules": [{"name": "streams", "scope": "global", "key": ["client"],
                    "limits": [{"concurrent": 3, "max_in_flight": "1m"}]}]})
     .to_string()

@@ -33,7 +33,7 @@ fn config(ttl_ms: u64, rule: Value, lease: Value) -> String {
         l[k] = v.clone();
     }
     json!({"domain": "usage", "response": {"retry_jitter": 0},
-           "global": {"cluster": "gw", "failure_mode": "closed", "lease": l},
+           "global": { "coalesce_us": 0, "cluster": "gw", "failure_mode": "closed", "lease": l},
            "rules": [r]})
     .to_string()
 }

@@ -94,7 +94,7 @@ fn ten_thousand_clients_leave_the_number_of_series_as_it_was() {
 #[test]
 fn a_spent_quota_is_counted_under_its_own_name() {
     let config = json!({"domain": "metrics", "response": {"retry_jitter": 0},
-        "global": {"cluster": "gw", "failure_mode": "closed"},
+        "global": { "coalesce_us": 0, "cluster": "gw", "failure_mode": "closed"},
         "rules": [{"name": "per-client", "key": ["client"], "limits": [{"requests": 100, "per": "1h"}]}],
         "quotas": [{"name": "monthly", "key": ["client"], "period": "month", "limit": 10,
                     "upgrade_url": "https://example.com/up"}]})

@@ -764,7 +764,7 @@ fn block_ends_and_graduated_retry_after_stay_within_ten_percent() {
 /// A local rule (5/h) and a global rule `api` (4/min); a gateway per the brief.
 fn global_config(mode: &str) -> String {
     cfg(json!({
-        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": mode, "instances": 2,
+        "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": mode, "instances": 2,
                     "circuit": { "failures": 3, "cooldown_ms": 2000 } },
         "rules": [
             { "name": "local", "key": ["client"], "limits": [ { "requests": 5, "per": "1h" } ] },
@@ -966,7 +966,7 @@ fn global_rule_config(extra: Value) -> String {
         rule[k] = v.clone();
     }
     cfg(json!({
-        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed" },
+        "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed" },
         "rules": [rule]
     }))
 }
@@ -1087,7 +1087,7 @@ fn a_gateway_stage_warns_delays_and_blocks_as_the_gateway_says() {
 #[test]
 fn a_shadow_rules_local_stand_in_never_denies() {
     let config = cfg(json!({
-        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "local", "instances": 2,
+        "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "local", "instances": 2,
                     "circuit": { "failures": 100, "cooldown_ms": 2000 } },
         "rules": [{ "name": "api", "scope": "global", "mode": "shadow", "key": ["client"],
                     "limits": [ { "requests": 4, "per": "1m" } ] }]
@@ -1319,7 +1319,7 @@ fn out_of_range_gateway_figures_are_clamped() {
     let h = gateway_harness(
         2,
         &cfg(json!({
-            "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed", "instances": 2,
+            "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed", "instances": 2,
                         "circuit": { "failures": 3, "cooldown_ms": 2000 } },
             "rules": [{ "name": "api", "scope": "global", "key": ["client"],
                         "limits": [ { "requests": 4, "per": "1m" } ] }]
@@ -1365,7 +1365,7 @@ fn quota_config(with_global_rule: bool) -> String {
     cfg(json!({
         "tiers": { "free": {}, "pro": {} },
         "identity": { "default_tier": "free" },
-        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed", "instances": 2,
+        "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed", "instances": 2,
                     "circuit": { "failures": 3, "cooldown_ms": 2000 } },
         "rules": rules,
         "quotas": [{ "name": "monthly", "key": ["client"], "period": "month",
@@ -1581,7 +1581,7 @@ fn a_late_answer_after_the_client_left_changes_nothing() {
 /// A global rule `api` (100/h) in lease mode: batches of 5, spent for 1 s.
 fn lease_config(mode: &str) -> String {
     cfg(json!({
-        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": mode,
+        "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": mode,
                     "circuit": { "failures": 3, "cooldown_ms": 2000 },
                     "lease": { "fraction": 0.05, "max_wait_ms": 20, "ttl_ms": 1000 } },
         "rules": [
@@ -1778,7 +1778,7 @@ fn a_failed_lease_takes_the_failure_mode_and_the_next_request_tries_again() {
 /// `api` (global, 4/min, 8/min for the `pro` tier, from `x-tier`), `route` (global, 2/min,
 /// only under `/r`), `local` (5/h); `/export` costs 3. `deny_cache` is set when given.
 fn deny_cache_config(deny_cache: Option<u64>) -> String {
-    let mut global = json!({ "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
+    let mut global = json!({ "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "closed",
                              "circuit": { "failures": 3, "cooldown_ms": 2000 } });
     if let Some(n) = deny_cache {
         global["deny_cache"] = json!(n);
@@ -2041,7 +2041,7 @@ fn limits_by_gives_each_route_the_set_its_metadata_names() {
 #[test]
 fn a_global_limits_by_rule_names_its_set_to_the_gateway() {
     let config = cfg(json!({
-        "global": { "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "open" },
+        "global": { "coalesce_us": 0, "cluster": CLUSTER, "timeout_ms": 50, "failure_mode": "open" },
         "rules": [
             { "name": "api", "scope": "global", "key": ["client"],
               "limits": [{ "requests": 4, "per": "1m" }],

@@ -256,7 +256,7 @@ fn a_fixed_reserve_with_ensure_stream_usage_still_waits_only_for_matching_reques
 #[test]
 fn a_request_that_waited_for_its_body_still_calls_the_gateway_and_resumes() {
     let config = json!({"domain": "body", "response": {"retry_jitter": 0},
-        "global": {"cluster": "gateway", "timeout_ms": 50, "failure_mode": "open"},
+        "global": { "coalesce_us": 0, "cluster": "gateway", "timeout_ms": 50, "failure_mode": "open"},
         "rules": [
             {"name": "g", "scope": "global", "key": ["client"], "cost": 1,
              "limits": [{"requests": 10, "per": "1m"}]},
@@ -293,7 +293,7 @@ fn a_request_that_waited_for_its_body_still_calls_the_gateway_and_resumes() {
 #[test]
 fn a_body_waits_with_its_request_for_the_gateway() {
     let config = json!({"domain": "body", "response": {"retry_jitter": 0},
-        "global": {"cluster": "gateway", "timeout_ms": 50, "failure_mode": "open"},
+        "global": { "coalesce_us": 0, "cluster": "gateway", "timeout_ms": 50, "failure_mode": "open"},
         "rules": [
             {"name": "g", "scope": "global", "key": ["client"], "cost": 1,
              "limits": [{"requests": 10, "per": "1m"}]},

@@ -305,7 +305,7 @@ fn global_tokens(charge_on: Option<Value>) -> String {
         rule["charge_on"] = on;
     }
     json!({"domain": "usage", "response": {"retry_jitter": 0},
-           "global": {"cluster": "gw", "failure_mode": "closed"}, "rules": [rule]})
+           "global": { "coalesce_us": 0, "cluster": "gw", "failure_mode": "closed"}, "rules": [rule]})
     .to_string()
 }
 

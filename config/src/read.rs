@@ -346,6 +346,9 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
         path: default_check_path(),
         settle_path: default_settle_path(),
         timeout_ms: default_timeout_ms(),
+        coalesce_us: default_coalesce_us(),
+        max_batch: default_max_batch(),
+        batch_path: default_batch_path(),
         failure_mode: FailureMode::default(),
         instances: default_instances(),
         circuit: Circuit::default(),
@@ -360,6 +363,9 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
         "path" => g.path = string(v, p)?,
         "settle_path" => g.settle_path = string(v, p)?,
         "timeout_ms" => g.timeout_ms = u64_(v, p)?,
+        "coalesce_us" => g.coalesce_us = u64_(v, p)?,
+        "max_batch" => g.max_batch = u64_(v, p)?,
+        "batch_path" => g.batch_path = string(v, p)?,
         "failure_mode" => {
                 let all = [FailureMode::Open, FailureMode::Closed, FailureMode::Local];
                 g.failure_mode = pick(v, p, &["open", "closed", "local"], &all)?

@@ -157,6 +157,18 @@ pub struct Global {
     /// Callout timeout; 0 is refused because Envoy treats it as no timeout.
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
+    /// Coalescing: while a check is in flight, the worker's next checks
+    /// wait and go together in one batch to `batch_path`; a check waits at
+    /// most this long once another arrives. 0 turns coalescing off: one
+    /// call per request to `path` (protocol version 2).
+    #[serde(default = "default_coalesce_us")]
+    pub coalesce_us: u64,
+    /// Most checks in one batch (1 to `bounds::MAX_BATCH`).
+    #[serde(default = "default_max_batch")]
+    pub max_batch: u64,
+    /// Path of the batched check endpoint (protocol version 3).
+    #[serde(default = "default_batch_path")]
+    pub batch_path: String,
     /// Behaviour when the gateway or Redis fails.
     #[serde(default)]
     pub failure_mode: FailureMode,
@@ -331,6 +343,15 @@ pub(super) fn default_check_path() -> String {
 
 pub(super) fn default_settle_path() -> String {
     "/v1/settle".to_string()
+}
+pub(super) fn default_coalesce_us() -> u64 {
+    500
+}
+pub(super) fn default_max_batch() -> u64 {
+    64
+}
+pub(super) fn default_batch_path() -> String {
+    "/v3/check".to_string()
 }
 pub(super) fn default_timeout_ms() -> u64 {
     50

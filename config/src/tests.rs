@@ -239,6 +239,39 @@ fn graduated_and_shadow_constraints() {
 }
 
 #[test]
+fn coalescing_settings_are_checked_with_their_paths() {
+    let cases = [
+        (
+            json!({"coalesce_us": 1_000_001}),
+            "global.coalesce_us: must be between 0 (off) and 1000000",
+        ),
+        (
+            json!({"max_batch": 0}),
+            "global.max_batch: must be between 1 and 256",
+        ),
+        (
+            json!({"max_batch": 257}),
+            "global.max_batch: must be between 1 and 256",
+        ),
+        (
+            json!({"batch_path": "v3"}),
+            "global.batch_path: \"v3\" is not an absolute path of RFC 3986 characters",
+        ),
+    ];
+    for (fields, message) in cases {
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw"});
+        for (k, f) in fields.as_object().unwrap() {
+            v["global"][k] = f.clone();
+        }
+        assert_eq!(err(v), message);
+    }
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw", "coalesce_us": 0, "max_batch": 256});
+    assert!(crate::parse(v.to_string().as_bytes()).is_ok());
+}
+
+#[test]
 fn lease_settings_are_checked_with_their_paths() {
     let cases = [
         (json!({"fraction": 0}), "global.lease.fraction: 0 must be above 0 and at most 1"),

@@ -38,6 +38,8 @@ impl Config {
         }
         check_path("global.path", &g.path)?;
         check_path("global.settle_path", &g.settle_path)?;
+        check_path("global.batch_path", &g.batch_path)?;
+        validate_batching(g)?;
         if !(1..=60_000).contains(&g.timeout_ms) {
             return Err(ConfigError::field(
                 "global.timeout_ms",
@@ -132,6 +134,24 @@ fn validate_lease(l: &Lease) -> Result<(), ConfigError> {
         return Err(ConfigError::field(
             "global.lease.max_leases",
             "must be between 1 and 1048576",
+        ));
+    }
+    Ok(())
+}
+
+/// `coalesce_us` and `max_batch`: a check never waits longer than a
+/// second for its batch, and a batch fits what the gateway accepts.
+fn validate_batching(g: &Global) -> Result<(), ConfigError> {
+    if g.coalesce_us > 1_000_000 {
+        return Err(ConfigError::field(
+            "global.coalesce_us",
+            "must be between 0 (off) and 1000000",
+        ));
+    }
+    if !(1..=super::bounds::MAX_BATCH as u64).contains(&g.max_batch) {
+        return Err(ConfigError::field(
+            "global.max_batch",
+            format!("must be between 1 and {}", super::bounds::MAX_BATCH),
         ));
     }
     Ok(())

@@ -62,8 +62,8 @@ pub const VERSION: u32 = 2;
 /// (`POST /v1/check`) is still served.
 pub const BATCH_VERSION: u32 = 3;
 pub use ratelimit_config::bounds::{
-    MAX_BATCH, MAX_BATCH_BYTES, MAX_BUCKETS, MAX_EXACT, MAX_LIMITS, MAX_NAME_BYTES, MAX_QUOTAS, MAX_QUOTA_LIMIT,
-    MAX_SETTLEMENTS, RESERVATION_ID_BYTES,
+    MAX_BATCH, MAX_BATCH_BYTES, MAX_BUCKETS, MAX_EXACT, MAX_LIMITS, MAX_NAME_BYTES, MAX_QUOTAS,
+    MAX_QUOTA_LIMIT, MAX_SETTLEMENTS, RESERVATION_ID_BYTES,
 };
 pub use ratelimit_config::{Algorithm, Period};
 
@@ -622,7 +622,12 @@ pub fn validate_batch(req: &BatchRequest) -> Result<(), String> {
     }
     for (c, check) in req.checks.iter().enumerate() {
         let at = format!("checks[{c}].");
-        validate_items(&at, &check.buckets, &check.quotas, check.reservation.as_deref())?;
+        validate_items(
+            &at,
+            &check.buckets,
+            &check.quotas,
+            check.reservation.as_deref(),
+        )?;
     }
     Ok(())
 }

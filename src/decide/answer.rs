@@ -8,13 +8,30 @@ use super::*;
 /// Reads the gateway's status and body for `pending` and finishes the decision.
 pub fn finish(
     plan: &Plan,
-    mut pending: Pending,
+    pending: Pending,
     status: Option<&[u8]>,
     body: &[u8],
     latency_ns: u64,
     store: &impl SharedStore,
     now_ns: u64,
 ) -> Outcome {
+    let reply = Reply::Own { status, body };
+    finish_reply(plan, pending, reply, latency_ns, store, now_ns)
+}
+
+/// Reads the gateway's reply for `pending` and finishes the decision.
+pub fn finish_reply(
+    plan: &Plan,
+    mut pending: Pending,
+    reply: Reply,
+    latency_ns: u64,
+    store: &impl SharedStore,
+    now_ns: u64,
+) -> Outcome {
+    let (status, body, part) = match reply {
+        Reply::Own { status, body } => (status, body, None),
+        Reply::Part(part) => (None, &[][..], Some(part)),
+    };
     if let Some((l, c)) = pending.lease.take() {
         let cost = l.bucket.cost;
         let mut noted = Noted {
@@ -25,18 +42,18 @@ pub fn finish(
         let spent = answer
             .as_ref()
             .is_ok_and(|a| a.reports.iter().all(|r| r.check.allowed));
-        let mut outcome = finish_with(plan, pending, answer, latency_ns, store, now_ns);
+        let mut outcome = finish_with(plan, pending, answer, (latency_ns, false), store, now_ns);
         // Spent from the batch: its response settles there.
         outcome.lease = spent.then(|| Box::new(l));
         return outcome;
     }
-    let answer = callout::parse_answer(
-        plan,
-        &pending.eval.global,
-        &pending.eval.quotas,
-        status,
-        body,
-    );
+    let (global, quotas) = (&pending.eval.global, &pending.eval.quotas);
+    // A batch's part: the root counted the batch call in the circuit once.
+    let recorded = part.is_some();
+    let answer = match part {
+        None => callout::parse_answer(plan, global, quotas, status, body),
+        Some(part) => part.and_then(|a| callout::interpret(plan, global, quotas, a)),
+    };
     if let Ok(a) = &answer {
         // The waits count from the callout: never longer than the gateway's.
         let sent = pending.held.at_ns;
@@ -48,7 +65,7 @@ pub fn finish(
             pending.counts.add(Metric::Errors, 1);
         }
     }
-    finish_with(plan, pending, answer, latency_ns, store, now_ns)
+    finish_with(plan, pending, answer, (latency_ns, recorded), store, now_ns)
 }
 
 /// Remembers the denials of the buckets the gateway enforces plainly: a
@@ -139,11 +156,13 @@ pub(super) fn lease_answer(
     })
 }
 
+/// `call` is the call's latency and whether the circuit already counted it
+/// (a batch's, counted once by the host).
 fn finish_with(
     plan: &Plan,
     p: Pending,
     answer: Result<Answer, AnswerError>,
-    latency_ns: u64,
+    (latency_ns, recorded): (u64, bool),
     store: &impl SharedStore,
     now_ns: u64,
 ) -> Outcome {
@@ -172,8 +191,13 @@ fn finish_with(
         .reservation
         .filter(|_| charged)
         .and_then(|id| super::remote::Reserved::new(plan, &eval, id));
-    let result = call_result(&answer, latency_ns);
-    let transition = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe);
+    let transition = match recorded {
+        true => Transition::None,
+        false => {
+            let result = call_result(&answer, latency_ns);
+            circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe)
+        }
+    };
     if transition == Transition::Opened {
         ctx.counts.add(Metric::CircuitOpened, 1);
     }

@@ -29,7 +29,7 @@ mod stream;
 mod tally;
 pub mod why;
 
-pub use answer::finish;
+pub use answer::{finish, finish_reply};
 pub use body::{BodyRead, BodyWait};
 pub use counts::Counts;
 pub use local::{abandon, start, start_evaluated};
@@ -52,6 +52,7 @@ use crate::policy::plan::{Evaluation, GlobalBucket, GlobalPlan, Plan, QuotaBucke
 use crate::policy::request::RequestInfo;
 use crate::respond::headers;
 use crate::respond::problem;
+use ratelimit_protocol::CheckResponse;
 
 pub use crate::respond::headers::{HeaderLines, LocalHeaders, Passing};
 
@@ -210,6 +211,12 @@ impl Pending {
         self.lease.as_ref().map_or(0, |(_, c)| c.dropped_debt)
     }
 
+    /// Whether this check goes in a batch: coalescing is on and it is not
+    /// a lease fetch (then `body` is one [`callout::encode_check`]).
+    pub fn batched(&self, plan: &Plan) -> bool {
+        self.lease.is_none() && plan.global.as_ref().is_some_and(|g| g.batch.is_some())
+    }
+
     /// Path and timeout of this callout: the lease endpoint for a lease.
     pub fn route<'a>(&self, plan: &'a Plan) -> Option<(&'a str, u64)> {
         let g = plan.global.as_ref()?;
@@ -218,6 +225,22 @@ impl Pending {
             _ => Some((g.path.as_str(), g.timeout_ms)),
         }
     }
+}
+
+/// What reached a request waiting for the gateway.
+#[derive(Debug)]
+pub enum Reply<'a> {
+    /// The answer to its own call (a version 2 check, a lease fetch):
+    /// status (`None`: none came, or the call never left) and body.
+    Own {
+        /// The HTTP status.
+        status: Option<&'a [u8]>,
+        /// The body.
+        body: &'a [u8],
+    },
+    /// Its part of a batch's answer ([`callout::read_batch`]); the host
+    /// counted the batch call in the circuit once.
+    Part(Result<CheckResponse<f64>, AnswerError>),
 }
 
 /// The first step for a request.
@@ -656,6 +679,29 @@ impl Noted<'_> {
         self.counts.add(Metric::Errors, 1);
         *self.error = Some(e);
     }
+}
+
+/// Counts a batch call's result in the circuit once for all its checks
+/// (`probe`: one of them is the half-open circuit's probe); the counts to
+/// add and the circuit's transition.
+pub fn record_batch<T>(
+    plan: &Plan,
+    store: &impl SharedStore,
+    answer: &Result<T, AnswerError>,
+    latency_ns: u64,
+    probe: bool,
+    now_ns: u64,
+) -> (Transition, Counts) {
+    let mut counts = Counts::default();
+    let Some(g) = &plan.global else {
+        return (Transition::None, counts);
+    };
+    let result = call_result(answer, latency_ns);
+    let t = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, probe);
+    if t == Transition::Opened {
+        counts.add(Metric::CircuitOpened, 1);
+    }
+    (t, counts)
 }
 
 /// A 4xx says the request was refused, not that the gateway is unwell: it

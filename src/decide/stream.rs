@@ -215,6 +215,16 @@ impl Stream {
         }
     }
 
+    /// Whether the waiting request's check goes in a batch.
+    pub fn batched(&self, plan: &Plan) -> bool {
+        matches!(&self.state, State::Waiting(p) if p.batched(plan))
+    }
+
+    /// Whether the waiting request's call is the half-open circuit's probe.
+    pub fn probe(&self) -> bool {
+        matches!(&self.state, State::Waiting(p) if p.probe)
+    }
+
     /// The callout a waiting request makes, and the lease it fetches for.
     pub fn callout<'a>(&'a self, plan: &'a Plan) -> Option<(Callout<'a>, Option<&'a Lease>)> {
         let State::Waiting(pending) = &self.state else {
@@ -236,8 +246,7 @@ impl Stream {
     pub fn gateway_answer(
         &mut self,
         plan: &Plan,
-        status: Option<&[u8]>,
-        body: &[u8],
+        reply: Reply,
         latency_ns: u64,
         store: &impl SharedStore,
         now_ns: u64,
@@ -247,11 +256,12 @@ impl Stream {
         };
         // A failed check may still have taken its slots (a timeout after
         // the gateway's commit): they are released at once.
-        let release = status
-            .is_none_or(|s| s != b"200")
-            .then(|| release_of(plan, &pending))
-            .flatten();
-        let outcome = finish(plan, *pending, status, body, latency_ns, store, now_ns);
+        let failed = match &reply {
+            Reply::Own { status, .. } => status.is_none_or(|s| s != b"200"),
+            Reply::Part(part) => part.is_err(),
+        };
+        let release = failed.then(|| release_of(plan, &pending)).flatten();
+        let outcome = finish_reply(plan, *pending, reply, latency_ns, store, now_ns);
         self.state = State::Decided(outcome);
         if plan.settling {
             self.open_settlement(plan);

@@ -771,7 +771,7 @@ fn a_stream_keeps_its_response_headers_and_charge_until_it_ends() {
     assert_eq!(stream.held().map(|h| h.buckets.len()), Some(1));
     assert_eq!(stream.callout(&p), None);
     // An answer it does not wait for changes nothing.
-    assert!(!stream.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0));
+    assert!(!stream.gateway_answer(&p, own(&gw(true, 3)), 0, &s, T0));
     let h = stream.response_headers().expect("still admitted").lines(&p);
     assert_eq!(header(&h, "x-ratelimit-remaining"), "4");
     // The end of an admitted stream gives nothing back: it reached the upstream.
@@ -816,7 +816,7 @@ fn a_stream_waiting_for_the_gateway_gives_its_charge_back_when_it_ends() {
     assert_eq!(stream.end(&p, &s, 0), Some(Counts::default()));
     assert_eq!(local_remaining(&s), "4");
     // Ended: a late answer finds nothing waiting.
-    assert!(!stream.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0));
+    assert!(!stream.gateway_answer(&p, own(&gw(true, 3)), 0, &s, T0));
 }
 
 #[test]
@@ -825,7 +825,7 @@ fn a_stream_the_gateway_admits_holds_its_local_charge_and_one_it_denies_holds_no
     let s = MemoryStore::default();
     let mut admitted = Stream::default();
     admitted.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL);
-    assert!(admitted.gateway_answer(&p, Some(b"200"), &gw(true, 3), 0, &s, T0));
+    assert!(admitted.gateway_answer(&p, own(&gw(true, 3)), 0, &s, T0));
     let h = admitted.response_headers().expect("admitted").lines(&p);
     assert_eq!(header(&h, "x-ratelimit-remaining"), "3");
     assert_eq!(
@@ -834,7 +834,7 @@ fn a_stream_the_gateway_admits_holds_its_local_charge_and_one_it_denies_holds_no
     );
     let mut denied = Stream::default();
     denied.request_headers(&p, &req(&p, "/", Some("a")), &s, T0, NEUTRAL);
-    assert!(denied.gateway_answer(&p, Some(b"200"), &gw(false, 0), 0, &s, T0));
+    assert!(denied.gateway_answer(&p, own(&gw(false, 0)), 0, &s, T0));
     assert_eq!(rejected(denied.outcome().expect("decided")).0, &429);
     assert!(denied.held().is_none());
     // One charge held (the admitted one), the denied one refunded: 3 of 5 left
@@ -914,7 +914,7 @@ fn streams_spent_from_a_lease_settle_their_responses_against_its_slot() {
     // and its response of 1 gives 1 back.
     let mut fetched = Stream::default();
     assert_eq!(fetched.request_headers(&p, &r, &s, T0, NEUTRAL), Next::Call);
-    assert!(fetched.gateway_answer(&p, Some(b"200"), &lease_answer_body(5, 0), 0, &s, T0));
+    assert!(fetched.gateway_answer(&p, own(&lease_answer_body(5, 0)), 0, &s, T0));
     assert_eq!(slot(), (3, 0));
     let (counts, left) = respond(&mut fetched, "200", "1");
     assert_eq!(counts.get(Metric::UsageSettled), 1);
@@ -1056,5 +1056,13 @@ fn the_access_log_says_what_answered_a_global_rule() {
         let pending = call(start(&p, &req(&p, "/", Some("b")), &s, T0, NEUTRAL));
         let o = finish(&p, pending, None, b"", SEC / 1000, &s, T0);
         assert_eq!(logged(&p, &o), want, "failure_mode {mode}");
+    }
+}
+
+/// A 200 answer with `body`, to a call of the request's own.
+fn own(body: &[u8]) -> Reply<'_> {
+    Reply::Own {
+        status: Some(b"200"),
+        body,
     }
 }

@@ -7,8 +7,9 @@ use crate::global::lease::Lease;
 use crate::limits::limiter::{Enforced, Report, Seen};
 use crate::policy::plan::{GlobalBucket, Plan, QuotaBucket, RulePlan};
 use ratelimit_protocol::{
-    Algorithm, BucketRef, CheckRequest, CheckResponse, LeaseRequest, LeaseResponse, QuotaRef,
-    Stage, MAX_DELAY_MS, MAX_LIMITS, MAX_QUOTA_LIMIT, MAX_SHARE,
+    Algorithm, BatchResponse, BucketRef, Check, CheckRequest, CheckResponse, LeaseRequest,
+    LeaseResponse, QuotaRef, Stage, BATCH_VERSION, MAX_DELAY_MS, MAX_LIMITS, MAX_QUOTA_LIMIT,
+    MAX_SHARE,
 };
 
 /// Protocol version spoken by this filter.
@@ -23,22 +24,47 @@ pub fn encode_request(
     quotas: &[QuotaBucket],
     reservation: Option<&str>,
 ) -> Vec<u8> {
-    let buckets = global
-        .iter()
-        .filter_map(|g| bucket_ref(plan, g, g.cost))
-        .collect();
-    let quotas = quotas
-        .iter()
-        .filter_map(|q| quota_ref(plan, q, q.amount))
-        .collect();
+    let c = check(plan, global, quotas, reservation);
     let body = CheckRequest {
         version: VERSION,
         domain: plan.domain.clone(),
-        buckets,
-        quotas,
-        reservation: reservation.map(str::to_string),
+        buckets: c.buckets,
+        quotas: c.quotas,
+        reservation: c.reservation,
     };
     serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// One check of a batch (protocol version 3): what [`encode_request`]
+/// asks, without the version and domain the batch gives once. The host
+/// joins these into a batch body ([`crate::global::coalesce`]).
+pub fn encode_check(
+    plan: &Plan,
+    global: &[GlobalBucket],
+    quotas: &[QuotaBucket],
+    reservation: Option<&str>,
+) -> Vec<u8> {
+    serde_json::to_vec(&check(plan, global, quotas, reservation)).unwrap_or_default()
+}
+
+/// The wire form of a check of `global` and `quotas`.
+fn check(
+    plan: &Plan,
+    global: &[GlobalBucket],
+    quotas: &[QuotaBucket],
+    reservation: Option<&str>,
+) -> Check {
+    Check {
+        buckets: global
+            .iter()
+            .filter_map(|g| bucket_ref(plan, g, g.cost))
+            .collect(),
+        quotas: quotas
+            .iter()
+            .filter_map(|q| quota_ref(plan, q, q.amount))
+            .collect(),
+        reservation: reservation.map(str::to_string),
+    }
 }
 
 /// The wire form of a global bucket at `cost`; `None` (left out) for a
@@ -78,6 +104,9 @@ pub enum AnswerError {
     Version(u32),
     /// Buckets or limits do not line up with what was asked, or `allowed` contradicts them.
     Inconsistent(String),
+    /// The gateway could not decide this check of a batch (its own words,
+    /// e.g. the domain's key budget).
+    Refused(String),
 }
 
 impl std::fmt::Display for AnswerError {
@@ -88,6 +117,7 @@ impl std::fmt::Display for AnswerError {
             AnswerError::Garbled(e) => write!(f, "unreadable answer: {e}"),
             AnswerError::Version(v) => write!(f, "protocol version {v}, expected {VERSION}"),
             AnswerError::Inconsistent(e) => write!(f, "inconsistent answer: {e}"),
+            AnswerError::Refused(e) => write!(f, "check not decided: {e:.200}"),
         }
     }
 }
@@ -196,12 +226,21 @@ fn clamp(v: f64, max: u64, clamped: &mut u64) -> u64 {
 
 const MS: u64 = 1_000_000;
 
-/// A 200 answer's body as `T` in this protocol version; anything else is an error.
 /// A 200 answer of this version, read as `T`, or why not.
 pub(crate) fn read_body<T: serde::de::DeserializeOwned>(
     status: Option<&[u8]>,
     body: &[u8],
     version: fn(&T) -> u32,
+) -> Result<T, AnswerError> {
+    read_versioned(status, body, version, VERSION)
+}
+
+/// A 200 answer of version `expected`, read as `T`, or why not.
+fn read_versioned<T: serde::de::DeserializeOwned>(
+    status: Option<&[u8]>,
+    body: &[u8],
+    version: fn(&T) -> u32,
+    expected: u32,
 ) -> Result<T, AnswerError> {
     match status {
         None => return Err(AnswerError::NoAnswer),
@@ -215,9 +254,41 @@ pub(crate) fn read_body<T: serde::de::DeserializeOwned>(
     let answer: T =
         serde_json::from_slice(body).map_err(|e| AnswerError::Garbled(e.to_string()))?;
     match version(&answer) {
-        VERSION => Ok(answer),
+        v if v == expected => Ok(answer),
         v => Err(AnswerError::Version(v)),
     }
+}
+
+/// A batch answer split into its checks' answers, in the order asked: the
+/// whole batch fails (each check by its own failure mode) when the call
+/// did, or when the answer is not one result per check asked.
+pub fn read_batch(
+    status: Option<&[u8]>,
+    body: &[u8],
+    asked: usize,
+) -> Result<Vec<Result<CheckResponse<f64>, AnswerError>>, AnswerError> {
+    let batch: BatchResponse<f64> = read_versioned(
+        status,
+        body,
+        |b: &BatchResponse<f64>| b.version,
+        BATCH_VERSION,
+    )?;
+    if batch.results.len() != asked {
+        return Err(AnswerError::Inconsistent(format!(
+            "{} results for {asked} checks",
+            batch.results.len()
+        )));
+    }
+    let one = |r: ratelimit_protocol::CheckResult<f64>| match r.error {
+        Some(e) => Err(AnswerError::Refused(e)),
+        None => Ok(CheckResponse {
+            version: VERSION,
+            allowed: r.allowed,
+            buckets: r.buckets,
+            quotas: r.quotas,
+        }),
+    };
+    Ok(batch.results.into_iter().map(one).collect())
 }
 
 /// The longest window a configuration can give, in ms (366 days): waits of
@@ -270,7 +341,17 @@ pub fn parse_answer(
     status: Option<&[u8]>,
     body: &[u8],
 ) -> Result<Answer, AnswerError> {
-    let answer: CheckResponse<f64> = read_body(status, body, |a: &CheckResponse<f64>| a.version)?;
+    let answer = read_body(status, body, |a: &CheckResponse<f64>| a.version)?;
+    interpret(plan, global, quotas, answer)
+}
+
+/// Reads one check's answer, as [`parse_answer`] does past the body.
+pub fn interpret(
+    plan: &Plan,
+    global: &[GlobalBucket],
+    quotas: &[QuotaBucket],
+    answer: CheckResponse<f64>,
+) -> Result<Answer, AnswerError> {
     if answer.buckets.len() != global.len() {
         return Err(AnswerError::Inconsistent(format!(
             "{} buckets for {} asked",

@@ -60,6 +60,16 @@ mod raw {
             value_data: *const u8,
             value_size: usize,
         ) -> u32;
+        pub fn proxy_register_shared_queue(
+            name_data: *const u8,
+            name_size: usize,
+            return_id: *mut u32,
+        ) -> u32;
+        pub fn proxy_enqueue_shared_queue(
+            queue_id: u32,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> u32;
     }
 
     #[link(wasm_import_module = "wasi_snapshot_preview1")]
@@ -105,6 +115,36 @@ pub(super) fn set_property(name: &str, value: &[u8]) -> Result<(), u32> {
         Ok(())
     } else {
         Err(rc)
+    }
+}
+
+/// Registers this worker's wake queue under `name` (unique to the worker):
+/// an item put in it has the host call the root context's
+/// `on_queue_ready` on the worker's own event loop, soon after the current
+/// callback. `None` when the host refused.
+pub(super) fn register_queue(name: &str) -> Option<u32> {
+    let mut id = 0;
+    // SAFETY: the name's pointer comes with its length; `id` outlives the call.
+    let rc = unsafe { raw::proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) };
+    (rc == 0).then_some(id)
+}
+
+/// Wakes the root context that registered `queue`; false when the host refused.
+pub(super) fn wake(queue: u32) -> bool {
+    const ITEM: &[u8] = b"w";
+    // SAFETY: a static item with its length.
+    unsafe { raw::proxy_enqueue_shared_queue(queue, ITEM.as_ptr(), ITEM.len()) == 0 }
+}
+
+/// Empties the wake queue (its items say nothing but "wake").
+pub(super) fn drain(queue: u32) {
+    // Bounded: each wake put one item, and a wake is asked for only when
+    // none is pending; a host error ends it.
+    for _ in 0..1024 {
+        match hostcalls::dequeue_shared_queue(queue) {
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return,
+        }
     }
 }
 

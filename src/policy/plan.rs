@@ -409,6 +409,8 @@ pub struct GlobalPlan {
     pub settle_path: String,
     /// Callout timeout.
     pub timeout_ms: u64,
+    /// Coalesced checks; `None` when `global.coalesce_us` is 0.
+    pub batch: Option<BatchPlan>,
     /// Behaviour on failure.
     pub failure_mode: FailureMode,
     /// Circuit breaker.
@@ -422,6 +424,37 @@ pub struct GlobalPlan {
     /// `authorization` of the callouts (`Bearer <token>`): the inline
     /// `global.token` here; the filter's `on_configure` resolves `token_env`.
     pub authorization: Option<config::Token>,
+}
+
+/// Coalesced checks: the worker's checks that wait while one is in flight
+/// go together in one call (`global.coalesce_us`, `max_batch`, `batch_path`).
+#[derive(Debug, Clone)]
+pub struct BatchPlan {
+    /// Path of the batched check endpoint.
+    pub path: String,
+    /// Longest a queued check waits once another arrives, in ns.
+    pub coalesce_ns: u64,
+    /// Most checks in one batch.
+    pub max_batch: usize,
+    /// A batch body up to its first check: the version and the domain,
+    /// written once.
+    pub head: Vec<u8>,
+}
+
+impl BatchPlan {
+    fn new(domain: &str, g: &config::Global) -> Option<BatchPlan> {
+        if g.coalesce_us == 0 {
+            return None;
+        }
+        let domain = serde_json::to_string(domain).unwrap_or_default();
+        let version = ratelimit_protocol::BATCH_VERSION;
+        Some(BatchPlan {
+            path: g.batch_path.clone(),
+            coalesce_ns: g.coalesce_us.saturating_mul(1_000),
+            max_batch: usize::try_from(g.max_batch).unwrap_or(1).max(1),
+            head: format!("{{\"version\":{version},\"domain\":{domain},\"checks\":[").into_bytes(),
+        })
+    }
 }
 
 /// Where identity comes from.
@@ -925,6 +958,7 @@ fn global_plan(config: &Config, g: &config::Global, keys: (u64, u64)) -> GlobalP
         path: g.path.clone(),
         settle_path: g.settle_path.clone(),
         timeout_ms: g.timeout_ms,
+        batch: BatchPlan::new(&config.domain, g),
         failure_mode: g.failure_mode,
         circuit: g.circuit.clone(),
         circuit_key: format!("{KEY_PREFIX}circuit/{}/{}", config.domain, g.cluster),

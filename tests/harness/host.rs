@@ -62,6 +62,9 @@ pub(crate) enum AfterAction {
     ContinueRequest(u32),
     ContinueResponse(u32),
     Reset(u32),
+    /// An item was put in this worker's shared queue: Envoy posts the
+    /// registering root's `proxy_on_queue_ready` to the worker's event loop.
+    QueueReady(u32),
 }
 
 #[derive(Debug)]
@@ -166,6 +169,8 @@ pub(crate) struct HostState {
     pub done_calls: u32,
     pub root_set_properties: Vec<(Vec<String>, Vec<u8>)>,
     pub poisoned: Option<String>,
+    /// Shared queues this worker registered: id → name and items.
+    pub queues: BTreeMap<u32, (String, VecDeque<Vec<u8>>)>,
 }
 
 impl HostState {
@@ -192,6 +197,7 @@ impl HostState {
             done_calls: 0,
             root_set_properties: Vec::new(),
             poisoned: None,
+            queues: BTreeMap::new(),
         }
     }
 
@@ -967,6 +973,58 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
         }
         write_u32(&mut c, token_ptr, token)?;
         Ok(i(OK))
+    });
+
+    def!(d, ENV, "proxy_register_shared_queue", |mut c: C<'_>,
+                                                 np: i32,
+                                                 nl: i32,
+                                                 ret: i32|
+     -> Result<i32> {
+        let name = read_str(&mut c, np, nl)?;
+        let h = c.data_mut();
+        let id = match h.queues.iter().find(|(_, (n, _))| *n == name) {
+            Some((id, _)) => *id,
+            None => {
+                let id = h.queues.len() as u32 + 1;
+                h.queues.insert(id, (name, VecDeque::new()));
+                id
+            }
+        };
+        write_u32(&mut c, ret, id)?;
+        Ok(i(OK))
+    });
+
+    def!(d, ENV, "proxy_enqueue_shared_queue", |mut c: C<'_>,
+                                                id: i32,
+                                                vp: i32,
+                                                vl: i32|
+     -> Result<i32> {
+        let value = read(&mut c, vp, vl)?;
+        let h = c.data_mut();
+        let Some((_, items)) = h.queues.get_mut(&(id as u32)) else {
+            return Ok(i(NOT_FOUND));
+        };
+        items.push_back(value);
+        h.actions.push_back(AfterAction::QueueReady(id as u32));
+        Ok(i(OK))
+    });
+
+    def!(d, ENV, "proxy_dequeue_shared_queue", |mut c: C<'_>,
+                                                id: i32,
+                                                vpp: i32,
+                                                vsp: i32|
+     -> Result<i32> {
+        let item = match c.data_mut().queues.get_mut(&(id as u32)) {
+            None => return Ok(i(NOT_FOUND)),
+            Some((_, items)) => items.pop_front(),
+        };
+        match item {
+            Some(value) => {
+                alloc_copy(&mut c, &value, vpp, vsp)?;
+                Ok(i(OK))
+            }
+            None => Ok(i(EMPTY)),
+        }
     });
 
     def!(d, ENV, "proxy_set_effective_context", |mut c: C<'_>,

@@ -830,6 +830,12 @@ pub(crate) struct Inner {
     pub(crate) metrics: RefCell<BTreeMap<String, Metric>>,
     pub(crate) logs: RefCell<Vec<LogEntry>>,
     pub(crate) notes: RefCell<Vec<String>>,
+    /// How deep in `drive` the harness is: a stream's callback is not over
+    /// (its returned action not applied) until the outermost drive returns.
+    driving: Cell<u32>,
+    /// `proxy_on_queue_ready` calls Envoy posted to a worker's event loop
+    /// (worker, queue), delivered once no stream is being driven.
+    posted: RefCell<VecDeque<(usize, u32)>>,
 }
 
 impl Inner {
@@ -925,6 +931,8 @@ impl Harness {
             metrics: RefCell::default(),
             logs: RefCell::default(),
             notes: RefCell::default(),
+            driving: Cell::new(0),
+            posted: RefCell::default(),
         });
         let linker =
             host::linker(engine(), &module).map_err(|e| anyhow::anyhow!("linker: {e:?}"))?;
@@ -1216,6 +1224,12 @@ impl Harness {
                     });
                     self.drive(id);
                 }
+                AfterAction::QueueReady(queue) => {
+                    self.inner.posted.borrow_mut().push_back((w, queue));
+                    if self.inner.driving.get() == 0 {
+                        self.run_posted();
+                    }
+                }
                 AfterAction::Reset(ctx) => {
                     let id = StreamId {
                         worker: w,
@@ -1268,6 +1282,29 @@ impl Harness {
 
     /// Moves a stream forward as far as it goes without outside input.
     fn drive(&self, id: StreamId) {
+        self.inner.driving.set(self.inner.driving.get() + 1);
+        self.drive_phases(id);
+        self.inner.driving.set(self.inner.driving.get() - 1);
+        if self.inner.driving.get() == 0 {
+            self.run_posted();
+        }
+    }
+
+    /// Runs what Envoy posted to the workers' event loops: the queues' readiness.
+    fn run_posted(&self) {
+        loop {
+            let next = self.inner.posted.borrow_mut().pop_front();
+            let Some((w, queue)) = next else { return };
+            self.invoke::<(i32, i32), ()>(
+                w,
+                ROOT_CONTEXT_ID,
+                "proxy_on_queue_ready",
+                (ROOT_CONTEXT_ID as i32, queue as i32),
+            );
+        }
+    }
+
+    fn drive_phases(&self, id: StreamId) {
         let w = id.worker;
         let ctx = id.context_id as i32;
         loop {
@@ -1441,6 +1478,8 @@ impl Harness {
             "proxy_on_context_create",
             (ctx as i32, ROOT_CONTEXT_ID as i32),
         );
+        // Held until `drive` below: what Envoy posts waits for this callback's end.
+        self.inner.driving.set(self.inner.driving.get() + 1);
         let (n, eos) = self.with_stream(id, |s| {
             s.phase = StreamPhase::RequestHeaders;
             s.req_map_held = true;
@@ -1477,6 +1516,7 @@ impl Harness {
             }
         });
         self.deliver_request_body(id);
+        self.inner.driving.set(self.inner.driving.get() - 1);
         self.drive(id);
         id
     }
