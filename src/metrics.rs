@@ -332,16 +332,20 @@ pub enum Background {
     /// Tokens of lease debt dropped: a settlement past the debt's cap or
     /// after another bucket took the slot, or a slot in debt taken over.
     LeaseDebtDropped,
+    /// Batch calls posted (coalesced checks): the callouts behind
+    /// `ratelimit_wasm_global_calls`' checks.
+    GlobalBatches,
 }
 
 impl Background {
     /// Every counter, in a fixed order.
-    pub const ALL: [Background; 5] = [
+    pub const ALL: [Background; 6] = [
         Background::GlobalSettled,
         Background::GlobalSettleUnmatched,
         Background::GlobalSettleFailed,
         Background::LeaseUnreturned,
         Background::LeaseDebtDropped,
+        Background::GlobalBatches,
     ];
 
     /// The name given to Envoy.
@@ -352,6 +356,7 @@ impl Background {
             Background::GlobalSettleFailed => "ratelimit_wasm_global_settle_failed",
             Background::LeaseUnreturned => "ratelimit_wasm_lease_unreturned",
             Background::LeaseDebtDropped => "ratelimit_wasm_lease_debt_dropped",
+            Background::GlobalBatches => "ratelimit_wasm_global_batches",
         }
     }
 }

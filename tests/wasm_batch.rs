@@ -119,6 +119,7 @@ fn checks_wait_for_the_batch_in_flight_then_go_together_each_with_its_own_answer
     assert!(h.pending_http_calls().is_empty());
     h.flush_metrics();
     assert_eq!(h.metric("ratelimit_wasm_global_calls"), 6);
+    assert_eq!(h.metric("ratelimit_wasm_global_batches"), 3);
 }
 
 #[test]

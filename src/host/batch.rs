@@ -8,6 +8,7 @@ use super::worker::{log_transition, Req, Worker};
 use crate::decide::{self, Reply};
 use crate::global::callout::{self, AnswerError};
 use crate::global::coalesce::Member;
+use crate::metrics::Background;
 use crate::policy::plan::Plan;
 use proxy_wasm::hostcalls;
 use ratelimit_protocol::CheckResponse;
@@ -33,7 +34,12 @@ pub(super) fn post(w: &Worker, plan: &Plan, now: u64) {
         let waited_ms = now.saturating_sub(batch.oldest_ns()) / 1_000_000;
         let timeout_ms = g.timeout_ms.saturating_sub(waited_ms).max(1);
         match dispatch(plan, &batch.body, &bp.path, timeout_ms) {
-            Some(token) => w.coalescer.borrow_mut().posted(token, batch.members, now),
+            Some(token) => {
+                w.tally
+                    .borrow_mut()
+                    .background(Background::GlobalBatches, 1);
+                w.coalescer.borrow_mut().posted(token, batch.members, now);
+            }
             None => {
                 answered(w, plan, &batch.members, (None, &[]), now);
                 let _ = hostcalls::set_effective_context(w.root_id.get());

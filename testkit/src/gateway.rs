@@ -26,7 +26,8 @@ use crate::process::{read_log, start_retrying, tail, Failed, Process};
 /// How to start a [`Gateway`].
 #[derive(Debug, Clone)]
 pub struct GatewayOptions {
-    /// `--redis`, e.g. `redis://127.0.0.1:6379`.
+    /// `--redis`, e.g. `redis://127.0.0.1:6379`; or, starting with
+    /// [`CLUSTER`], the seeds of `--redis-cluster` ([`GatewayOptions::cluster`]).
     pub redis: String,
     /// Fixed listen port on 127.0.0.1; `None` picks a free one (and retries
     /// with another if it cannot bind).
@@ -45,7 +46,16 @@ pub struct GatewayOptions {
     pub policies: Vec<String>,
 }
 
+/// The [`GatewayOptions::redis`] prefix of a Redis Cluster's seeds.
+pub const CLUSTER: &str = "cluster:";
+
 impl GatewayOptions {
+    /// Defaults for a gateway in front of the Redis Cluster `seeds`
+    /// (`--redis-cluster`).
+    pub fn cluster(seeds: &[String]) -> Self {
+        Self::new(format!("{CLUSTER}{}", seeds.join(",")))
+    }
+
     /// Defaults for a gateway in front of the Redis at `redis_url`.
     pub fn new(redis_url: impl Into<String>) -> Self {
         GatewayOptions {
@@ -146,10 +156,13 @@ impl Gateway {
         if !self.opts.extra_args.iter().any(|a| a == "--auth-tokens") {
             cmd.arg("--insecure-no-auth");
         }
+        let backend = match self.opts.redis.strip_prefix(CLUSTER) {
+            Some(seeds) => ["--redis-cluster", seeds],
+            None => ["--redis", self.opts.redis.as_str()],
+        };
         cmd.arg("--listen")
             .arg(format!("127.0.0.1:{}", self.port))
-            .arg("--redis")
-            .arg(&self.opts.redis)
+            .args(backend)
             .args(&self.opts.extra_args)
             // A plain log file, without colour codes.
             .env("NO_COLOR", "1");

@@ -85,6 +85,8 @@ const E_JSON: &str = include_str!("bench/e.json");
 /// once, then the deny cache answers it, so the rejected half of the load is
 /// decided in global mode and the admitted half as in c1-f.
 const DF_JSON: &str = include_str!("bench/df.json");
+/// d's rule with one call per request (protocol version 2): d before coalescing.
+const D1_JSON: &str = include_str!("bench/d1.json");
 /// cu: c1's rule charged from the response body (`cost_from` with the
 /// `openai_chat` preset, reserve 100, max 4000; also read by
 /// `tests/bench_fuel.rs`).
@@ -127,7 +129,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 17] = [
+pub const VARIANTS: [Variant; 18] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -193,9 +195,18 @@ pub const VARIANTS: [Variant; 17] = [
     },
     Variant {
         id: "d",
-        what: "this filter, 1 global rule (gateway + Redis callout per request)",
+        what: "this filter, 1 global rule, checks coalesced (one batch call per worker in flight)",
         filter: FilterVariant::Shipped,
         plugin: D_JSON,
+        load: LoadMode::Spread,
+        path: "/",
+        needs_gateway: true,
+    },
+    Variant {
+        id: "d1",
+        what: "as d, one call per request (`coalesce_us: 0`, protocol version 2)",
+        filter: FilterVariant::Shipped,
+        plugin: D1_JSON,
         load: LoadMode::Spread,
         path: "/",
         needs_gateway: true,
@@ -482,6 +493,7 @@ fn run() -> Result<()> {
         load_lua: &load_lua,
         nproc: machine.nproc,
         infra_pids: infra.pids(),
+        redis: infra.redis.as_ref(),
     };
     let runs = ctx.run_variants()?;
     let gateway_runs = match (&infra.redis, &infra.gateway, &infra.gateway_auth) {

@@ -28,13 +28,27 @@ pub struct RunContext<'a> {
     pub nproc: usize,
     /// The long-running children (upstream, gateway, Redis), for the CPU accounting.
     pub infra_pids: Vec<u32>,
+    /// The gateway's Redis, whose `EVALSHA` calls each run counts.
+    pub redis: Option<&'a Redis>,
+}
+
+/// `EVALSHA` calls Redis has served (`INFO commandstats`).
+fn evalsha_calls(redis: &Redis) -> Result<f64> {
+    let stats = redis.cli(&["info", "commandstats"])?;
+    let calls = stats
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse::<f64>().ok());
+    Ok(calls.unwrap_or(0.0))
 }
 
 /// Counters read from the measured Envoy after a run (Prometheus names).
-const COUNTERS: [&str; 13] = [
+const COUNTERS: [&str; 14] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
+    "ratelimit_wasm_global_batches",
     "ratelimit_wasm_global_failures",
     "ratelimit_wasm_circuit_open_skips",
     "ratelimit_wasm_errors",
@@ -209,6 +223,8 @@ impl RunContext<'_> {
         let mut pids = self.infra_pids.clone();
         pids.push(envoy.pid());
         let counters_before = counters(envoy)?;
+        let redis = self.redis.filter(|_| v.needs_gateway);
+        let evalsha_before = redis.map(evalsha_calls).transpose()?;
         let workers_before = (0..2)
             .map(|w| worker_connections(envoy, w))
             .collect::<Result<Vec<_>>>()?;
@@ -222,6 +238,9 @@ impl RunContext<'_> {
         let mut counters = counters(envoy)?;
         for (name, value) in counters.iter_mut() {
             *value -= counters_before.get(name).copied().unwrap_or(0.0);
+        }
+        if let (Some(r), Some(before)) = (redis, evalsha_before) {
+            counters.insert("redis_evalsha".into(), evalsha_calls(r)? - before);
         }
         // How the kernel spread the measured run's connections over the workers.
         for (worker, before) in workers_before.iter().enumerate() {
