@@ -40,6 +40,20 @@ pub struct Report {
 
 /// Reads `file` (JSON when it starts with `{`, else YAML) and checks it.
 pub fn check_file(file: &str) -> Result<Report, String> {
+    let report = check(&read_bootstrap(file)?);
+    if report.listeners.is_empty() {
+        return Err(format!(
+            "{file}: no listener runs the ratelimit-wasm filter (an envoy.filters.http.wasm \
+             entry with root_id \"{ROOT_ID}\" or code file {WASM_FILE} in \
+             static_resources.listeners)"
+        ));
+    }
+    Ok(report)
+}
+
+/// Reads an Envoy bootstrap: JSON when it starts with `{`, else YAML (the
+/// project's template's bare `${NAME}` placeholders read as strings).
+pub fn read_bootstrap(file: &str) -> Result<Value, String> {
     let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: cannot read: {e}"))?;
     let doc: Value = if text.trim_start().starts_with('{') {
         serde_json::from_str(&text).map_err(|e| format!("{file}: not valid JSON: {e}"))?
@@ -52,15 +66,7 @@ pub fn check_file(file: &str) -> Result<Report, String> {
                 .map_err(|_| format!("{file}: not valid YAML: {e}"))?,
         }
     };
-    let report = check(&doc);
-    if report.listeners.is_empty() {
-        return Err(format!(
-            "{file}: no listener runs the ratelimit-wasm filter (an envoy.filters.http.wasm \
-             entry with root_id \"{ROOT_ID}\" or code file {WASM_FILE} in \
-             static_resources.listeners)"
-        ));
-    }
-    Ok(report)
+    Ok(doc)
 }
 
 /// `text` with every `${NAME}` placeholder (NAME of `A-Z`, `0-9`, `_`)
@@ -92,6 +98,20 @@ fn quote_placeholders(text: &str) -> String {
 /// Checks every listener of a parsed bootstrap.
 pub fn check(doc: &Value) -> Report {
     let mut report = Report::default();
+    for (name, hcm) in filter_hcms(doc) {
+        check_hcm(&name, hcm, &mut report);
+        if report.listeners.last() != Some(&name) {
+            report.listeners.push(name);
+        }
+    }
+    report
+}
+
+/// The HTTP connection managers of `doc`'s static listeners that run this
+/// filter, each with its listener's name (`listener "ingress"`, or
+/// `listener #2` without one), in order.
+pub fn filter_hcms(doc: &Value) -> Vec<(String, &Value)> {
+    let mut found = Vec::new();
     let listeners = doc
         .pointer("/static_resources/listeners")
         .and_then(Value::as_array);
@@ -107,21 +127,16 @@ pub fn check(doc: &Value) -> Report {
             .into_iter()
             .flatten()
             .chain(listener.get("default_filter_chain"));
-        let mut runs = false;
         for chain in chains {
             let filters = chain.get("filters").and_then(Value::as_array);
             for hcm in filters.into_iter().flatten().filter_map(hcm_config) {
                 if runs_the_filter(hcm) {
-                    runs = true;
-                    check_hcm(&name, hcm, &mut report);
+                    found.push((name.clone(), hcm));
                 }
             }
         }
-        if runs {
-            report.listeners.push(name);
-        }
     }
-    report
+    found
 }
 
 /// The `typed_config` of a network filter that is an HTTP connection manager.

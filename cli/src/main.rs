@@ -6,7 +6,8 @@
 //!   one: the limit closest to exhaustion); which requests each rule, quota
 //!   and cost applies to and what it keys on; what `cost_from` reserves and how
 //!   it settles, and `charge_on`; with `--response-body`, what the filter
-//!   would settle for that sample response.
+//!   would settle for that sample response; with `--envoy BOOTSTRAP`, which
+//!   of its routes pick which `limits_by` set.
 //! - `budget FILE... --provider-limit N/1m --headroom 10%`: whether the
 //!   service-wide global limits of several services sharing one paid upstream
 //!   fit under the provider's limit.
@@ -24,6 +25,7 @@ mod check_envoy;
 mod explain;
 mod matching;
 mod render;
+mod routes;
 
 use clap::{Parser, Subcommand};
 use ratelimit_config::{self as config, Config};
@@ -67,6 +69,10 @@ enum Command {
         /// The sample response's content type (`text/event-stream` for a stream).
         #[arg(long, requires = "response_body")]
         content_type: Option<String>,
+        /// An Envoy bootstrap (YAML or JSON): show which of its routes pick
+        /// which `limits_by` set, read from each route's metadata.
+        #[arg(long)]
+        envoy: Option<String>,
     },
     /// Check that service-wide global limits sum to under a provider's limit.
     Budget {
@@ -131,15 +137,20 @@ fn each_file(
     }
 }
 
-/// `explain`: the table, the charging section, and a sample's settlement.
+/// `explain`: the table, the charging section, a sample's settlement, and
+/// the routes of a bootstrap.
 fn explain(
     file: &str,
     body: Option<&str>,
     headers: &[String],
     status: u16,
     content_type: Option<String>,
+    envoy: Option<&str>,
 ) -> Result<(), String> {
     let c = load(file)?;
+    let bootstrap = envoy
+        .map(|f| check_envoy::read_bootstrap(f).map(|doc| (f, doc)))
+        .transpose()?;
     let sample = match body {
         None => None,
         Some(b) => {
@@ -166,6 +177,9 @@ fn explain(
     if let Some(s) = &sample {
         print!("{}", charging::settle(&c, s));
     }
+    if let Some((f, doc)) = &bootstrap {
+        print!("{}", routes::describe(&c, doc, f));
+    }
     Ok(())
 }
 
@@ -183,12 +197,14 @@ fn main() -> ExitCode {
             response_header,
             status,
             content_type,
+            envoy,
         } => explain(
             &file,
             response_body.as_deref(),
             &response_header,
             status,
             content_type,
+            envoy.as_deref(),
         ),
         Command::Budget {
             files,

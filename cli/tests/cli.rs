@@ -1433,3 +1433,67 @@ fn validate_and_explain_handle_limits_by() {
         r.stderr
     );
 }
+
+/// `explain --envoy`: the routes of docs/configuration.md's example, in a
+/// bootstrap whose listener runs the filter, each with the set its metadata
+/// picks.
+#[test]
+fn explain_with_a_bootstrap_shows_which_routes_pick_which_limits_by_set() {
+    let doc = std::fs::read_to_string(workspace().join("docs/configuration.md")).unwrap();
+    let fenced = |lang: &str, after: &str| -> String {
+        let start = doc.find(after).unwrap();
+        let open = format!("```{lang}\n");
+        let from = doc[start..].find(&open).unwrap() + start + open.len();
+        let len = doc[from..].find("```").unwrap();
+        doc[from..from + len].to_string()
+    };
+    let config = fenced(
+        "json",
+        "Envoy has no per-route configuration for a wasm filter.",
+    );
+    let routes = fenced(
+        "yaml",
+        "with the routes' metadata in Envoy's route configuration",
+    );
+    let indented: String = routes
+        .lines()
+        .map(|l| format!("              {l}\n"))
+        .collect();
+    let bootstrap = format!(
+        "static_resources:
+  listeners:
+  - name: ingress
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          route_config:
+            virtual_hosts:
+            - name: edge
+              domains: [\"*\"]
+{indented}          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              \"@type\": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config: {{ root_id: ratelimit }}
+          - name: envoy.filters.http.router
+"
+    );
+    let c = file("limits-by.json", &config);
+    let b = file("limits-by-bootstrap.yaml", &bootstrap);
+    let r = run(&["explain", &c, "--envoy", &b]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let at =
+        |route: &str| format!("listener \"ingress\", virtual host \"edge\", route \"{route}\"");
+    for line in [
+        format!("{}: set premium", at("premium_api")),
+        format!("{}: set basic", at("basic_api")),
+        format!(
+            "{}: the rule's own limits (no ratelimit/plan in its metadata)",
+            at("other")
+        ),
+    ] {
+        assert!(r.stdout.contains(&line), "{line}\n{}", r.stdout);
+    }
+}
