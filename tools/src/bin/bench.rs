@@ -85,6 +85,8 @@ const E_JSON: &str = include_str!("bench/e.json");
 /// once, then the deny cache answers it, so the rejected half of the load is
 /// decided in global mode and the admitted half as in c1-f.
 const DF_JSON: &str = include_str!("bench/df.json");
+/// A rule matched on host, route and query, keyed on the IPv4 /24 (`tests/bench_fuel.rs` too).
+const CM_JSON: &str = include_str!("bench/cm.json");
 /// d's rule with one call per request (protocol version 2): d before coalescing.
 const D1_JSON: &str = include_str!("bench/d1.json");
 /// cu: c1's rule charged from the response body (`cost_from` with the
@@ -102,6 +104,8 @@ pub enum LoadMode {
     Spread,
     /// Every other request from client `over`, whom the limiter rejects.
     Half,
+    /// As `Spread`, with `Host: api.example.com` (the path carries cm's query).
+    Matched,
 }
 
 impl LoadMode {
@@ -109,6 +113,7 @@ impl LoadMode {
         match self {
             LoadMode::Spread => "spread",
             LoadMode::Half => "half",
+            LoadMode::Matched => "matched",
         }
     }
 }
@@ -129,7 +134,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 18] = [
+pub const VARIANTS: [Variant; 19] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -191,6 +196,15 @@ pub const VARIANTS: [Variant; 18] = [
         plugin: CC_JSON,
         load: LoadMode::Spread,
         path: "/",
+        needs_gateway: false,
+    },
+    Variant {
+        id: "cm",
+        what: "this filter, 1 rule matched on host, route name and query, keyed on the IPv4 /24",
+        filter: FilterVariant::Shipped,
+        plugin: CM_JSON,
+        load: LoadMode::Matched,
+        path: "/?api_key=bench",
         needs_gateway: false,
     },
     Variant {

@@ -27,7 +27,7 @@ fn color_of(id: &str) -> RGBColor {
         "a" | "a2" | "a3" => RGBColor(140, 140, 140),
         "b" => RGBColor(230, 145, 56),
         "b-f" => RGBColor(246, 196, 140),
-        "c1" | "c4" | "cc" | "c1-1k" | "c1-64k" => RGBColor(54, 110, 190),
+        "c1" | "c4" | "cc" | "cm" | "c1-1k" | "c1-64k" => RGBColor(54, 110, 190),
         "cu-1k" | "cu-64k" => RGBColor(90, 160, 200),
         "c1-f" => RGBColor(140, 175, 225),
         "d" | "d1" => RGBColor(120, 80, 170),

@@ -177,6 +177,33 @@ fn hcm<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Value> {
     field(&mut filters[0], "typed_config")
 }
 
+/// The ingress listener's one route gets the name `api` in every variant,
+/// so that cm's `match.route` holds (a route's name changes nothing else).
+fn name_the_route(doc: &mut Value) -> Result<()> {
+    let hosts = seq(
+        field(
+            field(hcm(doc, "ingress")?, "route_config")?,
+            "virtual_hosts",
+        )?,
+        "virtual_hosts",
+    )?;
+    let [host] = hosts.as_mut_slice() else {
+        bail!(
+            "the ingress listener has {} virtual hosts, not 1",
+            hosts.len()
+        );
+    };
+    let routes = seq(field(host, "routes")?, "routes")?;
+    let [route] = routes.as_mut_slice() else {
+        bail!("the ingress listener has {} routes, not 1", routes.len());
+    };
+    route
+        .as_mapping_mut()
+        .context("the ingress route is not a mapping")?
+        .insert("name".into(), "api".into());
+    Ok(())
+}
+
 /// The `http_filters` list of listener `listener`'s (only) HTTP connection manager.
 fn http_filters<'a>(doc: &'a mut Value, listener: &str) -> Result<&'a mut Vec<Value>> {
     seq(field(hcm(doc, listener)?, "http_filters")?, "http_filters")
@@ -268,6 +295,7 @@ pub fn proxy_config(
     if let Some(m) = hcm(&mut doc, "ingress")?.as_mapping_mut() {
         m.remove("access_log");
     }
+    name_the_route(&mut doc)?;
     let filters = http_filters(&mut doc, "ingress")?;
     let at = filters
         .iter()

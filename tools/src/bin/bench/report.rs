@@ -16,7 +16,7 @@ pub const BEGIN: &str = "<!-- bench:begin -->";
 pub const END: &str = "<!-- bench:end -->";
 
 /// The targets: (variant, reference, goal).
-pub const TARGETS: [(&str, &str, f64); 14] = [
+pub const TARGETS: [(&str, &str, f64); 15] = [
     ("c1", "a2", 0.95),
     ("c4", "a2", 0.95),
     ("c1", "b", 0.88),
@@ -24,6 +24,8 @@ pub const TARGETS: [(&str, &str, f64); 14] = [
     ("c4", "c1", 0.95),
     // A concurrency cap: a slot taken and given back per request.
     ("cc", "c1", 0.90),
+    // Matching on host, route and query, keying on an address prefix.
+    ("cm", "c1", 0.95),
     // Global checks coalesced, against Envoy alone, the native filter on
     // the gateway, and one call per request.
     ("d", "a", 0.65),
@@ -255,7 +257,9 @@ fn checks(s: &Session, id: &str, load: LoadMode) -> String {
             "{requests} requests, {:.1} % answered 429",
             100.0 * non_2xx as f64 / requests.max(1) as f64
         )),
-        LoadMode::Spread => out.push(format!("{requests} requests, {non_2xx} non-2xx")),
+        LoadMode::Spread | LoadMode::Matched => {
+            out.push(format!("{requests} requests, {non_2xx} non-2xx"))
+        }
     }
     if socket > 0 {
         out.push(format!("{socket} socket errors"));
