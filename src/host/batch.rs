@@ -48,12 +48,15 @@ pub(super) fn post(w: &Worker, plan: &Plan, now: u64) {
     }
 }
 
-/// The tick's part: posts the queue when no wake came in time.
+/// The tick's part: posts the queue when no wake came in time (and asks
+/// for wakes again: a wake the host lost would otherwise leave every later
+/// check to the tick).
 pub(super) fn tick(w: &Worker, plan: &Plan, now: u64) {
     let Some(bp) = plan.global.as_ref().and_then(|g| g.batch.as_ref()) else {
         return;
     };
     if w.coalescer.borrow().due(bp, now) {
+        w.coalescer.borrow_mut().wake_served();
         post(w, plan, now);
     }
 }
