@@ -148,40 +148,11 @@ pub fn check_batch_once(redis: &Redis, sha: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs `redis-benchmark` with `requests` EVALSHA calls of `check.lua` over
-/// `connections` connections, keys drawn from [`CLIENTS`] (`-r`), no
-/// pipelining.
+/// Runs `redis-benchmark` with `requests` calls of `line` ([`evalsha_args`]
+/// or [`batch_evalsha_args`] of client `c__rand_int__`: each placeholder
+/// drawn apart from [`CLIENTS`] keys, `-r`) over `connections` connections,
+/// no pipelining.
 pub fn redis_benchmark(
-    redis: &Redis,
-    sha: &str,
-    connections: u32,
-    requests: u64,
-) -> Result<BenchResult> {
-    redis_benchmark_line(
-        redis,
-        evalsha_args(sha, "c__rand_int__"),
-        connections,
-        requests,
-    )
-}
-
-/// [`redis_benchmark`] of the batch script: each call [`BATCH_CHECKS`]
-/// checks, each of its own random client.
-pub fn redis_benchmark_batch(
-    redis: &Redis,
-    sha: &str,
-    connections: u32,
-    requests: u64,
-) -> Result<BenchResult> {
-    redis_benchmark_line(
-        redis,
-        batch_evalsha_args(sha, "c__rand_int__"),
-        connections,
-        requests,
-    )
-}
-
-fn redis_benchmark_line(
     redis: &Redis,
     line: Vec<String>,
     connections: u32,

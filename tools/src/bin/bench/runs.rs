@@ -248,6 +248,20 @@ impl RunContext<'_> {
         })
     }
 
+    /// `redis-benchmark` of `line` for about `--seconds`: its request count
+    /// calibrated by a first run of `probe` requests.
+    fn redis_benchmark_timed(
+        &self,
+        redis: &Redis,
+        line: Vec<String>,
+        probe: u64,
+    ) -> Result<gateway::BenchResult> {
+        let connections = self.args.connections;
+        let first = gateway::redis_benchmark(redis, line.clone(), connections, probe)?;
+        let n = (first.rps * f64::from(self.args.seconds)).max(probe as f64) as u64;
+        gateway::redis_benchmark(redis, line, connections, n)
+    }
+
     fn run_gateway(
         &self,
         repeat: u32,
@@ -320,10 +334,8 @@ impl RunContext<'_> {
             self.args.seconds,
             &grpc_dir,
         )?;
-        // Calibrate redis-benchmark's request count to last about as long.
-        let probe = gateway::redis_benchmark(redis, sha, self.args.connections, 20_000)?;
-        let n = (probe.rps * f64::from(self.args.seconds)).max(20_000.0) as u64;
-        let redis_result = gateway::redis_benchmark(redis, sha, self.args.connections, n)?;
+        let line = gateway::evalsha_args(sha, "c__rand_int__");
+        let redis_result = self.redis_benchmark_timed(redis, line, 20_000)?;
         // Batches: the plain gateway's /v3/check, then the batch script raw.
         let mut batched = load.clone();
         batched.url = g.url("/v3/check");
@@ -336,10 +348,8 @@ impl RunContext<'_> {
         wrk::run(&batched).context("batch warm-up")?;
         batched.seconds = self.args.seconds;
         let batch = wrk::run(&batched)?;
-        let probe = gateway::redis_benchmark_batch(redis, batch_sha, self.args.connections, 2_000)?;
-        let n = (probe.rps * f64::from(self.args.seconds)).max(2_000.0) as u64;
-        let redis_batch =
-            gateway::redis_benchmark_batch(redis, batch_sha, self.args.connections, n)?;
+        let line = gateway::batch_evalsha_args(batch_sha, "c__rand_int__");
+        let redis_batch = self.redis_benchmark_timed(redis, line, 2_000)?;
         let after = machine::CpuSnapshot::take(&self.infra_pids);
         Ok(GatewayRun {
             repeat,
