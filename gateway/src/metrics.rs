@@ -2,7 +2,8 @@
 //! several servers can run in one test process).
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Results of `/v1/check` (`allowed`, `denied`), `/v1/lease` (`lease`,
@@ -45,9 +46,11 @@ pub const WARNING_KINDS: [&str; 9] = [
     "readonly",
     "key_budget",
 ];
-/// Redis operations, as the `op` label.
-pub const OPS: [&str; 9] = [
+/// Redis operations, as the `op` label (`batch`: one `batch.lua` call,
+/// every check of a `/v3/check` batch of one cluster slot).
+pub const OPS: [&str; 10] = [
     "check",
+    "batch",
     "peek",
     "refund",
     "settle",
@@ -78,6 +81,10 @@ pub const CHARGE_FAILURES: [&str; 3] = ["timeout", "reply", "client_gone"];
 /// Which read took too long, as the `phase` label: `handshake` (TLS),
 /// `header`, `body`.
 pub const TIMEOUT_PHASES: [&str; 3] = ["handshake", "header", "body"];
+
+/// The buckets (upper bounds) of `ratelimit_gateway_batch_checks`, up to
+/// [`ratelimit_protocol::MAX_BATCH`].
+pub const BATCH_SIZES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, ratelimit_protocol::MAX_BATCH];
 
 /// The `listener` label values of `connections_refused_total`.
 pub const LISTENERS: [&str; 2] = ["http", "grpc"];
@@ -130,6 +137,9 @@ pub struct Metrics {
     /// because they would create a key past the key budget of a hash tag of
     /// the domain (the domain is the policy's).
     pub key_budget_refusals: IntCounterVec,
+    /// `ratelimit_gateway_batch_checks`: checks per `/v3/check` batch
+    /// decided (resolved by the policy; a refused batch is not observed).
+    pub batch_checks: Histogram,
 }
 
 impl Metrics {
@@ -248,6 +258,14 @@ impl Metrics {
             &["domain"],
         )?;
         registry.register(Box::new(key_budget_refusals.clone()))?;
+        let batch_checks = Histogram::with_opts(
+            HistogramOpts::new(
+                "ratelimit_gateway_batch_checks",
+                "Checks per /v3/check batch decided.",
+            )
+            .buckets(BATCH_SIZES.iter().map(|&b| b as f64).collect()),
+        )?;
+        registry.register(Box::new(batch_checks.clone()))?;
         registry.register(Box::new(auth_failures.clone()))?;
         registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(charged_then_failed.clone()))?;
@@ -316,6 +334,7 @@ impl Metrics {
             connections_refused,
             deny_cache_hits,
             key_budget_refusals,
+            batch_checks,
         })
     }
 

@@ -36,6 +36,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use futures_util::future::join_all;
 use redis::cluster_routing::Slot;
 
 use crate::clock::{Clock, RedisTime};
@@ -48,7 +49,9 @@ use crate::protocol::{
     VERSION,
 };
 use crate::redis::keys::{self, Group, LimitKey, QuotaKey};
-use crate::redis::script::{self, CheckReply, LimitVerdict, Mode, QuotaVerdict, StageVerdict};
+use crate::redis::script::{
+    self, BatchEntry, CheckReply, LimitVerdict, Mode, QuotaVerdict, StageVerdict,
+};
 use crate::redis::store::{Store, StoreError};
 
 /// The check logic over a [`Store`].
@@ -76,6 +79,25 @@ enum Outcome {
     Denied,
     /// A bucket of the deny cache answered: nothing was charged.
     Cached,
+}
+
+/// A check before its decision ([`Limiter::prepare`]).
+struct Prepared {
+    /// Each bucket's keys for the deny cache ([`Limiter::bucket_keys`]).
+    bucket_keys: Vec<Vec<String>>,
+    /// What the deny cache answers for each bucket.
+    cached: Vec<Option<Vec<LimitVerdict>>>,
+    /// Its keys: one group on a single Redis, one per slot on a cluster.
+    groups: Vec<Group>,
+    /// When it was asked, for the deny cache.
+    asked_at: Instant,
+}
+
+impl Prepared {
+    /// Whether the deny cache answers it (denied, without a charge).
+    fn is_cached(&self) -> bool {
+        self.cached.iter().any(Option::is_some)
+    }
 }
 
 /// The verdicts gathered so far, in the request's order.
@@ -149,21 +171,116 @@ impl Limiter {
 
     /// Checks a resolved request, all or nothing, at the limiter's clock.
     pub async fn check(&self, req: &Resolved) -> Result<CheckResponse, StoreError> {
-        let answer = self.check_groups(req).await;
-        if let Err(e) = &answer {
-            if e.kind() == "key_budget" {
-                // The domain is the policy's (resolved), so the label's values are bounded.
-                self.metrics
-                    .key_budget_refusals
-                    .with_label_values(&[req.domain.as_str()])
-                    .inc();
-            }
-        }
-        answer
+        let prepared = self.prepare(req);
+        let mut verdicts = Verdicts::new(req);
+        let outcome = self.decide_alone(req, &prepared, &mut verdicts).await;
+        self.conclude(req, &prepared, verdicts, outcome)
     }
 
-    /// The steps of one check: deny cache, charge in slot order, answers.
-    async fn check_groups(&self, req: &Resolved) -> Result<CheckResponse, StoreError> {
+    /// Checks the resolved checks of one batch (`POST /v3/check`), each
+    /// answered as [`Limiter::check`] answers it alone, taken in arrival
+    /// order; one answer per check, in order. A check's error (its Redis
+    /// call failed, or it would pass the key budget) is its own: the others
+    /// are still decided.
+    ///
+    /// The checks whose keys lie in one group (on a single Redis every
+    /// check; on a cluster every check of one slot) and that the deny cache
+    /// does not answer go in one `batch.lua` call per slot (the slots' calls
+    /// run at once), which decides them in arrival order. The others take
+    /// the path of a check alone, after those calls and in arrival order: a
+    /// check the deny cache answers (it writes nothing), and on a cluster a
+    /// check whose keys span slots (charged slot by slot, with refunds).
+    pub async fn check_batch(&self, reqs: &[Resolved]) -> Vec<Result<CheckResponse, StoreError>> {
+        self.metrics.batch_checks.observe(reqs.len() as f64);
+        let prepared: Vec<Prepared> = reqs.iter().map(|r| self.prepare(r)).collect();
+        let mut lots: Vec<(Option<Slot>, Vec<usize>)> = Vec::new();
+        for (i, p) in prepared.iter().enumerate() {
+            let [group] = p.groups.as_slice() else {
+                continue;
+            };
+            if p.is_cached() {
+                continue;
+            }
+            let slot = self.slot_of(group);
+            match lots.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => lots.push((slot, vec![i])),
+            }
+        }
+        let calls = lots
+            .iter()
+            .map(|(_, members)| self.run_lot(reqs, &prepared, members));
+        let mut replies: Vec<Option<Result<CheckReply, StoreError>>> =
+            reqs.iter().map(|_| None).collect();
+        for ((_, members), answers) in lots.iter().zip(join_all(calls).await) {
+            for (&i, answer) in members.iter().zip(answers) {
+                if let Some(slot) = replies.get_mut(i) {
+                    *slot = Some(answer);
+                }
+            }
+        }
+        let mut answers = Vec::with_capacity(reqs.len());
+        for ((req, p), reply) in reqs.iter().zip(&prepared).zip(replies) {
+            let mut verdicts = Verdicts::new(req);
+            let outcome = match (reply, p.groups.first()) {
+                (Some(Ok(reply)), Some(group)) => {
+                    verdicts.place(group, &reply);
+                    Ok(if reply.allowed {
+                        Outcome::Allowed
+                    } else {
+                        Outcome::Denied
+                    })
+                }
+                (Some(Err(e)), _) => Err(e),
+                _ => self.decide_alone(req, p, &mut verdicts).await,
+            };
+            answers.push(self.conclude(req, p, verdicts, outcome));
+        }
+        answers
+    }
+
+    /// One `batch.lua` call for the checks `members` of `reqs` (one group
+    /// each, all of one slot): each check's reply, or its error (the call's
+    /// own for all of them when the call failed).
+    async fn run_lot(
+        &self,
+        reqs: &[Resolved],
+        prepared: &[Prepared],
+        members: &[usize],
+    ) -> Vec<Result<CheckReply, StoreError>> {
+        let mut groups = Vec::with_capacity(members.len());
+        let mut calls = Vec::with_capacity(members.len());
+        for &i in members {
+            if let (Some(req), Some(group)) =
+                (reqs.get(i), prepared.get(i).and_then(|p| p.groups.first()))
+            {
+                let reservation = req.reservation.as_deref();
+                calls.push(self.call_args(group, Mode::Charge, &req.domain, reservation));
+                groups.push(group);
+            }
+        }
+        let (keys, args) = script::batch_args(&calls);
+        let entries = self
+            .store
+            .eval::<Vec<redis::Value>>(script::batch(), &keys, &args, "batch")
+            .await
+            .and_then(|r| script::parse_batch_reply(r, groups.len()).map_err(StoreError::Reply));
+        match entries {
+            Err(e) => groups.iter().map(|_| Err(e.clone())).collect(),
+            Ok(entries) => entries
+                .into_iter()
+                .zip(groups)
+                .map(|(entry, group)| match entry {
+                    BatchEntry::Reply(reply) => read_reply(group, &reply),
+                    BatchEntry::Error(text) => Err(StoreError::of_script(&text)),
+                })
+                .collect(),
+        }
+    }
+
+    /// What a check needs before it is decided: its keys, what the deny
+    /// cache answers, its groups.
+    fn prepare(&self, req: &Resolved) -> Prepared {
         let limits = keys::limit_keys(&self.prefix, req);
         let quotas = keys::quota_keys(&self.prefix, req);
         // Counted from before the call: never longer than Redis's own wait.
@@ -178,19 +295,66 @@ impl Limiter {
             })
             .collect();
         let groups = self.groups(limits, quotas);
-        let mut verdicts = Verdicts::new(req);
-        let outcome = if cached.iter().any(Option::is_some) {
+        Prepared {
+            bucket_keys,
+            cached,
+            groups,
+            asked_at,
+        }
+    }
+
+    /// The steps of one check alone: the deny cache, or the charge in slot
+    /// order.
+    async fn decide_alone(
+        &self,
+        req: &Resolved,
+        p: &Prepared,
+        verdicts: &mut Verdicts,
+    ) -> Result<Outcome, StoreError> {
+        if p.is_cached() {
             self.metrics.deny_cache_hits.inc();
-            verdicts.place_cached(&cached);
-            self.peek_uncached(&groups, &cached, &mut verdicts, &req.domain)
+            verdicts.place_cached(&p.cached);
+            self.peek_uncached(&p.groups, &p.cached, verdicts, &req.domain)
                 .await?;
-            Outcome::Cached
+            Ok(Outcome::Cached)
         } else {
-            self.charge_in_order(&groups, &mut verdicts, req).await?
-        };
+            self.charge_in_order(&p.groups, verdicts, req).await
+        }
+    }
+
+    /// A decided check's answer (the deny cache remembering its denial, its
+    /// denials counted), or its error (counted when it is the key budget).
+    fn conclude(
+        &self,
+        req: &Resolved,
+        p: &Prepared,
+        verdicts: Verdicts,
+        outcome: Result<Outcome, StoreError>,
+    ) -> Result<CheckResponse, StoreError> {
+        let answer = outcome.and_then(|outcome| self.answer(req, p, verdicts, outcome));
+        if let Err(e) = &answer {
+            if e.kind() == "key_budget" {
+                // The domain is the policy's (resolved), so the label's values are bounded.
+                self.metrics
+                    .key_budget_refusals
+                    .with_label_values(&[req.domain.as_str()])
+                    .inc();
+            }
+        }
+        answer
+    }
+
+    /// The answer from every verdict of a decided check.
+    fn answer(
+        &self,
+        req: &Resolved,
+        p: &Prepared,
+        verdicts: Verdicts,
+        outcome: Outcome,
+    ) -> Result<CheckResponse, StoreError> {
         let buckets = limit_results(req, verdicts.limits, &verdicts.stages)?;
         if outcome == Outcome::Denied {
-            self.remember_denial(&bucket_keys, &buckets, req, asked_at);
+            self.remember_denial(&p.bucket_keys, &buckets, req, p.asked_at);
         }
         let quotas = quota_results(req, verdicts.quotas)?;
         let allowed = outcome == Outcome::Allowed;
@@ -423,28 +587,41 @@ impl Limiter {
         domain: &str,
         reservation: Option<&str>,
     ) -> Result<CheckReply, StoreError> {
-        let (ledger, budget) = self.ledger(group, domain);
-        let record = reservation.map(|id| keys::record_key(&ledger, id));
-        let record = record.as_deref().map(|r| (r, self.record_ms));
-        let spread = spread();
-        let (keys, args) =
-            script::check_args(group, mode, self.clock(), (&ledger, budget), record, spread);
+        let (keys, args) = self.call_args(group, mode, domain, reservation);
         let op = match mode {
             Mode::Charge => "check",
             Mode::Peek => "peek",
         };
         let reply: Vec<i64> = self.store.eval(script::check(), &keys, &args, op).await?;
-        let special = script::special_count(&group.limits);
-        script::parse_check_reply(&reply, group.limits.len(), group.quotas.len(), special)
-            .map_err(StoreError::Reply)
+        read_reply(group, &reply)
     }
 
-    /// The domain's ledger of live keys for `group` and its budget: one per
-    /// domain on a single Redis; on a cluster one per domain and slot (the
-    /// script's keys share a slot), with [`keys::slot_budget`].
-    fn ledger(&self, group: &Group, domain: &str) -> (String, u64) {
+    /// The keys and arguments of `check.lua` for `group`.
+    fn call_args(
+        &self,
+        group: &Group,
+        mode: Mode,
+        domain: &str,
+        reservation: Option<&str>,
+    ) -> (Vec<String>, Vec<String>) {
+        let (ledger, budget) = self.ledger(group, domain);
+        let record = reservation.map(|id| keys::record_key(&ledger, id));
+        let record = record.as_deref().map(|r| (r, self.record_ms));
+        script::check_args(
+            group,
+            mode,
+            self.clock(),
+            (&ledger, budget),
+            record,
+            spread(),
+        )
+    }
+
+    /// The cluster slot of `group`'s keys (they share one); `None` on a
+    /// single Redis, where every key is in one place.
+    fn slot_of(&self, group: &Group) -> Option<Slot> {
         if !self.store.is_cluster() {
-            return (keys::live_ledger(&self.prefix, domain), self.key_budget);
+            return None;
         }
         let first = group
             .limits
@@ -452,7 +629,16 @@ impl Limiter {
             .map(|l| l.key.as_str())
             .or_else(|| group.quotas.first().map(|q| q.base.as_str()))
             .unwrap_or_default();
-        let slot = Slot::for_key(first.as_bytes());
+        Some(Slot::for_key(first.as_bytes()))
+    }
+
+    /// The domain's ledger of live keys for `group` and its budget: one per
+    /// domain on a single Redis; on a cluster one per domain and slot (the
+    /// script's keys share a slot), with [`keys::slot_budget`].
+    fn ledger(&self, group: &Group, domain: &str) -> (String, u64) {
+        let Some(slot) = self.slot_of(group) else {
+            return (keys::live_ledger(&self.prefix, domain), self.key_budget);
+        };
         let mut cache = self.ledgers.lock().unwrap_or_else(|e| e.into_inner());
         let ledger = cache
             .entry((domain.to_string(), slot))
@@ -569,6 +755,13 @@ impl Verdicts {
             }
         }
     }
+}
+
+/// A `check.lua` reply for `group`, decoded.
+fn read_reply(group: &Group, reply: &[i64]) -> Result<CheckReply, StoreError> {
+    let special = script::special_count(&group.limits);
+    script::parse_check_reply(reply, group.limits.len(), group.quotas.len(), special)
+        .map_err(StoreError::Reply)
 }
 
 /// Every limit's answer, in the request's order.

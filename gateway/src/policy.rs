@@ -40,8 +40,8 @@ use std::path::PathBuf;
 use ratelimit_config::key::{bounded, encode_part};
 use ratelimit_config::{self as plugin, KeyPart, QuotaCount, Scope};
 use ratelimit_protocol::{
-    Algorithm, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef, Settlement, Variant,
-    Watch,
+    Algorithm, BatchRequest, BucketRef, CheckRequest, LeaseRequest, Limit, Period, QuotaRef,
+    Settlement, Variant, Watch,
 };
 
 use crate::reload::Source;
@@ -519,66 +519,35 @@ impl Policy {
     /// Resolves a validated check request, or the 400 message.
     pub fn resolve_check(&self, req: &CheckRequest) -> Result<Resolved, String> {
         let d = self.domain(&req.domain)?;
-        if req.buckets.len() > d.rules.len() {
-            return Err(format!(
-                "buckets: domain `{}` has {} global rules, so at most {} buckets, got {}",
-                req.domain,
-                d.rules.len(),
-                d.rules.len(),
-                req.buckets.len()
-            ));
-        }
-        if req.quotas.len() > d.quotas.len() {
-            return Err(format!(
-                "quotas: domain `{}` has {} quotas, got {}",
-                req.domain,
-                d.quotas.len(),
-                req.quotas.len()
-            ));
-        }
-        let mut seen = Seen::with_capacity(req.buckets.len());
-        let mut buckets = Vec::with_capacity(req.buckets.len());
-        for (b, bucket) in req.buckets.iter().enumerate() {
-            let at = At::item("buckets", b);
-            if !seen.insert(&bucket.rule) {
-                return Err(format!(
-                    "{}: rule `{}` named twice in one request",
-                    at.field("rule"),
-                    bucket.rule
-                ));
-            }
-            let resolved = resolve_bucket(at, &req.domain, d, bucket)?;
-            if req.reservation.is_none() && resolved.limits.iter().any(|l| l.in_flight) {
-                return Err(format!(
-                    "{}: rule `{}` is a concurrency rule: its check needs a reservation, \
-                     under which the slot is released",
-                    at.field("rule"),
-                    bucket.rule
-                ));
-            }
-            buckets.push(resolved);
-        }
-        let mut seen = Seen::with_capacity(req.quotas.len());
-        let mut quotas = Vec::with_capacity(req.quotas.len());
-        for (q, quota) in req.quotas.iter().enumerate() {
-            let at = At::item("quotas", q);
-            if !seen.insert(&quota.quota) {
-                return Err(format!(
-                    "{}: quota `{}` named twice in one request",
-                    at.field("quota"),
-                    quota.quota
-                ));
-            }
-            quotas.push(resolve_quota(at, &req.domain, d, quota)?);
-        }
-        Ok(Resolved {
-            domain: req.domain.clone(),
-            buckets,
-            quotas,
-            reservation: req.reservation.clone(),
-        })
+        resolve_items(
+            &req.domain,
+            d,
+            &req.buckets,
+            &req.quotas,
+            req.reservation.as_deref(),
+        )
     }
 
+    /// Resolves every check of a validated batch, or the 400 message of the
+    /// first that does not resolve, its field path under `checks[c].`: the
+    /// batch is refused whole.
+    pub fn resolve_batch(&self, req: &BatchRequest) -> Result<Vec<Resolved>, String> {
+        let d = self.domain(&req.domain)?;
+        req.checks
+            .iter()
+            .enumerate()
+            .map(|(c, check)| {
+                resolve_items(
+                    &req.domain,
+                    d,
+                    &check.buckets,
+                    &check.quotas,
+                    check.reservation.as_deref(),
+                )
+                .map_err(|e| format!("checks[{c}].{e}"))
+            })
+            .collect()
+    }
     /// Resolves one settlement of a validated settle request (`at`:
     /// `settlements[2]`), or the 400 message: every bucket's rule and every
     /// quota must settle, and each real cost be within the policy's `max`.
@@ -762,6 +731,75 @@ impl Policy {
             ttl_ms: lease.ttl_ms,
         })
     }
+}
+
+/// One check's buckets, quotas and reservation resolved in domain `d`
+/// (named `domain`), or the 400 message.
+fn resolve_items(
+    domain: &str,
+    d: &Domain,
+    bucket_refs: &[BucketRef],
+    quota_refs: &[QuotaRef],
+    reservation: Option<&str>,
+) -> Result<Resolved, String> {
+    if bucket_refs.len() > d.rules.len() {
+        return Err(format!(
+            "buckets: domain `{}` has {} global rules, so at most {} buckets, got {}",
+            domain,
+            d.rules.len(),
+            d.rules.len(),
+            bucket_refs.len()
+        ));
+    }
+    if quota_refs.len() > d.quotas.len() {
+        return Err(format!(
+            "quotas: domain `{}` has {} quotas, got {}",
+            domain,
+            d.quotas.len(),
+            quota_refs.len()
+        ));
+    }
+    let mut seen = Seen::with_capacity(bucket_refs.len());
+    let mut buckets = Vec::with_capacity(bucket_refs.len());
+    for (b, bucket) in bucket_refs.iter().enumerate() {
+        let at = At::item("buckets", b);
+        if !seen.insert(&bucket.rule) {
+            return Err(format!(
+                "{}: rule `{}` named twice in one request",
+                at.field("rule"),
+                bucket.rule
+            ));
+        }
+        let resolved = resolve_bucket(at, domain, d, bucket)?;
+        if reservation.is_none() && resolved.limits.iter().any(|l| l.in_flight) {
+            return Err(format!(
+                "{}: rule `{}` is a concurrency rule: its check needs a reservation, \
+                 under which the slot is released",
+                at.field("rule"),
+                bucket.rule
+            ));
+        }
+        buckets.push(resolved);
+    }
+    let mut seen = Seen::with_capacity(quota_refs.len());
+    let mut quotas = Vec::with_capacity(quota_refs.len());
+    for (q, quota) in quota_refs.iter().enumerate() {
+        let at = At::item("quotas", q);
+        if !seen.insert(&quota.quota) {
+            return Err(format!(
+                "{}: quota `{}` named twice in one request",
+                at.field("quota"),
+                quota.quota
+            ));
+        }
+        quotas.push(resolve_quota(at, domain, d, quota)?);
+    }
+    Ok(Resolved {
+        domain: domain.to_string(),
+        buckets,
+        quotas,
+        reservation: reservation.map(str::to_string),
+    })
 }
 
 fn resolve_bucket(

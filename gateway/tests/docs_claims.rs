@@ -1,6 +1,8 @@
 //! What `gateway/README.md` says, held against the gateway: the flag table is
-//! the parser's flags, a body over 1 MiB gets 413, and a gateway started
-//! before its Redis answers 503 (and `/healthz` says down) until Redis is up.
+//! the parser's flags, the metrics table names every metric the gateway
+//! exports and every `op` of its Redis calls, a body over 1 MiB gets 413,
+//! and a gateway started before its Redis answers 503 (and `/healthz` says
+//! down) until Redis is up.
 
 mod common;
 
@@ -70,6 +72,56 @@ fn the_flag_table_is_the_parsers_flags() {
     parsed.sort();
     documented.sort();
     assert_eq!(documented, parsed, "gateway/README.md flag table vs clap");
+}
+
+#[test]
+fn the_metrics_table_names_every_metric_and_redis_op() {
+    let text = readme();
+    let table = text
+        .split("`GET /metrics` (Prometheus text):")
+        .nth(1)
+        .expect("gateway/README.md has a metrics table");
+    let rows: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    let name = |row: &str| row.split('`').nth(1).unwrap_or_default().to_string();
+    let mut documented: Vec<String> = rows.iter().map(|r| name(r)).collect();
+    let metrics = ratelimit_gateway::metrics::Metrics::new().unwrap();
+    // A family with labels but no value yet is not exported: given one.
+    metrics.key_budget_refusals.with_label_values(&["d"]);
+    let mut exported: Vec<String> = metrics
+        .registry()
+        .gather()
+        .iter()
+        .map(|f| f.name().to_string())
+        .collect();
+    documented.sort();
+    exported.sort();
+    assert_eq!(
+        documented, exported,
+        "gateway/README.md metrics table vs the registry"
+    );
+    let ops = rows
+        .iter()
+        .find(|r| name(r) == "ratelimit_gateway_redis_duration_seconds")
+        .unwrap();
+    let listed: Vec<&str> = ops
+        .split("`op` = ")
+        .nth(1)
+        .and_then(|r| r.split(';').next())
+        .unwrap()
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .collect();
+    assert_eq!(
+        listed,
+        ratelimit_gateway::metrics::OPS,
+        "the op label's values"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

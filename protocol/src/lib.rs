@@ -212,8 +212,41 @@ pub struct BatchRequest {
     pub version: u32,
     /// The policy's `domain`, for every check.
     pub domain: String,
-    /// 1 to [`MAX_BATCH`] checks.
+    /// 1 to [`MAX_BATCH`] checks. Read up to one past [`MAX_BATCH`]: the
+    /// checks after that are skipped unread into memory, so a body of 10^5
+    /// checks holds no more than that one over the bound.
+    #[serde(deserialize_with = "checks_past_the_bound")]
     pub checks: Vec<Check>,
+}
+
+/// The checks of a batch, at most [`MAX_BATCH`] + 1 kept (the one more
+/// tells [`parse_batch`] that the bound was passed).
+fn checks_past_the_bound<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Check>, D::Error> {
+    struct Checks;
+    impl<'de> serde::de::Visitor<'de> for Checks {
+        type Value = Vec<Check>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an array of checks")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Vec<Check>, A::Error> {
+            let mut kept = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_BATCH + 1));
+            loop {
+                if kept.len() <= MAX_BATCH {
+                    match seq.next_element::<Check>()? {
+                        Some(c) => kept.push(c),
+                        None => break,
+                    }
+                } else if seq.next_element::<serde::de::IgnoredAny>()?.is_none() {
+                    break;
+                }
+            }
+            Ok(kept)
+        }
+    }
+    d.deserialize_seq(Checks)
 }
 
 /// One request's settlement: the real cost of each bucket and quota its
@@ -526,11 +559,34 @@ pub fn parse_check(body: &[u8]) -> Result<CheckRequest, String> {
     Ok(req)
 }
 
-/// Parses and validates a `POST /v3/check` body; the error is `<field path>: <reason>`.
-pub fn parse_batch(body: &[u8]) -> Result<BatchRequest, String> {
-    check_version_is(body, BATCH_VERSION)?;
-    let req: BatchRequest = decode(body)?;
-    validate_batch(&req)?;
+/// Why a `POST /v3/check` body was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchError {
+    /// More than [`MAX_BATCH`] checks (answered 413, as a body over
+    /// [`MAX_BATCH_BYTES`]): `checks: ...`.
+    TooManyChecks(String),
+    /// Anything else (answered 400): `<field path>: <reason>`.
+    Invalid(String),
+}
+
+impl std::fmt::Display for BatchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BatchError::TooManyChecks(m) | BatchError::Invalid(m) => f.write_str(m),
+        }
+    }
+}
+
+/// Parses and validates a `POST /v3/check` body.
+pub fn parse_batch(body: &[u8]) -> Result<BatchRequest, BatchError> {
+    check_version_is(body, BATCH_VERSION).map_err(BatchError::Invalid)?;
+    let req: BatchRequest = decode(body).map_err(BatchError::Invalid)?;
+    if req.checks.len() > MAX_BATCH {
+        return Err(BatchError::TooManyChecks(format!(
+            "checks: more than {MAX_BATCH} checks"
+        )));
+    }
+    validate_batch(&req).map_err(BatchError::Invalid)?;
     Ok(req)
 }
 
@@ -802,6 +858,47 @@ mod tests {
     fn good_lease() -> serde_json::Value {
         json!({ "version": 2, "domain": "d", "rule": "rule", "key": "rule/client=abc",
                 "tag": "client=abc", "variant": "client:abc", "want": 5, "return": 0 })
+    }
+
+    fn good_batch(n: usize) -> serde_json::Value {
+        let check = json!({ "buckets": [ { "rule": "per-client", "key": "per-client/c=alice",
+                                           "tag": "c=alice", "variant": "default", "cost": 2 } ] });
+        json!({ "version": 3, "domain": "demo", "checks": vec![check; n] })
+    }
+
+    #[test]
+    fn a_batch_parses_within_its_bounds() {
+        let b = parse_batch(&body(good_batch(MAX_BATCH))).unwrap();
+        assert_eq!(b.checks.len(), MAX_BATCH);
+        assert_eq!(b.checks[0].buckets[0].cost, 2);
+        assert_eq!(serde_json::to_value(&b).unwrap(), good_batch(MAX_BATCH));
+        // One more than the bound, or 10^5 more: 413's error, the rest skipped.
+        for n in [MAX_BATCH + 1, 100_000] {
+            assert_eq!(
+                parse_batch(&body(good_batch(n))).unwrap_err(),
+                BatchError::TooManyChecks(format!("checks: more than {MAX_BATCH} checks"))
+            );
+        }
+        let invalid = |v: serde_json::Value| match parse_batch(&body(v)).unwrap_err() {
+            BatchError::Invalid(m) => m,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            invalid(good_batch(0)),
+            format!("checks: must hold 1 to {MAX_BATCH} checks, got 0")
+        );
+        let mut v = good_batch(2);
+        v["version"] = json!(2);
+        assert_eq!(invalid(v), "version: unsupported version 2, expected 3");
+        let mut v = good_batch(5);
+        v["checks"][3]["buckets"][0]["variant"] = json!("gold");
+        assert!(
+            invalid(v).starts_with("checks[3].buckets[0].variant: "),
+            "the field path names the check"
+        );
+        let mut v = good_batch(5);
+        v["checks"][4]["buckets"][0]["cost"] = json!(0);
+        assert!(invalid(v).starts_with("checks[4].buckets[0].cost: "));
     }
 
     #[test]

@@ -1,12 +1,13 @@
-//! The HTTP side: `POST /v1/check`, `POST /v1/lease`, `GET /healthz`
-//! (= `/readyz`), `GET /livez`,
-//! `GET /metrics`.
+//! The HTTP side: `POST /v1/check`, `POST /v1/lease`, `POST /v1/settle`,
+//! `POST /v3/check` (a batch of checks), `GET /healthz` (= `/readyz`),
+//! `GET /livez`, `GET /metrics`.
 //!
 //! [`serve`] is the accept loop: TLS when configured, hyper's HTTP/1 with a
 //! header read timeout, and a drain deadline after the shutdown signal.
-//! [`admit`] stands in front of `/v1/*` only, the first step of their
-//! handlers: the in-flight bound (503 + `Retry-After`), the bearer token
-//! (401), the body read under its own deadline (408) and size bound (413);
+//! [`admit`] stands in front of `/v1/*` and `/v3/check` only, the first
+//! step of their handlers: the in-flight bound (503 + `Retry-After`), the
+//! bearer token (401), the body read under its own deadline (408) and size
+//! bound (413; a batch's is [`MAX_BATCH_BYTES`]);
 //! then the handler checks the token's domain against the request's (403),
 //! then that the policy has the domain (404), before anything reaches Redis. (A handler step, not a middleware layer:
 //! no boxed service call, no extension map, no second pass over the body.)
@@ -35,7 +36,10 @@ use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
 use crate::orchestrate::Limiter;
 use crate::policy::UnknownDomain;
-use crate::protocol::{self, ErrorBody, Health, STORE_UNAVAILABLE};
+use crate::protocol::{
+    self, BatchError, BatchResponse, CheckResult, ErrorBody, Health, MAX_BATCH_BYTES,
+    STORE_UNAVAILABLE,
+};
 use crate::redis::store::StoreError;
 
 /// Largest accepted request body (and gRPC message). A maximal valid
@@ -81,6 +85,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/check", post(check))
         .route("/v1/lease", post(lease))
         .route("/v1/settle", post(settle))
+        .route("/v3/check", post(check_batch))
         .route("/healthz", get(healthz))
         .route("/readyz", get(healthz))
         .route("/livez", get(livez))
@@ -99,9 +104,11 @@ struct Admitted {
     _permit: OwnedSemaphorePermit,
 }
 
-/// In front of `/v1/*`: the in-flight bound, the token, the body's deadline
-/// and size; or the answer that refuses the request.
-async fn admit(app: &App, req: Request) -> Result<Admitted, Response> {
+/// In front of `/v1/*` and `/v3/check`: the in-flight bound, the token, the
+/// body's deadline and its size (at most `max_body` bytes: a declared
+/// `Content-Length` over it is refused before any of the body is read); or
+/// the answer that refuses the request.
+async fn admit(app: &App, req: Request, max_body: usize) -> Result<Admitted, Response> {
     let Ok(permit) = Arc::clone(&app.in_flight).try_acquire_owned() else {
         app.metrics.shed.inc();
         let mut r = error(
@@ -125,7 +132,23 @@ async fn admit(app: &App, req: Request) -> Result<Admitted, Response> {
             }
         }
     };
-    let limited = http_body_util::Limited::new(req.into_body(), MAX_BODY_BYTES);
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max_body as u64) {
+        let mut r = bad_request(
+            app,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body: length limit exceeded ({max_body} bytes)"),
+        );
+        // The body is left unread: this connection is done.
+        r.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return Err(r);
+    }
+    let limited = http_body_util::Limited::new(req.into_body(), max_body);
     let bytes = match tokio::time::timeout(app.bounds.body_timeout, limited.collect()).await {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) => {
@@ -313,10 +336,22 @@ fn bad_request(app: &App, status: StatusCode, message: String) -> Response {
     error(status, message)
 }
 
+/// A body fault of the request: 400.
+fn invalid(message: String) -> (StatusCode, String) {
+    (StatusCode::BAD_REQUEST, message)
+}
+
 /// A failed check or lease (`what`): counted, logged in full (within the
 /// warnings' rate limit), answered 503 with a body that says only that the
 /// store failed.
 fn unavailable(app: &App, what: &'static str, domain: &str, e: &StoreError) -> Response {
+    count_failure(app, what, domain, e);
+    error(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
+}
+
+/// Counts and logs (within the warnings' rate limit) one check, lease or
+/// settlement (`what`) that failed in Redis.
+fn count_failure(app: &App, what: &'static str, domain: &str, e: &StoreError) {
     app.metrics.check("error");
     app.metrics.error(e.kind());
     // A timeout may come after the script ran, a bad reply surely does: the
@@ -336,7 +371,6 @@ fn unavailable(app: &App, what: &'static str, domain: &str, e: &StoreError) -> R
             "{what} failed"
         );
     }
-    error(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
 }
 
 /// Counts `charged_then_failed{reason="client_gone"}` when dropped armed:
@@ -381,18 +415,20 @@ struct Call<T> {
     policy: Arc<crate::policy::Policy>,
 }
 
-/// Admits `req` ([`admit`]), parses its body with `parse` (400), then
-/// checks that the caller's token is for its `domain` (403) and that the
-/// policy names that domain (404), in that order for every route; or the
-/// answer that refuses it.
+/// Admits `req` ([`admit`], its body at most `max_body` bytes), parses its
+/// body with `parse` (400, or the status it gives), then checks that the
+/// caller's token is for its `domain` (403) and that the policy names that
+/// domain (404), in that order for every route; or the answer that refuses
+/// it.
 async fn admit_call<T>(
     app: &App,
     req: Request,
-    parse: fn(&[u8]) -> Result<T, String>,
+    max_body: usize,
+    parse: fn(&[u8]) -> Result<T, (StatusCode, String)>,
     domain: fn(&T) -> &str,
 ) -> Result<Call<T>, Response> {
-    let admitted = admit(app, req).await?;
-    let req = parse(&admitted.body).map_err(|m| bad_request(app, StatusCode::BAD_REQUEST, m))?;
+    let admitted = admit(app, req, max_body).await?;
+    let req = parse(&admitted.body).map_err(|(status, m)| bad_request(app, status, m))?;
     if !admitted.caller.may_use(domain(&req)) {
         return Err(refuse(app, Refusal::WrongDomain));
     }
@@ -413,7 +449,15 @@ async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
         admitted: _admitted,
         req,
         policy,
-    } = match admit_call(&app, req, protocol::parse_check, |r| &r.domain).await {
+    } = match admit_call(
+        &app,
+        req,
+        MAX_BODY_BYTES,
+        |b| protocol::parse_check(b).map_err(invalid),
+        |r| &r.domain,
+    )
+    .await
+    {
         Ok(c) => c,
         Err(refused) => return refused,
     };
@@ -435,12 +479,90 @@ async fn check(State(app): State<Arc<App>>, req: Request) -> Response {
     }
 }
 
+/// `POST /v3/check`: the checks of one domain, each decided as `/v1/check`
+/// decides it alone, in order ([`Limiter::check_batch`]). Every check is
+/// resolved before any is decided: a body with one check the policy cannot
+/// resolve is refused whole (400, its field path under `checks[c].`),
+/// writing nothing. A check's own failure (its Redis call, the key budget)
+/// is its result's `error`, the others decided; when every check failed in
+/// Redis (none by the key budget) the answer is 503, as `/v1/check`'s.
+async fn check_batch(State(app): State<Arc<App>>, req: Request) -> Response {
+    // `_admitted` keeps the call's place among `--max-in-flight` to the end.
+    let Call {
+        admitted: _admitted,
+        req,
+        policy,
+    } = match admit_call(&app, req, MAX_BATCH_BYTES, parse_batch, |r| &r.domain).await {
+        Ok(c) => c,
+        Err(refused) => return refused,
+    };
+    let resolved = match policy.resolve_batch(&req) {
+        Ok(r) => r,
+        Err(message) => return bad_request(&app, StatusCode::BAD_REQUEST, message),
+    };
+    let in_flight = ChargeInFlight::arm(&app.metrics);
+    let answers = app.limiter.check_batch(&resolved).await;
+    in_flight.disarm();
+    let store_down = answers
+        .iter()
+        .all(|a| a.as_ref().is_err_and(|e| e.kind() != "key_budget"));
+    let mut results = Vec::with_capacity(answers.len());
+    for answer in answers {
+        match answer {
+            Ok(r) => {
+                app.metrics
+                    .check(if r.allowed { "allowed" } else { "denied" });
+                results.push(CheckResult {
+                    allowed: r.allowed,
+                    buckets: r.buckets,
+                    quotas: r.quotas,
+                    error: None,
+                });
+            }
+            Err(e) => {
+                count_failure(&app, "batched check", &req.domain, &e);
+                results.push(CheckResult {
+                    allowed: false,
+                    buckets: Vec::new(),
+                    quotas: Vec::new(),
+                    error: Some(e.kind().to_string()),
+                });
+            }
+        }
+    }
+    if store_down {
+        return error(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE);
+    }
+    let answer = BatchResponse {
+        version: protocol::BATCH_VERSION,
+        results,
+    };
+    (StatusCode::OK, Json(answer)).into_response()
+}
+
+/// A batch body: 413 for more checks than [`protocol::MAX_BATCH`], 400 for
+/// any other fault.
+fn parse_batch(body: &[u8]) -> Result<protocol::BatchRequest, (StatusCode, String)> {
+    protocol::parse_batch(body).map_err(|e| match e {
+        BatchError::TooManyChecks(m) => (StatusCode::PAYLOAD_TOO_LARGE, m),
+        BatchError::Invalid(m) => (StatusCode::BAD_REQUEST, m),
+    })
+}
+
 async fn lease(State(app): State<Arc<App>>, req: Request) -> Response {
     let Call {
         admitted,
         req,
         policy,
-    } = match admit_call(&app, req, protocol::parse_lease, |r| &r.domain).await {
+    } = match admit_call(
+        &app,
+        req,
+        MAX_BODY_BYTES,
+        |b| protocol::parse_lease(b).map_err(invalid),
+        |r| &r.domain,
+    )
+    .await
+    {
         Ok(c) => c,
         Err(refused) => return refused,
     };
@@ -472,7 +594,15 @@ async fn settle(State(app): State<Arc<App>>, req: Request) -> Response {
         admitted: _admitted,
         req,
         policy,
-    } = match admit_call(&app, req, protocol::parse_settle, |r| &r.domain).await {
+    } = match admit_call(
+        &app,
+        req,
+        MAX_BODY_BYTES,
+        |b| protocol::parse_settle(b).map_err(invalid),
+        |r| &r.domain,
+    )
+    .await
+    {
         Ok(c) => c,
         Err(refused) => return refused,
     };

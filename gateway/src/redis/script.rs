@@ -26,6 +26,16 @@ pub const FIXED_WINDOW_LUA: &str =
     concat!(include_str!("common.lua"), include_str!("fixed_window.lua"));
 /// The settle script, after `common.lua`.
 pub const SETTLE_LUA: &str = concat!(include_str!("common.lua"), include_str!("settle.lua"));
+/// The batch script: `check.lua` (after `common.lua`) as a function
+/// `check_one(KEYS, ARGV)` of its own slice of the keys and arguments, then
+/// `batch.lua`, which calls it once per check of the batch.
+pub const BATCH_LUA: &str = concat!(
+    "local function check_one(KEYS, ARGV)\n",
+    include_str!("common.lua"),
+    include_str!("check.lua"),
+    "end\n",
+    include_str!("batch.lua")
+);
 /// The lease script, after `common.lua`.
 pub const LEASE_LUA: &str = concat!(include_str!("common.lua"), include_str!("lease.lua"));
 
@@ -64,9 +74,16 @@ pub fn lease() -> &'static LuaScript {
     S.get_or_init(|| LuaScript::new("lease", LEASE_LUA))
 }
 
-/// The scripts of `/v1/*`, which every new connection loads ahead of use.
-pub fn all() -> [&'static LuaScript; 4] {
-    [check(), refund(), settle(), lease()]
+/// The batch script: every check of a batch (of one cluster slot) in one call.
+pub fn batch() -> &'static LuaScript {
+    static S: OnceLock<LuaScript> = OnceLock::new();
+    S.get_or_init(|| LuaScript::new("batch", BATCH_LUA))
+}
+
+/// The scripts of `/v1/*` and `/v3/check`, which every new connection loads
+/// ahead of use.
+pub fn all() -> [&'static LuaScript; 5] {
+    [check(), refund(), settle(), lease(), batch()]
 }
 
 /// The fixed-window script of the rate limit service.
@@ -140,6 +157,60 @@ pub fn check_args(
     }
     keys.push(ledger.to_string());
     (keys, args)
+}
+
+/// Keys and arguments of a `batch.lua` call: the checks' own `check.lua`
+/// keys and arguments ([`check_args`]), in order, laid out as its header says.
+pub fn batch_args(checks: &[(Vec<String>, Vec<String>)]) -> (Vec<String>, Vec<String>) {
+    let n_keys = checks.iter().map(|(k, _)| k.len()).sum();
+    let n_args = checks.iter().map(|(_, a)| a.len()).sum::<usize>();
+    let mut keys = Vec::with_capacity(n_keys);
+    let mut args = Vec::with_capacity(1 + 2 * checks.len() + n_args);
+    args.push(checks.len().to_string());
+    for (k, a) in checks {
+        args.push(k.len().to_string());
+        args.push(a.len().to_string());
+    }
+    for (k, a) in checks {
+        keys.extend_from_slice(k);
+        args.extend_from_slice(a);
+    }
+    (keys, args)
+}
+
+/// One check's entry in a `batch.lua` reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchEntry {
+    /// `check.lua`'s reply, for [`parse_check_reply`].
+    Reply(Vec<i64>),
+    /// The error that ended this check (Redis's text: code, then message).
+    Error(String),
+}
+
+/// Splits a `batch.lua` reply into its `checks` entries, in order.
+pub fn parse_batch_reply(
+    reply: Vec<redis::Value>,
+    checks: usize,
+) -> Result<Vec<BatchEntry>, String> {
+    if reply.len() != checks {
+        return Err(format!(
+            "batch script answered {} entries for {checks} checks",
+            reply.len()
+        ));
+    }
+    reply
+        .into_iter()
+        .map(|entry| match entry {
+            redis::Value::Array(_) => redis::from_redis_value::<Vec<i64>>(entry)
+                .map(BatchEntry::Reply)
+                .map_err(|e| format!("batch script entry: {e}")),
+            redis::Value::BulkString(bytes) => Ok(BatchEntry::Error(
+                String::from_utf8_lossy(&bytes).into_owned(),
+            )),
+            redis::Value::SimpleString(text) => Ok(BatchEntry::Error(text)),
+            other => Err(format!("batch script entry {other:?}")),
+        })
+        .collect()
 }
 
 /// Keys and arguments of a `refund.lua` call for a charge made at `charged_at_ms`
@@ -491,6 +562,51 @@ mod tests {
             ["", "5", "2", "4000", "10", "60000", "3", "1000"]
         );
         assert_eq!(lease_args(&req, &FixedClock(1234))[0], "1234");
+    }
+
+    #[test]
+    fn batch_args_layout() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let checks = [
+            (s(&["k1", "ledger"]), s(&["1", "", "1", "a", "b"])),
+            (s(&["k2", "k3", "ledger"]), s(&["1", "", "2"])),
+        ];
+        let (keys, args) = batch_args(&checks);
+        assert_eq!(keys, s(&["k1", "ledger", "k2", "k3", "ledger"]));
+        assert_eq!(
+            args,
+            s(&["2", "2", "5", "3", "3", "1", "", "1", "a", "b", "1", "", "2"])
+        );
+    }
+
+    #[test]
+    fn batch_replies() {
+        use redis::Value;
+        let reply = vec![
+            Value::Array(vec![Value::Int(1), Value::Int(5)]),
+            Value::BulkString(b"KEYBUDGET ratelimit: 2 live keys of 2, 1 more refused".to_vec()),
+        ];
+        assert_eq!(
+            parse_batch_reply(reply.clone(), 2).unwrap(),
+            [
+                BatchEntry::Reply(vec![1, 5]),
+                BatchEntry::Error(
+                    "KEYBUDGET ratelimit: 2 live keys of 2, 1 more refused".to_string()
+                ),
+            ]
+        );
+        assert_eq!(
+            parse_batch_reply(reply, 3).unwrap_err(),
+            "batch script answered 2 entries for 3 checks"
+        );
+        assert!(parse_batch_reply(vec![Value::Int(1)], 1).is_err());
+    }
+
+    #[test]
+    fn the_batch_script_wraps_check_lua_whole() {
+        assert!(BATCH_LUA.starts_with("local function check_one(KEYS, ARGV)\n"));
+        assert!(BATCH_LUA.contains(CHECK_LUA));
+        assert!(BATCH_LUA.contains("\nend\n-- ratelimit-gateway: the checks of one batch"));
     }
 
     #[test]

@@ -120,7 +120,7 @@ impl std::fmt::Debug for Target {
 }
 
 /// Why a Redis round trip failed.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum StoreError {
     /// No connection yet (the first connection is still being made).
     NotConnected,
@@ -146,6 +146,22 @@ impl StoreError {
             }
             StoreError::Redis(_) => "redis",
             StoreError::Reply(_) => "reply",
+        }
+    }
+}
+
+impl StoreError {
+    /// The error one check of a batch met inside the batch script (Redis's
+    /// text: code, then message), read as Redis would have answered it for
+    /// that check alone: a `KEYBUDGET` is of kind `key_budget`, an `OOM` of
+    /// kind `oom`.
+    pub fn of_script(text: &str) -> StoreError {
+        let line = text.trim_start_matches('-').replace(['\r', '\n'], " ");
+        match redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+            .and_then(redis::Value::extract_error)
+        {
+            Err(e) => StoreError::Redis(e),
+            Ok(_) => StoreError::Reply(line),
         }
     }
 }
@@ -725,6 +741,25 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_batch_check_error_has_the_kind_redis_would_give_it() {
+        let kind = |text: &str| StoreError::of_script(text).kind();
+        assert_eq!(
+            kind("KEYBUDGET ratelimit: 2 live keys of 2, 1 more refused"),
+            "key_budget"
+        );
+        assert_eq!(kind("-KEYBUDGET ratelimit: 2 live keys"), "key_budget");
+        assert_eq!(
+            kind("OOM command not allowed when used memory > 'maxmemory'."),
+            "oom"
+        );
+        assert_eq!(kind("ERR ratelimit: unknown period x"), "redis");
+        assert_eq!(
+            kind("user_script:1: attempt to compare nil\r\nwith number"),
+            "redis"
+        );
     }
 
     #[test]

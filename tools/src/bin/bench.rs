@@ -17,7 +17,8 @@
 //! against `redis-benchmark` running `EVALSHA` of `check.lua` on the same
 //! Redis, and the same load on a second gateway that authenticates every
 //! call (`--auth-tokens` with [`AUTH_CALLERS`] callers; the bearer token in
-//! every request). The wasm-level figures (instructions per decision, shared-data
+//! every request), and batches of [`gateway::BATCH_CHECKS`] checks (`POST
+//! /v3/check` against `EVALSHA` of the batch script). The wasm-level figures (instructions per decision, shared-data
 //! footprint) come from `tests/bench_fuel.rs`, which `make bench` runs first
 //! with `BENCH_WASM_OUT` pointing at `--wasm-results`.
 //!
@@ -359,6 +360,11 @@ pub struct GatewayRun {
     /// over the same run: well below 1, the load generator is not the ceiling.
     pub grpc_generator_share: f64,
     pub redis: gateway::BenchResult,
+    /// `POST /v3/check` calls of [`gateway::BATCH_CHECKS`] checks on the
+    /// plain gateway.
+    pub batch: wrk::WrkResult,
+    /// `EVALSHA` calls of the batch script with the same checks.
+    pub redis_batch: gateway::BenchResult,
     pub foreign_cpu: f64,
 }
 

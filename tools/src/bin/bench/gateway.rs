@@ -1,7 +1,9 @@
 //! The gateway alone: checks/s of `ratelimit-gateway` (wrk, `POST
 //! /v1/check`) against `redis-benchmark` running `EVALSHA` of the same Lua
 //! script (the gateway's `CHECK_LUA`, loaded with `SCRIPT LOAD`) on the same
-//! Redis, with the same number of connections.
+//! Redis, with the same number of connections; and the same for batches of
+//! [`BATCH_CHECKS`] checks (`POST /v3/check` against `EVALSHA` of the
+//! gateway's `BATCH_LUA` with the same checks).
 
 use std::process::{Command, Stdio};
 
@@ -25,11 +27,24 @@ pub struct BenchResult {
 /// Client keys the load cycles through (as the wrk scripts).
 pub const CLIENTS: u32 = 1000;
 
+/// Checks per `POST /v3/check` call (and per `EVALSHA` of the batch
+/// script) in the batch figures: `gateway_batch.lua` sends as many.
+pub const BATCH_CHECKS: u32 = 16;
+
 /// Loads the gateway's own check script (`ratelimit_gateway::redis::script`:
 /// `check.lua` behind the `common.lua` helpers, as the gateway sends it)
 /// into `redis` and returns its SHA1.
 pub fn load_script(redis: &Redis) -> Result<String> {
-    let sha = redis.cli(&["SCRIPT", "LOAD", script::CHECK_LUA])?;
+    load(redis, script::CHECK_LUA)
+}
+
+/// Loads the gateway's batch script (`BATCH_LUA`) into `redis`; its SHA1.
+pub fn load_batch_script(redis: &Redis) -> Result<String> {
+    load(redis, script::BATCH_LUA)
+}
+
+fn load(redis: &Redis, source: &str) -> Result<String> {
+    let sha = redis.cli(&["SCRIPT", "LOAD", source])?;
     if sha.len() != 40 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
         bail!("SCRIPT LOAD answered {sha:?}");
     }
@@ -43,6 +58,33 @@ pub fn load_script(redis: &Redis) -> Result<String> {
 /// default key budget. `client` stands for the client key
 /// (`c__rand_int__` for redis-benchmark).
 pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
+    let (keys, args) = check_call(client);
+    command_line(sha, keys, args)
+}
+
+/// The `EVALSHA` command line of one batch of [`BATCH_CHECKS`] checks as
+/// the gateway sends it: each check as [`evalsha_args`]'s, of client
+/// `client` (each `c__rand_int__` drawn apart by redis-benchmark), laid
+/// out by the gateway's own `script::batch_args`.
+pub fn batch_evalsha_args(sha: &str, client: &str) -> Vec<String> {
+    let checks: Vec<_> = (0..BATCH_CHECKS).map(|_| check_call(client)).collect();
+    let (keys, args) = script::batch_args(&checks);
+    command_line(sha, keys, args)
+}
+
+fn command_line(sha: &str, keys: Vec<String>, args: Vec<String>) -> Vec<String> {
+    let mut line = vec![
+        "EVALSHA".to_string(),
+        sha.to_string(),
+        keys.len().to_string(),
+    ];
+    line.extend(keys);
+    line.extend(args);
+    line
+}
+
+/// `check.lua`'s keys and arguments for one check of `client`.
+fn check_call(client: &str) -> (Vec<String>, Vec<String>) {
     let spec = Limit {
         requests: 1_000_000_000,
         window_ms: 1000,
@@ -65,22 +107,14 @@ pub fn evalsha_args(sha: &str, client: &str) -> Vec<String> {
         quotas: vec![],
     };
     let ledger = keys::live_ledger(PREFIX, DOMAIN);
-    let (keys, args) = script::check_args(
+    script::check_args(
         &group,
         Mode::Charge,
         &RedisTime,
         (&ledger, DEFAULT_KEY_BUDGET),
         None,
         0.0,
-    );
-    let mut line = vec![
-        "EVALSHA".to_string(),
-        sha.to_string(),
-        keys.len().to_string(),
-    ];
-    line.extend(keys);
-    line.extend(args);
-    line
+    )
 }
 
 /// The gateway's default key prefix and the bench policy's domain (d.json).
@@ -98,11 +132,29 @@ pub fn check_once(redis: &Redis, sha: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs `redis-benchmark` with `requests` EVALSHA calls over `connections`
-/// connections, keys drawn from [`CLIENTS`] (`-r`), no pipelining.
+/// Checks that one `EVALSHA` of the batch script allows every check: one
+/// reply per check, each starting with 1.
+pub fn check_batch_once(redis: &Redis, sha: &str) -> Result<()> {
+    let args = batch_evalsha_args(sha, "c0");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let reply = redis.cli(&args)?;
+    // redis-cli prints nested replies one integer a line: each check's
+    // reply is `1`, the time, then `1` and three numbers per limit.
+    let lines: Vec<&str> = reply.lines().collect();
+    let allowed = lines.chunks(6).filter(|c| c.first() == Some(&"1")).count();
+    if lines.len() != 6 * BATCH_CHECKS as usize || allowed != BATCH_CHECKS as usize {
+        bail!("EVALSHA of the batch script did not allow every check: {reply:?}");
+    }
+    Ok(())
+}
+
+/// Runs `redis-benchmark` with `requests` calls of `line` ([`evalsha_args`]
+/// or [`batch_evalsha_args`] of client `c__rand_int__`: each placeholder
+/// drawn apart from [`CLIENTS`] keys, `-r`) over `connections` connections,
+/// no pipelining.
 pub fn redis_benchmark(
     redis: &Redis,
-    sha: &str,
+    line: Vec<String>,
     connections: u32,
     requests: u64,
 ) -> Result<BenchResult> {
@@ -112,7 +164,7 @@ pub fn redis_benchmark(
         .args(["-n", &requests.to_string()])
         .args(["-r", &CLIENTS.to_string()])
         .arg("--csv")
-        .args(evalsha_args(sha, "c__rand_int__"))
+        .args(line)
         .stdin(Stdio::null())
         .output()
         .context("running redis-benchmark (Debian package redis-tools)")?;
@@ -448,5 +500,23 @@ mod tests {
                 "100000",
             ]
         );
+    }
+
+    #[test]
+    fn the_batch_call_is_the_gateways_layout() {
+        let one = evalsha_args("s", "c7");
+        let b = batch_evalsha_args("s", "c7");
+        let n = BATCH_CHECKS as usize;
+        // EVALSHA, sha, the keys' count; then each check's 2 keys; then the
+        // checks' count, each check's key and argument counts, its arguments.
+        assert_eq!(b[..3], ["EVALSHA", "s", &(2 * n).to_string()]);
+        let keys = &b[3..3 + 2 * n];
+        assert_eq!(keys[..2], one[3..5]);
+        assert_eq!(keys[2 * n - 2..], one[3..5]);
+        let args = &b[3 + 2 * n..];
+        assert_eq!(args[0], n.to_string());
+        assert_eq!(args[1..3], ["2", "11"]);
+        assert_eq!(args.len(), 1 + 2 * n + 11 * n);
+        assert_eq!(args[1 + 2 * n..1 + 2 * n + 11], one[5..]);
     }
 }

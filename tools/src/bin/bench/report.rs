@@ -201,6 +201,17 @@ pub fn gateway_ratio(s: &Session) -> Spread {
     )
 }
 
+/// Batched checks/s through `POST /v3/check` ÷ the batch script's raw
+/// checks/s, round by round (both the same checks per call).
+pub fn batch_ratio(s: &Session) -> Spread {
+    Spread::of(
+        &s.gateway_runs
+            .iter()
+            .map(|g| g.batch.rps / g.redis_batch.rps.max(1e-9))
+            .collect::<Vec<_>>(),
+    )
+}
+
 /// The gateway's gRPC `ShouldRateLimit` calls/s ÷ raw EVALSHA/s, round by round.
 pub fn grpc_ratio(s: &Session) -> Spread {
     Spread::of(
@@ -598,6 +609,24 @@ pub fn markdown(s: &Session, svg: &str) -> String {
             g(&|r| r.redis.p50_ms).show(3),
             g(&|r| r.redis.p99_ms).show(3)
         );
+        let per_batch = f64::from(crate::gateway::BATCH_CHECKS);
+        let _ = writeln!(
+            m,
+            "| batches: wrk `POST /v3/check`, {} checks of 1 bucket × 1 limit per call (checks/s = calls/s × {}; latency per call) | {} | {} | {} |",
+            crate::gateway::BATCH_CHECKS,
+            crate::gateway::BATCH_CHECKS,
+            g(&|r| r.batch.rps * per_batch).show(0),
+            g(&|r| r.batch.p50_ms).show(3),
+            g(&|r| r.batch.p99_ms).show(3)
+        );
+        let _ = writeln!(
+            m,
+            "| `redis-benchmark` `EVALSHA` of the batch script, the same {} checks per call | {} | {} | {} |",
+            crate::gateway::BATCH_CHECKS,
+            g(&|r| r.redis_batch.rps * per_batch).show(0),
+            g(&|r| r.redis_batch.p50_ms).show(3),
+            g(&|r| r.redis_batch.p99_ms).show(3)
+        );
         let _ = writeln!(
             m,
             "\nCPU time per check (user + system, all threads, /proc): the gateway {} µs, \
@@ -622,6 +651,12 @@ pub fn markdown(s: &Session, svg: &str) -> String {
              20 ms `--redis-timeout-ms`).\n",
             gateway_ratio(s).show(3),
             a.connections
+        );
+        let _ = writeln!(
+            m,
+            "Batched gateway ÷ raw EVALSHA of the batch script: {} (round by round, checks/s \
+             over checks/s; each batch is one EVALSHA).\n",
+            batch_ratio(s).show(3)
         );
     }
 

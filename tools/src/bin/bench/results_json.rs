@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use crate::report::{gateway_ratio, grpc_ratio, ratio, runs_of, spread_of};
+use crate::report::{batch_ratio, gateway_ratio, grpc_ratio, ratio, runs_of, spread_of};
 use crate::{Session, VARIANTS};
 
 /// Everything measured, for `<work-dir>/results.json`.
@@ -39,6 +39,11 @@ pub fn to_json(s: &Session) -> Value {
                           "generator_cpu_share": g.grpc_generator_share },
                 "redis_benchmark": { "rps": g.redis.rps, "p50_ms": g.redis.p50_ms, "p99_ms": g.redis.p99_ms,
                                      "requests": g.redis.requests },
+                "batch_checks": crate::gateway::BATCH_CHECKS,
+                "batch": { "rps": g.batch.rps, "p50_ms": g.batch.p50_ms, "p99_ms": g.batch.p99_ms,
+                           "requests": g.batch.requests, "non_2xx": g.batch.non_2xx },
+                "redis_benchmark_batch": { "rps": g.redis_batch.rps, "p50_ms": g.redis_batch.p50_ms,
+                                           "p99_ms": g.redis_batch.p99_ms, "requests": g.redis_batch.requests },
                 "gateway_cpu_us_per_check": g.gateway_cpu_us,
                 "gateway_auth_cpu_us_per_check": g.gateway_auth_cpu_us,
                 "lookup_ns_per_check": { "auth": g.lookup.auth_ns, "policy": g.lookup.policy_ns },
@@ -81,6 +86,7 @@ pub fn to_json(s: &Session) -> Value {
         },
         "summary": summary,
         "gateway_ratio": gateway_ratio(s).to_json(),
+        "batch_ratio": batch_ratio(s).to_json(),
         "grpc_ratio": grpc_ratio(s).to_json(),
         "runs": runs,
         "gateway_runs": gateway,

@@ -128,14 +128,17 @@ impl RunContext<'_> {
     ) -> Result<Vec<GatewayRun>> {
         let sha = gateway::load_script(r)?;
         gateway::check_once(r, &sha)?;
+        let batch_sha = gateway::load_batch_script(r)?;
+        gateway::check_batch_once(r, &batch_sha)?;
         let mut runs = Vec::new();
         for repeat in 0..self.args.repeats {
-            let run = self.run_gateway(repeat, g, ga, r, &sha, script)?;
+            let run = self.run_gateway(repeat, g, ga, r, (&sha, &batch_sha), script)?;
             eprintln!(
                 "bench: round {}/{} gateway {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
                  with auth {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms)  \
                  gRPC {:>9.0} checks/s (p50 {:.3} ms, p99 {:.3} ms; h2load CPU {:.2}× the gateway's)  \
-                 redis-benchmark EVALSHA {:>9.0}/s (p50 {:.3} ms, p99 {:.3} ms)",
+                 redis-benchmark EVALSHA {:>9.0}/s (p50 {:.3} ms, p99 {:.3} ms)  \
+                 batches of {} {:>9.0} checks/s (p99 {:.3} ms), raw EVALSHA {:>9.0} checks/s",
                 repeat + 1,
                 self.args.repeats,
                 run.gateway.rps,
@@ -150,7 +153,11 @@ impl RunContext<'_> {
                 run.grpc_generator_share,
                 run.redis.rps,
                 run.redis.p50_ms,
-                run.redis.p99_ms
+                run.redis.p99_ms,
+                gateway::BATCH_CHECKS,
+                run.batch.rps * f64::from(gateway::BATCH_CHECKS),
+                run.batch.p99_ms,
+                run.redis_batch.rps * f64::from(gateway::BATCH_CHECKS),
             );
             runs.push(run);
         }
@@ -260,13 +267,27 @@ impl RunContext<'_> {
         })
     }
 
+    /// `redis-benchmark` of `line` for about `--seconds`: its request count
+    /// calibrated by a first run of `probe` requests.
+    fn redis_benchmark_timed(
+        &self,
+        redis: &Redis,
+        line: Vec<String>,
+        probe: u64,
+    ) -> Result<gateway::BenchResult> {
+        let connections = self.args.connections;
+        let first = gateway::redis_benchmark(redis, line.clone(), connections, probe)?;
+        let n = (first.rps * f64::from(self.args.seconds)).max(probe as f64) as u64;
+        gateway::redis_benchmark(redis, line, connections, n)
+    }
+
     fn run_gateway(
         &self,
         repeat: u32,
         g: &Gateway,
         ga: &Gateway,
         redis: &Redis,
-        sha: &str,
+        (sha, batch_sha): (&str, &str),
         script: &Path,
     ) -> Result<GatewayRun> {
         let mut load = wrk::Load {
@@ -332,10 +353,22 @@ impl RunContext<'_> {
             self.args.seconds,
             &grpc_dir,
         )?;
-        // Calibrate redis-benchmark's request count to last about as long.
-        let probe = gateway::redis_benchmark(redis, sha, self.args.connections, 20_000)?;
-        let n = (probe.rps * f64::from(self.args.seconds)).max(20_000.0) as u64;
-        let redis_result = gateway::redis_benchmark(redis, sha, self.args.connections, n)?;
+        let line = gateway::evalsha_args(sha, "c__rand_int__");
+        let redis_result = self.redis_benchmark_timed(redis, line, 20_000)?;
+        // Batches: the plain gateway's /v3/check, then the batch script raw.
+        let mut batched = load.clone();
+        batched.url = g.url("/v3/check");
+        batched.script_args = vec![
+            gateway::CLIENTS.to_string(),
+            String::new(),
+            gateway::BATCH_CHECKS.to_string(),
+        ];
+        batched.seconds = self.args.warmup.max(1);
+        wrk::run(&batched).context("batch warm-up")?;
+        batched.seconds = self.args.seconds;
+        let batch = wrk::run(&batched)?;
+        let line = gateway::batch_evalsha_args(batch_sha, "c__rand_int__");
+        let redis_batch = self.redis_benchmark_timed(redis, line, 2_000)?;
         let after = machine::CpuSnapshot::take(&self.infra_pids);
         Ok(GatewayRun {
             repeat,
@@ -347,6 +380,8 @@ impl RunContext<'_> {
             grpc: grpc.result,
             grpc_generator_share: grpc.generator_cpu_s / grpc.gateway_cpu_s.max(1e-9),
             redis: redis_result,
+            batch,
+            redis_batch,
             foreign_cpu: before.foreign_share(&after, self.nproc),
         })
     }
