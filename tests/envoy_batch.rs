@@ -152,7 +152,7 @@ fn a_thousand_keys_at_three_each_admit_exactly_three_per_key_in_few_calls() {
     // with the default 500 µs, a check that waited that long would go in a
     // call of its own. The bench measures the default on a release build.
     let mut policy: Value = serde_json::from_str(&config("batch-keys", 3)).unwrap();
-    policy["global"]["coalesce_us"] = json!(5000);
+    policy["global"]["coalesce_us"] = json!(20000);
     let policy = policy.to_string();
     let (_gateway, envoys) = rig(GatewayOptions::new(redis.url()), &policy);
     let keys = interleaved(1000, 4);

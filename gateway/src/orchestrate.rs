@@ -63,9 +63,9 @@ pub struct Limiter {
     key_budget: u64,
     /// The time the scripts run at: Redis `TIME` unless built [`Limiter::with_clock`].
     clock: Arc<dyn Clock>,
-    /// Ledgers of live keys found per (domain, slot) on a cluster; at most
-    /// 16,384 per domain of the policy.
-    ledgers: Arc<Mutex<HashMap<(String, Slot), String>>>,
+    /// Each domain's ledgers of live keys on a cluster (one per slot), found
+    /// once per domain of the policy.
+    ledgers: Arc<Mutex<HashMap<String, Arc<keys::LiveLedgers>>>>,
     /// How long a reservation record waits for its settlement, in ms.
     record_ms: u64,
 }
@@ -639,12 +639,14 @@ impl Limiter {
         let Some(slot) = self.slot_of(group) else {
             return (keys::live_ledger(&self.prefix, domain), self.key_budget);
         };
-        let mut cache = self.ledgers.lock().unwrap_or_else(|e| e.into_inner());
-        let ledger = cache
-            .entry((domain.to_string(), slot))
-            .or_insert_with(|| keys::live_ledger_in_slot(&self.prefix, domain, slot))
-            .clone();
-        (ledger, keys::slot_budget(self.key_budget))
+        let table = {
+            let mut cache = self.ledgers.lock().unwrap_or_else(|e| e.into_inner());
+            let table = cache
+                .entry(domain.to_string())
+                .or_insert_with(|| Arc::new(keys::LiveLedgers::new(&self.prefix, domain)));
+            Arc::clone(table)
+        };
+        (table.in_slot(slot), keys::slot_budget(self.key_budget))
     }
 
     /// Gives back every charged group; failures are logged and counted (the
