@@ -135,7 +135,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 19] = [
+pub const VARIANTS: [Variant; 20] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -212,6 +212,15 @@ pub const VARIANTS: [Variant; 19] = [
         id: "d",
         what: "this filter, 1 global rule, checks coalesced (one batch call per worker in flight)",
         filter: FilterVariant::Shipped,
+        plugin: D_JSON,
+        load: LoadMode::Spread,
+        path: "/",
+        needs_gateway: true,
+    },
+    Variant {
+        id: "d2",
+        what: "as d, the gateway's cluster over HTTP/2 (h2c) instead of HTTP/1 keep-alive",
+        filter: FilterVariant::ShippedH2,
         plugin: D_JSON,
         load: LoadMode::Spread,
         path: "/",

@@ -41,6 +41,8 @@ pub enum FilterVariant {
     Native,
     /// c, d: the shipped entry, unchanged.
     Shipped,
+    /// d2: the shipped entry, the gateway's cluster over HTTP/2 (h2c).
+    ShippedH2,
     /// g: Envoy's native global rate limit filter calling the gateway's
     /// rate limit service over gRPC ([`NATIVE_RLS`]).
     NativeRls,
@@ -303,6 +305,7 @@ pub fn proxy_config(
         .ok_or_else(|| anyhow!("no {WASM_FILTER} in the ingress listener's http_filters"))?;
     match variant {
         FilterVariant::Shipped => {}
+        FilterVariant::ShippedH2 => gateway_over_h2(&mut doc)?,
         FilterVariant::None => {
             filters.remove(at);
         }
@@ -343,6 +346,32 @@ pub fn proxy_config(
         .push(cluster);
     }
     serde_norway::to_string(&doc).context("writing the derived YAML")
+}
+
+/// The `ratelimit_gateway` cluster's HTTP/1 (`http_protocol_options`)
+/// turned to HTTP/2 with prior knowledge (`http2_protocol_options`).
+fn gateway_over_h2(doc: &mut Value) -> Result<()> {
+    let clusters = seq(
+        field(field(doc, "static_resources")?, "clusters")?,
+        "clusters",
+    )?;
+    let gateway = clusters
+        .iter_mut()
+        .find(|c| name_of(c) == Some("ratelimit_gateway"))
+        .context("no ratelimit_gateway cluster in the rendered template")?;
+    let options = field(
+        field(gateway, "typed_extension_protocol_options")?,
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    )?;
+    let explicit = field(options, "explicit_http_config")?
+        .as_mapping_mut()
+        .context("explicit_http_config is not a mapping")?;
+    explicit.clear();
+    explicit.insert(
+        "http2_protocol_options".into(),
+        Value::Mapping(Default::default()),
+    );
+    Ok(())
 }
 
 /// The separate upstream: the same rendered template with only its
@@ -427,6 +456,19 @@ mod tests {
             "{}",
         )
         .unwrap()
+    }
+
+    #[test]
+    fn d2_differs_from_d_only_in_the_gateway_clusters_protocol() {
+        let (d, d2) = (
+            config(FilterVariant::Shipped),
+            config(FilterVariant::ShippedH2),
+        );
+        assert_ne!(d, d2);
+        assert_eq!(
+            d2.replace("http2_protocol_options", "http_protocol_options"),
+            d
+        );
     }
 
     #[test]
