@@ -157,7 +157,7 @@ async fn expired_keys_leave_the_budget() {
 /// domain are unaffected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_the_budget_is_per_domain_and_slot() {
-    use ratelimit_gateway::redis::keys::live_ledger_in_slot;
+    use ratelimit_gateway::redis::keys::LiveLedgers;
     use redis::cluster_routing::Slot;
 
     let cluster = redis_cluster();
@@ -197,7 +197,7 @@ async fn on_a_cluster_the_budget_is_per_domain_and_slot() {
     );
 
     let slot = Slot::for_key("{kbc|c=x}");
-    let ledger = live_ledger_in_slot("rl:", "kbc", slot);
+    let ledger = LiveLedgers::new("rl:", "kbc").in_slot(slot);
     let members = cluster
         .cli(&["--raw", "ZRANGE", &ledger, "0", "-1"])
         .unwrap();
