@@ -256,7 +256,7 @@ pub fn group_by_slot(limits: Vec<LimitKey>, quotas: Vec<QuotaKey>) -> Vec<Group>
 
 /// The reservation record of request `id` beside `ledger`, the domain's
 /// ledger of live keys in the slot of the keys it reserves ([`live_ledger`],
-/// [`live_ledger_in_slot`]): `<ledger>|r|<id>`. Named by the slot, not by the
+/// [`LiveLedgers`]): `<ledger>|r|<id>`. Named by the slot, not by the
 /// keys, so that a settlement naming some of a check's buckets finds the
 /// record of its slot; no limit, quota or ledger key ends so.
 pub fn record_key(ledger: &str, id: &str) -> String {
