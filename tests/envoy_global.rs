@@ -30,10 +30,11 @@ use testkit::{
 const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
 /// The filter's counters (README, *Metrics*).
-const METRICS: [&str; 11] = [
+const METRICS: [&str; 12] = [
     "ratelimit_wasm_requests_allowed",
     "ratelimit_wasm_requests_denied",
     "ratelimit_wasm_global_calls",
+    "ratelimit_wasm_global_batches",
     "ratelimit_wasm_global_failures",
     "ratelimit_wasm_failure_mode_open",
     "ratelimit_wasm_failure_mode_closed",
@@ -634,8 +635,13 @@ impl Rig {
             &format!("faults-{}", mode.name()),
             RULE,
             LIMIT,
+            // One call per request (protocol 2): the suite's stubs answer
+            // `POST /v1/check`, and its requests come one at a time, so a
+            // batch would hold one check anyway (batched faults:
+            // tests/envoy_batch.rs, tests/wasm_batch.rs).
             json!({
                 "timeout_ms": settings.timeout_ms,
+                "coalesce_us": 0,
                 "instances": INSTANCES,
                 "failure_mode": mode.name(),
                 "circuit": {
@@ -1235,8 +1241,16 @@ fn a_proxy_without_a_token_of_its_domain_gets_no_admission_its_failure_mode_deci
         (n, n),
         "{open_m:?}"
     );
-    assert_eq!(auth_failures(&gateway, "missing"), n as f64);
-    assert_eq!(auth_failures(&gateway, "wrong_domain"), n as f64);
+    // Each batch call of the worker's waiting checks was refused once.
+    assert_eq!(
+        auth_failures(&gateway, "missing"),
+        closed_m["ratelimit_wasm_global_batches"] as f64
+    );
+    assert_eq!(
+        auth_failures(&gateway, "wrong_domain"),
+        open_m["ratelimit_wasm_global_batches"] as f64
+    );
+    assert!(closed_m["ratelimit_wasm_global_batches"] >= 1);
     assert_eq!(
         data_keys(&redis),
         "",
