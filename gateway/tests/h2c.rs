@@ -3,7 +3,7 @@
 //! at most `MAX_STREAMS_PER_CONNECTION` streams served at once per
 //! connection (announced, and the one past them waits), a header list over
 //! `MAX_HEAD_BYTES` refused before any handler, a body that stalls answered
-//! 408 at `--body-timeout-ms`.
+//! 408 at `--body-timeout-ms`; over TLS, `h2` chosen in ALPN.
 
 mod common;
 use common::*;
@@ -181,4 +181,25 @@ async fn the_bounds_hold_over_h2c() {
         MAX_STREAMS_PER_CONNECTION as u64
     );
     drop(stalled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_alpn_chooses_h2() {
+    let redis = redis();
+    let pki = testkit::pki::TestPki::new(&["localhost", "127.0.0.1"]).unwrap();
+    let gw = gateway_with(Target::Single(redis.url()), 5000, |mut c: Config| {
+        c.tls = Some(ratelimit_gateway::http::tls::TlsFiles {
+            cert: pki.server_cert(),
+            key: pki.server_key(),
+            client_ca: None,
+        });
+        c
+    })
+    .await;
+    let limits: &[L] = &[(2, 60_000, "token_bucket")];
+    let one = request("h2-tls", 1, &[("k", "carol", limits)]);
+    let mut client = h2_tls(gw.addr, &pki.ca(), None).await.unwrap();
+    let (status, answer) = send(&mut client, post("/v1/check").body(()).unwrap(), &one).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(limit(&answer, 0, 0)["remaining"], 1, "{answer}");
 }
