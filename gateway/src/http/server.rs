@@ -451,8 +451,11 @@ fn bad_request(app: &App, status: StatusCode, message: String) -> Response {
     error(status, message)
 }
 
+/// A body refused: its status (400 or 413) and the message naming the field.
+type Refused = (StatusCode, String);
+
 /// A body fault of the request: 400.
-fn invalid(message: String) -> (StatusCode, String) {
+fn invalid(message: String) -> Refused {
     (StatusCode::BAD_REQUEST, message)
 }
 
@@ -539,7 +542,7 @@ async fn admit_call<T>(
     app: &App,
     req: Request,
     max_body: usize,
-    parse: fn(&[u8]) -> Result<T, (StatusCode, String)>,
+    parse: fn(&[u8]) -> Result<T, Refused>,
     domain: fn(&T) -> &str,
 ) -> Result<Call<T>, Response> {
     let admitted = admit(app, req, max_body).await?;
@@ -657,7 +660,7 @@ async fn check_batch(State(app): State<Arc<App>>, req: Request) -> Response {
 
 /// A batch body: 413 for more checks than [`protocol::MAX_BATCH`], 400 for
 /// any other fault.
-fn parse_batch(body: &[u8]) -> Result<protocol::BatchRequest, (StatusCode, String)> {
+fn parse_batch(body: &[u8]) -> Result<protocol::BatchRequest, Refused> {
     protocol::parse_batch(body).map_err(|e| match e {
         BatchError::TooManyChecks(m) => (StatusCode::PAYLOAD_TOO_LARGE, m),
         BatchError::Invalid(m) => (StatusCode::BAD_REQUEST, m),
