@@ -203,3 +203,24 @@ async fn over_tls_alpn_chooses_h2() {
     assert_eq!(status, 200, "{answer}");
     assert_eq!(limit(&answer, 0, 0)["remaining"], 1, "{answer}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stalls_in_the_preface_is_closed_at_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let redis = redis();
+    let gw = gateway_with(Target::Single(redis.url()), 5000, |mut c: Config| {
+        c.bounds.header_timeout = Duration::from_millis(1000);
+        c
+    })
+    .await;
+    let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    // Two bytes of HTTP/2's preface, then nothing: neither protocol yet.
+    tcp.write_all(b"PR").await.unwrap();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(30), tcp.read(&mut buf))
+        .await
+        .expect("the connection was closed");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    let timeouts = gw.app.metrics.read_timeouts.with_label_values(&["header"]);
+    assert_eq!(timeouts.get(), 1);
+}

@@ -370,15 +370,19 @@ impl Builders {
 }
 
 /// HTTP/2's connection preface: a client with prior knowledge opens with it.
+/// Its first three bytes decide: no HTTP/1.1 request starts with `PRI`
+/// (RFC 9113 reserves the method), and hyper's HTTP/2 checks the rest.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const H2_DECIDES: usize = 3;
 
 /// Whether a cleartext connection opens with HTTP/2's preface (h2c with
 /// prior knowledge) rather than an HTTP/1.1 request, read without taking
-/// the bytes; `None` when it closed, or sent neither within `limit` (as
-/// HTTP/1.1's header read timeout).
+/// the bytes; `None` when it closed, or sent too little to tell within
+/// `limit` (as HTTP/1.1's header read timeout).
 async fn prior_knowledge(stream: &tokio::net::TcpStream, limit: Duration) -> Option<bool> {
     let deadline = tokio::time::Instant::now() + limit;
-    let mut buf = [0u8; H2_PREFACE.len()];
+    let mut buf = [0u8; H2_DECIDES];
+    let mut pause = Duration::from_millis(1);
     loop {
         let n = tokio::time::timeout_at(deadline, stream.peek(&mut buf))
             .await
@@ -393,11 +397,16 @@ async fn prior_knowledge(stream: &tokio::net::TcpStream, limit: Duration) -> Opt
         if seen != expected {
             return Some(false);
         }
-        if n == H2_PREFACE.len() {
+        if n == H2_DECIDES {
             return Some(true);
         }
-        // A part of the preface so far: the peek would return at once.
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        // One or two bytes of the preface so far: the peek would return at
+        // once (even past the deadline), so wait, longer each time, for the rest.
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + pause)).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
     }
 }
 
