@@ -168,7 +168,7 @@ fn prepare(config: &Config, app: &App) -> Result<(Acceptors, Vec<AbortOnDrop>)> 
     let tls = match &config.tls {
         Some(files) => Acceptors {
             http: Some(
-                crate::http::tls::acceptor(files, crate::http::tls::Alpn::Http1)
+                crate::http::tls::acceptor(files, crate::http::tls::Alpn::Http)
                     .map_err(anyhow::Error::msg)?,
             ),
             grpc: Some(

@@ -4,6 +4,9 @@
 //! `MAX_BODY_BYTES`, connections beyond `--max-connections` are closed at
 //! once, and an idle connection is closed after `--header-timeout-ms`.
 
+mod common;
+use common::h2_tls;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -177,47 +180,6 @@ async fn connections_past_the_cap_are_closed_and_idle_ones_time_out() {
     gw.stop().await.unwrap();
 }
 
-/// An HTTP/2 connection over TLS (ALPN h2) to the gRPC port, with `ca` as
-/// root and an optional client certificate.
-async fn h2_tls(
-    gw: &Running,
-    ca: &std::path::Path,
-    client: Option<(&std::path::Path, &std::path::Path)>,
-) -> Result<h2::client::SendRequest<Bytes>, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(CertificateDer::from_pem_file(ca).unwrap())
-        .unwrap();
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut config = match client {
-        Some((cert, key)) => builder
-            .with_client_auth_cert(
-                vec![CertificateDer::from_pem_file(cert).unwrap()],
-                PrivateKeyDer::from_pem_file(key).unwrap(),
-            )
-            .unwrap(),
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
-    let tcp = TcpStream::connect(gw.grpc_addr.unwrap()).await.unwrap();
-    let tls = connector
-        .connect(ServerName::try_from("localhost").unwrap(), tcp)
-        .await
-        .map_err(|e| e.to_string())?;
-    let (client, conn) = h2::client::handshake(tls)
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(conn);
-    Ok(client)
-}
-
 /// The status of a call with the token and an empty message (no domain:
 /// UNKNOWN, as envoyproxy/ratelimit answers), or the transport's error.
 async fn empty_call(mut client: h2::client::SendRequest<Bytes>) -> Result<String, String> {
@@ -247,16 +209,18 @@ async fn with_tls_flags_the_grpc_port_speaks_only_mutual_tls() {
     })
     .await;
     let (cert, key) = (pki.client_cert(), pki.client_key());
-    let ok = h2_tls(&gw, &pki.ca(), Some((&cert, &key))).await.unwrap();
+    let ok = h2_tls(gw.grpc_addr.unwrap(), &pki.ca(), Some((&cert, &key)))
+        .await
+        .unwrap();
     assert_eq!(empty_call(ok).await.unwrap(), "2", "UNKNOWN: no domain");
     // No client certificate, one of another CA, or plaintext: no gRPC answer.
-    let without = match h2_tls(&gw, &pki.ca(), None).await {
+    let without = match h2_tls(gw.grpc_addr.unwrap(), &pki.ca(), None).await {
         Ok(c) => empty_call(c).await,
         Err(e) => Err(e),
     };
     assert!(without.is_err(), "{without:?}");
     let (ocert, okey) = (other.client_cert(), other.client_key());
-    let stranger = match h2_tls(&gw, &pki.ca(), Some((&ocert, &okey))).await {
+    let stranger = match h2_tls(gw.grpc_addr.unwrap(), &pki.ca(), Some((&ocert, &okey))).await {
         Ok(c) => empty_call(c).await,
         Err(e) => Err(e),
     };

@@ -2,8 +2,11 @@
 //! `POST /v3/check` (a batch of checks), `GET /healthz` (= `/readyz`),
 //! `GET /livez`, `GET /metrics`.
 //!
-//! [`serve`] is the accept loop: TLS when configured, hyper's HTTP/1 with a
-//! header read timeout, and a drain deadline after the shutdown signal.
+//! [`serve`] is the accept loop: TLS when configured, HTTP/1.1 with a header
+//! read timeout or HTTP/2 (h2c with prior knowledge, or `h2` in TLS's ALPN)
+//! with at most [`MAX_STREAMS_PER_CONNECTION`] streams, headers of both at
+//! most [`MAX_HEAD_BYTES`], every connection closed when idle past
+//! `--header-timeout-ms`, and a drain deadline after the shutdown signal.
 //! [`admit`] stands in front of `/v1/*` and `/v3/check` only, the first
 //! step of their handlers: the in-flight bound (503 + `Retry-After`), the
 //! bearer token (401), the body read under its own deadline (408) and size
@@ -24,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use http_body_util::BodyExt;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -32,6 +35,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::auth::{Caller, Refusal, Tokens};
 use crate::flags::Bounds;
+use crate::http::conn::Guarded;
 use crate::logging::{Escaped, Warnings};
 use crate::metrics::Metrics;
 use crate::orchestrate::Limiter;
@@ -48,8 +52,14 @@ use crate::redis::store::StoreError;
 /// keys and tags) is about 210 KiB.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
-/// Largest request head (request line and headers) hyper buffers.
+/// Largest request head (request line and headers) hyper buffers; over
+/// HTTP/2 the largest header list.
 pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+
+/// Most HTTP/2 streams open at once on one connection of the HTTP listener
+/// (as on the gRPC port): a client past it waits, as HTTP/2's settings say,
+/// or has its new streams refused.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = crate::rls::MAX_STREAMS_PER_CONNECTION;
 
 /// `Retry-After` of a 503 shed by the in-flight bound, in seconds.
 pub const SHED_RETRY_AFTER_S: u64 = 1;
@@ -210,11 +220,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let bounds = app.bounds;
     let router = router(Arc::clone(&app));
-    let mut http = hyper::server::conn::http1::Builder::new();
-    // The header timeout also closes a keep-alive connection idle that long.
-    http.timer(TokioTimer::new())
-        .header_read_timeout(bounds.header_timeout)
-        .max_buf_size(MAX_HEAD_BYTES);
+    let http = Builders::new(bounds);
     let graceful = GracefulShutdown::new();
     let (cut, cut_rx) = tokio::sync::watch::channel(false);
     tokio::pin!(shutdown);
@@ -242,14 +248,15 @@ pub async fn serve(
         let metrics = app.metrics.clone();
         let mut cut_rx = cut_rx.clone();
         tokio::spawn(async move {
-            // Its place among --max-connections, until the connection ends.
-            let _slot = slot;
             let served = async {
                 match tls {
-                    None => {
-                        let conn = http.serve_connection(TokioIo::new(stream), service);
-                        watcher.watch(conn).await
-                    }
+                    None => match prior_knowledge(&stream, bounds.header_timeout).await {
+                        Some(h2) => http.serve(stream, h2, slot, service, watcher).await,
+                        None => {
+                            metrics.read_timeouts.with_label_values(&["header"]).inc();
+                            Ok(())
+                        }
+                    },
                     Some(acceptor) => {
                         let handshake = acceptor.accept(stream);
                         let stream =
@@ -267,15 +274,15 @@ pub async fn serve(
                                     return Ok(());
                                 }
                             };
-                        let conn = http.serve_connection(TokioIo::new(stream), service);
-                        watcher.watch(conn).await
+                        let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                        http.serve(stream, h2, slot, service, watcher).await
                     }
                 }
             };
             tokio::select! {
                 r = served => {
                     if let Err(e) = r {
-                        if e.is_timeout() {
+                        if timed_out(e.as_ref()) {
                             metrics.read_timeouts.with_label_values(&["header"]).inc();
                         }
                         tracing::debug!(error = %e, "connection ended");
@@ -301,6 +308,123 @@ pub async fn serve(
         let _ = cut.send(true);
     }
     Ok(())
+}
+
+/// The connection builders of the HTTP listener, one per protocol.
+#[derive(Clone)]
+struct Builders {
+    http1: hyper::server::conn::http1::Builder,
+    http2: hyper::server::conn::http2::Builder<TokioExecutor>,
+    /// An HTTP/2 connection's idle deadline (`--header-timeout-ms`).
+    idle: Duration,
+}
+
+/// What a connection of the HTTP listener ends with.
+type Served = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+impl Builders {
+    fn new(bounds: Bounds) -> Builders {
+        let mut http1 = hyper::server::conn::http1::Builder::new();
+        // The header timeout also closes a keep-alive connection idle that long.
+        http1
+            .timer(TokioTimer::new())
+            .header_read_timeout(bounds.header_timeout)
+            .max_buf_size(MAX_HEAD_BYTES);
+        let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        http2
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            .max_header_list_size(MAX_HEAD_BYTES as u32);
+        Builders {
+            http1,
+            http2,
+            idle: bounds.header_timeout,
+        }
+    }
+
+    /// Serves one connection holding `slot` (its place among
+    /// `--max-connections`) until it ends: HTTP/2 when `h2`, closed when
+    /// idle past the deadline as the gRPC port's (HTTP/2 has no header read
+    /// timeout), else HTTP/1.1.
+    async fn serve<I>(
+        &self,
+        io: I,
+        h2: bool,
+        slot: OwnedSemaphorePermit,
+        service: TowerToHyperService<Router>,
+        watcher: hyper_util::server::graceful::Watcher,
+    ) -> Served
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        if h2 {
+            let io = TokioIo::new(Guarded::new(io, slot, self.idle));
+            let conn = self.http2.serve_connection(io, service);
+            watcher.watch(conn).await.map_err(Into::into)
+        } else {
+            let _slot = slot;
+            let conn = self.http1.serve_connection(TokioIo::new(io), service);
+            watcher.watch(conn).await.map_err(Into::into)
+        }
+    }
+}
+
+/// HTTP/2's connection preface: a client with prior knowledge opens with it.
+/// Its first three bytes decide: no HTTP/1.1 request starts with `PRI`
+/// (RFC 9113 reserves the method), and hyper's HTTP/2 checks the rest.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const H2_DECIDES: usize = 3;
+
+/// Whether a cleartext connection opens with HTTP/2's preface (h2c with
+/// prior knowledge) rather than an HTTP/1.1 request, read without taking
+/// the bytes; `None` when it closed, or sent too little to tell within
+/// `limit` (as HTTP/1.1's header read timeout).
+async fn prior_knowledge(stream: &tokio::net::TcpStream, limit: Duration) -> Option<bool> {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut buf = [0u8; H2_DECIDES];
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let n = tokio::time::timeout_at(deadline, stream.peek(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        let (Some(seen), Some(expected)) = (buf.get(..n), H2_PREFACE.get(..n)) else {
+            return None;
+        };
+        if n == 0 {
+            return None;
+        }
+        if seen != expected {
+            return Some(false);
+        }
+        if n == H2_DECIDES {
+            return Some(true);
+        }
+        // One or two bytes of the preface so far: the peek would return at
+        // once (even past the deadline), so wait, longer each time, for the rest.
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + pause)).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Whether a connection ended on a read deadline: hyper's header read
+/// timeout, or the idle deadline of [`Guarded`].
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+            || e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -336,8 +460,11 @@ fn bad_request(app: &App, status: StatusCode, message: String) -> Response {
     error(status, message)
 }
 
+/// A body refused: its status (400 or 413) and the message naming the field.
+type Refused = (StatusCode, String);
+
 /// A body fault of the request: 400.
-fn invalid(message: String) -> (StatusCode, String) {
+fn invalid(message: String) -> Refused {
     (StatusCode::BAD_REQUEST, message)
 }
 
@@ -424,7 +551,7 @@ async fn admit_call<T>(
     app: &App,
     req: Request,
     max_body: usize,
-    parse: fn(&[u8]) -> Result<T, (StatusCode, String)>,
+    parse: fn(&[u8]) -> Result<T, Refused>,
     domain: fn(&T) -> &str,
 ) -> Result<Call<T>, Response> {
     let admitted = admit(app, req, max_body).await?;
@@ -542,7 +669,7 @@ async fn check_batch(State(app): State<Arc<App>>, req: Request) -> Response {
 
 /// A batch body: 413 for more checks than [`protocol::MAX_BATCH`], 400 for
 /// any other fault.
-fn parse_batch(body: &[u8]) -> Result<protocol::BatchRequest, (StatusCode, String)> {
+fn parse_batch(body: &[u8]) -> Result<protocol::BatchRequest, Refused> {
     protocol::parse_batch(body).map_err(|e| match e {
         BatchError::TooManyChecks(m) => (StatusCode::PAYLOAD_TOO_LARGE, m),
         BatchError::Invalid(m) => (StatusCode::BAD_REQUEST, m),

@@ -41,8 +41,9 @@ fn certs(path: &Path, flag: &str) -> Result<Vec<CertificateDer<'static>>, String
 /// The application protocol a listener speaks, offered in ALPN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Alpn {
-    /// `--listen`: Envoy's callouts and the probes speak HTTP/1.1.
-    Http1,
+    /// `--listen`: Envoy's callouts and the probes speak HTTP/1.1, or
+    /// HTTP/2 (offered first).
+    Http,
     /// `--grpc-listen`: gRPC is HTTP/2.
     H2,
 }
@@ -74,9 +75,9 @@ pub fn acceptor(files: &TlsFiles, alpn: Alpn) -> Result<TlsAcceptor, String> {
     let mut config = builder
         .with_single_cert(chain, key)
         .map_err(|e| format!("--tls-cert/--tls-key: {e}"))?;
-    config.alpn_protocols = vec![match alpn {
-        Alpn::Http1 => b"http/1.1".to_vec(),
-        Alpn::H2 => b"h2".to_vec(),
-    }];
+    config.alpn_protocols = match alpn {
+        Alpn::Http => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+        Alpn::H2 => vec![b"h2".to_vec()],
+    };
     Ok(TlsAcceptor::from(Arc::new(config)))
 }

@@ -602,6 +602,28 @@ mod tests {
         assert!(parse_batch_reply(vec![Value::Int(1)], 1).is_err());
     }
 
+    /// Lua 5.1 allows 200 locals in one function, and `check_one` holds
+    /// every top-level local of `common.lua` and `check.lua` (and their
+    /// blocks' own while they run): this keeps a wide margin.
+    #[test]
+    fn the_batch_wrapper_stays_within_lua_locals() {
+        let top_level: usize = [include_str!("common.lua"), include_str!("check.lua")]
+            .iter()
+            .flat_map(|f| f.lines())
+            .filter_map(|l| l.strip_prefix("local "))
+            .map(|l| {
+                let names = l.strip_prefix("function ").unwrap_or(l);
+                let names = names.split(['=', '(']).next().unwrap_or_default();
+                names.split(',').filter(|n| !n.trim().is_empty()).count()
+            })
+            .sum();
+        assert!(top_level > 40, "{top_level}: the count reads the files");
+        assert!(
+            top_level <= 120,
+            "{top_level} top-level locals in check_one"
+        );
+    }
+
     #[test]
     fn the_batch_script_wraps_check_lua_whole() {
         assert!(BATCH_LUA.starts_with("local function check_one(KEYS, ARGV)\n"));
