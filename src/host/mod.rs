@@ -357,8 +357,9 @@ impl RootContext for Root {
 /// `x-test-trap` kills the VM (an abort traps on wasm32-wasip1), as a crash
 /// would, so that a real Envoy test sees what a dead VM leaves behind.
 #[cfg(feature = "test-trap")]
-pub(super) fn crash_on_test_trap() {
-    let header = hostcalls::get_map_value(MapType::HttpResponseHeaders, "x-test-trap");
+fn crash_on_test_trap() {
+    let headers = proxy_wasm::types::MapType::HttpResponseHeaders;
+    let header = hostcalls::get_map_value(headers, "x-test-trap");
     if header.ok().flatten().is_some() {
         std::process::abort();
     }
