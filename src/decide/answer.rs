@@ -156,8 +156,8 @@ pub(super) fn lease_answer(
     })
 }
 
-/// `call` is the call's latency and whether the circuit already counted it
-/// (a batch's, counted once by the host).
+/// The second argument is the call's latency and whether the circuit
+/// already counted the call (a batch's, counted once by the host).
 fn finish_with(
     plan: &Plan,
     p: Pending,
@@ -193,10 +193,7 @@ fn finish_with(
         .and_then(|id| super::remote::Reserved::new(plan, &eval, id));
     let transition = match recorded {
         true => Transition::None,
-        false => {
-            let result = call_result(&answer, latency_ns);
-            circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, p.probe)
-        }
+        false => record_call(g, store, &answer, latency_ns, p.probe, now_ns),
     };
     if transition == Transition::Opened {
         ctx.counts.add(Metric::CircuitOpened, 1);

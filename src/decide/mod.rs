@@ -696,12 +696,24 @@ pub fn record_batch<T>(
     let Some(g) = &plan.global else {
         return (Transition::None, counts);
     };
-    let result = call_result(answer, latency_ns);
-    let t = circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, probe);
+    let t = record_call(g, store, answer, latency_ns, probe, now_ns);
     if t == Transition::Opened {
         counts.add(Metric::CircuitOpened, 1);
     }
     (t, counts)
+}
+
+/// Records one call's result in the circuit shared by the workers.
+fn record_call<T>(
+    g: &GlobalPlan,
+    store: &impl SharedStore,
+    answer: &Result<T, AnswerError>,
+    latency_ns: u64,
+    probe: bool,
+    now_ns: u64,
+) -> Transition {
+    let result = call_result(answer, latency_ns);
+    circuit::record(store, &g.circuit_key, &g.circuit, now_ns, result, probe)
 }
 
 /// A 4xx says the request was refused, not that the gateway is unwell: it
