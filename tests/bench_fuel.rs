@@ -986,15 +986,29 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
 }
 
 /// The configuration and client the profiling tools measure:
-/// `PROFILE_CONFIG` (`c4`, `cc`, else c1) and `PROFILE_CLIENT` (`c50`).
+/// `PROFILE_CONFIG` (`c1` when unset, `c4`, `cc`, `cm`; any other name
+/// fails) and `PROFILE_CLIENT` (`c50`).
 fn profiled() -> (&'static str, String) {
     let config = match std::env::var("PROFILE_CONFIG").as_deref() {
+        Err(_) | Ok("c1") => C1,
         Ok("c4") => C4,
         Ok("cc") => CC,
-        _ => C1,
+        Ok("cm") => CM,
+        Ok(other) => panic!("PROFILE_CONFIG={other}: one of c1, c4, cc, cm"),
     };
     let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
     (config, client)
+}
+
+/// The profiled request of `client`: cm's matches a host under
+/// example.com, the route `api` and an api_key, as its fuel figure's do.
+fn profiled_request(config: &str, client: &str) -> Request {
+    if config != CM {
+        return client_request(client);
+    }
+    Request::get(&format!("/v1/items?page=2&api_key={client}"))
+        .set_header(":authority", "api.example.com:443")
+        .property(&["xds", "route_name"], "api")
 }
 
 /// A VM of `config` after 50 clients' requests, and one of `over` when it
@@ -1023,7 +1037,7 @@ fn profiled_vm(config: &str, client: &str) -> FuelVm {
 /// ```
 ///
 /// Functions on top of the stack are also listed with their caller.
-/// `PROFILE_CONFIG=c4` profiles c4 (`cc` the concurrency variant), `PROFILE_CLIENT=over` a denial,
+/// `PROFILE_CONFIG=c4` profiles c4 (`cc` the concurrency variant, `cm` the matched rule), `PROFILE_CLIENT=over` a denial,
 /// `PROFILE_PHASE=response` the response's headers instead of the decision,
 /// `PROFILE_SAMPLES` sets N (150); `PROFILE_OFFSETS=1` adds to the top
 /// frame its module offset (as `wasm-tools print --print-offsets` shows it).
@@ -1036,13 +1050,13 @@ fn profile_of_a_decision() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(150);
     let fresh = || profiled_vm(config, &client);
-    let total = run_out_of_fuel(&mut fresh(), client_request(&client), None)
+    let total = run_out_of_fuel(&mut fresh(), profiled_request(config, &client), None)
         .unwrap_or_else(|stack| panic!("ran out of u64::MAX fuel: {stack:?}"));
     let (mut inclusive, mut exclusive, mut callers) =
         (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
     for k in 0..samples {
         let fuel = 1 + k * total / samples;
-        let stack = run_out_of_fuel(&mut fresh(), client_request(&client), Some(fuel))
+        let stack = run_out_of_fuel(&mut fresh(), profiled_request(config, &client), Some(fuel))
             .err()
             .unwrap_or_default();
         if let Some(top) = stack.first() {
@@ -1100,7 +1114,8 @@ fn trace_of_a_decision() {
     });
     vm.store.set_fuel(u64::MAX / 2).expect("fuel is on");
     let earlier = vm._harness.logs_containing("probe ").len();
-    let used = run_out_of_fuel(&mut vm, client_request(&client), None).expect("enough fuel");
+    let used =
+        run_out_of_fuel(&mut vm, profiled_request(config, &client), None).expect("enough fuel");
     // The context's creation ran first, on the same fuel.
     let end = vm.fuel_left();
     let mut last = end + used;
