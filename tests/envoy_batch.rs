@@ -84,10 +84,7 @@ fn load(envoys: &[Envoy], keys: &[String]) -> BTreeMap<String, BTreeMap<u16, usi
 
 /// The filter's counter `name`, summed over the proxies.
 fn summed(envoys: &[Envoy], name: &str) -> u64 {
-    envoys
-        .iter()
-        .map(|e| ok(e.metric(name), "reading /stats").unwrap_or(0.0) as u64)
-        .sum()
+    ok(Envoy::summed(envoys, name), "reading /stats/prometheus")
 }
 
 /// Prints and returns the batch calls per request of a run of `requests`.

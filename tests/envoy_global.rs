@@ -1560,13 +1560,7 @@ fn tokens_in_use(redis: &Redis, key: &str, requests: u64) -> u64 {
 
 /// A counter summed over both Envoys.
 fn summed(envoys: &[Envoy], name: &str) -> u64 {
-    envoys
-        .iter()
-        .map(|e| {
-            let page = ok(e.stats_prometheus(), "reading /stats/prometheus");
-            testkit::prometheus_value(&page, name).unwrap_or(0.0) as u64
-        })
-        .sum()
+    ok(Envoy::summed(envoys, name), "reading /stats/prometheus")
 }
 
 /// A global shadow rule of 5 an hour across two proxies: 12 requests all

@@ -322,7 +322,7 @@ impl<S: SharedStore> Ctx<'_, S> {
                     reservation = Some(super::remote::reservation_id(self.random));
                 }
                 let id = reservation.as_deref();
-                match self.plan.global.as_ref().is_some_and(|g| g.batch.is_some()) {
+                match self.plan.batch().is_some() {
                     true => callout::encode_check(self.plan, &eval.global, &eval.quotas, id),
                     false => callout::encode_request(self.plan, &eval.global, &eval.quotas, id),
                 }

@@ -214,7 +214,7 @@ impl Pending {
     /// Whether this check goes in a batch: coalescing is on and it is not
     /// a lease fetch (then `body` is one [`callout::encode_check`]).
     pub fn batched(&self, plan: &Plan) -> bool {
-        self.lease.is_none() && plan.global.as_ref().is_some_and(|g| g.batch.is_some())
+        self.lease.is_none() && plan.batch().is_some()
     }
 
     /// Path and timeout of this callout: the lease endpoint for a lease.

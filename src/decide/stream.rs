@@ -220,6 +220,15 @@ impl Stream {
         matches!(&self.state, State::Waiting(p) if p.batched(plan))
     }
 
+    /// The waiting request's check, taken out for its batch (the batch
+    /// carries it from then on; nothing reads it here again).
+    pub fn take_check(&mut self) -> Vec<u8> {
+        match &mut self.state {
+            State::Waiting(p) => std::mem::take(&mut p.body),
+            _ => Vec::new(),
+        }
+    }
+
     /// Whether the waiting request's call is the half-open circuit's probe.
     pub fn probe(&self) -> bool {
         matches!(&self.state, State::Waiting(p) if p.probe)

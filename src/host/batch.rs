@@ -52,7 +52,7 @@ pub(super) fn post(w: &Worker, plan: &Plan, now: u64) {
 /// for wakes again: a wake the host lost would otherwise leave every later
 /// check to the tick).
 pub(super) fn tick(w: &Worker, plan: &Plan, now: u64) {
-    let Some(bp) = plan.global.as_ref().and_then(|g| g.batch.as_ref()) else {
+    let Some(bp) = plan.batch() else {
         return;
     };
     if w.coalescer.borrow().due(bp, now) {

@@ -82,9 +82,9 @@ impl Http {
             .tally
             .borrow_mut()
             .background(Background::LeaseDebtDropped, self.stream.dropped_debt());
-        if let Some(bp) = plan.global.as_ref().and_then(|g| g.batch.as_ref()) {
+        if let Some(bp) = plan.batch() {
             if self.stream.batched(plan) {
-                return self.join_batch(plan, bp, now);
+                return self.join_batch(bp, now);
             }
         }
         let token = self.stream.callout(plan).and_then(|(c, lease)| {
@@ -111,11 +111,8 @@ impl Http {
 
     /// Queues the check for the worker's next batch and parks the stream,
     /// where the root carries out its part of the answer.
-    fn join_batch(&mut self, plan: &Plan, bp: &BatchPlan, now: u64) -> Action {
-        let check = match self.stream.callout(plan) {
-            Some((c, _)) => c.body.to_vec(),
-            None => Vec::new(),
-        };
+    fn join_batch(&mut self, bp: &BatchPlan, now: u64) -> Action {
+        let check = self.stream.take_check();
         let join = self.w.coalescer.borrow_mut().join(self.id, check, bp, now);
         let stream = std::mem::take(&mut self.stream);
         let parked = Parked {

@@ -246,7 +246,7 @@ fn start_timer(plan: &Plan) -> Result<(), String> {
     // Settlements of global rules wait in the outbox for the tick.
     let settles = plan.global.is_some() && plan.settling;
     // Batches the tick posts when no wake came.
-    let batches = plan.global.as_ref().is_some_and(|g| g.batch.is_some());
+    let batches = plan.batch().is_some();
     let period = if delays || leases || settles || batches {
         TICK
     } else {

@@ -1175,6 +1175,11 @@ impl Plan {
     }
 
     /// The meter that settles a bucket of `rule`: the rule's own
+    /// Coalesced checks, when global checks go in batches.
+    pub fn batch(&self) -> Option<&BatchPlan> {
+        self.global.as_ref()?.batch.as_ref()
+    }
+
     /// `cost_from`, or the request's `costs` entry's when the rule has no
     /// cost of its own (`cost_meter`, from [`Evaluation::cost_meter`]);
     /// none for a concurrency rule, whose slot is one request.

@@ -441,6 +441,15 @@ impl Envoy {
     pub fn metric(&self, name: &str) -> Result<Option<f64>> {
         Ok(prometheus_value(&self.stats_prometheus()?, name))
     }
+
+    /// The counter `name` summed over `envoys` (0 where one does not show it).
+    pub fn summed(envoys: &[Envoy], name: &str) -> Result<u64> {
+        let mut total = 0;
+        for e in envoys {
+            total += e.metric(name)?.unwrap_or(0.0) as u64;
+        }
+        Ok(total)
+    }
 }
 
 impl Drop for Envoy {
