@@ -944,6 +944,25 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
             let (n, eos) = vm.answer(ctx, &Answer::ok());
             ("proxy_on_response_headers", (c, n, eos))
         }
+        Ok("body") => {
+            let action =
+                vm.call::<(i32, i32, i32), i32>(ctx, "proxy_on_request_headers", (c, n, 1));
+            assert_eq!(action, 0, "the request measured must be let through");
+            let answer = Answer {
+                content_type: Some("application/json"),
+                body: openai_chat_json(64 * 1024),
+                chunk: Some(16 * 1024),
+            };
+            let (n, eos) = vm.answer(ctx, &answer);
+            vm.call::<(i32, i32, i32), i32>(ctx, "proxy_on_response_headers", (c, n, eos));
+            let s = vm.stream(ctx);
+            s.resp_map_held = false;
+            s.phase = StreamPhase::Completing;
+            let chunk = answer.body.get(..16 * 1024).unwrap_or_default().to_vec();
+            let len = chunk.len() as i32;
+            s.body_chunk = Some(chunk);
+            ("proxy_on_response_body", (c, len, 0))
+        }
         _ => ("proxy_on_request_headers", (c, n, 1)),
     };
     let func = vm
@@ -994,7 +1013,8 @@ fn profiled() -> (&'static str, String) {
         Ok("c4") => C4,
         Ok("cc") => CC,
         Ok("cm") => CM,
-        Ok(other) => panic!("PROFILE_CONFIG={other}: one of c1, c4, cc, cm"),
+        Ok("cu") => CU,
+        Ok(other) => panic!("PROFILE_CONFIG={other}: one of c1, c4, cc, cm, cu"),
     };
     let client = std::env::var("PROFILE_CLIENT").unwrap_or_else(|_| "c50".into());
     (config, client)

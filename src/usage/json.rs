@@ -4,7 +4,6 @@
 //! long or deep the document is. Nesting is counted, never recursed into,
 //! and nothing is buffered; inside strings it jumps to the next `"` or `\`.
 
-use super::find::find2;
 use super::meter::{Meter, Slot, MAX_PATHS};
 use super::path::MAX_SEGMENTS;
 use super::segments::Segments;
@@ -213,26 +212,31 @@ impl Scanner {
         }
     }
 
-    /// Inside a string: everything up to the next `"` or `\` at once.
-    fn string_run<'a>(&mut self, bytes: &'a [u8]) -> &'a [u8] {
-        let end = find2(bytes, b'"', b'\\');
-        let (run, stop) = match end {
-            Some(n) => bytes.split_at(n),
-            None => (bytes, &[][..]),
-        };
-        if self.ctx == Ctx::Key && !run.is_empty() {
-            self.key_bytes(run);
-        }
-        match stop.split_first() {
-            Some((b'"', tail)) => {
-                self.string_end();
-                self.punctuation(tail)
+    /// Inside a string: everything up to the closing `"` at once. A
+    /// one-letter escape outside a key is checked here and the run goes on,
+    /// so prose with a `\n` every line costs no trip through [`Scanner::byte`].
+    fn string_run<'a>(&mut self, mut bytes: &'a [u8]) -> &'a [u8] {
+        loop {
+            let end = memchr::memchr2(b'"', b'\\', bytes);
+            let (run, stop) = match end {
+                Some(n) => bytes.split_at(n),
+                None => (bytes, &[][..]),
+            };
+            if self.ctx == Ctx::Key && !run.is_empty() {
+                self.key_bytes(run);
             }
-            Some((_, tail)) => {
-                self.st = St::Esc;
-                tail
+            match stop {
+                [b'"', tail @ ..] => {
+                    self.string_end();
+                    return self.punctuation(tail);
+                }
+                [b'\\', c, tail @ ..] if self.ctx != Ctx::Key && plain_escape(*c) => bytes = tail,
+                [_, tail @ ..] => {
+                    self.st = St::Esc;
+                    return tail;
+                }
+                [] => return stop,
             }
-            None => stop,
         }
     }
 
@@ -625,4 +629,9 @@ impl Scanner {
         let s = char::from_u32(c).unwrap_or(char::REPLACEMENT_CHARACTER);
         self.key_bytes(s.encode_utf8(&mut utf8).as_bytes());
     }
+}
+
+/// An escape of one letter after `\` (any but `\u`).
+fn plain_escape(c: u8) -> bool {
+    matches!(c, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't')
 }

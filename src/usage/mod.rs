@@ -1,13 +1,12 @@
 //! What a response cost, read from its body as it streams: a [`Meter`]
 //! (terms: a JSON Pointer's value times a weight, summed and capped) and
 //! the [`Scan`] of one body, fed chunk by chunk in bounded state, plain JSON
-//! (`json.rs`, over `segments.rs` and `find.rs`) or server-sent events
+//! (`json.rs`, over `segments.rs`) or server-sent events
 //! (`sse.rs`, [`Framing`]); [`Preset`] has the terms of the LLM APIs whose
 //! responses report their token usage. `request.rs` reads the request
 //! body before the request is decided: a reservation (`max_tokens`) and the
 //! rewrite that asks a stream for its usage.
 
-pub mod find;
 pub mod json;
 pub mod meter;
 pub mod path;

@@ -3,8 +3,6 @@
 //! two `data` lines of one event, and the blank line that ends an event.
 //! No line is buffered: a `data` value is handed on as it arrives.
 
-use super::find::find2;
-
 /// What a stretch of the stream means to the event being read.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Piece<'a> {
@@ -107,7 +105,7 @@ impl Framer {
             Line::Name { at, data } => (at, data),
             _ => (0, true),
         };
-        let end = rest.iter().position(|&c| matches!(c, b':' | b'\r' | b'\n'));
+        let end = memchr::memchr3(b':', b'\r', b'\n', rest);
         let name = rest.get(..end.unwrap_or(rest.len())).unwrap_or_default();
         let colon = rest.get(name.len()).filter(|&&c| c == b':');
         let data = data && b"data".get(seen..).is_some_and(|d| d.starts_with(name));
@@ -145,5 +143,5 @@ impl Framer {
 
 /// Where the line in `bytes` ends (or the chunk, if it does not).
 fn line_end(bytes: &[u8]) -> usize {
-    find2(bytes, b'\r', b'\n').unwrap_or(bytes.len())
+    memchr::memchr2(b'\r', b'\n', bytes).unwrap_or(bytes.len())
 }

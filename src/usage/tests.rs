@@ -345,6 +345,27 @@ fn malformed_or_truncated_documents_are_missing() {
     }
 }
 
+/// Escapes inside a value are checked where the string's run finds them,
+/// wherever a chunk splits them.
+#[test]
+fn escapes_in_values_are_checked_in_the_run() {
+    let p = ["/n"];
+    let m = meter(terms(&p));
+    let good = r#"{"x":"a\"b\\c\/d\be\ff\ng\rh\ti\u00e9j\n\n","n":7}"#;
+    assert_eq!(everywhere(&m, Framing::Json, good.as_bytes()), found(7));
+    for bad in [
+        r#"{"x":"a\qb","n":7}"#,
+        r#"{"x":"a\u00g9","n":7}"#,
+        r#"{"x":"\"#,
+    ] {
+        assert_eq!(
+            everywhere(&m, Framing::Json, bad.as_bytes()),
+            Usage::Missing,
+            "{bad}"
+        );
+    }
+}
+
 #[test]
 fn keys_are_compared_decoded() {
     let p = ["/usage/prompt_tokens"];
