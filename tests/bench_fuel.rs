@@ -917,7 +917,8 @@ fn warm_vm(config: &str, warm: u32) -> FuelVm {
 /// there is when `None`): the fuel it used, or the names on the wasm stack
 /// where the fuel ran out. `PROFILE_PHASE=response` runs the request's
 /// headers with all the fuel there is and its response's headers (`ok\n`)
-/// with `fuel`.
+/// with `fuel`; `PROFILE_PHASE=body` the same, then the first 16 KiB chunk
+/// of a 64 KiB chat completion with `fuel`.
 fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u64, Vec<String>> {
     let ctx = {
         let d = vm.store.data_mut();
@@ -1005,7 +1006,7 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
 }
 
 /// The configuration and client the profiling tools measure:
-/// `PROFILE_CONFIG` (`c1` when unset, `c4`, `cc`, `cm`; any other name
+/// `PROFILE_CONFIG` (`c1` when unset, `c4`, `cc`, `cm`, `cu`; any other name
 /// fails) and `PROFILE_CLIENT` (`c50`).
 fn profiled() -> (&'static str, String) {
     let config = match std::env::var("PROFILE_CONFIG").as_deref() {
@@ -1058,7 +1059,8 @@ fn profiled_vm(config: &str, client: &str) -> FuelVm {
 ///
 /// Functions on top of the stack are also listed with their caller.
 /// `PROFILE_CONFIG=c4` profiles c4 (`cc` the concurrency variant, `cm` the matched rule), `PROFILE_CLIENT=over` a denial,
-/// `PROFILE_PHASE=response` the response's headers instead of the decision,
+/// `PROFILE_PHASE=response` the response's headers instead of the decision
+/// (`body`: the first 16 KiB chunk of a 64 KiB chat completion, with `cu`),
 /// `PROFILE_SAMPLES` sets N (150); `PROFILE_OFFSETS=1` adds to the top
 /// frame its module offset (as `wasm-tools print --print-offsets` shows it).
 #[test]
