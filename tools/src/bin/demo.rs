@@ -530,6 +530,7 @@ fn global_part(args: &Args) -> Result<Global> {
         || {
             Gateway::start(
                 GatewayOptions::new(redis.url())
+                    .shipped_redis_timeout()
                     .port(args.gateway_port)
                     // Its policy is the proxies' own configuration.
                     .policy(plugin_config.clone())

@@ -35,6 +35,7 @@ impl Infra {
             // The gateway's policy: the plugin configurations of d and e (and
             // of the wrk script, which is d's domain and rule).
             let opts = GatewayOptions::new(r.url())
+                .shipped_redis_timeout()
                 .policy(D_JSON)
                 .policy(E_JSON)
                 .policy(DF_JSON)
