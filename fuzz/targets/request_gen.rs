@@ -1,6 +1,7 @@
-//! Builds a `RequestInfo` for a plan from fuzz bytes: every header the plan reads may be
-//! absent, empty, a plausible value, raw (non-UTF-8) bytes, an `X-Forwarded-For`-like chain
-//! or a huge value; the peer address may be missing or garbage.
+//! Builds a `RequestInfo` for a plan from fuzz bytes: every header and property (route
+//! name, metadata) the plan reads may be absent, empty, a plausible value, raw (non-UTF-8)
+//! bytes, an `X-Forwarded-For`-like chain or a huge value; the peer address may be missing
+//! or garbage.
 
 use crate::input::Input;
 use ratelimit_wasm::policy::plan::Plan;
@@ -32,6 +33,11 @@ pub const WORDS: &[&str] = &[
     "2001:db8::7",
     "192.0.2.10:40000",
     "[2001:db8::1]:443",
+    "API.example.com:443",
+    "api.example.com",
+    "/?api_key=a%62c&x=+1",
+    "sid=%61bc; theme=\"dark\"",
+    "premium",
 ];
 
 /// Sizes around the 1 KiB key-part bound and beyond.
@@ -108,14 +114,19 @@ pub fn source(inp: &mut Input) -> Option<Vec<u8>> {
     })
 }
 
-/// A request with a value (or none) for every header the plan reads.
+/// A request with a value (or none) for every header and property the plan reads.
 pub fn request(plan: &Plan, inp: &mut Input) -> RequestInfo {
-    // Headers first: the order the input is read in is the corpus's format.
+    // Headers first: the order the input is read in is the corpus's format,
+    // so what was added later (the properties) is read last.
     let req = RequestInfo::from_headers(&plan.header_names, |_| value(inp));
-    RequestInfo {
+    let req = RequestInfo {
         source_address: source(inp),
         client_metadata: if inp.bool() { value(inp) } else { None },
         tier_metadata: if inp.bool() { value(inp) } else { None },
         ..req
-    }
+    };
+    (0..plan.properties.len()).fold(req, |req, id| match value(inp) {
+        Some(v) => req.with_property(id, &v),
+        None => req,
+    })
 }
