@@ -553,8 +553,7 @@ impl ErrorBody {
 
 /// Parses and validates a `POST /v1/check` body; the error is `<field path>: <reason>`.
 pub fn parse_check(body: &[u8]) -> Result<CheckRequest, String> {
-    check_version(body)?;
-    let req: CheckRequest = decode(body)?;
+    let req: CheckRequest = decode(body, VERSION)?;
     validate_check(&req)?;
     Ok(req)
 }
@@ -579,8 +578,8 @@ impl std::fmt::Display for BatchError {
 
 /// Parses and validates a `POST /v3/check` body.
 pub fn parse_batch(body: &[u8]) -> Result<BatchRequest, BatchError> {
-    check_version_is(body, BATCH_VERSION).map_err(BatchError::Invalid)?;
-    let req: BatchRequest = decode(body).map_err(BatchError::Invalid)?;
+    let req: BatchRequest = decode(body, BATCH_VERSION).map_err(BatchError::Invalid)?;
+    version_is(req.version, BATCH_VERSION).map_err(BatchError::Invalid)?;
     if req.checks.len() > MAX_BATCH {
         return Err(BatchError::TooManyChecks(format!(
             "checks: more than {MAX_BATCH} checks"
@@ -592,27 +591,31 @@ pub fn parse_batch(body: &[u8]) -> Result<BatchRequest, BatchError> {
 
 /// Parses and validates a `POST /v1/settle` body; the error is `<field path>: <reason>`.
 pub fn parse_settle(body: &[u8]) -> Result<SettleRequest, String> {
-    check_version(body)?;
-    let req: SettleRequest = decode(body)?;
+    let req: SettleRequest = decode(body, VERSION)?;
     validate_settle(&req)?;
     Ok(req)
 }
 
 /// Parses and validates a `POST /v1/lease` body; the error is `<field path>: <reason>`.
 pub fn parse_lease(body: &[u8]) -> Result<LeaseRequest, String> {
-    check_version(body)?;
-    let req: LeaseRequest = decode(body)?;
+    let req: LeaseRequest = decode(body, VERSION)?;
     validate_lease(&req)?;
     Ok(req)
 }
 
-/// The version first, so that a request of another version is told so
-/// rather than about the first field it does not know.
-fn check_version(body: &[u8]) -> Result<(), String> {
-    check_version_is(body, VERSION)
+/// Deserializes a body of protocol version `expected`. A body that does
+/// not decode is told first of a version other than `expected` (rather than
+/// of the first field it does not know), else of the field at fault; the
+/// field's path is traced only then, on a second pass, so that a good body
+/// is read once.
+fn decode<T: serde::de::DeserializeOwned>(body: &[u8], expected: u32) -> Result<T, String> {
+    serde_json::from_slice(body).or_else(|_| {
+        check_version_is(body, expected)?;
+        Err(decode_error::<T>(body))
+    })
 }
 
-/// The version first, as [`check_version`], against `expected`.
+/// The version of a body that did not decode, against `expected`.
 fn check_version_is(body: &[u8], expected: u32) -> Result<(), String> {
     #[derive(Deserialize)]
     struct Versioned {
@@ -628,19 +631,26 @@ fn check_version_is(body: &[u8], expected: u32) -> Result<(), String> {
     Ok(())
 }
 
-/// Deserializes a body, naming the field at fault in the error.
-fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+/// Why a body does not decode, naming the field at fault.
+fn decode_error<T: serde::de::DeserializeOwned>(body: &[u8]) -> String {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let reason = strip_position(&inner);
-        if path == "." || path == "?" || path.is_empty() {
-            format!("body: {reason}")
-        } else {
-            format!("{path}: {reason}")
+    match serde_path_to_error::deserialize::<_, T>(de) {
+        // serde_json::from_slice also refuses trailing bytes after the value.
+        Ok(_) => match serde_json::from_slice::<T>(body) {
+            Err(e) => format!("body: {}", strip_position(&e)),
+            Ok(_) => "body: does not decode".to_string(),
+        },
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let reason = strip_position(&inner);
+            if path == "." || path == "?" || path.is_empty() {
+                format!("body: {reason}")
+            } else {
+                format!("{path}: {reason}")
+            }
         }
-    })
+    }
 }
 
 /// serde_json's message without its " at line L column C" suffix.
@@ -656,20 +666,20 @@ fn strip_position(e: &serde_json::Error) -> String {
 /// policy's own bounds are the gateway's).
 pub fn validate_check(req: &CheckRequest) -> Result<(), String> {
     version(req.version)?;
-    name("domain", &req.domain, false)?;
-    validate_items("", &req.buckets, &req.quotas, req.reservation.as_deref())
+    at(|| "domain".into(), name(&req.domain, false))?;
+    validate_items(
+        &String::new,
+        &req.buckets,
+        &req.quotas,
+        req.reservation.as_deref(),
+    )
 }
 
 /// Checks the bounds of a batched check request: its version, its domain,
 /// 1 to [`MAX_BATCH`] checks, and each check as [`validate_check`] does.
 pub fn validate_batch(req: &BatchRequest) -> Result<(), String> {
-    if req.version != BATCH_VERSION {
-        return Err(format!(
-            "version: unsupported version {}, expected {BATCH_VERSION}",
-            req.version
-        ));
-    }
-    name("domain", &req.domain, false)?;
+    version_is(req.version, BATCH_VERSION)?;
+    at(|| "domain".into(), name(&req.domain, false))?;
     let n = req.checks.len();
     if !(1..=MAX_BATCH).contains(&n) {
         return Err(format!(
@@ -677,9 +687,8 @@ pub fn validate_batch(req: &BatchRequest) -> Result<(), String> {
         ));
     }
     for (c, check) in req.checks.iter().enumerate() {
-        let at = format!("checks[{c}].");
         validate_items(
-            &at,
+            &|| format!("checks[{c}]."),
             &check.buckets,
             &check.quotas,
             check.reservation.as_deref(),
@@ -688,10 +697,11 @@ pub fn validate_batch(req: &BatchRequest) -> Result<(), String> {
     Ok(())
 }
 
-/// The bounds of one check's buckets, quotas and reservation; `at` is the
-/// prefix of each field path (`""`, or `checks[3].` in a batch).
+/// The bounds of one check's buckets, quotas and reservation; `prefix`
+/// writes what comes before each field path (`""`, or `checks[3].` in a
+/// batch), only for a refusal.
 fn validate_items(
-    at: &str,
+    prefix: &dyn Fn() -> String,
     buckets: &[BucketRef],
     quotas: &[QuotaRef],
     reservation_id: Option<&str>,
@@ -700,40 +710,64 @@ fn validate_items(
     let min_buckets = usize::from(quotas.is_empty());
     if buckets.len() < min_buckets || buckets.len() > MAX_BUCKETS {
         return Err(format!(
-            "{at}buckets: must hold {min_buckets} to {MAX_BUCKETS} buckets, got {}",
+            "{}buckets: must hold {min_buckets} to {MAX_BUCKETS} buckets, got {}",
+            prefix(),
             buckets.len()
         ));
     }
     for (b, bucket) in buckets.iter().enumerate() {
-        name(&format!("{at}buckets[{b}].rule"), &bucket.rule, false)?;
-        name(&format!("{at}buckets[{b}].key"), &bucket.key, false)?;
-        name(&format!("{at}buckets[{b}].tag"), &bucket.tag, true)?;
-        variant(&format!("{at}buckets[{b}].variant"), &bucket.variant)?;
-        exact(&format!("{at}buckets[{b}].cost"), bucket.cost, 1)?;
+        bucket_fields(prefix, b, bucket, 1)?;
     }
     if quotas.len() > MAX_QUOTAS {
         return Err(format!(
-            "{at}quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+            "{}quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+            prefix(),
             quotas.len()
         ));
     }
     for (q, quota) in quotas.iter().enumerate() {
-        name(&format!("{at}quotas[{q}].quota"), &quota.quota, false)?;
-        name(&format!("{at}quotas[{q}].key"), &quota.key, false)?;
-        name(&format!("{at}quotas[{q}].tag"), &quota.tag, true)?;
-        variant(&format!("{at}quotas[{q}].variant"), &quota.variant)?;
-        exact(&format!("{at}quotas[{q}].amount"), quota.amount, 1)?;
+        quota_fields(prefix, q, quota, 1)?;
     }
     if let Some(id) = reservation_id {
-        reservation(&format!("{at}reservation"), id)?;
+        at(|| format!("{}reservation", prefix()), reservation(id))?;
     }
     Ok(())
+}
+
+/// The fields of `buckets[b]`, its cost at least `min_cost`.
+fn bucket_fields(
+    prefix: &dyn Fn() -> String,
+    b: usize,
+    bucket: &BucketRef,
+    min_cost: u64,
+) -> Result<(), String> {
+    let path = |field: &str| format!("{}buckets[{b}].{field}", prefix());
+    at(|| path("rule"), name(&bucket.rule, false))?;
+    at(|| path("key"), name(&bucket.key, false))?;
+    at(|| path("tag"), name(&bucket.tag, true))?;
+    at(|| path("variant"), variant(&bucket.variant))?;
+    at(|| path("cost"), exact(bucket.cost, min_cost))
+}
+
+/// The fields of `quotas[q]`, its amount at least `min_amount`.
+fn quota_fields(
+    prefix: &dyn Fn() -> String,
+    q: usize,
+    quota: &QuotaRef,
+    min_amount: u64,
+) -> Result<(), String> {
+    let path = |field: &str| format!("{}quotas[{q}].{field}", prefix());
+    at(|| path("quota"), name(&quota.quota, false))?;
+    at(|| path("key"), name(&quota.key, false))?;
+    at(|| path("tag"), name(&quota.tag, true))?;
+    at(|| path("variant"), variant(&quota.variant))?;
+    at(|| path("amount"), exact(quota.amount, min_amount))
 }
 
 /// Checks the bounds of a settle request that serde cannot express.
 pub fn validate_settle(req: &SettleRequest) -> Result<(), String> {
     version(req.version)?;
-    name("domain", &req.domain, false)?;
+    at(|| "domain".into(), name(&req.domain, false))?;
     let n = req.settlements.len();
     if !(1..=MAX_SETTLEMENTS).contains(&n) {
         return Err(format!(
@@ -741,46 +775,44 @@ pub fn validate_settle(req: &SettleRequest) -> Result<(), String> {
         ));
     }
     for (s, settlement) in req.settlements.iter().enumerate() {
-        let at = format!("settlements[{s}]");
-        reservation(&format!("{at}.reservation"), &settlement.reservation)?;
+        let prefix = || format!("settlements[{s}].");
+        at(
+            || format!("{}reservation", prefix()),
+            reservation(&settlement.reservation),
+        )?;
         let items = settlement.buckets.len() + settlement.quotas.len();
         if items == 0 || settlement.buckets.len() > MAX_BUCKETS {
             return Err(format!(
-                "{at}.buckets: must hold 0 to {MAX_BUCKETS} buckets, and a bucket or a quota"
+                "{}buckets: must hold 0 to {MAX_BUCKETS} buckets, and a bucket or a quota",
+                prefix()
             ));
         }
         if settlement.quotas.len() > MAX_QUOTAS {
             return Err(format!(
-                "{at}.quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+                "{}quotas: must hold at most {MAX_QUOTAS} quotas, got {}",
+                prefix(),
                 settlement.quotas.len()
             ));
         }
+        // A real cost of 0 is a settlement too (nothing used, a slot given back).
         for (b, bucket) in settlement.buckets.iter().enumerate() {
-            name(&format!("{at}.buckets[{b}].rule"), &bucket.rule, false)?;
-            name(&format!("{at}.buckets[{b}].key"), &bucket.key, false)?;
-            name(&format!("{at}.buckets[{b}].tag"), &bucket.tag, true)?;
-            variant(&format!("{at}.buckets[{b}].variant"), &bucket.variant)?;
-            exact(&format!("{at}.buckets[{b}].cost"), bucket.cost, 0)?;
+            bucket_fields(&prefix, b, bucket, 0)?;
         }
         for (q, quota) in settlement.quotas.iter().enumerate() {
-            name(&format!("{at}.quotas[{q}].quota"), &quota.quota, false)?;
-            name(&format!("{at}.quotas[{q}].key"), &quota.key, false)?;
-            name(&format!("{at}.quotas[{q}].tag"), &quota.tag, true)?;
-            variant(&format!("{at}.quotas[{q}].variant"), &quota.variant)?;
-            exact(&format!("{at}.quotas[{q}].amount"), quota.amount, 0)?;
+            quota_fields(&prefix, q, quota, 0)?;
         }
     }
     Ok(())
 }
 
 /// A reservation id: it names a Redis key, so only a bounded, plain alphabet.
-fn reservation(path: &str, id: &str) -> Result<(), String> {
+fn reservation(id: &str) -> Result<(), String> {
     let plain = id
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if !RESERVATION_ID_BYTES.contains(&id.len()) || !plain {
         return Err(format!(
-            "{path}: must be {} to {} bytes of [0-9A-Za-z_-]",
+            "must be {} to {} bytes of [0-9A-Za-z_-]",
             RESERVATION_ID_BYTES.start(),
             RESERVATION_ID_BYTES.end()
         ));
@@ -791,45 +823,55 @@ fn reservation(path: &str, id: &str) -> Result<(), String> {
 /// Checks the bounds of a lease request that serde cannot express.
 pub fn validate_lease(req: &LeaseRequest) -> Result<(), String> {
     version(req.version)?;
-    name("domain", &req.domain, false)?;
-    name("rule", &req.rule, false)?;
-    name("key", &req.key, false)?;
-    name("tag", &req.tag, true)?;
-    variant("variant", &req.variant)?;
-    exact("want", req.want, 1)?;
-    exact("return", req.returned, 0)
+    at(|| "domain".into(), name(&req.domain, false))?;
+    at(|| "rule".into(), name(&req.rule, false))?;
+    at(|| "key".into(), name(&req.key, false))?;
+    at(|| "tag".into(), name(&req.tag, true))?;
+    at(|| "variant".into(), variant(&req.variant))?;
+    at(|| "want".into(), exact(req.want, 1))?;
+    at(|| "return".into(), exact(req.returned, 0))
 }
 
 fn version(v: u32) -> Result<(), String> {
-    if v != VERSION {
+    version_is(v, VERSION)
+}
+
+fn version_is(v: u32, expected: u32) -> Result<(), String> {
+    if v != expected {
         return Err(format!(
-            "version: unsupported version {v}, expected {VERSION}"
+            "version: unsupported version {v}, expected {expected}"
         ));
     }
     Ok(())
 }
 
-fn exact(path: &str, v: u64, min: u64) -> Result<(), String> {
+/// `check`'s reason prefixed with the field's path, which is written only
+/// for a refusal: a good request formats no path.
+fn at(path: impl FnOnce() -> String, check: Result<(), String>) -> Result<(), String> {
+    check.map_err(|why| format!("{}: {why}", path()))
+}
+
+fn exact(v: u64, min: u64) -> Result<(), String> {
     if !(min..=MAX_EXACT).contains(&v) {
-        return Err(format!("{path}: must be between {min} and 2^53, got {v}"));
+        return Err(format!("must be between {min} and 2^53, got {v}"));
     }
     Ok(())
 }
 
-fn variant(path: &str, v: &Variant) -> Result<(), String> {
+fn variant(v: &Variant) -> Result<(), String> {
     match v {
         Variant::Default => Ok(()),
-        Variant::Tier(n) | Variant::Client(n) | Variant::Set(n) => name(path, n, false),
+        Variant::Tier(n) | Variant::Client(n) | Variant::Set(n) => name(n, false),
     }
 }
 
-fn name(path: &str, value: &str, may_be_empty: bool) -> Result<(), String> {
+fn name(value: &str, may_be_empty: bool) -> Result<(), String> {
     if value.is_empty() && !may_be_empty {
-        return Err(format!("{path}: must not be empty"));
+        return Err("must not be empty".to_string());
     }
     if value.len() > MAX_NAME_BYTES {
         return Err(format!(
-            "{path}: must be at most {MAX_NAME_BYTES} bytes, got {}",
+            "must be at most {MAX_NAME_BYTES} bytes, got {}",
             value.len()
         ));
     }
@@ -959,6 +1001,24 @@ mod tests {
             let err = parse_check(&body(v)).unwrap_err();
             assert!(err.starts_with(want), "{err:?} should start with {want:?}");
         }
+    }
+
+    #[test]
+    fn bytes_after_the_body_are_refused() {
+        let mut b = body(good());
+        b.extend_from_slice(b" {}");
+        assert_eq!(parse_check(&b).unwrap_err(), "body: trailing characters");
+        let mut batch = body(good_batch(2));
+        assert!(parse_batch(&batch).is_ok());
+        batch.extend_from_slice(b"x");
+        assert_eq!(
+            parse_batch(&batch).unwrap_err(),
+            BatchError::Invalid("body: trailing characters".into())
+        );
+        // Whitespace after the value is no trailing character.
+        let mut b = body(good());
+        b.extend_from_slice(b"\r\n");
+        assert!(parse_check(&b).is_ok());
     }
 
     #[test]
