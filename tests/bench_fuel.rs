@@ -964,7 +964,8 @@ fn run_out_of_fuel(vm: &mut FuelVm, req: Request, fuel: Option<u64>) -> Result<u
             s.body_chunk = Some(chunk);
             ("proxy_on_response_body", (c, len, 0))
         }
-        _ => ("proxy_on_request_headers", (c, n, 1)),
+        Err(_) => ("proxy_on_request_headers", (c, n, 1)),
+        Ok(other) => panic!("PROFILE_PHASE={other}: response or body, or unset"),
     };
     let func = vm
         .instance
