@@ -634,22 +634,22 @@ fn check_version_is(body: &[u8], expected: u32) -> Result<(), String> {
 /// Why a body does not decode, naming the field at fault.
 fn decode_error<T: serde::de::DeserializeOwned>(body: &[u8]) -> String {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    match serde_path_to_error::deserialize::<_, T>(de) {
-        // serde_json::from_slice also refuses trailing bytes after the value.
-        Ok(_) => match serde_json::from_slice::<T>(body) {
-            Err(e) => format!("body: {}", strip_position(&e)),
-            Ok(_) => "body: does not decode".to_string(),
-        },
-        Err(e) => {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let reason = strip_position(&inner);
-            if path == "." || path == "?" || path.is_empty() {
-                format!("body: {reason}")
-            } else {
-                format!("{path}: {reason}")
-            }
+    let e = match serde_path_to_error::deserialize::<_, T>(&mut *de) {
+        // The value decodes, so what follows it is what `from_slice` refused.
+        Ok(_) => {
+            return de.end().map_or_else(
+                |e| format!("body: {}", strip_position(&e)),
+                |()| "body: does not decode".to_string(),
+            )
         }
+        Err(e) => e,
+    };
+    let path = e.path().to_string();
+    let reason = strip_position(&e.into_inner());
+    if path == "." || path == "?" || path.is_empty() {
+        format!("body: {reason}")
+    } else {
+        format!("{path}: {reason}")
     }
 }
 
