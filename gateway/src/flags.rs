@@ -106,8 +106,8 @@ pub struct Args {
     /// After SIGTERM, how long requests in flight may finish (e.g. 10s, 500ms) before the process exits.
     #[arg(long, env = "RLGW_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
-    /// Also serve Envoy's rate limit service (gRPC `envoy.service.ratelimit.v3.RateLimitService`, and gRPC health) on this address; with --rls-config.
-    #[arg(long, env = "RLGW_GRPC_LISTEN", requires = "rls_config")]
+    /// Also serve gRPC on this address: the filter's calls (`ratelimit_wasm.v3.Gateway`, for global.transport grpc), Envoy's rate limit service (`envoy.service.ratelimit.v3.RateLimitService`, whose domains come from --rls-config; none without it) and gRPC health.
+    #[arg(long, env = "RLGW_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
     /// envoyproxy/ratelimit's YAML configuration (a file, or a directory of *.yaml / *.yml), for --grpc-listen; repeatable; reloaded on SIGHUP and change.
     #[arg(

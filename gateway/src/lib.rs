@@ -10,6 +10,7 @@
 //! [`rls`] serves Envoy's rate limit service over gRPC beside it
 //! (`--grpc-listen`), on the same Redis; started with its configuration
 //! alone (no `--policy`), the gateway is a drop-in for envoyproxy/ratelimit.
+//! The same port serves the HTTP routes' calls over gRPC ([`rls::wasm`]).
 //! `main.rs` only parses [`flags::Args`] and calls [`run`].
 //!
 //! [`run`] serves thread per core: `--worker-threads` threads, each with its

@@ -54,6 +54,8 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+pub mod grpc;
+
 /// The protocol version; a request of another version gets 400 naming `version`.
 pub const VERSION: u32 = 2;
 

@@ -432,8 +432,9 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 }
 
 /// Counts and logs (rate-limited) a bad request; the caller's own words are
-/// in `message`: escaped.
-fn count_bad_request(app: &App, message: &str) {
+/// in `message`: escaped. (Also for a gRPC message over its bound,
+/// [`crate::rls::wasm`], refused before it reaches a route.)
+pub(crate) fn count_bad_request(app: &App, message: &str) {
     app.metrics.check("error");
     app.metrics.error("bad_request");
     if let Some(suppressed) = app.warnings.allow("bad_request") {

@@ -1,16 +1,22 @@
-//! Envoy's rate limit service protocol: `--grpc-listen` serves
-//! `envoy.service.ratelimit.v3.RateLimitService` (and the gRPC health
-//! service) beside the HTTP listener, on the same Redis and Lua, so the
-//! native `envoy.filters.http.ratelimit` filter (and Envoy Gateway, Contour,
-//! Gloo) can use this gateway in place of envoyproxy/ratelimit.
+//! The gRPC listener (`--grpc-listen`): Envoy's rate limit service protocol,
+//! the filter's own protocol, and the gRPC health service, beside the HTTP
+//! listener, on the same Redis and Lua.
 //!
-//! [`config`] reads envoyproxy/ratelimit's YAML (`--rls-config`, reloaded
-//! like the policy) and finds a descriptor's limit as they do; [`service`]
-//! answers `ShouldRateLimit`; [`metrics`] counts per descriptor as they do.
+//! `envoy.service.ratelimit.v3.RateLimitService` lets the native
+//! `envoy.filters.http.ratelimit` filter (and Envoy Gateway, Contour, Gloo)
+//! use this gateway in place of envoyproxy/ratelimit: [`config`] reads
+//! envoyproxy/ratelimit's YAML (`--rls-config`, reloaded like the policy)
+//! and finds a descriptor's limit as they do; [`service`] answers
+//! `ShouldRateLimit`; [`metrics`] counts per descriptor as they do.
+//!
+//! `ratelimit_wasm.v3.Gateway` ([`wasm`]) is the filter's protocol over
+//! gRPC: one unary method per HTTP route, its messages the routes' JSON
+//! bodies, each call answered by the route itself.
 
 pub mod config;
 pub mod metrics;
 pub mod service;
+pub mod wasm;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,16 +40,19 @@ pub const HEALTH_POLL: Duration = crate::http::health::EVERY;
 /// Largest number of concurrent streams one HTTP/2 connection may open.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 128;
 
-/// Serves the rate limit service and the gRPC health service on `listener`
-/// (over TLS when `tls` is given) until `shutdown` completes, with the
-/// bounds of the HTTP listener: `--max-connections` ([`crate::http::conn`]), an
-/// idle deadline and a TLS handshake deadline of `--header-timeout-ms`, a
-/// deadline of the header and body timeouts on each call, streams per
-/// connection, a message of at most `MAX_BODY_BYTES`, and `--max-in-flight`
-/// and the token checked from the metadata before the message is read
-/// ([`Rls::admit`]). The health status of the rate limit service (and of
-/// the server, `""`) is `SERVING` while the shared Redis probe
-/// ([`crate::http::health`]) finds a write goes through, as `/healthz`.
+/// Serves the rate limit service, the filter's protocol ([`wasm`]) and the
+/// gRPC health service on `listener` (over TLS when `tls` is given) until
+/// `shutdown` completes, with the bounds of the HTTP listener:
+/// `--max-connections` ([`crate::http::conn`]), an idle deadline and a TLS
+/// handshake deadline of `--header-timeout-ms`, a deadline of the header
+/// and body timeouts on each call, streams per connection, and the token
+/// checked from the metadata before the message is read ([`Rls::admit`],
+/// [`wasm::Gate`]). A rate limit service message is at most
+/// `MAX_BODY_BYTES`, under `--max-in-flight` taken by [`Rls::admit`]; a
+/// [`wasm`] message is at most `MAX_BATCH_BYTES`, then bounded by its HTTP
+/// route (which takes its own in-flight place). The health status of both
+/// services (and of the server, `""`) is `SERVING` while the shared Redis
+/// probe ([`crate::http::health`]) finds a write goes through, as `/healthz`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     rls: Rls,
@@ -59,7 +68,11 @@ pub async fn serve(
             tick.tick().await;
             let up = probe_app.health.redis(probe_app.limiter.store()).await
                 == crate::http::health::Redis::Up;
-            for name in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+            for name in [
+                "",
+                "envoy.service.ratelimit.v3.RateLimitService",
+                ratelimit_protocol::grpc::SERVICE,
+            ] {
                 let status = if up {
                     tonic_health::ServingStatus::Serving
                 } else {
@@ -70,6 +83,7 @@ pub async fn serve(
         }
     });
     let bounds = app.bounds;
+    let filter = wasm::service(Arc::clone(&app));
     let gate = rls.clone();
     let service = InterceptedService::new(
         RateLimitServiceServer::new(rls)
@@ -82,6 +96,7 @@ pub async fn serve(
         .http2_max_header_list_size(crate::http::server::MAX_HEAD_BYTES as u32)
         .add_service(health)
         .add_service(service)
+        .add_service(filter)
         .serve_with_incoming_shutdown(accepted(listener, app, tls), shutdown)
         .await;
     probe.abort();
