@@ -51,6 +51,27 @@ fn rig(opts: GatewayOptions, policy: &str) -> (Gateway, Vec<Envoy>) {
     (gateway, envoys)
 }
 
+/// As [`rig`], with `global.transport: grpc`: the gateway also serves its
+/// gRPC listener, and the Envoys' `ratelimit_gateway` cluster speaks HTTP/2
+/// to it.
+fn rig_grpc(opts: GatewayOptions, policy: &str) -> (Gateway, Vec<Envoy>) {
+    let mut policy: Value = serde_json::from_str(policy).unwrap();
+    policy["global"]["transport"] = json!("grpc");
+    let policy = policy.to_string();
+    let grpc = ok(testkit::free_port().map_err(Into::into), "picking a port");
+    let opts = opts
+        .policy(policy.clone())
+        .args(&["--redis-timeout-ms", "500"])
+        .args(&["--grpc-listen", &format!("127.0.0.1:{grpc}")]);
+    let gateway = ok(Gateway::start(opts), "starting ratelimit-gateway");
+    let envoy = EnvoyOptions::new(policy).gateway_port(grpc).gateway_http2();
+    let envoys = ok(
+        Envoy::start_all(&[envoy.clone(), envoy]),
+        "starting two Envoys",
+    );
+    (gateway, envoys)
+}
+
 /// Sends one request per entry of `keys` (in that order) from
 /// [`CONNECTIONS`] threads, each on its own keep-alive connection to proxy
 /// `thread % 2`; counts the answers per key and status.
@@ -140,6 +161,35 @@ fn one_hot_key_from_64_connections_over_two_proxies_admits_exactly_500() {
         "reading the gateway's /metrics",
     );
     assert_eq!(allowed, Some(500.0));
+}
+
+#[test]
+fn over_grpc_one_hot_key_admits_exactly_500_and_a_gateway_gone_fails_closed() {
+    let redis = ok(Redis::start(), "starting redis-server");
+    let policy = config("batch-grpc", 500);
+    let (mut gateway, envoys) = rig_grpc(GatewayOptions::new(redis.url()), &policy);
+    let keys = vec!["hot".to_string(); 1200];
+    let counts = load(&envoys, &keys);
+    assert_exact(&counts, 500, 1200);
+    callouts_per_request(&envoys, keys.len(), "one hot key over gRPC");
+    assert!(
+        summed(&envoys, "ratelimit_wasm_global_batches")
+            < summed(&envoys, "ratelimit_wasm_global_calls")
+    );
+    let allowed = ok(
+        gateway.metric("ratelimit_gateway_checks_total{result=\"allowed\"}"),
+        "reading the gateway's /metrics",
+    );
+    assert_eq!(allowed, Some(500.0));
+    // Nothing listens: Envoy closes the call UNAVAILABLE, a failure (closed: 503).
+    gateway.kill();
+    let client = Client::new(envoys[0].url(""), ConnectionMode::NewPerRequest);
+    let r = ok(
+        client.send(&Request::get("/").header("x-key", "other")),
+        "with the gateway gone",
+    );
+    assert_eq!(r.status, 503, "{r:#?}");
+    assert_eq!(summed(&envoys, "ratelimit_wasm_global_failures"), 1);
 }
 
 #[test]

@@ -343,6 +343,7 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
     let mut g = Global {
         cluster: String::new(),
         authority: default_authority(),
+        transport: Transport::default(),
         path: default_check_path(),
         settle_path: default_settle_path(),
         timeout_ms: default_timeout_ms(),
@@ -360,6 +361,7 @@ fn global(v: &Value, p: &mut Path) -> Result<Global> {
     fields!(v, p, "struct Global", {
         "cluster" => cluster = Some(string(v, p)?),
         "authority" => g.authority = string(v, p)?,
+        "transport" => g.transport = pick(v, p, &["http", "grpc"], &[Transport::Http, Transport::Grpc])?,
         "path" => g.path = string(v, p)?,
         "settle_path" => g.settle_path = string(v, p)?,
         "timeout_ms" => g.timeout_ms = u64_(v, p)?,

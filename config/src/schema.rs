@@ -139,6 +139,21 @@ pub enum FailureMode {
     Local,
 }
 
+/// How the filter calls the gateway.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// `dispatch_http_call`: a `POST` of the JSON body to the configured
+    /// path, over whatever protocol the Envoy cluster speaks (HTTP/1.1
+    /// keep-alive in the shipped configurations).
+    #[default]
+    Http,
+    /// `dispatch_grpc_call`: the same JSON body as the message of the
+    /// gateway's gRPC method (`ratelimit_wasm.v3.Gateway`, served on its
+    /// `--grpc-listen`); the cluster must speak HTTP/2, and the paths are not used.
+    Grpc,
+}
+
 /// The gateway and how to treat its failures.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -148,6 +163,9 @@ pub struct Global {
     /// `:authority` of the callout.
     #[serde(default = "default_authority")]
     pub authority: String,
+    /// How the callouts go: `http` or `grpc`.
+    #[serde(default)]
+    pub transport: Transport,
     /// Path of the check endpoint.
     #[serde(default = "default_check_path")]
     pub path: String,
@@ -196,6 +214,23 @@ pub struct Global {
     pub token_env: Option<String>,
 }
 
+/// Most bytes of `global.cluster` and `global.authority` together with
+/// `transport: grpc`, so that [`Global::grpc_service`]'s lengths (with the
+/// two fields' tags) stay under 128.
+pub const MAX_GRPC_SERVICE_NAMES: usize = 123;
+
+/// A length-delimited protobuf field (`tag`: field number and wire type 2)
+/// whose length is one byte: longer values are cut (validation bounds them).
+fn push_field(out: &mut String, tag: u8, value: &str) {
+    let mut len = value.len().min(0x7f);
+    while !value.is_char_boundary(len) {
+        len -= 1;
+    }
+    out.push(char::from(tag));
+    out.push(char::from(len as u8));
+    out.push_str(value.get(..len).unwrap_or_default());
+}
+
 /// A bearer token: never printed (`Debug` shows `***`).
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
@@ -232,6 +267,22 @@ pub(super) fn is_env_name(s: &str) -> bool {
 }
 
 impl Global {
+    /// `envoy.config.core.v3.GrpcService { envoy_grpc: { cluster_name,
+    /// authority } }` in protobuf: what a gRPC callout names as its
+    /// upstream. Envoy would take a bare cluster name too, but only after
+    /// failing to parse it as this message, which some names do not fail;
+    /// and a bare name cannot carry the authority. Validation keeps the
+    /// names within [`MAX_GRPC_SERVICE_NAMES`], so every length is one byte
+    /// and the whole stays ASCII (the proxy-wasm SDK passes it as a `&str`).
+    pub fn grpc_service(&self) -> String {
+        let mut envoy_grpc = String::new();
+        push_field(&mut envoy_grpc, 0x0a, &self.cluster);
+        push_field(&mut envoy_grpc, 0x12, &self.authority);
+        let mut service = String::new();
+        push_field(&mut service, 0x0a, &envoy_grpc);
+        service
+    }
+
     /// The `authorization` header value of the callouts (`Bearer <token>`),
     /// from `token` or from the environment variable `token_env` looked up
     /// with `env` (`std::env::var` in the filter: Envoy hands the VM's

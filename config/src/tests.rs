@@ -1013,3 +1013,67 @@ fn limits_by_is_read_and_bad_ones_are_refused_with_their_path() {
         assert!(e.starts_with(want), "{by}: {e}");
     }
 }
+
+#[test]
+fn the_transport_is_http_or_grpc_and_grpc_names_fit_one_byte_lengths() {
+    let global = |fields: serde_json::Value| {
+        let mut v = base();
+        v["global"] = json!({"cluster": "gw"});
+        for (k, f) in fields.as_object().unwrap() {
+            v["global"][k] = f.clone();
+        }
+        v
+    };
+    let transport = |v: serde_json::Value| {
+        crate::parse(v.to_string().as_bytes()).map(|c| c.global.unwrap().transport)
+    };
+    assert_eq!(transport(global(json!({}))).unwrap(), Transport::Http);
+    assert_eq!(
+        transport(global(json!({"transport": "grpc"}))).unwrap(),
+        Transport::Grpc
+    );
+    assert!(err(global(json!({"transport": "h2"})))
+        .starts_with("global.transport: unknown variant `h2`"));
+    // 123 bytes of names is the most a one-byte length holds with its tags.
+    let cluster = "c".repeat(123 - "ratelimit-gateway".len());
+    assert!(transport(global(json!({"transport": "grpc", "cluster": cluster}))).is_ok());
+    let long = format!("{cluster}x");
+    assert_eq!(
+        err(global(json!({"transport": "grpc", "cluster": long}))),
+        "global.cluster: with \"transport\": \"grpc\", cluster and authority must be at most 123 bytes together (124)"
+    );
+    assert!(
+        transport(global(json!({"cluster": long}))).is_ok(),
+        "http has no such bound"
+    );
+}
+
+#[test]
+fn the_grpc_service_is_the_envoy_grpc_message() {
+    let mut v = base();
+    v["global"] = json!({"cluster": "gw", "transport": "grpc"});
+    let g = crate::parse(v.to_string().as_bytes())
+        .unwrap()
+        .global
+        .unwrap();
+    let mut want = vec![0x0a, 23, 0x0a, 2];
+    want.extend_from_slice(b"gw");
+    want.extend_from_slice(&[0x12, 17]);
+    want.extend_from_slice(b"ratelimit-gateway");
+    assert_eq!(g.grpc_service().as_bytes(), want.as_slice());
+    // At the bound, every length still fits one byte below 128.
+    let mut v = base();
+    let cluster = format!(
+        "outbound|8081||{}",
+        "g".repeat(MAX_GRPC_SERVICE_NAMES - 15 - 17)
+    );
+    v["global"] = json!({"cluster": cluster, "transport": "grpc"});
+    let g = crate::parse(v.to_string().as_bytes())
+        .unwrap()
+        .global
+        .unwrap();
+    let s = g.grpc_service();
+    assert!(s.is_ascii());
+    assert_eq!(s.len(), 2 + 127);
+    assert_eq!(s.as_bytes()[1], 127);
+}

@@ -36,6 +36,7 @@ impl Config {
                 format!("{:?} is not a host with an optional port", g.authority),
             ));
         }
+        check_grpc_service(g)?;
         check_path("global.path", &g.path)?;
         check_path("global.settle_path", &g.settle_path)?;
         check_path("global.batch_path", &g.batch_path)?;
@@ -134,6 +135,21 @@ fn validate_lease(l: &Lease) -> Result<(), ConfigError> {
         return Err(ConfigError::field(
             "global.lease.max_leases",
             "must be between 1 and 1048576",
+        ));
+    }
+    Ok(())
+}
+
+/// `cluster` and `authority` fit the `GrpcService` a gRPC callout names
+/// ([`Global::grpc_service`]).
+fn check_grpc_service(g: &Global) -> Result<(), ConfigError> {
+    let names = g.cluster.len() + g.authority.len();
+    if g.transport == Transport::Grpc && names > MAX_GRPC_SERVICE_NAMES {
+        return Err(ConfigError::field(
+            "global.cluster",
+            format!(
+                "with \"transport\": \"grpc\", cluster and authority must be at most {MAX_GRPC_SERVICE_NAMES} bytes together ({names})"
+            ),
         ));
     }
     Ok(())

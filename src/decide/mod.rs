@@ -52,6 +52,7 @@ use crate::policy::plan::{Evaluation, GlobalBucket, GlobalPlan, Plan, QuotaBucke
 use crate::policy::request::RequestInfo;
 use crate::respond::headers;
 use crate::respond::problem;
+use ratelimit_protocol::grpc::Method;
 use ratelimit_protocol::CheckResponse;
 
 pub use crate::respond::headers::{HeaderLines, LocalHeaders, Passing};
@@ -217,12 +218,12 @@ impl Pending {
         self.lease.is_none() && plan.batch().is_some()
     }
 
-    /// Path and timeout of this callout: the lease endpoint for a lease.
-    pub fn route<'a>(&self, plan: &'a Plan) -> Option<(&'a str, u64)> {
+    /// Endpoint and timeout of this callout: the lease endpoint for a lease.
+    pub fn route(&self, plan: &Plan) -> Option<(Method, u64)> {
         let g = plan.global.as_ref()?;
         match (&self.lease, &g.lease) {
-            (Some(_), Some(lp)) => Some((lp.path.as_str(), lp.max_wait_ms)),
-            _ => Some((g.path.as_str(), g.timeout_ms)),
+            (Some(_), Some(lp)) => Some((Method::Lease, lp.max_wait_ms)),
+            _ => Some((Method::Check, g.timeout_ms)),
         }
     }
 }

@@ -54,8 +54,8 @@ pub enum Next {
 pub struct Callout<'a> {
     /// Body of the `POST`.
     pub body: &'a [u8],
-    /// The gateway's path: the check or the lease endpoint.
-    pub path: &'a str,
+    /// The gateway's endpoint: the check or the lease.
+    pub method: Method,
     /// How long to wait for the answer.
     pub timeout_ms: u64,
 }
@@ -239,10 +239,10 @@ impl Stream {
         let State::Waiting(pending) = &self.state else {
             return None;
         };
-        let (path, timeout_ms) = pending.route(plan)?;
+        let (method, timeout_ms) = pending.route(plan)?;
         let callout = Callout {
             body: &pending.body,
-            path,
+            method,
             timeout_ms,
         };
         Some((callout, pending.lease()))

@@ -598,7 +598,7 @@ fn a_lease_serves_locally_gives_back_on_a_local_denial_and_an_empty_pool_refuses
     let r = req(&p, "/", Some("ann"));
     // The first request fetches a batch of 4 and spends 1.
     let pending = call(start(&p, &r, &s, T0, NEUTRAL));
-    assert_eq!(pending.route(&p), Some(("/v1/lease", 20)));
+    assert_eq!(pending.route(&p), Some((Method::Lease, 20)));
     let body: serde_json::Value = serde_json::from_slice(&pending.body).unwrap();
     assert_eq!(
         (body["want"].as_u64(), body["return"].as_u64()),
@@ -811,7 +811,7 @@ fn a_stream_waiting_for_the_gateway_gives_its_charge_back_when_it_ends() {
         Next::Call
     );
     let (c, lease) = stream.callout(&p).expect("a callout");
-    assert_eq!((c.path, c.timeout_ms, lease), ("/v1/check", 50, None));
+    assert_eq!((c.method, c.timeout_ms, lease), (Method::Check, 50, None));
     assert!(stream.response_headers().is_none());
     assert_eq!(stream.end(&p, &s, 0), Some(Counts::default()));
     assert_eq!(local_remaining(&s), "4");

@@ -226,6 +226,13 @@ fn clamp(v: f64, max: u64, clamped: &mut u64) -> u64 {
 
 const MS: u64 = 1_000_000;
 
+/// A gRPC call's outcome as the HTTP status it stands for, as the answer
+/// readers take a status: `None` for no answer (the call's timeout, or a
+/// status no route of the gateway gives).
+pub fn grpc_outcome(grpc_status: u32) -> Option<Vec<u8>> {
+    ratelimit_protocol::grpc::http_status(grpc_status).map(|s| s.to_string().into_bytes())
+}
+
 /// A 200 answer of this version, read as `T`, or why not.
 pub(crate) fn read_body<T: serde::de::DeserializeOwned>(
     status: Option<&[u8]>,
@@ -758,6 +765,25 @@ mod tests {
         );
         assert_eq!(
             parse_lease_answer(&plan, &l, 1, None, b""),
+            Err(AnswerError::NoAnswer)
+        );
+    }
+
+    #[test]
+    fn a_grpc_outcome_reads_as_its_http_status() {
+        assert_eq!(grpc_outcome(0).as_deref(), Some(&b"200"[..]));
+        assert_eq!(grpc_outcome(3).as_deref(), Some(&b"400"[..]));
+        assert_eq!(grpc_outcome(12).as_deref(), Some(&b"404"[..]));
+        assert_eq!(grpc_outcome(14).as_deref(), Some(&b"503"[..]));
+        assert_eq!(grpc_outcome(4), None, "the call's own timeout");
+        assert_eq!(grpc_outcome(99), None);
+        // A gateway or Envoy that cannot answer is a failure, not an answer.
+        assert_eq!(
+            read_batch(grpc_outcome(14).as_deref(), b"", 1),
+            Err(AnswerError::Status("503".into()))
+        );
+        assert_eq!(
+            read_batch(grpc_outcome(4).as_deref(), b"", 1),
             Err(AnswerError::NoAnswer)
         );
     }

@@ -11,6 +11,7 @@ use crate::global::coalesce::Member;
 use crate::metrics::Background;
 use crate::policy::plan::Plan;
 use proxy_wasm::hostcalls;
+use ratelimit_protocol::grpc::Method;
 use ratelimit_protocol::CheckResponse;
 
 /// Posts every queued check, in batches of at most `max_batch`.
@@ -33,7 +34,7 @@ pub(super) fn post(w: &Worker, plan: &Plan, now: u64) {
         // No check waits longer in all than its timeout.
         let waited_ms = now.saturating_sub(batch.oldest_ns()) / 1_000_000;
         let timeout_ms = g.timeout_ms.saturating_sub(waited_ms).max(1);
-        match dispatch(plan, &batch.body, &bp.path, timeout_ms) {
+        match dispatch(plan, &batch.body, Method::CheckBatch, timeout_ms) {
             Some(token) => {
                 w.tally
                     .borrow_mut()

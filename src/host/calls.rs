@@ -4,14 +4,16 @@
 //! counters, the callout and properties.
 
 use crate::decide::{Counter, Tally};
+use crate::global::callout::grpc_outcome;
 use crate::limits::store::{SharedStore, StoreError};
 use crate::metrics::{
     quota_metric_name, rule_metric_name, Background, BodyMetric, Metric, RuleMetric,
 };
-use crate::policy::plan::Plan;
+use crate::policy::plan::{CallTransport, Plan};
 use crate::vm::Jitter;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use ratelimit_protocol::grpc::{self, Method};
 use std::cell::Cell;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -311,20 +313,42 @@ pub(super) fn random_seed() -> Result<[u8; 16], String> {
     Ok(seed)
 }
 
-/// Posts `body` to the gateway; `None` when the callout could not even start.
-pub(super) fn dispatch(plan: &Plan, body: &[u8], path: &str, timeout_ms: u64) -> Option<u32> {
+/// Sends `body` to the gateway's `method`, by the plan's transport; `None`
+/// when the callout could not even start.
+pub(super) fn dispatch(plan: &Plan, body: &[u8], method: Method, timeout_ms: u64) -> Option<u32> {
     let g = plan.global.as_ref()?;
-    let mut headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", g.authority.as_str()),
-        ("content-type", "application/json"),
-    ];
-    if let Some(a) = &g.authorization {
-        headers.push(("authorization", a.0.as_str()));
-    }
     let timeout = Duration::from_millis(timeout_ms);
-    match hostcalls::dispatch_http_call(&g.cluster, headers, Some(body), vec![], timeout) {
+    let authorization = g.authorization.as_ref().map(|a| a.0.as_str());
+    let started = match &g.transport {
+        CallTransport::Http => {
+            let path = g.path(method)?;
+            let mut headers = vec![
+                (":method", "POST"),
+                (":path", path),
+                (":authority", g.authority.as_str()),
+                ("content-type", "application/json"),
+            ];
+            if let Some(a) = authorization {
+                headers.push(("authorization", a));
+            }
+            hostcalls::dispatch_http_call(&g.cluster, headers, Some(body), vec![], timeout)
+        }
+        CallTransport::Grpc { service } => {
+            let metadata: Vec<(&str, &[u8])> = authorization
+                .map(|a| ("authorization", a.as_bytes()))
+                .into_iter()
+                .collect();
+            hostcalls::dispatch_grpc_call(
+                service,
+                grpc::SERVICE,
+                method.name(),
+                metadata,
+                Some(body),
+                timeout,
+            )
+        }
+    };
+    match started {
         Ok(token) => Some(token),
         Err(e) => {
             log::warn!(
@@ -334,6 +358,22 @@ pub(super) fn dispatch(plan: &Plan, body: &[u8], path: &str, timeout_ms: u64) ->
             None
         }
     }
+}
+
+/// The outcome of a gRPC callout as [`call_response`] gives an HTTP one:
+/// the HTTP status its gRPC status stands for (`None`: no answer), and the
+/// response message. The status message is not read: the SDK's reader
+/// panics on one that is not UTF-8.
+pub(super) fn grpc_call_response(grpc_status: u32, size: usize) -> (Option<Vec<u8>>, Vec<u8>) {
+    let body = if grpc_status != grpc::code::OK || size == 0 {
+        Vec::new()
+    } else {
+        hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    (grpc_outcome(grpc_status), body)
 }
 
 /// The status and body of a callout's answer. A reset callout has no response

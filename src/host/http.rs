@@ -2,8 +2,8 @@
 //! [`Stream`] reads, calls it, and carries out what it returns.
 
 use super::calls::{
-    call_response, dispatch, drop_content_length, now_ns, property, replace_request_body,
-    request_body, response_body, wake, HostResponse, HostStore,
+    call_response, dispatch, drop_content_length, grpc_call_response, now_ns, property,
+    replace_request_body, request_body, response_body, wake, HostResponse, HostStore,
 };
 use super::worker::{Parked, Req, Worker};
 use crate::decide::{Next, Reply, Stream};
@@ -88,7 +88,7 @@ impl Http {
             }
         }
         let token = self.stream.callout(plan).and_then(|(c, lease)| {
-            let token = dispatch(plan, c.body, c.path, c.timeout_ms)?;
+            let token = dispatch(plan, c.body, c.method, c.timeout_ms)?;
             if let Some(l) = lease {
                 self.w.leases.borrow_mut().touch(l, now);
             }
@@ -206,6 +206,19 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        let (status, body) = call_response(num_headers, body_size);
+        self.call_answered(token_id, status.as_deref(), &body);
+    }
+
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
+        let (status, body) = grpc_call_response(status_code, response_size);
+        self.call_answered(token_id, status.as_deref(), &body);
+    }
+}
+
+impl Http {
+    /// The answer to this request's own callout, whichever the transport.
+    fn call_answered(&mut self, token_id: u32, status: Option<&[u8]>, body: &[u8]) {
         let Some(plan) = self.plan.clone() else {
             return;
         };
@@ -217,11 +230,7 @@ impl Context for Http {
             return;
         }
         self.call = None;
-        let (status, body) = call_response(num_headers, body_size);
-        let reply = Reply::Own {
-            status: status.as_deref(),
-            body: &body,
-        };
+        let reply = Reply::Own { status, body };
         self.req().answer(&plan, reply, sent_at, true);
     }
 }

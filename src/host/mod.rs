@@ -24,13 +24,14 @@ use crate::vm::shared_epoch_offset;
 use crate::vm::shared_seed;
 use crate::vm::timers::{RefreshSchedule, FLUSH_TICK, TICK};
 use calls::{
-    call_response, dispatch, monotonic_ns, now_ns, random_seed, register_queue, resume_or_reset,
-    seeded_jitter, use_epoch_offset, wall_ns, HostStore, Metrics,
+    call_response, dispatch, grpc_call_response, monotonic_ns, now_ns, random_seed, register_queue,
+    resume_or_reset, seeded_jitter, use_epoch_offset, wall_ns, HostStore, Metrics,
 };
 use http::Http;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use ratelimit_protocol::grpc::Method;
 use std::collections::HashMap;
 use std::rc::Rc;
 use worker::Worker;
@@ -79,7 +80,7 @@ impl Root {
             let Some(r) = started else {
                 continue;
             };
-            match dispatch(plan, &r.body, &lp.path, lp.max_wait_ms) {
+            match dispatch(plan, &r.body, Method::Lease, lp.max_wait_ms) {
                 Some(token) => {
                     self.refreshes.insert(token, (r, now));
                 }
@@ -97,14 +98,14 @@ impl Root {
     /// Posts what the outbox holds, a batch per call, up to
     /// [`outbox::MAX_CALLS`] calls in flight.
     fn flush_settlements(&mut self, plan: &Plan) {
-        let Some(g) = plan.global.as_ref() else {
+        if plan.global.is_none() {
             return;
-        };
+        }
         while self.settle_calls.len() < outbox::MAX_CALLS {
             let Some((batch, body)) = self.w.outbox.borrow_mut().next_batch(&plan.domain) else {
                 return;
             };
-            match dispatch(plan, &body, &g.settle_path, outbox::TIMEOUT_MS) {
+            match dispatch(plan, &body, Method::Settle, outbox::TIMEOUT_MS) {
                 Some(token) => {
                     self.settle_calls.insert(token, batch);
                 }
@@ -151,22 +152,28 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        let (status, body) = call_response(num_headers, body_size);
+        self.call_answered(token_id, status.as_deref(), &body);
+    }
+
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
+        let (status, body) = grpc_call_response(status_code, response_size);
+        self.call_answered(token_id, status.as_deref(), &body);
+    }
+}
+
+impl Root {
+    /// The answer to one of the root context's callouts, whichever the
+    /// transport: a batch of checks, a settle call or a lease refresh.
+    fn call_answered(&mut self, token_id: u32, status: Option<&[u8]>, body: &[u8]) {
         let batch = self.w.coalescer.borrow_mut().answered(token_id);
         if let (Some(plan), Some((members, sent_at))) = (self.plan.clone(), batch) {
-            let (status, body) = call_response(num_headers, body_size);
-            batch::answered(
-                &self.w,
-                &plan,
-                &members,
-                (status.as_deref(), &body),
-                sent_at,
-            );
+            batch::answered(&self.w, &plan, &members, (status, body), sent_at);
             batch::post(&self.w, &plan, now_ns());
             return;
         }
         if let Some(batch) = self.settle_calls.remove(&token_id) {
-            let (status, body) = call_response(num_headers, body_size);
-            self.settled(batch, status.as_deref(), &body);
+            self.settled(batch, status, body);
             return;
         }
         let (Some(plan), Some((r, sent_at))) =
@@ -174,14 +181,13 @@ impl Context for Root {
         else {
             return;
         };
-        let (status, body) = call_response(num_headers, body_size);
         let now = now_ns();
         let (counts, transition, error) = decide::refresh_finish(
             &plan,
             &HostStore,
             r,
-            status.as_deref(),
-            &body,
+            status,
+            body,
             now.saturating_sub(sent_at),
             now,
         );

@@ -17,6 +17,7 @@ use crate::limits::store::KEY_PREFIX;
 use crate::limits::table::Layout;
 use crate::limits::token_bucket::Limit;
 use crate::policy::policy_list::PolicyList;
+use ratelimit_protocol::grpc::Method;
 use ratelimit_protocol::Variant as Wire;
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
@@ -403,6 +404,8 @@ pub struct GlobalPlan {
     pub cluster: String,
     /// `:authority` of the callout.
     pub authority: String,
+    /// HTTP or gRPC.
+    pub transport: CallTransport,
     /// Path of the check endpoint.
     pub path: String,
     /// Path of the settle endpoint.
@@ -424,6 +427,31 @@ pub struct GlobalPlan {
     /// `authorization` of the callouts (`Bearer <token>`): the inline
     /// `global.token` here; the filter's `on_configure` resolves `token_env`.
     pub authorization: Option<config::Token>,
+}
+
+/// How the callouts reach the gateway (`global.transport`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallTransport {
+    /// `dispatch_http_call`: a `POST` to the endpoint's path.
+    Http,
+    /// `dispatch_grpc_call` of the gateway's gRPC method.
+    Grpc {
+        /// The serialized `GrpcService` naming the cluster and authority
+        /// ([`config::Global::grpc_service`]).
+        service: String,
+    },
+}
+
+impl GlobalPlan {
+    /// The HTTP path of `method`'s endpoint (`None`: a lease without lease mode).
+    pub fn path(&self, method: Method) -> Option<&str> {
+        match method {
+            Method::Check => Some(&self.path),
+            Method::CheckBatch => self.batch.as_ref().map(|b| b.path.as_str()),
+            Method::Lease => self.lease.as_ref().map(|l| l.path.as_str()),
+            Method::Settle => Some(&self.settle_path),
+        }
+    }
 }
 
 /// Coalesced checks: the worker's checks that wait while one is in flight
@@ -955,6 +983,12 @@ fn global_plan(config: &Config, g: &config::Global, keys: (u64, u64)) -> GlobalP
     GlobalPlan {
         cluster: g.cluster.clone(),
         authority: g.authority.clone(),
+        transport: match g.transport {
+            config::Transport::Http => CallTransport::Http,
+            config::Transport::Grpc => CallTransport::Grpc {
+                service: g.grpc_service(),
+            },
+        },
         path: g.path.clone(),
         settle_path: g.settle_path.clone(),
         timeout_ms: g.timeout_ms,

@@ -53,6 +53,10 @@ pub struct EnvoyOptions {
     pub vm_env: Vec<(String, String)>,
     /// TLS (and a client certificate) on the `ratelimit_gateway` cluster.
     pub gateway_tls: Option<GatewayTls>,
+    /// The `ratelimit_gateway` cluster speaks HTTP/2 with prior knowledge
+    /// (h2c): for `global.transport: grpc`, pointed at the gateway's
+    /// `--grpc-listen`.
+    pub gateway_http2: bool,
     /// Port of an outside upstream (a [`crate::Upstream`]) behind the
     /// `upstream` cluster, in place of the template's built-in one.
     pub upstream_port: Option<u16>,
@@ -90,6 +94,7 @@ impl EnvoyOptions {
             component_log_level: "wasm:debug".to_string(),
             vm_env: Vec::new(),
             gateway_tls: None,
+            gateway_http2: false,
             upstream_port: None,
             access_log_file: false,
         }
@@ -118,6 +123,12 @@ impl EnvoyOptions {
     /// Calls the gateway over TLS.
     pub fn gateway_tls(mut self, tls: GatewayTls) -> Self {
         self.gateway_tls = Some(tls);
+        self
+    }
+
+    /// Speaks HTTP/2 to the gateway ([`EnvoyOptions::gateway_http2`]).
+    pub fn gateway_http2(mut self) -> Self {
+        self.gateway_http2 = true;
         self
     }
 
@@ -264,6 +275,7 @@ impl Envoy {
         let mut rendered = render_file(&template, &vars)?;
         if !opts.vm_env.is_empty()
             || opts.gateway_tls.is_some()
+            || opts.gateway_http2
             || opts.upstream_port.is_some()
             || opts.access_log_file
         {
@@ -560,6 +572,21 @@ fn customize(rendered: &str, opts: &EnvoyOptions, access_log: &Path) -> Result<S
             .as_mapping_mut()
             .context("the gateway cluster is not a mapping")?
             .insert("transport_socket".into(), Value::Mapping(socket));
+    }
+    if opts.gateway_http2 {
+        let clusters = at(&mut doc, &["static_resources", "clusters"])?;
+        let options = at(
+            named(clusters, "ratelimit_gateway")?,
+            &[
+                "typed_extension_protocol_options",
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            ],
+        )?;
+        let http2: Value = serde_norway::from_str("{ http2_protocol_options: {} }")?;
+        options
+            .as_mapping_mut()
+            .context("the gateway cluster's protocol options are not a mapping")?
+            .insert("explicit_http_config".into(), http2);
     }
     if opts.access_log_file {
         let hcm = ingress_hcm(&mut doc)?;

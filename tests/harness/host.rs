@@ -966,6 +966,59 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
             timeout_ms: timeout as u32,
             deadline_ns: (timeout > 0).then(|| now + timeout as u64 * 1_000_000),
             state: CallState::Pending,
+            grpc: None,
+        };
+        h.calls.insert(token, call);
+        if let Some(s) = h.active_stream_mut() {
+            s.calls.push(token);
+        }
+        write_u32(&mut c, token_ptr, token)?;
+        Ok(i(OK))
+    });
+
+    def!(d, ENV, "proxy_grpc_call", |mut c: C<'_>,
+                                     up: i32,
+                                     ul: i32,
+                                     sp: i32,
+                                     sl: i32,
+                                     mp: i32,
+                                     ml: i32,
+                                     hp: i32,
+                                     hl: i32,
+                                     bp: i32,
+                                     bl: i32,
+                                     timeout: i32,
+                                     token_ptr: i32|
+     -> Result<i32> {
+        let upstream = String::from_utf8_lossy(&read(&mut c, up, ul)?).into_owned();
+        let service = read_str(&mut c, sp, sl)?;
+        let method = read_str(&mut c, mp, ml)?;
+        let metadata = read_pairs(&mut c, hp, hl, "proxy_grpc_call metadata")?;
+        let body = read(&mut c, bp, bl)?;
+        let inner = c.data().inner();
+        if let Some(clusters) = &inner.opts.clusters {
+            // Envoy takes the cluster from the serialized GrpcService.
+            if !clusters.iter().any(|k| upstream.contains(k.as_str())) {
+                return Ok(i(PARSE_FAILURE));
+            }
+        }
+        let now = inner.clock.get();
+        let h = c.data_mut();
+        let token = h.next_token;
+        h.next_token += 1;
+        let ctx = h.active_ctx();
+        let call = HttpCall {
+            worker: h.worker,
+            token,
+            context_id: ctx,
+            upstream,
+            headers: metadata,
+            body,
+            trailers: Vec::new(),
+            timeout_ms: timeout as u32,
+            deadline_ns: (timeout > 0).then(|| now + timeout as u64 * 1_000_000),
+            state: CallState::Pending,
+            grpc: Some((service, method)),
         };
         h.calls.insert(token, call);
         if let Some(s) = h.active_stream_mut() {
@@ -1151,7 +1204,7 @@ fn buffer(c: &C<'_>, ty: i32) -> Option<Vec<u8>> {
     match ty {
         7 if h.plugin_config_available => Some(h.inner().opts.plugin_config.clone()),
         6 => Some(h.inner().opts.vm_config.clone()),
-        4 => h.http_call_response.as_ref().map(|r| r.body.clone()),
+        4 | 5 => h.http_call_response.as_ref().map(|r| r.body.clone()),
         0 => h.active_stream().map(|s| s.request_body.clone()),
         1 => h.active_stream().map(|s| {
             s.body_chunk

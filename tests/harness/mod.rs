@@ -271,6 +271,9 @@ pub struct HttpCall {
     /// When Envoy would time the call out (None: timeout 0 means no timeout).
     pub deadline_ns: Option<u64>,
     pub state: CallState,
+    /// A `proxy_grpc_call`: its service and method (`upstream` is then the
+    /// serialized `GrpcService`, `headers` the initial metadata, `body` the message).
+    pub grpc: Option<(String, String)>,
 }
 
 impl HttpCall {
@@ -1725,8 +1728,40 @@ impl Harness {
         self.deliver_http_call(w, token, CallState::Failed, None);
     }
 
-    /// The call times out: Envoy's async client answers it itself with a 504.
+    /// Answers gRPC callout `token` of worker `w`: status 0 is
+    /// `proxy_on_grpc_receive` with `message` in the gRPC receive buffer
+    /// (type 5); any other is `proxy_on_grpc_close` with that status, as
+    /// Envoy delivers a failed call.
+    pub fn respond_grpc_call(&self, w: usize, token: u32, status: u32, message: &[u8]) {
+        let call = self.pending_call(w, token);
+        assert!(call.grpc.is_some(), "call {token} is not a gRPC call");
+        let state = if status == 0 {
+            CallState::Answered
+        } else {
+            CallState::Failed
+        };
+        {
+            let mut h = self.host_mut(w);
+            h.calls.get_mut(&token).unwrap().state = state;
+            h.http_call_response = (status == 0).then(|| CallResponse::default().body(message));
+        }
+        let root = ROOT_CONTEXT_ID as i32;
+        let (export, arg) = if status == 0 {
+            ("proxy_on_grpc_receive", message.len() as i32)
+        } else {
+            ("proxy_on_grpc_close", status as i32)
+        };
+        self.invoke::<(i32, i32, i32), ()>(w, ROOT_CONTEXT_ID, export, (root, token as i32, arg));
+    }
+
+    /// The call times out: Envoy's async client answers it itself with a 504
+    /// (a gRPC call: closed with DEADLINE_EXCEEDED).
     pub fn timeout_http_call(&self, w: usize, token: u32) {
+        if self.pending_call(w, token).grpc.is_some() {
+            self.respond_grpc_call(w, token, 4, b"");
+            self.host_mut(w).calls.get_mut(&token).unwrap().state = CallState::TimedOut;
+            return;
+        }
         let response = CallResponse::new(504)
             .header("content-length", "24")
             .header("content-type", "text/plain")
@@ -2200,6 +2235,7 @@ impl fmt::Debug for HttpCall {
             .field("trailers", &PairsDbg(&self.trailers))
             .field("timeout_ms", &self.timeout_ms)
             .field("deadline_ns", &self.deadline_ns)
+            .field("grpc", &self.grpc)
             .field("state", &self.state)
             .finish()
     }
