@@ -88,6 +88,9 @@ const E_JSON: &str = include_str!("bench/e.json");
 const DF_JSON: &str = include_str!("bench/df.json");
 /// A rule matched on host, route and query, keyed on the IPv4 /24 (`tests/bench_fuel.rs` too).
 const CM_JSON: &str = include_str!("bench/cm.json");
+/// d's rule over the gateway's gRPC API (`transport: grpc`, the
+/// `ratelimit_gateway_grpc` cluster on its `--grpc-listen`, HTTP/2).
+const DG_JSON: &str = include_str!("bench/dg.json");
 /// d's rule with one call per request (protocol version 2): d before coalescing.
 const D1_JSON: &str = include_str!("bench/d1.json");
 /// cu: c1's rule charged from the response body (`cost_from` with the
@@ -135,7 +138,7 @@ pub struct Variant {
     pub needs_gateway: bool,
 }
 
-pub const VARIANTS: [Variant; 20] = [
+pub const VARIANTS: [Variant; 21] = [
     Variant {
         id: "a",
         what: "Envoy, no rate-limit filter",
@@ -222,6 +225,15 @@ pub const VARIANTS: [Variant; 20] = [
         what: "as d, the gateway's cluster over HTTP/2 (h2c) instead of HTTP/1 keep-alive",
         filter: FilterVariant::ShippedH2,
         plugin: D_JSON,
+        load: LoadMode::Spread,
+        path: "/",
+        needs_gateway: true,
+    },
+    Variant {
+        id: "dg",
+        what: "as d, by dispatch_grpc_call to the gateway's gRPC API (`transport: grpc`, HTTP/2)",
+        filter: FilterVariant::ShippedGrpc,
+        plugin: DG_JSON,
         load: LoadMode::Spread,
         path: "/",
         needs_gateway: true,

@@ -30,7 +30,7 @@ fn color_of(id: &str) -> RGBColor {
         "c1" | "c4" | "cc" | "cm" | "c1-1k" | "c1-64k" => RGBColor(54, 110, 190),
         "cu-1k" | "cu-64k" => RGBColor(90, 160, 200),
         "c1-f" => RGBColor(140, 175, 225),
-        "d" | "d1" | "d2" => RGBColor(120, 80, 170),
+        "d" | "d1" | "d2" | "dg" => RGBColor(120, 80, 170),
         "e" => RGBColor(170, 130, 210),
         "g" => RGBColor(60, 150, 120),
         _ => RGBColor(80, 80, 80),

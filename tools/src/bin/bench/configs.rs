@@ -43,6 +43,9 @@ pub enum FilterVariant {
     Shipped,
     /// d2: the shipped entry, the gateway's cluster over HTTP/2 (h2c).
     ShippedH2,
+    /// dg: the shipped entry calling the gateway's gRPC API
+    /// (`transport: grpc`) on the [`RLS_CLUSTER`] cluster.
+    ShippedGrpc,
     /// g: Envoy's native global rate limit filter calling the gateway's
     /// rate limit service over gRPC ([`NATIVE_RLS`]).
     NativeRls,
@@ -72,7 +75,7 @@ typed_config:
       envoy_grpc: { cluster_name: ratelimit_gateway_grpc }
 "#;
 
-/// The cluster of the gateway's gRPC port in variant g.
+/// The cluster of the gateway's gRPC port in variants g and dg.
 pub const RLS_CLUSTER: &str = "ratelimit_gateway_grpc";
 
 /// The gateway's `--rls-config` in the bench.
@@ -306,6 +309,7 @@ pub fn proxy_config(
     match variant {
         FilterVariant::Shipped => {}
         FilterVariant::ShippedH2 => gateway_over_h2(&mut doc)?,
+        FilterVariant::ShippedGrpc => {}
         FilterVariant::None => {
             filters.remove(at);
         }
@@ -330,7 +334,10 @@ pub fn proxy_config(
             )?;
         }
     }
-    if variant == FilterVariant::NativeRls {
+    if matches!(
+        variant,
+        FilterVariant::NativeRls | FilterVariant::ShippedGrpc
+    ) {
         let cluster: Value = serde_norway::from_str(&format!(
             "name: {RLS_CLUSTER}\nconnect_timeout: 0.25s\ntype: STATIC\n\
              typed_extension_protocol_options:\n  envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n\
