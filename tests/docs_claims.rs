@@ -174,6 +174,7 @@ fn the_configuration_reference_gives_the_defaults_the_parser_applies() {
         ("max_buckets", config.max_buckets.to_string()),
         ("on_error", snake(format!("{:?}", config.on_error))),
         ("global.authority", global.authority.clone()),
+        ("global.transport", snake(format!("{:?}", global.transport))),
         ("global.path", global.path.clone()),
         ("global.settle_path", global.settle_path.clone()),
         ("global.timeout_ms", global.timeout_ms.to_string()),
@@ -286,7 +287,7 @@ fn maximal_configs() -> Vec<serde_json::Value> {
         "max_buckets": 1024,
         "on_error": "deny",
         "global": {
-            "cluster": "gw", "authority": "ratelimit-gateway", "path": "/v1/check", "settle_path": "/v1/settle",
+            "cluster": "gw", "authority": "ratelimit-gateway", "transport": "http", "path": "/v1/check", "settle_path": "/v1/settle",
             "timeout_ms": 50, "failure_mode": "local", "instances": 2, "deny_cache": 4096,
             "coalesce_us": 500, "max_batch": 64, "batch_path": "/v3/check",
             "circuit": { "failures": 5, "latency_ms": 5, "cooldown_ms": 2000 },

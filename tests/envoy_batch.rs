@@ -192,6 +192,31 @@ fn over_grpc_one_hot_key_admits_exactly_500_and_a_gateway_gone_fails_closed() {
     assert_eq!(summed(&envoys, "ratelimit_wasm_global_failures"), 1);
 }
 
+/// A gRPC callout to a cluster Envoy does not have: the call fails to start
+/// or fails at once, each request takes the failure mode (closed: 503), and
+/// the filter goes on (a trap would fail every later request instead).
+#[test]
+fn over_grpc_an_unknown_cluster_fails_each_request_closed_and_the_filter_lives() {
+    let mut policy: Value = serde_json::from_str(&config("batch-grpc-nowhere", 5)).unwrap();
+    policy["global"]["transport"] = json!("grpc");
+    policy["global"]["cluster"] = json!("no_such_cluster");
+    let policy = policy.to_string();
+    let envoy = ok(Envoy::start(EnvoyOptions::new(policy)), "starting Envoy");
+    let client = Client::new(envoy.url(""), ConnectionMode::KeepAlive);
+    for i in 0..3 {
+        let r = ok(
+            client.send(&Request::get("/").header("x-key", "k")),
+            "a request",
+        );
+        assert_eq!(r.status, 503, "request {i}: {r:#?}");
+    }
+    assert!(
+        !envoy.log_tail(200).contains("panicked"),
+        "{}",
+        envoy.log_tail(60)
+    );
+}
+
 #[test]
 fn a_thousand_keys_at_three_each_admit_exactly_three_per_key_in_few_calls() {
     let redis = ok(Redis::start(), "starting redis-server");

@@ -16,6 +16,10 @@
 //!   `IMPLEMENTATION_SPECIFIC_DEFAULT`: `//upload`, `/%75pload` or
 //!   `/a/../upload` then pass a `path_prefix: /upload` rule.
 //!
+//! It also warns when the filter's `global.transport` is `grpc` and the
+//! static cluster its `global.cluster` names speaks HTTP/1.1 only: every
+//! gRPC callout would then fail, and each check take its failure mode.
+//!
 //! Settings that are deliberate but depend on the network (trusted hops,
 //! detection extensions) are printed as notes, which do not fail the check.
 
@@ -100,6 +104,7 @@ pub fn check(doc: &Value) -> Report {
     let mut report = Report::default();
     for (name, hcm) in filter_hcms(doc) {
         check_hcm(&name, hcm, &mut report);
+        check_transport(doc, &name, hcm, &mut report);
         if report.listeners.last() != Some(&name) {
             report.listeners.push(name);
         }
@@ -195,15 +200,20 @@ fn is_ours(f: &Value) -> bool {
             || file.is_some_and(|f| f.rsplit('/').next() == Some(WASM_FILE)))
 }
 
-/// The header the filter takes the client id from, when its embedded
-/// configuration parses and keys a rule or quota on `client` by header.
-fn client_id_header(ours: &Value) -> Option<String> {
+/// The filter's embedded plugin configuration, when it parses.
+fn plugin_config(ours: &Value) -> Option<ratelimit_config::Config> {
     let configuration = ours.pointer("/typed_config/config/configuration")?;
     let text = configuration
         .get("value")
         .and_then(Value::as_str)
         .or(configuration.as_str())?;
-    let c = ratelimit_config::parse(text.as_bytes()).ok()?;
+    ratelimit_config::parse(text.as_bytes()).ok()
+}
+
+/// The header the filter takes the client id from, when its embedded
+/// configuration parses and keys a rule or quota on `client` by header.
+fn client_id_header(ours: &Value) -> Option<String> {
+    let c = plugin_config(ours)?;
     let keyed = c.rules.iter().any(|r| r.key.contains(&KeyPart::Client))
         || c.quotas.iter().any(|q| q.key.contains(&KeyPart::Client));
     (keyed && c.identity.client_id_metadata.is_none())
@@ -240,6 +250,50 @@ fn check_client_id(listener: &str, hcm: &Value, report: &mut Report) {
              of the ratelimit filter sets or removes, so a client writes its own id and gets a \
              fresh bucket per forged id; remove it (header_mutation), set it from a verified \
              token (jwt_authn claim_to_headers), or read identity.client_id_metadata"
+        ));
+    }
+}
+
+/// Whether a cluster is set to speak HTTP/2 to its hosts: explicitly, by
+/// ALPN (`auto_config`, which may choose it), or by the deprecated
+/// cluster-level `http2_protocol_options`.
+fn speaks_http2(cluster: &Value) -> bool {
+    let options = cluster.pointer(
+        "/typed_extension_protocol_options/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    );
+    let explicit = options.and_then(|o| o.pointer("/explicit_http_config/http2_protocol_options"));
+    let auto = options.and_then(|o| o.get("auto_config"));
+    explicit.is_some() || auto.is_some() || cluster.get("http2_protocol_options").is_some()
+}
+
+/// Warns when the filter calls the gateway by gRPC through a static cluster
+/// that speaks HTTP/1.1 only. A cluster not among the static ones (Istio's,
+/// from CDS) is not checked.
+fn check_transport(doc: &Value, listener: &str, hcm: &Value, report: &mut Report) {
+    let filters = hcm.get("http_filters").and_then(Value::as_array);
+    let Some(ours) = filters.into_iter().flatten().find(|f| is_ours(f)) else {
+        return;
+    };
+    let Some(global) = plugin_config(ours).and_then(|c| c.global) else {
+        return;
+    };
+    if global.transport != ratelimit_config::Transport::Grpc {
+        return;
+    }
+    let clusters = doc
+        .pointer("/static_resources/clusters")
+        .and_then(Value::as_array);
+    let named = clusters
+        .into_iter()
+        .flatten()
+        .find(|c| c.get("name").and_then(Value::as_str) == Some(global.cluster.as_str()));
+    if named.is_some_and(|c| !speaks_http2(c)) {
+        report.warnings.push(format!(
+            "{listener}: global.transport is grpc, but cluster \"{}\" speaks HTTP/1.1 only, \
+             so every callout fails and each check takes its failure mode; give the cluster \
+             explicit_http_config: {{ http2_protocol_options: {{}} }} and point it at the \
+             gateway's --grpc-listen",
+            global.cluster
         ));
     }
 }
@@ -476,5 +530,41 @@ mod tests {
             r.warnings[0].contains("(entry 2 from the right, as xff_num_trusted_hops is 1)"),
             "{r:?}"
         );
+    }
+
+    #[test]
+    fn a_grpc_transport_over_an_http1_cluster_is_a_warning() {
+        let plugin = |transport: &str| {
+            json!({ "domain": "d", "global": { "cluster": "gw", "transport": transport },
+                    "rules": [ { "name": "g", "scope": "global", "key": ["path"],
+                                 "limits": [ { "requests": 10, "per": "1m" } ] } ] })
+        };
+        let http1 = json!({ "name": "gw", "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "explicit_http_config": { "http_protocol_options": {} } } } });
+        let http2 = json!({ "name": "gw", "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "explicit_http_config": { "http2_protocol_options": {} } } } });
+        let with_cluster = |transport: &str, cluster: &Value| {
+            let mut doc = with_config(plugin(transport), vec![]);
+            doc["static_resources"]["clusters"] = json!([cluster]);
+            doc
+        };
+        let r = check(&with_cluster("grpc", &http1));
+        assert_eq!(r.warnings.len(), 1, "{r:?}");
+        assert!(
+            r.warnings[0]
+                .contains("global.transport is grpc, but cluster \"gw\" speaks HTTP/1.1 only"),
+            "{r:?}"
+        );
+        // HTTP/2, HTTP/1.1 with the http transport, or a cluster not in the
+        // bootstrap (from CDS): nothing to say.
+        assert!(check(&with_cluster("grpc", &http2)).warnings.is_empty());
+        assert!(check(&with_cluster("http", &http1)).warnings.is_empty());
+        let elsewhere = json!({ "name": "other" });
+        assert!(check(&with_cluster("grpc", &elsewhere)).warnings.is_empty());
+        // A cluster with no protocol options is HTTP/1.1, Envoy's default.
+        let bare = json!({ "name": "gw" });
+        assert_eq!(check(&with_cluster("grpc", &bare)).warnings.len(), 1);
     }
 }
