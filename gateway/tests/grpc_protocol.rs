@@ -156,17 +156,6 @@ fn decisions(answer: &Value) -> Vec<(bool, u64)> {
         .collect()
 }
 
-/// Every key but the health probe's, with its value.
-fn contents(redis: &Redis) -> String {
-    redis
-        .dump()
-        .unwrap()
-        .lines()
-        .filter(|l| !l.contains("health:"))
-        .map(|l| format!("{}\n", l.split(" expires ").next().unwrap_or(l)))
-        .collect()
-}
-
 /// `text` with every run of 10 or more digits (a time in ms) made `T`.
 fn timeless(text: &str) -> String {
     let mut out = String::new();
@@ -221,7 +210,7 @@ async fn a_batch_over_grpc_answers_and_counts_as_v3_check() {
     // Both clients' buckets written alike (times as `T`): empty, in the live set.
     let bucket = |c: &str| format!("rl:{{g|c={c}}}|three/c={c}|0|token_bucket|3|86400000");
     assert_eq!(
-        timeless(&contents(&redis)),
+        timeless(&redis.contents().unwrap()),
         format!(
             "{} string \"T:0\"\n{} string \"T:0\"\nrl:{{g|live}} zset \"{}\\nT\\n{}\\nT\"\n",
             bucket("ann"),
@@ -402,7 +391,7 @@ async fn refusals_are_the_routes_statuses_and_write_nothing() {
         1
     );
     // Nothing got past a refusal into Redis.
-    assert_eq!(contents(&redis), "");
+    assert_eq!(redis.contents().unwrap(), "");
     gw.stop().await.unwrap();
 }
 

@@ -270,6 +270,17 @@ impl Redis {
         Ok(out)
     }
 
+    /// [`Redis::dump`] without the gateway's health probe keys and without
+    /// expiries (they follow each server's own clock): what the checks wrote.
+    pub fn contents(&self) -> Result<String> {
+        Ok(self
+            .dump()?
+            .lines()
+            .filter(|l| !l.contains("health:"))
+            .map(|l| format!("{}\n", l.split(" expires ").next().unwrap_or(l)))
+            .collect())
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         self.process.as_mut().is_some_and(Process::is_running)

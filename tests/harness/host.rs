@@ -950,30 +950,15 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
         if !(has(":path") && has(":method") && has(":authority")) {
             return Ok(i(BAD_ARGUMENT));
         }
-        let now = inner.clock.get();
-        let h = c.data_mut();
-        let token = h.next_token;
-        h.next_token += 1;
-        let ctx = h.active_ctx();
-        let call = HttpCall {
-            worker: h.worker,
-            token,
-            context_id: ctx,
+        let call = NewCall {
             upstream,
             headers,
             body,
             trailers,
-            timeout_ms: timeout as u32,
-            deadline_ns: (timeout > 0).then(|| now + timeout as u64 * 1_000_000),
-            state: CallState::Pending,
+            timeout,
             grpc: None,
         };
-        h.calls.insert(token, call);
-        if let Some(s) = h.active_stream_mut() {
-            s.calls.push(token);
-        }
-        write_u32(&mut c, token_ptr, token)?;
-        Ok(i(OK))
+        record_call(&mut c, call, token_ptr)
     });
 
     def!(d, ENV, "proxy_grpc_call", |mut c: C<'_>,
@@ -1002,30 +987,15 @@ fn define_env(d: &mut Defs<'_>) -> Result<()> {
                 return Ok(i(PARSE_FAILURE));
             }
         }
-        let now = inner.clock.get();
-        let h = c.data_mut();
-        let token = h.next_token;
-        h.next_token += 1;
-        let ctx = h.active_ctx();
-        let call = HttpCall {
-            worker: h.worker,
-            token,
-            context_id: ctx,
+        let call = NewCall {
             upstream,
             headers: metadata,
             body,
             trailers: Vec::new(),
-            timeout_ms: timeout as u32,
-            deadline_ns: (timeout > 0).then(|| now + timeout as u64 * 1_000_000),
-            state: CallState::Pending,
+            timeout,
             grpc: Some((service, method)),
         };
-        h.calls.insert(token, call);
-        if let Some(s) = h.active_stream_mut() {
-            s.calls.push(token);
-        }
-        write_u32(&mut c, token_ptr, token)?;
-        Ok(i(OK))
+        record_call(&mut c, call, token_ptr)
     });
 
     def!(d, ENV, "proxy_register_shared_queue", |mut c: C<'_>,
@@ -1213,6 +1183,45 @@ fn buffer(c: &C<'_>, ty: i32) -> Option<Vec<u8>> {
         }),
         _ => None,
     }
+}
+
+/// A callout as `proxy_http_call` or `proxy_grpc_call` hands it over.
+struct NewCall {
+    upstream: String,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    trailers: Vec<(String, Vec<u8>)>,
+    timeout: i32,
+    grpc: Option<(String, String)>,
+}
+
+/// Records `call` as pending under a new token, on the context that made
+/// it (and its stream, if any), and writes the token to `token_ptr`.
+fn record_call(c: &mut C<'_>, call: NewCall, token_ptr: i32) -> Result<i32> {
+    let now = c.data().inner().clock.get();
+    let h = c.data_mut();
+    let token = h.next_token;
+    h.next_token += 1;
+    let timeout = call.timeout;
+    let call = HttpCall {
+        worker: h.worker,
+        token,
+        context_id: h.active_ctx(),
+        upstream: call.upstream,
+        headers: call.headers,
+        body: call.body,
+        trailers: call.trailers,
+        timeout_ms: timeout as u32,
+        deadline_ns: (timeout > 0).then(|| now + timeout as u64 * 1_000_000),
+        state: CallState::Pending,
+        grpc: call.grpc,
+    };
+    h.calls.insert(token, call);
+    if let Some(s) = h.active_stream_mut() {
+        s.calls.push(token);
+    }
+    write_u32(c, token_ptr, token)?;
+    Ok(i(OK))
 }
 
 /// `proxy_continue_stream` / `proxy_close_stream`: recorded and applied after the VM call.

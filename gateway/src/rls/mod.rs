@@ -103,6 +103,31 @@ pub async fn serve(
     served
 }
 
+/// The caller a gRPC call's `authorization` metadata names (`None` without
+/// `--auth-tokens`), or `UNAUTHENTICATED`, counted in `auth_failures` by
+/// reason as the HTTP routes count a 401.
+fn authenticate(
+    app: &crate::App,
+    metadata: &tonic::metadata::MetadataMap,
+) -> Result<Option<crate::auth::Caller>, tonic::Status> {
+    let Some(tokens) = &app.tokens else {
+        return Ok(None);
+    };
+    let value = metadata.get("authorization").map(|v| v.as_bytes());
+    match tokens.current().authenticate(value) {
+        Ok(caller) => Ok(Some(caller)),
+        Err(refusal) => {
+            app.metrics
+                .auth_failures
+                .with_label_values(&[refusal.label()])
+                .inc();
+            Err(tonic::Status::unauthenticated(
+                "authorization: a known bearer token is required",
+            ))
+        }
+    }
+}
+
 /// A connection's stream, plain or TLS.
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}

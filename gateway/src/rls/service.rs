@@ -204,25 +204,13 @@ impl Rls {
         request.extensions_mut().insert(InFlight {
             _permit: Arc::new(permit),
         });
-        let Some(tokens) = &self.app.tokens else {
-            return Ok(request);
-        };
-        let value = request
-            .metadata()
-            .get("authorization")
-            .map(|v| v.as_bytes());
-        match tokens.current().authenticate(value) {
-            Ok(caller) => {
+        match super::authenticate(&self.app, request.metadata()) {
+            Ok(Some(caller)) => {
                 request.extensions_mut().insert(caller);
                 Ok(request)
             }
-            Err(refusal) => {
-                self.count_refusal(refusal);
-                Err(self.refuse(
-                    "unauthenticated",
-                    Status::unauthenticated("authorization: a known bearer token is required"),
-                ))
-            }
+            Ok(None) => Ok(request),
+            Err(status) => Err(self.refuse("unauthenticated", status)),
         }
     }
 

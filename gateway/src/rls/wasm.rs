@@ -96,28 +96,9 @@ pub struct Gate {
 
 impl Interceptor for Gate {
     fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
-        let Some(tokens) = &self.app.tokens else {
-            return Ok(request);
-        };
-        let value = request
-            .metadata()
-            .get("authorization")
-            .map(|v| v.as_bytes());
-        match tokens.current().authenticate(value) {
-            // The route authenticates again (and checks the domain); this
-            // only keeps an unknown caller from sending a message at all.
-            Ok(_) => Ok(request),
-            Err(refusal) => {
-                self.app
-                    .metrics
-                    .auth_failures
-                    .with_label_values(&[refusal.label()])
-                    .inc();
-                Err(Status::unauthenticated(
-                    "authorization: a known bearer token is required",
-                ))
-            }
-        }
+        // The route authenticates again (and checks the domain); this only
+        // keeps an unknown caller from sending a message at all.
+        super::authenticate(&self.app, request.metadata()).map(|_| request)
     }
 }
 
