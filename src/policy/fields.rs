@@ -128,6 +128,9 @@ mod tests {
     fn two_spellings_of_one_query_value_are_one_value() {
         assert_eq!(q("api_key=a%62c", "api_key"), q("api_key=abc", "api_key"));
         assert_eq!(q("api%5Fkey=abc", "api_key").as_deref(), Some(&b"abc"[..]));
+        assert_eq!(q("a+b=1", "a b").as_deref(), Some(&b"1"[..]));
+        assert_eq!(q("a%2Bb=1", "a+b").as_deref(), Some(&b"1"[..]));
+        assert_eq!(q("a+b=1", "a+b"), None, "a + in a name is a space");
         assert_eq!(q("k=a+b%20c", "k").as_deref(), Some(&b"a b c"[..]));
         assert_eq!(
             q("a=1&k=first&k=second", "k").as_deref(),

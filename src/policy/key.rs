@@ -501,6 +501,16 @@ mod tests {
         let net =
             |ip: &str, v4, v6| String::from_utf8(ip_network(ip.parse().unwrap(), v4, v6)).unwrap();
         assert_eq!(net("10.1.2.3", 24, 64), "10.1.2.0/24");
+        // Every octet and every prefix length is written as std writes it.
+        for o in 0..=255u8 {
+            let ip = format!("{o}.{o}.{o}.{o}");
+            assert_eq!(net(&ip, 32, 64), format!("{ip}/32"));
+        }
+        for len in 0..=32u8 {
+            let want =
+                std::net::Ipv4Addr::from(u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0));
+            assert_eq!(net("255.255.255.255", len, 64), format!("{want}/{len}"));
+        }
         assert_eq!(net("10.1.2.3", 0, 64), "0.0.0.0/0");
         assert_eq!(net("10.1.2.3", 32, 64), "10.1.2.3/32");
         assert_eq!(net("::ffff:10.1.2.3", 24, 64), "10.1.2.0/24");
