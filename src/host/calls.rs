@@ -368,10 +368,7 @@ pub(super) fn grpc_call_response(grpc_status: u32, size: usize) -> (Option<Vec<u
     let body = if grpc_status != grpc::code::OK || size == 0 {
         Vec::new()
     } else {
-        hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
+        buffer(BufferType::GrpcReceiveBuffer, size)
     };
     (grpc_outcome(grpc_status), body)
 }
@@ -389,10 +386,7 @@ pub(super) fn call_response(num_headers: usize, body_size: usize) -> (Option<Vec
     let body = if body_size == 0 {
         Vec::new()
     } else {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
+        buffer(BufferType::HttpCallResponseBody, body_size)
     };
     (status, body)
 }
@@ -415,10 +409,7 @@ impl crate::decide::ResponseHeaders for HostResponse {
 
 /// The `size` bytes of the request body the host holds (empty when it has none).
 pub fn request_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    buffer(BufferType::HttpRequestBody, size)
 }
 
 /// Replaces the `size` bytes of the request body the host holds with
@@ -436,7 +427,13 @@ pub fn drop_content_length() {
 
 /// The `size` bytes of the response body chunk at hand (empty when the host has none).
 pub fn response_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+    buffer(BufferType::HttpResponseBody, size)
+}
+
+/// The first `size` bytes of the host's buffer `kind`; empty when the host
+/// has none or refused.
+fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(kind, 0, size)
         .ok()
         .flatten()
         .unwrap_or_default()
