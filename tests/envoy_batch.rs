@@ -38,17 +38,7 @@ fn config(domain: &str, limit: u64) -> String {
 
 /// A gateway filed with `policy` on `opts`' Redis, and two Envoys calling it.
 fn rig(opts: GatewayOptions, policy: &str) -> (Gateway, Vec<Envoy>) {
-    // A debug gateway on a busy 2-core machine: Redis may take more than 20 ms.
-    let opts = opts
-        .policy(policy.to_string())
-        .args(&["--redis-timeout-ms", "500"]);
-    let gateway = ok(Gateway::start(opts), "starting ratelimit-gateway");
-    let envoy = EnvoyOptions::new(policy.to_string()).gateway_port(gateway.port());
-    let envoys = ok(
-        Envoy::start_all(&[envoy.clone(), envoy]),
-        "starting two Envoys",
-    );
-    (gateway, envoys)
+    rig_on(opts, policy, None)
 }
 
 /// As [`rig`], with `global.transport: grpc`: the gateway also serves its
@@ -57,14 +47,26 @@ fn rig(opts: GatewayOptions, policy: &str) -> (Gateway, Vec<Envoy>) {
 fn rig_grpc(opts: GatewayOptions, policy: &str) -> (Gateway, Vec<Envoy>) {
     let mut policy: Value = serde_json::from_str(policy).unwrap();
     policy["global"]["transport"] = json!("grpc");
-    let policy = policy.to_string();
     let grpc = ok(testkit::free_port().map_err(Into::into), "picking a port");
-    let opts = opts
-        .policy(policy.clone())
-        .args(&["--redis-timeout-ms", "500"])
-        .args(&["--grpc-listen", &format!("127.0.0.1:{grpc}")]);
+    rig_on(opts, &policy.to_string(), Some(grpc))
+}
+
+/// [`rig`]'s gateway and Envoys; with `grpc`, the gateway also listens for
+/// gRPC on that port, and the Envoys call it there over HTTP/2.
+fn rig_on(opts: GatewayOptions, policy: &str, grpc: Option<u16>) -> (Gateway, Vec<Envoy>) {
+    // A debug gateway on a busy 2-core machine: Redis may take more than 20 ms.
+    let mut opts = opts
+        .policy(policy.to_string())
+        .args(&["--redis-timeout-ms", "500"]);
+    if let Some(port) = grpc {
+        opts = opts.args(&["--grpc-listen", &format!("127.0.0.1:{port}")]);
+    }
     let gateway = ok(Gateway::start(opts), "starting ratelimit-gateway");
-    let envoy = EnvoyOptions::new(policy).gateway_port(grpc).gateway_http2();
+    let envoy = EnvoyOptions::new(policy.to_string());
+    let envoy = match grpc {
+        Some(port) => envoy.gateway_port(port).gateway_http2(),
+        None => envoy.gateway_port(gateway.port()),
+    };
     let envoys = ok(
         Envoy::start_all(&[envoy.clone(), envoy]),
         "starting two Envoys",
